@@ -241,6 +241,19 @@ class Family:
     def suff_stats(x) -> np.ndarray:
         raise NotImplementedError
 
+    def log_kernel(self, stats) -> np.ndarray:
+        """log m(x) up to a per-message constant, for a flat batch (B,) at points given by their
+        sufficient statistics ``stats`` (N, k): the (B, N) matrix η · u (one matrix product)."""
+        eta = self.natural().reshape(-1, self.n_stats)
+        if np.all(np.isfinite(eta)):
+            return eta @ np.asarray(stats, float).T
+        out = np.zeros((eta.shape[0], len(stats)))
+        for k in range(self.n_stats):
+            with np.errstate(invalid="ignore"):
+                term = eta[:, k, None] * stats[None, :, k]
+            out += np.where(stats[None, :, k] == 0, 0.0, term)  # 0 · ±inf = 0
+        return out
+
     def expected_suff_stats(self) -> np.ndarray:
         raise NotImplementedError
 
@@ -393,6 +406,41 @@ class Gaussian(Family):
 
 
 # ====================================================================== Beta
+_ASYMPTOTIC = 1e4  # above this argument the digamma differences use the asymptotic series
+
+
+def _digamma_diff(x, y):
+    """ψ(x) − ψ(x + y) for y > 0, without cancellation when x ≫ y (series for x ≥ 1e4)."""
+    x, y = np.broadcast_arrays(np.asarray(x, float), np.asarray(y, float))
+    big = x >= _ASYMPTOTIC
+    xs = np.where(big, x, _ASYMPTOTIC)  # evaluate the series only where it is valid
+    xy = xs + y
+    # ψ(x) ~ log x − 1/(2x) − 1/(12x²) + 1/(120x⁴), differences formed term by term
+    series = (
+        -np.log1p(y / xs)
+        - y / (2.0 * xs * xy)
+        - y * (2.0 * xs + y) / (12.0 * xs**2 * xy**2)
+        + (1.0 / xs**4 - 1.0 / xy**4) / 120.0
+    )
+    return np.where(big, series, special.digamma(x) - special.digamma(x + y))
+
+
+def _trigamma_diff(x, y):
+    """ψ'(x) − ψ'(x + y) for y > 0, without cancellation when x ≫ y."""
+    x, y = np.broadcast_arrays(np.asarray(x, float), np.asarray(y, float))
+    big = x >= _ASYMPTOTIC
+    xs = np.where(big, x, _ASYMPTOTIC)
+    xy = xs + y
+    # ψ'(x) ~ 1/x + 1/(2x²) + 1/(6x³) − 1/(30x⁵)
+    series = (
+        y / (xs * xy)
+        + y * (2.0 * xs + y) / (2.0 * xs**2 * xy**2)
+        + (1.0 / xs**3 - 1.0 / xy**3) / 6.0
+        - (1.0 / xs**5 - 1.0 / xy**5) / 30.0
+    )
+    return np.where(big, series, special.polygamma(1, x) - special.polygamma(1, x + y))
+
+
 class Beta(Family):
     """Beta(x; alpha, beta) on (0, 1); natural parameters (alpha-1, beta-1) on (log x, log(1-x))."""
 
@@ -430,8 +478,8 @@ class Beta(Family):
 
     def expected_suff_stats(self):
         self._require_proper("expected_suff_stats")
-        dab = special.digamma(self._alpha + self._beta)
-        return np.stack([special.digamma(self._alpha) - dab, special.digamma(self._beta) - dab], axis=-1)
+        a, b = self._alpha, self._beta
+        return np.stack([_digamma_diff(a, b), _digamma_diff(b, a)], axis=-1)
 
     @classmethod
     def project(cls, ess, method: str = "kl", tol: float = 1e-12, max_iter: int = 100):
@@ -448,29 +496,29 @@ class Beta(Family):
         s = _check_ess(cls, ess)
         s1, s2 = s[..., 0], s[..., 1]
         g1, g2 = np.exp(s1), np.exp(s2)
-        denom = 1.0 - g1 - g2
+        # 1 − g1 − g2 without cancellation when one of the statistics is ≈ 0
+        denom = np.where(s2 > s1, -np.expm1(s2) - g1, -np.expm1(s1) - g2)
         if np.any(~(denom > 0)) or np.any(s1 >= 0) or np.any(s2 >= 0):
             raise ValueError(
                 "Beta.project: `ess` is not attainable by a Beta (need exp(E log x) + exp(E log(1-x)) < 1)"
             )
-        a = np.maximum(0.5 * (1.0 - g2) / denom, 1e-8)
-        b = np.maximum(0.5 * (1.0 - g1) / denom, 1e-8)
+        a = np.maximum(-0.5 * np.expm1(s2) / denom, 1e-8)
+        b = np.maximum(-0.5 * np.expm1(s1) / denom, 1e-8)
         la, lb = np.log(a), np.log(b)
 
         def resid(la, lb):
             a, b = np.exp(la), np.exp(lb)
-            dab = special.digamma(a + b)
-            return special.digamma(a) - dab - s1, special.digamma(b) - dab - s2
+            return _digamma_diff(a, b) - s1, _digamma_diff(b, a) - s2
 
         r1, r2 = resid(la, lb)
         active = np.ones(np.shape(la), dtype=bool)
         for _ in range(max_iter):
             a, b = np.exp(la), np.exp(lb)
             tab = special.polygamma(1, a + b)
-            j11 = (special.polygamma(1, a) - tab) * a
+            j11 = _trigamma_diff(a, b) * a
             j12 = -tab * b
             j21 = -tab * a
-            j22 = (special.polygamma(1, b) - tab) * b
+            j22 = _trigamma_diff(b, a) * b
             det = j11 * j22 - j12 * j21
             d1 = (j22 * r1 - j12 * r2) / det
             d2 = (-j21 * r1 + j11 * r2) / det
@@ -721,10 +769,20 @@ class Bernoulli(Family):
     def expected_suff_stats(self):
         return self._p[..., None]
 
+    def log_kernel(self, stats):
+        # log p · u + log(1 − p) · (1 − u): finite for observations (p = 0 or 1), unlike logit p
+        p = self._p.reshape(-1, 1)
+        u = np.asarray(stats, float)[None, :, 0]
+        with np.errstate(divide="ignore"):
+            return np.where(u > 0, np.log(p), np.log1p(-p))
+
     @classmethod
     def project(cls, ess):
         s = _check_ess(cls, ess)
-        return cls(s[..., 0])
+        p = s[..., 0]
+        if np.any((p < -1e-12) | (p > 1 + 1e-12)):
+            raise ValueError("Bernoulli.project: `ess` must lie in [0, 1]")
+        return cls(np.clip(p, 0.0, 1.0))  # clip only round-off of a weighted average
 
     def to_coords(self):
         return special.logit(self._p)[..., None]

@@ -1,0 +1,240 @@
+"""Training sets of (incoming messages, projected belief) pairs, made by an oracle.
+
+Generation is embarrassingly parallel: the incoming messages are cut into chunks and each
+chunk goes to the oracle through :class:`joblib.Parallel`, so ``joblib.parallel_config(
+backend=...)`` can hand the work to a cluster.  Each chunk's importance-sampling oracle gets
+its own child of one ``SeedSequence``, so the result depends on the seed and the chunk size,
+never on ``n_jobs`` or the backend.
+
+A training set is saved as a plain ``.npz`` (numbers and one JSON string; loaded with
+``allow_pickle=False``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+from joblib import Parallel, delayed
+
+from . import __version__
+from .factors import Factor, get_factor
+from .families import Family, family_by_name, FAMILIES
+from .oracles import ImportanceSamplingOracle, OracleError
+
+__all__ = ["TrainingSet", "make_training_set", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
+
+
+@dataclass
+class TrainingSet:
+    """Pairs of incoming messages (a dict of batches of length n) and beliefs (length n)."""
+
+    factor: str
+    to: str
+    incoming: dict[str, Family]
+    beliefs: Family
+    factor_params: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.beliefs)
+        for v, m in self.incoming.items():
+            if m.shape != (n,):
+                raise ValueError(f"`incoming[{v!r}]` has shape {m.shape}, expected ({n},) like `beliefs`")
+
+    def __len__(self):
+        return len(self.beliefs)
+
+    def subset(self, index) -> "TrainingSet":
+        return TrainingSet(
+            self.factor, self.to, {v: m[index] for v, m in self.incoming.items()},
+            self.beliefs[index], dict(self.factor_params), dict(self.meta),
+        )
+
+    def split(self, n_first: int, random_state=None):
+        """Random split into ``n_first`` and the rest."""
+        if not 0 < n_first < len(self):
+            raise ValueError(f"`n_first` must lie in (0, {len(self)}), got {n_first}")
+        perm = np.random.default_rng(random_state).permutation(len(self))
+        return self.subset(perm[:n_first]), self.subset(perm[n_first:])
+
+    @classmethod
+    def concatenate(cls, sets) -> "TrainingSet":
+        sets = list(sets)
+        first = sets[0]
+        for s in sets[1:]:
+            if (s.factor, s.to, s.factor_params) != (first.factor, first.to, first.factor_params):
+                raise ValueError("cannot concatenate training sets of different factors or directions")
+        return cls(
+            first.factor, first.to,
+            {v: type(m).concatenate([s.incoming[v] for s in sets]) for v, m in first.incoming.items()},
+            type(first.beliefs).concatenate([s.beliefs for s in sets]),
+            dict(first.factor_params), {"n_sets": len(sets)},
+        )
+
+    # ------------------------------------------------------------------ npz I/O
+    def save(self, path) -> None:
+        arrays = {}
+        header = {
+            "format": "kjit-training-set", "format_version": FORMAT_VERSION, "kjit_version": __version__,
+            "factor": self.factor, "factor_params": self.factor_params, "to": self.to, "meta": self.meta,
+            "incoming": {v: _FAMILY_NAMES[type(m)] for v, m in self.incoming.items()},
+            "belief": _FAMILY_NAMES[type(self.beliefs)],
+        }
+        for v, m in self.incoming.items():
+            for name, p in zip(m.param_names, m.params):
+                arrays[f"incoming.{v}.{name}"] = p
+        for name, p in zip(self.beliefs.param_names, self.beliefs.params):
+            arrays[f"belief.{name}"] = p
+        arrays["header"] = np.array(json.dumps(header))
+        with open(path, "wb") as fh:
+            np.savez_compressed(fh, **arrays)
+
+    @classmethod
+    def load(cls, path) -> "TrainingSet":
+        with np.load(path, allow_pickle=False) as z:
+            if "header" not in z.files:
+                raise ValueError(f"{path}: not a kjit training set (no header)")
+            header = json.loads(str(z["header"]))
+            if header.get("format") != "kjit-training-set":
+                raise ValueError(f"{path}: not a kjit training set")
+            if header.get("format_version") != FORMAT_VERSION:
+                raise ValueError(
+                    f"{path}: training-set format version {header.get('format_version')!r} is not "
+                    f"supported (this kjit reads version {FORMAT_VERSION})"
+                )
+            incoming = {}
+            for v, fam_name in header["incoming"].items():
+                fam = family_by_name(fam_name)
+                incoming[v] = fam(*(z[f"incoming.{v}.{p}"] for p in fam.param_names))
+            bfam = family_by_name(header["belief"])
+            beliefs = bfam(*(z[f"belief.{p}"] for p in bfam.param_names))
+        return cls(header["factor"], header["to"], incoming, beliefs, header["factor_params"], header["meta"])
+
+
+def _oracle_chunk(oracle, incoming: Mapping[str, Family], to: str, drop_failures: bool):
+    """Beliefs for one chunk and a mask of the rows the oracle could answer."""
+    n = len(next(iter(incoming.values())))
+    fam = oracle.factor.families[to]
+    if isinstance(oracle, ImportanceSamplingOracle):
+        stats, ess = oracle.estimate(incoming, to)
+        ok = ess >= oracle.min_ess
+        if fam.__name__ == "Gaussian":
+            ok &= stats[:, 1] > 0
+        if not drop_failures and not ok.all():
+            raise OracleError(f"importance sampling failed on {int((~ok).sum())} message(s) (low ESS)")
+        stats = stats[ok]
+        if fam.__name__ == "Gaussian":
+            beliefs = fam(stats[:, 0], stats[:, 1])
+        else:
+            beliefs = fam.project(stats)
+        return beliefs, ok
+    try:
+        return oracle.belief(incoming, to), np.ones(n, dtype=bool)
+    except OracleError:
+        if not drop_failures:
+            raise
+    # find the failing rows one by one (rare)
+    parts, ok = [], np.zeros(n, dtype=bool)
+    for i in range(n):
+        try:
+            parts.append(oracle.belief({v: m[i:i + 1] for v, m in incoming.items()}, to))
+            ok[i] = True
+        except OracleError:
+            pass
+    if not parts:
+        return None, ok
+    return fam.concatenate(parts), ok
+
+
+def make_training_set(
+    factor: Factor | str,
+    to: str,
+    incoming: Mapping[str, Family] | Callable[[int, np.random.Generator], Mapping[str, Family]],
+    oracle,
+    n: int | None = None,
+    n_jobs: int = 1,
+    chunk_size: int = 256,
+    random_state=None,
+    progress: bool = False,
+    drop_failures: bool = True,
+) -> TrainingSet:
+    """Run ``oracle`` on incoming messages and keep (incoming, belief) pairs.
+
+    Parameters
+    ----------
+    factor : Factor or registered name.
+    to : recipient variable.
+    incoming : recorded messages (dict of batches of one length), or a sampler
+        ``incoming(n, rng) -> dict`` of message batches (then ``n`` is required).
+    oracle : an oracle for ``factor`` (QuadratureOracle or ImportanceSamplingOracle).
+    n_jobs, chunk_size : joblib parallelism; the result does not depend on ``n_jobs``.
+    random_state : seeds the incoming sampler and each chunk's importance sampler.
+    progress : show a tqdm progress bar.
+    drop_failures : drop messages the oracle cannot answer (low ESS) and count them in
+        ``meta["n_failed"]``; otherwise raise :class:`~kjit.oracles.OracleError`.
+    """
+    if isinstance(factor, str):
+        factor = get_factor(factor)
+    factor.check_to(to)
+    if oracle.factor is not factor and type(oracle.factor) is not type(factor):
+        raise ValueError("`oracle` was built for a different factor")
+    if int(chunk_size) < 1:
+        raise ValueError("`chunk_size` must be >= 1")
+    if isinstance(random_state, np.random.SeedSequence):
+        seed = random_state
+    elif isinstance(random_state, np.random.Generator):
+        seed = np.random.SeedSequence(int(random_state.integers(2**63)))
+    else:
+        seed = np.random.SeedSequence(random_state)
+    sampler_seed, oracle_seed = seed.spawn(2)
+    if callable(incoming):
+        if n is None or int(n) < 1:
+            raise ValueError("`n` (a positive count) is required when `incoming` is a sampler")
+        incoming = incoming(int(n), np.random.default_rng(sampler_seed))
+    incoming, shape = factor.check_incoming(incoming, to)
+    if len(shape) != 1:
+        raise ValueError(f"`incoming` must be 1-D batches, got batch shape {shape}")
+    total = shape[0]
+    if n is not None and int(n) != total:
+        if int(n) > total:
+            raise ValueError(f"`n`={n} exceeds the {total} recorded messages")
+        incoming = {v: m[: int(n)] for v, m in incoming.items()}
+        total = int(n)
+    starts = list(range(0, total, int(chunk_size)))
+    child_seeds = oracle_seed.spawn(len(starts))
+
+    def job(i, s):
+        part = {v: m[s: s + chunk_size] for v, m in incoming.items()}
+        o = oracle.with_random_state(child_seeds[i]) if hasattr(oracle, "with_random_state") else oracle
+        return _oracle_chunk(o, part, to, drop_failures)
+
+    tasks = (delayed(job)(i, s) for i, s in enumerate(starts))
+    results = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
+    if progress:
+        from tqdm.auto import tqdm
+
+        results = tqdm(results, total=len(starts), desc=f"oracle {factor.name}→{to}", unit="chunk")
+    beliefs, oks = [], []
+    for b, ok in results:
+        oks.append(ok)
+        if b is not None:
+            beliefs.append(b)
+    ok = np.concatenate(oks)
+    if not beliefs:
+        raise OracleError("the oracle failed on every message")
+    fam = factor.families[to]
+    meta = {
+        "n_requested": int(total), "n_failed": int((~ok).sum()), "oracle": repr(oracle),
+        "chunk_size": int(chunk_size),
+    }
+    keep = np.flatnonzero(ok)
+    return TrainingSet(
+        factor.name, to, {v: m[keep] for v, m in incoming.items()}, fam.concatenate(beliefs),
+        factor.params(), meta,
+    )
