@@ -33,12 +33,13 @@ Preprocessing done by :func:`load` (nothing else is changed):
 * spam: every feature is replaced by ``log(1 + x)`` (all are non-negative word/character
   frequencies and capital-run lengths, heavily right-skewed; the capital-run lengths reach 15841);
 * pima: zeros that stand for missing values (glucose 5, blood pressure 35, skin thickness 227,
-  insulin 374, BMI 11 rows) are **kept as zeros**, no rows are removed (all 768 are kept; the
-  532 rows with non-zero glucose, blood pressure, skin thickness and BMI are the "Pima" data set
-  of Ripley and of the relaxed-EP paper).  Zeros in ``pregnancies`` are genuine;
+  insulin 374, BMI 11 rows) are **kept as zeros**, no rows are removed (all 768 are kept).  The
+  532 rows with non-zero glucose, blood pressure, skin thickness and BMI match the size of
+  Ripley's complete-case Pima set, which is what the relaxed-EP paper's "Pima" (319 + 213)
+  appears to be.  Zeros in ``pregnancies`` are genuine;
 * heart: categorical codes (chest pain type, resting ECG, slope, thal) are kept as numbers;
 * blood_transfusion: ``monetary_cc_blood`` is exactly 250 x ``frequency_times`` (collinear
-  but not constant, so kept -- the KJIT paper uses d = 4).
+  but not constant, so kept: d = 4).
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ PAPER_TRAIN_SIZES: dict[str, int] = {
     #  samples 20 times."  (81 + 189 = 270 = all of heart.dat)
     "heart": 81,
     # Same line: "For the Pima dataset, we randomly split it into 319 training and 213 test
-    # samples" -- but 319 + 213 = 532 is Ripley's complete-case Pima subset, not our 768-row
-    # file.  Our file is the UCI Pima Indians Diabetes data, i.e. the paper's "Diabetes" set:
+    # samples" -- but 319 + 213 = 532, the number of complete cases (non-zero glucose, blood
+    # pressure, skin thickness, BMI) in our file, i.e. Ripley's Pima subset, not our 768 rows.
+    # Our file is the UCI Pima Indians Diabetes data, i.e. the paper's "Diabetes" set:
     # "Rättsch et al. [2001] split the UCI Diabetes dataset into two groups (468 training and
     # 300 test samples) for 100 times." (468 + 300 = 768).  We use that split.  (Applying the
     # Pima fraction 319/532 = 0.5996 to 768 rows would give 461; the two differ by 1%.)
@@ -208,7 +210,7 @@ _FORMAT: dict[str, tuple[str | None, int, dict[str, int]]] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Dataset:
     """A binary classification data set.
 
@@ -223,6 +225,9 @@ class Dataset:
         ``(n,)`` int64 labels in ``{0, 1}``; see :data:`POSITIVE_CLASS` for what 1 means.
     feature_names:
         ``d`` column names, in the order of the columns of ``X``.
+
+    Frozen (fields cannot be reassigned); ``eq=False`` because array fields make a generated
+    ``__eq__``/``__hash__`` raise, so instances compare by identity.
     """
 
     name: str
@@ -241,7 +246,7 @@ class Dataset:
         return int(self.X.shape[1])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Split:
     """A train/test split, optionally standardised with training-set statistics.
 
@@ -257,6 +262,8 @@ class Split:
         constant in the training part gets ``scale = 1``.  Without standardisation ``mean`` is
         all zeros and ``scale`` all ones, so the formula is the identity either way.
         ``d' = d + 1`` when a bias column was appended; ``mean``/``scale`` never include it.
+
+    Frozen, compared by identity (``eq=False``), like :class:`Dataset`.
     """
 
     X_train: np.ndarray

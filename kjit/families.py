@@ -97,6 +97,19 @@ class Family:
         for name, a in zip(self.param_names, arrays):
             a.flags.writeable = False
             object.__setattr__(self, "_" + name, a)
+        self._extras = None
+
+    # Some families keep extra arrays that the standard parameters cannot carry for improper
+    # messages (a zero-precision Gaussian has no finite mean but a finite mean·precision).
+    def _with(self, params, extras):
+        obj = type(self)._unchecked(*params)
+        if extras is not None:
+            obj._extras = tuple(extras)
+        return obj
+
+    def _map(self, fn):
+        ex = self._extras
+        return self._with([fn(p) for p in self.params], None if ex is None else [fn(e) for e in ex])
 
     def _check(self, *arrays) -> None:  # pragma: no cover - overridden
         pass
@@ -137,20 +150,20 @@ class Family:
         return self.shape[0]
 
     def __getitem__(self, index):
-        return type(self)._unchecked(*(p[index] for p in self.params))
+        return self._map(lambda p: p[index])
 
     def __iter__(self):
         for i in range(len(self)):
             yield self[i]
 
     def reshape(self, *shape):
-        return type(self)._unchecked(*(p.reshape(*shape) for p in self.params))
+        return self._map(lambda p: p.reshape(*shape))
 
     def ravel(self):
         return self.reshape(-1)
 
     def broadcast_to(self, shape):
-        return type(self)._unchecked(*(np.broadcast_to(p, shape) for p in self.params))
+        return self._map(lambda p: np.broadcast_to(p, shape))
 
     @classmethod
     def concatenate(cls, messages, axis: int = 0):
@@ -163,6 +176,10 @@ class Family:
                     f"concatenate: all messages must be {cls.__name__}, got {type(m).__name__}"
                 )
         kind = type(messages[0])
+        if any(m._extras is not None for m in messages):
+            return kind.from_natural(
+                np.concatenate([np.atleast_1d(m.natural()) if m.ndim else m.natural()[None] for m in messages], axis=axis)
+            )
         params = [
             np.concatenate([np.atleast_1d(m.params[j]) for m in messages], axis=axis)
             for j in range(len(kind.param_names))
@@ -339,6 +356,8 @@ class Gaussian(Family):
         return np.isfinite(self._var) & (self._var > 0) & np.isfinite(self._mean)
 
     def natural(self):
+        if self._extras is not None:  # built from natural parameters: exact even at precision 0
+            return np.stack(self._extras, axis=-1)
         prec = 1.0 / self._var
         return np.stack([self._mean * prec, -0.5 * prec], axis=-1)
 
@@ -349,7 +368,12 @@ class Gaussian(Family):
         with np.errstate(divide="ignore", invalid="ignore"):
             var = 1.0 / prec
             mean = eta[..., 0] * var
-        return cls._unchecked(mean, var)
+        obj = cls._unchecked(mean, var)
+        e1, e2 = np.array(eta[..., 0]), np.array(eta[..., 1])
+        e1.flags.writeable = False
+        e2.flags.writeable = False
+        obj._extras = (e1, e2)
+        return obj
 
     @classmethod
     def from_mean_precision(cls, mean, precision):
@@ -502,18 +526,24 @@ class Beta(Family):
             raise ValueError(
                 "Beta.project: `ess` is not attainable by a Beta (need exp(E log x) + exp(E log(1-x)) < 1)"
             )
+        shape = s1.shape
         a = np.maximum(-0.5 * np.expm1(s2) / denom, 1e-8)
         b = np.maximum(-0.5 * np.expm1(s1) / denom, 1e-8)
         la, lb = np.log(a), np.log(b)
 
-        def resid(la, lb):
-            a, b = np.exp(la), np.exp(lb)
-            return _digamma_diff(a, b) - s1, _digamma_diff(b, a) - s2
+        la, lb, s1, s2 = la.ravel(), lb.ravel(), s1.ravel(), s2.ravel()
 
-        r1, r2 = resid(la, lb)
-        active = np.ones(np.shape(la), dtype=bool)
-        for _ in range(max_iter):
+        def resid(la, lb, idx):
             a, b = np.exp(la), np.exp(lb)
+            return _digamma_diff(a, b) - s1[idx], _digamma_diff(b, a) - s2[idx]
+
+        idx = np.arange(la.size)  # elements still iterating (converged ones drop out)
+        for _ in range(max_iter):
+            if idx.size == 0:
+                break
+            xa, xb = la[idx], lb[idx]
+            r1, r2 = resid(xa, xb, idx)
+            a, b = np.exp(xa), np.exp(xb)
             tab = special.polygamma(1, a + b)
             j11 = _trigamma_diff(a, b) * a
             j12 = -tab * b
@@ -527,22 +557,18 @@ class Beta(Family):
                 scale = np.minimum(1.0, 2.0 / np.maximum(np.abs(d1), np.abs(d2)))
             d1, d2 = d1 * scale, d2 * scale
             old = r1**2 + r2**2
-            step = np.ones_like(la)
+            step = np.ones_like(xa)
             for _h in range(30):
-                nla, nlb = la - step * d1, lb - step * d2
-                n1, n2 = resid(nla, nlb)
-                worse = ~(n1**2 + n2**2 <= old) & active
+                nla, nlb = xa - step * d1, xb - step * d2
+                n1, n2 = resid(nla, nlb, idx)
+                worse = ~(n1**2 + n2**2 <= old)
                 if not worse.any():
                     break
                 step = np.where(worse, step * 0.5, step)
-            nla = np.where(active, nla, la)
-            nlb = np.where(active, nlb, lb)
-            change = np.maximum(np.abs(nla - la), np.abs(nlb - lb))
-            la, lb = nla, nlb
-            r1, r2 = resid(la, lb)
-            active = active & (change > tol)
-            if not active.any():
-                break
+            change = np.maximum(np.abs(nla - xa), np.abs(nlb - xb))
+            la[idx], lb[idx] = nla, nlb
+            idx = idx[change > tol]
+        la, lb = la.reshape(shape), lb.reshape(shape)
         return cls(np.exp(la), np.exp(lb))
 
     @classmethod
@@ -751,7 +777,7 @@ class Bernoulli(Family):
 
     @property
     def is_proper(self):
-        return (self._p >= 0) & (self._p <= 1)
+        return (self._p >= 0) & (self._p <= 1)  # False for NaN
 
     def natural(self):
         with np.errstate(divide="ignore"):
@@ -793,6 +819,7 @@ class Bernoulli(Family):
         return cls(special.expit(c[..., 0]))
 
     def log_pdf(self, y):
+        self._require_proper("log_pdf")
         y = np.asarray(y, dtype=float)
         with np.errstate(divide="ignore"):
             return np.where(y > 0, np.log(self._p), np.log1p(-self._p))
@@ -805,11 +832,14 @@ class Bernoulli(Family):
 
     def kl(self, other):
         self._same_family(other, "compare")
+        self._require_proper("kl")
+        other._require_proper("kl")
         p, q = self._p, other._p
         with np.errstate(divide="ignore", invalid="ignore"):
             return special.xlogy(p, p) - special.xlogy(p, q) + special.xlog1py(1 - p, -p) - special.xlog1py(1 - p, -q)
 
     def sample(self, n, random_state=None):
+        self._require_proper("sample")
         rng = _rng(random_state)
         return np.where(rng.random((int(n),) + self.shape) < self._p, 1.0, -1.0)
 
