@@ -1,0 +1,523 @@
+"""Learned message operators (SPEC §4–6).
+
+:class:`KernelOperator` maps the incoming messages of a factor to the projected belief on
+one recipient variable: two-stage random features ψ of the tuple of incoming messages
+(:mod:`kjit.features`), then Bayesian linear regression (:mod:`kjit.blr`) on the
+recipient family's unconstrained regression coordinates (Gaussian: mean, log var; Beta:
+log α, log β; Gamma: log shape, log rate).
+
+Targets are standardised per coordinate (centred, divided by their training standard
+deviation) so that one prior and one noise variance serve every coordinate and all
+coordinates share one posterior covariance: a prediction with uncertainty costs one
+``ψ Σ ψᵀ`` form, whatever the number of outputs.  The predictive variance reported by
+:meth:`KernelOperator.uncertainty` is in the original coordinate units:
+``sd_k² (ψᵀΣψ + σ_y²)``, and its log is what the just-in-time threshold is applied to.
+
+Hyperparameters — the outer kernel width factor, the prior variance σ₀² and the noise
+variance σ_y² — are chosen by the log marginal likelihood summed over coordinates, on a
+grid; the prior/noise grid costs one eigendecomposition per width factor.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .blr import BayesianLinearRegression
+from .factors import Factor, get_factor
+from .families import Family
+from .features import TwoStageFeatures
+from .training import TrainingSet
+
+__all__ = ["KernelOperator"]
+
+DEFAULT_INNER_FACTORS = (0.25, 1.0, 4.0)
+DEFAULT_WIDTH_FACTORS = (1 / 32, 1 / 16, 1 / 8, 0.25, 0.5, 1.0, 2.0)
+DEFAULT_PRIOR_VARS = (0.1, 1.0, 10.0, 100.0, 1e3, 1e4)
+DEFAULT_NOISE_VARS = tuple(10.0 ** np.arange(-8.0, -0.5, 1.0))
+SEARCH_SIZE = 2000  # pairs used for the hyperparameter search (the final fit uses all)
+
+
+class KernelOperator:
+    """Kernel-based message operator for one (factor, recipient) direction.
+
+    Parameters
+    ----------
+    factor : Factor or registered name.
+    to : recipient variable.
+    n_inner, n_outer : D_in and D_out of the two-stage random features.
+    treatment : "gaussian" (moment-matched inner embedding, as the paper's code) or "exact".
+    width_factors, prior_vars, noise_vars : grids searched by marginal likelihood; a
+        single value fixes that hyperparameter.
+    random_state : seeds the random features.
+    dtype : float64 or float32 for the prediction hot path.
+    """
+
+    def __init__(
+        self,
+        factor: Factor | str,
+        to: str,
+        n_inner: int = 500,
+        n_outer: int = 1000,
+        treatment: str = "gaussian",
+        inner_factors: Sequence[float] = DEFAULT_INNER_FACTORS,
+        width_factors: Sequence[float] = DEFAULT_WIDTH_FACTORS,
+        prior_vars: Sequence[float] = DEFAULT_PRIOR_VARS,
+        noise_vars: Sequence[float] = DEFAULT_NOISE_VARS,
+        random_state=None,
+        dtype=np.float64,
+    ):
+        self.factor = get_factor(factor) if isinstance(factor, str) else factor
+        self.to = self.factor.check_to(to)
+        self.n_inner = int(n_inner)
+        self.n_outer = int(n_outer)
+        self.treatment = treatment
+        self.inner_factors = tuple(np.atleast_1d(np.asarray(inner_factors, float)))
+        self.width_factors = tuple(np.atleast_1d(np.asarray(width_factors, float)))
+        self.prior_vars = tuple(np.atleast_1d(np.asarray(prior_vars, float)))
+        self.noise_vars = tuple(np.atleast_1d(np.asarray(noise_vars, float)))
+        for name in ("inner_factors", "width_factors", "prior_vars", "noise_vars"):
+            vals = np.asarray(getattr(self, name))
+            if vals.size == 0 or np.any(~(vals > 0)) or np.any(~np.isfinite(vals)):
+                raise ValueError(f"`{name}` must be a non-empty list of positive numbers")
+        self.random_state = random_state
+        self.dtype = np.dtype(dtype)
+        self.family = self.factor.families[self.to]
+
+    def __repr__(self):
+        return (f"KernelOperator({self.factor!r}, to={self.to!r}, n_inner={self.n_inner}, "
+                f"n_outer={self.n_outer}, treatment={self.treatment!r})")
+
+    # ------------------------------------------------------------------ helpers
+    def _messages(self, incoming: Mapping[str, Family]):
+        inc, shape = self.factor.check_incoming(incoming, self.to)
+        return tuple(inc[v].ravel() for v in self.factor.variables), shape, inc
+
+    def _check_fitted(self):
+        if not hasattr(self, "blr_"):
+            raise ValueError("this KernelOperator is not fitted yet: call fit() first")
+
+    @property
+    def n_train_(self) -> int:
+        self._check_fitted()
+        return int(self.blr_.n_)
+
+    # ------------------------------------------------------------------ fitting
+    def fit(self, data: TrainingSet | tuple, beliefs: Family | None = None) -> "KernelOperator":
+        """Fit on a :class:`TrainingSet` (or ``incoming`` dict and ``beliefs``)."""
+        incoming, beliefs = self._unpack(data, beliefs)
+        messages, shape, _ = self._messages(incoming)
+        if len(shape) != 1 or shape[0] < 2:
+            raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
+        Y = self._targets(beliefs, shape[0])
+        t0 = time.perf_counter()
+        n = shape[0]
+        self.y_mean_ = Y.mean(axis=0)
+        sd = Y.std(axis=0)
+        self.y_scale_ = np.where(sd > 0, sd, 1.0)
+        Z = (Y - self.y_mean_) / self.y_scale_
+        families = [self.factor.families[v] for v in self.factor.variables]
+
+        def features(inner_factor, widths=None):
+            return TwoStageFeatures(
+                families, n_inner=self.n_inner, n_outer=self.n_outer, treatment=self.treatment,
+                inner_widths=None if widths is None else inner_factor * widths,
+                random_state=self.random_state, dtype=np.float64,
+            )
+
+        # hyperparameter search on a subsample, by log evidence summed over coordinates
+        sub = np.arange(n) if n <= SEARCH_SIZE else np.random.default_rng(0).choice(n, SEARCH_SIZE, replace=False)
+        msub = tuple(m[sub] for m in messages)
+        median_widths = features(1.0).fit(msub).sigma2_
+        best = None
+        self.search_ = []
+        for inf_ in self.inner_factors:
+            base = features(inf_, median_widths).fit(msub)
+            phi = base.inner(msub)
+            for wf in self.width_factors:
+                psi = base.with_outer_width_factor(wf).outer(phi)
+                blr = BayesianLinearRegression(prior_var=1.0, noise_var=1.0).fit(psi, Z[sub])
+                grid = blr.log_evidence_grid(self.prior_vars, self.noise_vars).sum(axis=-1)
+                i, j = np.unravel_index(np.argmax(grid), grid.shape)
+                rec = {"inner_factor": float(inf_), "width_factor": float(wf),
+                       "prior_var": float(self.prior_vars[i]), "noise_var": float(self.noise_vars[j]),
+                       "log_evidence": float(grid[i, j])}
+                self.search_.append(rec)
+                if best is None or rec["log_evidence"] > best["log_evidence"]:
+                    best, best_feats = rec, base.with_outer_width_factor(wf)
+        # final fit on every pair with the chosen feature map and BLR hyperparameters
+        feats = best_feats
+        psi = feats.transform(messages)
+        self.blr_ = BayesianLinearRegression(prior_var=best["prior_var"], noise_var=best["noise_var"]).fit(psi, Z)
+        self.features_ = feats if self.dtype == np.float64 else _with_dtype(feats, self.dtype)
+        self.inner_factor_ = best["inner_factor"]
+        self.width_factor_ = best["width_factor"]
+        self.prior_var_ = best["prior_var"]
+        self.noise_var_ = best["noise_var"]
+        self.log_evidence_ = float(np.sum(self.blr_.log_marginal_likelihood()))
+        self.fit_seconds_ = time.perf_counter() - t0
+        return self
+
+    def partial_fit(self, data: TrainingSet | tuple, beliefs: Family | None = None) -> "KernelOperator":
+        """Online update with new (incoming, belief) pairs: O(D_out²) per pair, no refit."""
+        self._check_fitted()
+        incoming, beliefs = self._unpack(data, beliefs)
+        messages, shape, _ = self._messages(incoming)
+        if len(shape) != 1:
+            raise ValueError("`incoming` must be 1-D batches")
+        Y = self._targets(beliefs, shape[0])
+        psi = self.features_.transform(messages).astype(np.float64, copy=False)
+        self.blr_.partial_fit(psi, (Y - self.y_mean_) / self.y_scale_)
+        return self
+
+    def _unpack(self, data, beliefs):
+        if isinstance(data, TrainingSet):
+            if data.to != self.to or data.factor != self.factor.name:
+                raise ValueError(
+                    f"training set is for {data.factor}→{data.to}, operator is {self.factor.name}→{self.to}"
+                )
+            return data.incoming, data.beliefs
+        if beliefs is None:
+            raise ValueError("`beliefs` is required when `data` is a dict of incoming messages")
+        return data, beliefs
+
+    def _targets(self, beliefs, n):
+        if not isinstance(beliefs, self.family):
+            raise ValueError(f"`beliefs` must be {self.family.__name__} messages")
+        if beliefs.shape != (n,):
+            raise ValueError(f"`beliefs` has shape {beliefs.shape}, expected ({n},)")
+        if not np.all(beliefs.is_proper):
+            raise ValueError("`beliefs` must be proper distributions")
+        return beliefs.to_coords()
+
+    # ------------------------------------------------------------------ prediction
+    def predict_coords(self, incoming, return_var: bool = True):
+        """Predicted regression coordinates (batch, k) and their predictive variances (batch, k)."""
+        self._check_fitted()
+        messages, shape, _ = self._messages(incoming)
+        psi = self.features_.transform(messages)
+        if return_var:
+            z, v = self.blr_.predict(psi, return_var=True, dtype=self.dtype)
+        else:
+            z = self.blr_.predict(psi, dtype=self.dtype)
+        coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
+        coords = coords.reshape(shape + (len(self.y_mean_),))
+        if not return_var:
+            return coords
+        var = np.asarray(v, np.float64).reshape(-1, 1) * self.y_scale_**2
+        return coords, var.reshape(shape + (len(self.y_mean_),))
+
+    def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+        self._check_to(to)
+        return self.family.from_coords(self.predict_coords(incoming, return_var=False))
+
+    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+        self._check_to(to)
+        _, _, inc = self._messages(incoming)
+        return self.belief(incoming) / inc[self.to]
+
+    def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
+        """Log predictive variance per output coordinate, shape (batch, k)."""
+        self._check_to(to)
+        return np.log(self.predict_coords(incoming, return_var=True)[1])
+
+    def predict(self, incoming, to: str | None = None):
+        """Belief and log predictive variance (batch, k) in one feature computation."""
+        self._check_to(to)
+        coords, var = self.predict_coords(incoming, return_var=True)
+        return self.family.from_coords(coords), np.log(var)
+
+    def _check_to(self, to):
+        if to is not None and to != self.to:
+            raise ValueError(
+                f"this operator sends messages to {self.to!r}, not `to`={to!r} (factor {self.factor.name!r})"
+            )
+
+    # ------------------------------------------------------------------ state
+    def hyperparameters(self) -> dict:
+        self._check_fitted()
+        return {"inner_factor": self.inner_factor_, "width_factor": self.width_factor_, "prior_var": self.prior_var_,
+                "noise_var": self.noise_var_, "gamma2": float(self.features_.gamma2_),
+                "inner_widths": np.asarray(self.features_.sigma2_).tolist(),
+                "log_evidence": self.log_evidence_}
+
+
+    def state_dict(self) -> dict:
+        """Nested dict of plain arrays and JSON scalars (see :mod:`kjit.persistence`)."""
+        self._check_fitted()
+        params = {
+            "factor": self.factor.name, "factor_params": json.dumps(self.factor.params()), "to": self.to,
+            "n_inner": self.n_inner, "n_outer": self.n_outer, "treatment": self.treatment,
+            "inner_factors": np.asarray(self.inner_factors), "width_factors": np.asarray(self.width_factors),
+            "prior_vars": np.asarray(self.prior_vars), "noise_vars": np.asarray(self.noise_vars),
+            "random_state": self.random_state if isinstance(self.random_state, int) else None,
+            "dtype": self.dtype.name,
+        }
+        fitted = {
+            "y_mean": self.y_mean_, "y_scale": self.y_scale_, "inner_factor": self.inner_factor_,
+            "width_factor": self.width_factor_, "prior_var": self.prior_var_, "noise_var": self.noise_var_,
+            "log_evidence": self.log_evidence_, "fit_seconds": self.fit_seconds_,
+            "search": json.dumps(self.search_),
+        }
+        return {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
+                "blr": self.blr_.state_dict()}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping) -> "KernelOperator":
+        try:
+            p, f = state["params"], state["fitted"]
+            factor = get_factor(p["factor"], **json.loads(p["factor_params"]))
+            op = cls(
+                factor, p["to"], n_inner=p["n_inner"], n_outer=p["n_outer"], treatment=p["treatment"],
+                inner_factors=p["inner_factors"], width_factors=p["width_factors"],
+                prior_vars=p["prior_vars"], noise_vars=p["noise_vars"], random_state=p.get("random_state"),
+                dtype=p["dtype"],
+            )
+            op.features_ = TwoStageFeatures.from_state_dict(state["features"])
+            op.blr_ = BayesianLinearRegression.from_state_dict(state["blr"])
+            op.y_mean_ = np.asarray(f["y_mean"], float)
+            op.y_scale_ = np.asarray(f["y_scale"], float)
+            for key in ("inner_factor", "width_factor", "prior_var", "noise_var", "log_evidence", "fit_seconds"):
+                setattr(op, key + "_", float(f[key]))
+            op.search_ = json.loads(f["search"])
+        except KeyError as exc:
+            raise ValueError(f"operator state is missing {exc}") from None
+        if op.features_.n_outer != op.blr_.coef_.shape[0]:
+            raise ValueError("operator state is inconsistent: feature size differs from regression size")
+        return op
+
+
+def _with_dtype(feats: TwoStageFeatures, dtype) -> TwoStageFeatures:
+    d = feats.state_dict()
+    d["dtype"] = np.dtype(dtype).name
+    return TwoStageFeatures.from_state_dict(d)
+
+
+
+
+# ====================================================================== just in time
+def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet, target_kl: float,
+                        statistic: str = "mean") -> float:
+    """Threshold on log predictive variance whose confident predictions meet ``target_kl``.
+
+    On held-out pairs (never used for fitting), sort by the operator's uncertainty (the
+    largest log predictive variance over output coordinates) and take the largest threshold
+    t such that the pairs with uncertainty ≤ t have ``statistic`` (``"mean"`` or a quantile
+    such as ``"q90"``) of KL[q ‖ q̂] ≤ ``target_kl``.  Returns −inf when even the most
+    certain prediction misses the target.
+    """
+    if not target_kl > 0:
+        raise ValueError("`target_kl` must be > 0")
+    q_hat, logvar = operator.predict(held_out.incoming)
+    kl = held_out.beliefs.kl(q_hat)
+    u = np.max(logvar, axis=-1)
+    order = np.argsort(u)
+    kl_sorted, u_sorted = kl[order], u[order]
+    if statistic == "mean":
+        stat = np.cumsum(kl_sorted) / np.arange(1, len(kl_sorted) + 1)
+    elif statistic.startswith("q"):
+        q = float(statistic[1:]) / 100.0
+        stat = np.array([np.quantile(kl_sorted[: i + 1], q) for i in range(len(kl_sorted))])
+    else:
+        raise ValueError("`statistic` must be 'mean' or 'qNN'")
+    ok = np.flatnonzero(stat <= target_kl)
+    if ok.size == 0:
+        return -np.inf
+    last = ok[-1]
+    # place the threshold between the last admitted pair and the next one
+    if last + 1 < len(u_sorted):
+        return float(0.5 * (u_sorted[last] + u_sorted[last + 1]))
+    return float(u_sorted[last])
+
+
+class JITOperator:
+    """Just-in-time operator (SPEC §6): predict when confident, else ask the oracle and learn.
+
+    Parameters
+    ----------
+    operator : a fitted :class:`KernelOperator`, or None to start from nothing.
+    oracle : the fallback (QuadratureOracle or ImportanceSamplingOracle) for the same factor.
+    threshold : log predictive variance above which (in any output coordinate) a row is
+        uncertain; [paper] −8.5 synthetic, −8.95 UCI, −6 compound gamma.  Use
+        :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.
+    initial_batch : with no operator, the first ``initial_batch`` messages go to the oracle;
+        then the operator (widths, hyperparameters) is fitted once on them and takes over.
+    to : recipient variable (taken from ``operator`` when given).
+    operator_kwargs : constructor arguments for the KernelOperator built after the initial batch.
+
+    Counters (``counters()``): calls, requests (messages), consultations (messages sent to the
+    oracle), seconds in prediction, in the oracle, in updates and in the initial fit.
+    """
+
+    def __init__(self, operator: KernelOperator | None, oracle, threshold: float = -8.5,
+                 initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None):
+        if operator is None and to is None:
+            raise ValueError("`to` is required when starting without an operator")
+        self.factor = oracle.factor
+        self.to = self.factor.check_to(operator.to if operator is not None else to)
+        if operator is not None and (operator.factor.name != self.factor.name or operator.to != self.to):
+            raise ValueError("`operator` and `oracle` are for different factors or directions")
+        if not np.isfinite(threshold):
+            raise ValueError("`threshold` must be finite")
+        if int(initial_batch) < 2:
+            raise ValueError("`initial_batch` must be >= 2")
+        self.operator = operator
+        self.oracle = oracle
+        self.threshold = float(threshold)
+        self.initial_batch = int(initial_batch)
+        self.operator_kwargs = dict(operator_kwargs or {})
+        self.family = self.factor.families[self.to]
+        self._pending: list[tuple[dict, Family]] = []
+        self._n_pending = 0
+        self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
+                        "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
+                        "seconds_initial_fit": 0.0}
+
+    def __repr__(self):
+        return f"JITOperator({self.factor.name}→{self.to}, threshold={self.threshold}, fitted={self.operator is not None})"
+
+    def counters(self) -> dict:
+        c = dict(self._counts)
+        c["consultation_rate"] = c["consultations"] / c["requests"] if c["requests"] else 0.0
+        c["n_train"] = self.operator.n_train_ if self.operator is not None else self._n_pending
+        return c
+
+    def _oracle_beliefs(self, incoming):
+        t = time.perf_counter()
+        q = self.oracle.belief(incoming, self.to)
+        self._counts["seconds_oracle"] += time.perf_counter() - t
+        return q
+
+    def _check_to(self, to):
+        if to is not None and to != self.to:
+            raise ValueError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
+
+    def predict(self, incoming: Mapping[str, Family], to: str | None = None):
+        """(belief, log predictive variance (n, k) or None where the oracle answered, consulted mask)."""
+        self._check_to(to)
+        inc, shape = self.factor.check_incoming(incoming, self.to)
+        flat = {v: m.ravel() for v, m in inc.items()}
+        n = next(iter(flat.values())).size
+        self._counts["calls"] += 1
+        self._counts["requests"] += n
+        if self.operator is None:
+            q = self._oracle_beliefs(flat)
+            self._counts["consultations"] += n
+            self._learn_initial(flat, q)
+            k = len(self.family.coord_names)
+            return q.reshape(shape), np.full(shape + (k,), np.nan), np.ones(shape, dtype=bool)
+        t = time.perf_counter()
+        q_hat, logvar = self.operator.predict(flat)
+        self._counts["seconds_predict"] += time.perf_counter() - t
+        uncertain = np.any(logvar > self.threshold, axis=-1)
+        idx = np.flatnonzero(uncertain)
+        if idx.size:
+            sub = {v: m[idx] for v, m in flat.items()}
+            q_or = self._oracle_beliefs(sub)
+            self._counts["consultations"] += idx.size
+            t = time.perf_counter()
+            self.operator.partial_fit(sub, q_or)
+            self._counts["seconds_update"] += time.perf_counter() - t
+            self._counts["updates"] += idx.size
+            coords = q_hat.to_coords()
+            coords[idx] = q_or.to_coords()
+            # return the oracle's own message for consulted rows (not a coordinate round trip)
+            params = [np.array(p) for p in q_hat.params]
+            for p_all, p_or in zip(params, q_or.params):
+                p_all[idx] = p_or
+            q_hat = self.family(*params)
+        return q_hat.reshape(shape), logvar.reshape(shape + logvar.shape[-1:]), uncertain.reshape(shape)
+
+    def _learn_initial(self, flat, q):
+        self._pending.append((flat, q))
+        self._n_pending += len(q)
+        if self._n_pending < self.initial_batch:
+            return
+        t = time.perf_counter()
+        incoming = {v: type(flat[v]).concatenate([p[0][v] for p in self._pending]) for v in flat}
+        beliefs = self.family.concatenate([p[1] for p in self._pending])
+        self.operator = KernelOperator(self.factor, self.to, **self.operator_kwargs).fit(incoming, beliefs)
+        self._pending = []
+        self._n_pending = 0
+        self._counts["seconds_initial_fit"] += time.perf_counter() - t
+
+    def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+        return self.predict(incoming, to)[0]
+
+    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+        self._check_to(to)
+        inc, _ = self.factor.check_incoming(incoming, self.to)
+        return self.belief(incoming) / inc[self.to]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly where this operator stopped: the learned
+        operator (or the pending initial batch), counters, threshold, and the oracle's
+        configuration including its random generator state."""
+        from .oracles import ImportanceSamplingOracle, QuadratureOracle
+
+        if isinstance(self.oracle, ImportanceSamplingOracle):
+            o = self.oracle
+            oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
+                      "chunk": o.chunk, "rng_state": json.dumps(o._rng.bit_generator.state),
+                      "proposal": json.dumps({v: [type(m).__name__.lower(), m.to_dict()] for v, m in o.proposal.items()})}
+        elif isinstance(self.oracle, QuadratureOracle):
+            oracle = {"kind": "quadrature"}
+        else:
+            raise ValueError(f"cannot save a JITOperator whose oracle is {type(self.oracle).__name__}")
+        state = {
+            "params": {"factor": self.factor.name, "factor_params": json.dumps(self.factor.params()),
+                       "to": self.to, "threshold": self.threshold, "initial_batch": self.initial_batch,
+                       "operator_kwargs": json.dumps(self.operator_kwargs)},
+            "counters": dict(self._counts),
+            "oracle": oracle,
+        }
+        if self.operator is not None:
+            state["operator"] = self.operator.state_dict()
+        if self._pending:
+            inc = {v: type(m).concatenate([p[0][v] for p in self._pending]) for v, m in self._pending[0][0].items()}
+            bel = self.family.concatenate([p[1] for p in self._pending])
+            state["pending"] = {
+                "incoming": {v: {n: p for n, p in zip(m.param_names, m.params)} for v, m in inc.items()},
+                "beliefs": {n: p for n, p in zip(bel.param_names, bel.params)},
+            }
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping) -> "JITOperator":
+        from .families import family_by_name
+        from .oracles import ImportanceSamplingOracle, QuadratureOracle
+
+        try:
+            p = state["params"]
+            factor = get_factor(p["factor"], **json.loads(p["factor_params"]))
+            o = state["oracle"]
+            if o["kind"] == "quadrature":
+                oracle = QuadratureOracle(factor)
+            elif o["kind"] == "importance_sampling":
+                proposal = {v: family_by_name(name).from_dict(params) for v, (name, params) in json.loads(o["proposal"]).items()}
+                oracle = ImportanceSamplingOracle(factor, n_samples=int(o["n_samples"]), proposal=proposal,
+                                                  min_ess=float(o["min_ess"]), chunk=int(o["chunk"]))
+                oracle._rng.bit_generator.state = json.loads(o["rng_state"])
+            else:
+                raise ValueError(f"unknown oracle kind {o['kind']!r}")
+            operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
+            jit = cls(operator, oracle, threshold=float(p["threshold"]), initial_batch=int(p["initial_batch"]),
+                      to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]))
+            for k, v in state["counters"].items():
+                jit._counts[k] = type(jit._counts.get(k, 0.0))(v)
+            if "pending" in state:
+                pend = state["pending"]
+                inc = {v: factor.families[v].from_dict(d) for v, d in pend["incoming"].items()}
+                bel = jit.family.from_dict(pend["beliefs"])
+                jit._pending = [(inc, bel)]
+                jit._n_pending = len(bel)
+        except KeyError as exc:
+            raise ValueError(f"JIT operator state is missing {exc}") from None
+        return jit
+
+
+OPERATOR_KINDS = {"KernelOperator": KernelOperator, "JITOperator": JITOperator}

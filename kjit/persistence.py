@@ -1,0 +1,137 @@
+"""Save and load operators as versioned files of plain arrays plus JSON metadata.
+
+File format (``.npz``, written atomically): one array per numeric state entry, named
+``<component>/<key>``, and a ``__header__`` array holding one JSON string: the format name
+and version, the kjit version, the operator class, and every scalar/string state entry.
+Loading uses ``allow_pickle=False`` — an object array in the file is refused — and checks
+the format name and version before anything else; a file it does not understand is
+refused with a :class:`ValueError` that says why.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import __version__
+
+__all__ = ["save_operator", "load_operator", "dumps_state", "loads_state", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "kjit-operator"
+FORMAT_VERSION = 1
+
+
+def _split(state: Mapping[str, Any], prefix: str, arrays: dict, scalars: dict) -> None:
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            _split(value, name + "/", arrays, scalars)
+        elif isinstance(value, np.ndarray) and value.ndim > 0:
+            if value.dtype == object:
+                raise ValueError(f"state entry {name!r} is an object array; only numeric arrays are stored")
+            arrays[name] = value
+        else:
+            if isinstance(value, np.generic):
+                value = value.item()
+            elif isinstance(value, np.ndarray):
+                value = value.item()
+            scalars[name] = value
+
+
+def _join(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any]) -> dict:
+    out: dict = {}
+    for name, value in list(scalars.items()) + list(arrays.items()):
+        parts = name.split("/")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def dumps_state(kind: str, state: Mapping[str, Any]) -> bytes:
+    """Serialise a nested state dict (arrays and JSON scalars) to ``.npz`` bytes."""
+    arrays: dict = {}
+    scalars: dict = {}
+    _split(state, "", arrays, scalars)
+    header = {"format": FORMAT, "format_version": FORMAT_VERSION, "kjit_version": __version__,
+              "kind": kind, "scalars": scalars}
+    buf = io.BytesIO()
+    np.savez(buf, __header__=np.array(json.dumps(header)), **arrays)
+    return buf.getvalue()
+
+
+def loads_state(data: bytes, source: str = "<bytes>") -> tuple[str, dict]:
+    """Inverse of :func:`dumps_state`: ``(kind, state)``; refuses anything it does not understand."""
+    try:
+        z = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as exc:  # not an npz at all
+        raise ValueError(f"{source}: not a kjit operator file ({exc.__class__.__name__}: {exc})") from None
+    with z:
+        if "__header__" not in z.files:
+            raise ValueError(f"{source}: not a kjit operator file (no header)")
+        try:
+            header = json.loads(str(z["__header__"]))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{source}: unreadable operator header ({exc})") from None
+        if header.get("format") != FORMAT:
+            raise ValueError(f"{source}: not a kjit operator file (format {header.get('format')!r})")
+        if header.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{source}: operator file format version {header.get('format_version')!r} is not supported "
+                f"by kjit {__version__} (reads version {FORMAT_VERSION})"
+            )
+        arrays = {}
+        for name in z.files:
+            if name == "__header__":
+                continue
+            try:
+                arrays[name] = z[name]
+            except ValueError as exc:  # object arrays need pickle: refused
+                raise ValueError(f"{source}: entry {name!r} cannot be loaded without pickle: refused ({exc})") from None
+    return header["kind"], _join(arrays, header["scalars"])
+
+
+def _atomic_write(path, data: bytes) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_operator(operator, path) -> None:
+    """Write ``operator`` (anything with ``state_dict()``) to ``path`` atomically (fsync + rename)."""
+    _atomic_write(path, dumps_state(type(operator).__name__, operator.state_dict()))
+
+
+def load_operator(path):
+    """Load an operator saved by :func:`save_operator`."""
+    from .operators import OPERATOR_KINDS
+
+    with open(path, "rb") as fh:
+        data = fh.read()
+    kind, state = loads_state(data, source=os.fspath(path))
+    try:
+        cls = OPERATOR_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"{path}: unknown operator kind {kind!r}") from None
+    return cls.from_state_dict(state)
