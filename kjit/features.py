@@ -29,6 +29,11 @@ Beta       ``1F1(alpha; alpha + beta; i omega)`` by Chebyshev quadrature with th
 Bernoulli  on ``{-1, +1}``: ``cos omega + i (2p - 1) sin omega``
 =========  ====================================================================================
 
+``treatment="unconstrained"`` moment-matches each component in its unconstrained coordinate
+instead (log τ for Gamma, logit z for Beta; see :func:`component_moments`): the kernel then
+compares positive variables on a log scale, which matters when messages span orders of
+magnitude (compound gamma).
+
 Outer map (Gaussian kernel with squared width ``gamma^2`` on the embeddings)::
 
     nu_j ~ N(0, gamma^-2 I),  c_j ~ U[0, 2 pi),   psi_j = sqrt(2 / D_out) cos(nu_j^T phi + c_j)
@@ -82,9 +87,28 @@ __all__ = [
     "beta_characteristic_function",
     "beta_chebyshev_moments",
     "TREATMENTS",
+    "component_moments",
 ]
 
-TREATMENTS = ("gaussian", "exact")
+TREATMENTS = ("gaussian", "exact", "unconstrained")
+
+
+def component_moments(message: Family, treatment: str = "gaussian"):
+    """Mean and variance of one component as the inner embedding sees it.
+
+    ``"gaussian"``/``"exact"``: moments of the variable itself.  ``"unconstrained"``: moments
+    of the variable in its unconstrained coordinate — log τ for a Gamma message
+    (ψ(a) − log b, ψ'(a)), logit z for a Beta message (ψ(α) − ψ(β), ψ'(α) + ψ'(β)) —
+    so messages whose scale varies over orders of magnitude are compared on a log scale.
+    """
+    if treatment == "unconstrained":
+        if isinstance(message, Gamma):
+            a, b = message.shape_param, message.rate
+            return special.digamma(a) - np.log(b), special.polygamma(1, a)
+        if isinstance(message, Beta):
+            a, b = message.alpha, message.beta
+            return special.digamma(a) - special.digamma(b), special.polygamma(1, a) + special.polygamma(1, b)
+    return message.mean(), message.var()
 _STATE_FORMAT = 1
 _TWO_PI = 2.0 * np.pi
 # Row chunk: keeps each (chunk, D) temporary at about 2**21 elements (16 MB in float64).
@@ -449,12 +473,13 @@ class TwoStageFeatures:
         if self.inner_widths is not None:
             sigma2 = self.inner_widths.copy()
         else:
-            sigma2 = np.array([np.mean(m.var()) for m in msgs], dtype=np.float64)
+            moments = [component_moments(m, self.treatment) for m in msgs]
+            sigma2 = np.array([np.mean(v) for _, v in moments], dtype=np.float64)
             for l, m in enumerate(msgs):
                 # Degenerate only for point masses (observed Bernoulli labels): fall back to the
                 # spread of the means, then to 1.
                 if not (np.isfinite(sigma2[l]) and sigma2[l] > 0):
-                    spread = float(np.var(m.mean()))
+                    spread = float(np.var(moments[l][0]))
                     sigma2[l] = spread if spread > 0 else 1.0
         rng = _rng(self.random_state)
         omega_std = rng.standard_normal((c, D_in))
@@ -551,8 +576,7 @@ class TwoStageFeatures:
         M = np.empty((n, len(cols)), dtype=dt)
         V = np.empty((n, len(cols)), dtype=dt)
         for j, l in enumerate(cols):
-            M[:, j] = msgs[l].mean()
-            V[:, j] = msgs[l].var()
+            M[:, j], V[:, j] = component_moments(msgs[l], self.treatment)
         out = np.empty((n, D), dtype=dt)
         chunk = max(1, _CHUNK_ELEMENTS // D)
         for s in range(0, n, chunk):

@@ -34,10 +34,12 @@ from .training import TrainingSet
 
 __all__ = ["KernelOperator"]
 
-DEFAULT_INNER_FACTORS = (0.25, 1.0, 4.0)
-DEFAULT_WIDTH_FACTORS = (1 / 32, 1 / 16, 1 / 8, 0.25, 0.5, 1.0, 2.0)
-DEFAULT_PRIOR_VARS = (0.1, 1.0, 10.0, 100.0, 1e3, 1e4)
-DEFAULT_NOISE_VARS = tuple(10.0 ** np.arange(-8.0, -0.5, 1.0))
+DEFAULT_PRIOR_VARS = tuple(10.0 ** np.arange(-1.0, 5.5, 1.0))
+DEFAULT_NOISE_VARS = tuple(10.0 ** np.arange(-12.0, -0.5, 1.0))
+# "auto" width search: a pattern search on the log2 lattice of (inner, outer) width factors
+_LOG2_BOUNDS = (-10, 6)
+_MAX_EVALS = 40
+MAX_CONDITION = 1e12  # bound on the condition number of the BLR posterior precision
 SEARCH_SIZE = 2000  # pairs used for the hyperparameter search (the final fit uses all)
 
 
@@ -50,8 +52,12 @@ class KernelOperator:
     to : recipient variable.
     n_inner, n_outer : D_in and D_out of the two-stage random features.
     treatment : "gaussian" (moment-matched inner embedding, as the paper's code) or "exact".
-    width_factors, prior_vars, noise_vars : grids searched by marginal likelihood; a
-        single value fixes that hyperparameter.
+    inner_factors, width_factors : multipliers of the median-heuristic inner widths σ_l² and
+        outer width γ².  "auto" (default): a pattern search on the log2 lattice (start
+        (1/4, 1), steps of 4 then 2, bounds 2^-10..2^6) maximising the log evidence; or explicit
+        grids, searched exhaustively (a single value fixes it).
+    prior_vars, noise_vars : grids for σ₀² and σ_y² (on standardised targets), searched
+        exhaustively at each width setting from one eigendecomposition.
     random_state : seeds the random features.
     dtype : float64 or float32 for the prediction hot path.
     """
@@ -63,8 +69,8 @@ class KernelOperator:
         n_inner: int = 500,
         n_outer: int = 1000,
         treatment: str = "gaussian",
-        inner_factors: Sequence[float] = DEFAULT_INNER_FACTORS,
-        width_factors: Sequence[float] = DEFAULT_WIDTH_FACTORS,
+        inner_factors: Sequence[float] | str = "auto",
+        width_factors: Sequence[float] | str = "auto",
         prior_vars: Sequence[float] = DEFAULT_PRIOR_VARS,
         noise_vars: Sequence[float] = DEFAULT_NOISE_VARS,
         random_state=None,
@@ -75,11 +81,19 @@ class KernelOperator:
         self.n_inner = int(n_inner)
         self.n_outer = int(n_outer)
         self.treatment = treatment
-        self.inner_factors = tuple(np.atleast_1d(np.asarray(inner_factors, float)))
-        self.width_factors = tuple(np.atleast_1d(np.asarray(width_factors, float)))
+        auto = [isinstance(v, str) for v in (inner_factors, width_factors)]
+        if any(auto) and not all(auto):
+            raise ValueError("`inner_factors` and `width_factors` must both be 'auto' or both be grids")
+        for name, v in (("inner_factors", inner_factors), ("width_factors", width_factors)):
+            if isinstance(v, str) and v != "auto":
+                raise ValueError(f"`{name}` must be 'auto' or a list of positive numbers, got {v!r}")
+        self.inner_factors = "auto" if auto[0] else tuple(np.atleast_1d(np.asarray(inner_factors, float)))
+        self.width_factors = "auto" if auto[1] else tuple(np.atleast_1d(np.asarray(width_factors, float)))
         self.prior_vars = tuple(np.atleast_1d(np.asarray(prior_vars, float)))
         self.noise_vars = tuple(np.atleast_1d(np.asarray(noise_vars, float)))
         for name in ("inner_factors", "width_factors", "prior_vars", "noise_vars"):
+            if getattr(self, name) == "auto":
+                continue
             vals = np.asarray(getattr(self, name))
             if vals.size == 0 or np.any(~(vals > 0)) or np.any(~np.isfinite(vals)):
                 raise ValueError(f"`{name}` must be a non-empty list of positive numbers")
@@ -132,22 +146,62 @@ class KernelOperator:
         sub = np.arange(n) if n <= SEARCH_SIZE else np.random.default_rng(0).choice(n, SEARCH_SIZE, replace=False)
         msub = tuple(m[sub] for m in messages)
         median_widths = features(1.0).fit(msub).sigma2_
-        best = None
         self.search_ = []
-        for inf_ in self.inner_factors:
-            base = features(inf_, median_widths).fit(msub)
-            phi = base.inner(msub)
-            for wf in self.width_factors:
-                psi = base.with_outer_width_factor(wf).outer(phi)
-                blr = BayesianLinearRegression(prior_var=1.0, noise_var=1.0).fit(psi, Z[sub])
-                grid = blr.log_evidence_grid(self.prior_vars, self.noise_vars).sum(axis=-1)
-                i, j = np.unravel_index(np.argmax(grid), grid.shape)
-                rec = {"inner_factor": float(inf_), "width_factor": float(wf),
-                       "prior_var": float(self.prior_vars[i]), "noise_var": float(self.noise_vars[j]),
-                       "log_evidence": float(grid[i, j])}
-                self.search_.append(rec)
-                if best is None or rec["log_evidence"] > best["log_evidence"]:
-                    best, best_feats = rec, base.with_outer_width_factor(wf)
+        bases: dict = {}
+        evaluated: dict = {}
+
+        def evaluate(inner_f, width_f):
+            key = (float(inner_f), float(width_f))
+            if key in evaluated:
+                return evaluated[key]
+            if key[0] not in bases:
+                base = features(key[0], median_widths).fit(msub)
+                bases[key[0]] = (base, base.inner(msub))
+            base, phi = bases[key[0]]
+            feats = base.with_outer_width_factor(key[1])
+            blr = BayesianLinearRegression(prior_var=1.0, noise_var=1.0).fit(feats.outer(phi), Z[sub])
+            grid = blr.log_evidence_grid(self.prior_vars, self.noise_vars).sum(axis=-1)
+            # keep the posterior precision A/σ_y² + I/σ₀² well conditioned for the final
+            # Cholesky on all n pairs: cond ≤ 1 + σ₀² λ_max(A)/σ_y² with λ_max ≤ trace(A)
+            trace_full = np.trace(blr.A_) * n / len(sub)
+            cond = 1.0 + np.outer(self.prior_vars, 1.0 / np.asarray(self.noise_vars)) * trace_full
+            grid = np.where(cond <= MAX_CONDITION, grid, -np.inf)
+            if not np.isfinite(grid).any():
+                raise ValueError("every (prior_var, noise_var) pair gives an ill-conditioned posterior; "
+                                 "use larger `noise_vars`")
+            i, j = np.unravel_index(np.argmax(grid), grid.shape)
+            rec = {"inner_factor": key[0], "width_factor": key[1],
+                   "prior_var": float(self.prior_vars[i]), "noise_var": float(self.noise_vars[j]),
+                   "log_evidence": float(grid[i, j])}
+            self.search_.append(rec)
+            evaluated[key] = (rec, feats)
+            return evaluated[key]
+
+        if self.inner_factors == "auto":
+            # pattern search on (log2 inner factor, log2 outer factor): move to the best
+            # neighbour at distance `step`, halve the step when none improves
+            lo, hi = _LOG2_BOUNDS
+            cur, step = (-2, 0), 2
+            best_rec, _ = evaluate(2.0 ** cur[0], 2.0 ** cur[1])
+            while len(evaluated) < _MAX_EVALS:
+                moved = False
+                for di, dw in ((step, 0), (-step, 0), (0, step), (0, -step)):
+                    cand = (cur[0] + di, cur[1] + dw)
+                    if not (lo <= cand[0] <= hi and lo <= cand[1] <= hi):
+                        continue
+                    rec, _ = evaluate(2.0 ** cand[0], 2.0 ** cand[1])
+                    if rec["log_evidence"] > best_rec["log_evidence"]:
+                        best_rec, cur, moved = rec, cand, True
+                if not moved:
+                    if step == 1:
+                        break
+                    step = 1
+        else:
+            for inf_ in self.inner_factors:
+                for wf in self.width_factors:
+                    evaluate(inf_, wf)
+        best = max(self.search_, key=lambda r: r["log_evidence"])
+        best_feats = evaluated[(best["inner_factor"], best["width_factor"])][1]
         # final fit on every pair with the chosen feature map and BLR hyperparameters
         feats = best_feats
         psi = feats.transform(messages)
@@ -251,7 +305,7 @@ class KernelOperator:
         params = {
             "factor": self.factor.name, "factor_params": json.dumps(self.factor.params()), "to": self.to,
             "n_inner": self.n_inner, "n_outer": self.n_outer, "treatment": self.treatment,
-            "inner_factors": np.asarray(self.inner_factors), "width_factors": np.asarray(self.width_factors),
+            "inner_factors": json.dumps(self.inner_factors), "width_factors": json.dumps(self.width_factors),
             "prior_vars": np.asarray(self.prior_vars), "noise_vars": np.asarray(self.noise_vars),
             "random_state": self.random_state if isinstance(self.random_state, int) else None,
             "dtype": self.dtype.name,
@@ -272,7 +326,7 @@ class KernelOperator:
             factor = get_factor(p["factor"], **json.loads(p["factor_params"]))
             op = cls(
                 factor, p["to"], n_inner=p["n_inner"], n_outer=p["n_outer"], treatment=p["treatment"],
-                inner_factors=p["inner_factors"], width_factors=p["width_factors"],
+                inner_factors=json.loads(p["inner_factors"]), width_factors=json.loads(p["width_factors"]),
                 prior_vars=p["prior_vars"], noise_vars=p["noise_vars"], random_state=p.get("random_state"),
                 dtype=p["dtype"],
             )
@@ -323,7 +377,9 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet, target_
         stat = np.array([np.quantile(kl_sorted[: i + 1], q) for i in range(len(kl_sorted))])
     else:
         raise ValueError("`statistic` must be 'mean' or 'qNN'")
-    ok = np.flatnonzero(stat <= target_kl)
+    # a cut is only possible between distinct uncertainties (ties are admitted together)
+    cut = np.append(u_sorted[:-1] < u_sorted[1:], True)
+    ok = np.flatnonzero((stat <= target_kl) & cut)
     if ok.size == 0:
         return -np.inf
     last = ok[-1]
@@ -356,6 +412,8 @@ class JITOperator:
                  initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None):
         if operator is None and to is None:
             raise ValueError("`to` is required when starting without an operator")
+        if operator is not None and to is not None and to != operator.to:
+            raise ValueError(f"`to`={to!r} contradicts the operator's recipient {operator.to!r}")
         self.factor = oracle.factor
         self.to = self.factor.check_to(operator.to if operator is not None else to)
         if operator is not None and (operator.factor.name != self.factor.name or operator.to != self.to):
@@ -369,6 +427,8 @@ class JITOperator:
         self.threshold = float(threshold)
         self.initial_batch = int(initial_batch)
         self.operator_kwargs = dict(operator_kwargs or {})
+        if "dtype" in self.operator_kwargs:  # keep the kwargs JSON-serialisable for state_dict
+            self.operator_kwargs["dtype"] = np.dtype(self.operator_kwargs["dtype"]).name
         self.family = self.factor.families[self.to]
         self._pending: list[tuple[dict, Family]] = []
         self._n_pending = 0

@@ -161,20 +161,45 @@ def _panel_rule(logf, breaks, step):
     return t, lw - log_z[:, None], log_z
 
 
-def _logistic_rule(mu, v, alpha, beta):
-    """Panel rule for r(x) ∝ N(x; mu, v) · σ(x)^(α−1) σ(−x)^(β−1) (log normaliser included)."""
+# the logistic's bends: fixed split points so no panel straddles the transition of σ
+_LOGISTIC_BENDS = np.array([-6.0, -3.0, -1.5, 0.0, 1.5, 3.0, 6.0])
+
+
+def _logistic_rule(mu, v, alpha, beta, weight: int = 0):
+    """Panel rule for r(x) ∝ N(x; mu, v) · σ(x)^(α−1) σ(−x)^(β−1) (log normaliser included).
+
+    ``weight`` = +1 / −1 multiplies the integrand by softplus(−x) = −log σ(x) /
+    softplus(x) = −log σ(−x), so that E[log σ(±x)] is integrated with panels placed for its
+    own integrand: relative accuracy even when the statistic lives in the far tail.
+    """
     mu, v, alpha, beta = (np.asarray(p, float) for p in (mu, v, alpha, beta))
     am1, bm1 = alpha - 1.0, beta - 1.0
 
     def col(p, t):
         return p.reshape(p.shape + (1,) * (t.ndim - 1))
 
-    def logf(t):
+    def logf0(t):
         m, vv, a1, b1 = (col(p, t) for p in (mu, v, am1, bm1))
         return (-0.5 * (t - m) ** 2 / vv - a1 * np.logaddexp(0.0, -t) - b1 * np.logaddexp(0.0, t))
 
-    def dlogf(t):
+    def dlogf0(t):
         return -(t - mu) / v + am1 * special.expit(-t) - bm1 * special.expit(t)
+
+    def log_softplus(t):  # log log(1 + e^t), stable in both tails
+        return np.where(t < -30.0, t, np.log(np.logaddexp(0.0, np.minimum(t, 700.0)) + (t > 700.0) * (t - 700.0)))
+
+    def dlog_softplus(t):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(t < -30.0, 1.0, special.expit(t) / np.logaddexp(0.0, t))
+
+    if weight:
+        def logf(t):
+            return logf0(t) + log_softplus(-weight * t)
+
+        def dlogf(t):
+            return dlogf0(t) - weight * dlog_softplus(-weight * t)
+    else:
+        logf, dlogf = logf0, dlogf0
 
     # w'' = −1/v − (α+β−2) σ(t)σ(−t): concave unless α+β < 2 and v large; then w' has the
     # inflection points ±t0 with σσ(−t0) = 1/(v (2−α−β)) and w at most three stationary points.
@@ -199,7 +224,28 @@ def _logistic_rule(mu, v, alpha, beta):
     r1 = np.where(has1, r1, anchor)
     r2 = np.where(has2, r2, anchor)
     r3 = np.where(has3, r3, anchor)
-    breaks = np.stack([r1, r2, r3, np.where(nonconcave, -t0, anchor), np.where(nonconcave, t0, anchor)], axis=1)
+    bends = np.broadcast_to(_LOGISTIC_BENDS, (anchor.size, _LOGISTIC_BENDS.size))
+    breaks = np.concatenate(
+        [np.stack([r1, r2, r3, np.where(nonconcave, -t0, anchor), np.where(nonconcave, t0, anchor)], axis=1), bends],
+        axis=1,
+    )
+    if weight:
+        # the weighted integrand's stationary points: a root of its derivative in each gap
+        # between the unweighted integrand's break points (the weight is log-concave and
+        # monotone, so this adds at most a few points)
+        pts = np.sort(np.concatenate([far_lo[:, None], breaks, far_hi[:, None]], axis=1), axis=1)
+        lo_, hi_ = pts[:, :-1], pts[:, 1:]
+        flat_lo, flat_hi = lo_.ravel(), hi_.ravel()
+        rep = lambda p: np.repeat(p, lo_.shape[1])  # noqa: E731
+        mu_r, v_r, am1_r, bm1_r = rep(mu), rep(v), rep(am1), rep(bm1)
+
+        def dg(t):
+            d0 = -(t - mu_r) / v_r + am1_r * special.expit(-t) - bm1_r * special.expit(t)
+            return d0 - weight * dlog_softplus(-weight * t)
+
+        has = (np.sign(dg(flat_lo)) != np.sign(dg(flat_hi))).reshape(lo_.shape)
+        roots = _bisect(dg, flat_lo, flat_hi, 200).reshape(lo_.shape)
+        breaks = np.concatenate([breaks, np.where(has, roots, anchor[:, None])], axis=1)
     # curvature scale at the main mode for the outward search
     curv = 1.0 / v + np.maximum(alpha + beta - 2.0, 0.0) * special.expit(anchor) * special.expit(-anchor)
     step = np.minimum(1.0 / np.sqrt(curv), np.sqrt(v))
@@ -251,6 +297,29 @@ def _weighted_mean_var(t, lw):
     return mean, var
 
 
+def _lower_truncated_std(alpha, n_terms: int = 80):
+    """Mean λ and variance of N(0, 1) truncated to [α, ∞), accurate in the far tail.
+
+    For α < 5: λ = φ(α)/Φ(−α) and var = 1 − λ(λ − α) (mild cancellation).  For α ≥ 5 the
+    Mills-ratio continued fraction R = 1/(α + c), c = 1/(α + d), d = 2/(α + 3/(α + …)) gives
+    λ = α + c and var = c² (α d + d² − 1) with no cancellation (var ≈ 1/α² for large α).
+    """
+    alpha = np.asarray(alpha, float)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        lam_d = np.exp(-0.5 * alpha * alpha - 0.5 * np.log(2 * np.pi) - special.log_ndtr(-alpha))
+        var_d = 1.0 - lam_d * (lam_d - alpha)
+    a = np.maximum(alpha, 5.0)
+    t = np.zeros_like(a)
+    for k in range(n_terms, 1, -1):
+        t = k / (a + t)
+    d = t
+    c = 1.0 / (a + d)
+    lam_cf = a + c
+    var_cf = c * c * (a * d + d * d - 1.0)
+    tail = alpha >= 5.0
+    return np.where(tail, lam_cf, lam_d), np.where(tail, var_cf, np.maximum(var_d, 0.0))
+
+
 def _probit_moments(mu, v, p, eps):
     """Closed-form tilted moments for N(f; mu, v) · [ε + (1−2ε)(p Θ(f) + (1−p) Θ(−f))].
 
@@ -267,13 +336,14 @@ def _probit_moments(mu, v, p, eps):
     log_z = np.logaddexp(lp, ln)
     pi_pos = np.exp(lp - log_z)
     pi_neg = np.exp(ln - log_z)
-    # inverse Mills ratios λ(z) = φ(z)/Φ(z), stable in both tails
-    lam_p = np.exp(-0.5 * z * z - 0.5 * np.log(2 * np.pi) - special.log_ndtr(z))
-    lam_n = np.exp(-0.5 * z * z - 0.5 * np.log(2 * np.pi) - special.log_ndtr(-z))
+    # each piece is a truncated Gaussian: f > 0 is N(μ, v) truncated below at α = −z (in sd
+    # units), f < 0 is the mirror image truncated below at α = z
+    lam_p, tv_p = _lower_truncated_std(-z)
+    lam_n, tv_n = _lower_truncated_std(z)
     m_pos = mu + s * lam_p
     m_neg = mu - s * lam_n
-    v_pos = v * np.maximum(1.0 - lam_p * (lam_p + z), 0.0)
-    v_neg = v * np.maximum(1.0 - lam_n * (lam_n - z), 0.0)
+    v_pos = v * tv_p
+    v_neg = v * tv_n
     mean = pi_pos * m_pos + pi_neg * m_neg
     var = pi_pos * (v_pos + (m_pos - mean) ** 2) + pi_neg * (v_neg + (m_neg - mean) ** 2)
     # posterior on y: P(y=+1) ∝ p · (ε + (1−2ε)Φ(z))
@@ -311,18 +381,21 @@ class QuadratureOracle(Oracle):
                 mean, var = _weighted_mean_var(t, lw)
                 return Gaussian(mean, var), log_z
             if to == "z":
-                w = np.exp(lw)
-                ess = np.stack(
-                    [np.sum(w * -np.logaddexp(0.0, -t), axis=1), np.sum(w * -np.logaddexp(0.0, t), axis=1)],
-                    axis=-1,
-                )
+                # E[log σ(x)] = −∫ r softplus(−x) / Z, each integral with its own panels
+                args = (x.mean(), x.var(), z.alpha, z.beta)
+                lz_neg = _logistic_rule(*args, weight=+1)[2]
+                lz_pos = _logistic_rule(*args, weight=-1)[2]
+                ess = np.stack([-np.exp(lz_neg - log_z), -np.exp(lz_pos - log_z)], axis=-1)
                 if np.any(~(ess < 0)):
                     bad = np.flatnonzero(~np.all(ess < 0, axis=1))
                     raise OracleError(
                         f"belief on z is numerically degenerate for rows {bad[:10].tolist()}: the tilted "
                         "distribution sits within exp(-745) of z = 0 or 1, beyond double precision"
                     )
-                return Beta.project(ess), log_z
+                try:
+                    return Beta.project(ess), log_z
+                except ValueError as exc:
+                    raise OracleError(f"belief on z cannot be represented: {exc}") from None
             return None, log_z
         if isinstance(f, CompoundGamma):
             tau = flat["tau"]
@@ -348,6 +421,18 @@ class QuadratureOracle(Oracle):
 
     def _belief_flat(self, flat, to):
         return self._tilted(flat, to)[0]
+
+    def message(self, incoming: Mapping[str, Family], to: str) -> Family:
+        flat, shape = self._prepare(incoming, to)
+        if isinstance(self.factor, ProbitNoise) and to == "y":
+            # the message to the label is the likelihood itself; computing it as q / m_y
+            # would give inf − inf for an observed label (p = 0 or 1)
+            fm, eps = flat["f"], self.factor.eps
+            z = fm.mean() / np.sqrt(fm.var())
+            like_pos = eps + (1 - 2 * eps) * special.ndtr(z)
+            like_neg = eps + (1 - 2 * eps) * special.ndtr(-z)
+            return Bernoulli(like_pos / (like_pos + like_neg)).reshape(shape)
+        return (self._belief_flat(flat, to) / flat[to]).reshape(shape)
 
     def log_partition(self, incoming: Mapping[str, Family]) -> np.ndarray:
         """log ∫ f(x) Π_W m_{W→f}(x_W) dx for normalised incoming messages."""

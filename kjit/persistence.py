@@ -70,30 +70,43 @@ def loads_state(data: bytes, source: str = "<bytes>") -> tuple[str, dict]:
     """Inverse of :func:`dumps_state`: ``(kind, state)``; refuses anything it does not understand."""
     try:
         z = np.load(io.BytesIO(data), allow_pickle=False)
-    except Exception as exc:  # not an npz at all
+    except Exception as exc:  # not a numpy file at all
         raise ValueError(f"{source}: not a kjit operator file ({exc.__class__.__name__}: {exc})") from None
-    with z:
-        if "__header__" not in z.files:
-            raise ValueError(f"{source}: not a kjit operator file (no header)")
-        try:
-            header = json.loads(str(z["__header__"]))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{source}: unreadable operator header ({exc})") from None
-        if header.get("format") != FORMAT:
-            raise ValueError(f"{source}: not a kjit operator file (format {header.get('format')!r})")
-        if header.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{source}: operator file format version {header.get('format_version')!r} is not supported "
-                f"by kjit {__version__} (reads version {FORMAT_VERSION})"
-            )
-        arrays = {}
-        for name in z.files:
-            if name == "__header__":
-                continue
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise ValueError(f"{source}: not a kjit operator file (a bare .npy array, not an .npz archive)")
+    try:
+        with z:
+            if "__header__" not in z.files:
+                raise ValueError(f"{source}: not a kjit operator file (no header)")
             try:
-                arrays[name] = z[name]
-            except ValueError as exc:  # object arrays need pickle: refused
-                raise ValueError(f"{source}: entry {name!r} cannot be loaded without pickle: refused ({exc})") from None
+                header = json.loads(str(z["__header__"]))
+            except ValueError as exc:
+                raise ValueError(f"{source}: unreadable operator header ({exc})") from None
+            if not isinstance(header, dict):
+                raise ValueError(f"{source}: operator header is not a JSON object")
+            if header.get("format") != FORMAT:
+                raise ValueError(f"{source}: not a kjit operator file (format {header.get('format')!r})")
+            if header.get("format_version") != FORMAT_VERSION:
+                raise ValueError(
+                    f"{source}: operator file format version {header.get('format_version')!r} is not supported "
+                    f"by kjit {__version__} (reads version {FORMAT_VERSION})"
+                )
+            if not isinstance(header.get("kind"), str) or not isinstance(header.get("scalars"), dict):
+                raise ValueError(f"{source}: operator header lacks `kind` or `scalars`")
+            arrays = {}
+            for name in z.files:
+                if name == "__header__":
+                    continue
+                try:
+                    arrays[name] = z[name]
+                except ValueError as exc:  # object arrays need pickle: refused
+                    raise ValueError(
+                        f"{source}: entry {name!r} cannot be loaded without pickle: refused ({exc})"
+                    ) from None
+    except ValueError:
+        raise
+    except Exception as exc:  # corrupted archive (bad CRC, truncated member, ...)
+        raise ValueError(f"{source}: corrupted operator file ({exc.__class__.__name__}: {exc})") from None
     return header["kind"], _join(arrays, header["scalars"])
 
 
@@ -101,7 +114,10 @@ def _atomic_write(path, data: bytes) -> None:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -1,0 +1,331 @@
+"""Tests for kjit.operators.JITOperator (SPEC §6, issue 5).
+
+Setting as in test_operators.py: the logistic factor, message to x; "inside" messages have
+means U(-3, 3), variances log-uniform in [0.1, 3] and z = Beta(2, 1) or Beta(1, 2); "far"
+messages have |mean| in U(8, 25).  Threshold -5 (log predictive variance): measured on the
+fitted operator, the largest max-log-variance over 1000 fresh inside messages is -6.13 (99%
+quantile -7.67) and the smallest over 200 far messages is -0.80.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import pytest
+
+from kjit.factors import CompoundGamma, Logistic
+from kjit.families import Beta, Gaussian
+from kjit.operators import JITOperator, KernelOperator
+from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
+from kjit.persistence import load_operator, save_operator
+from kjit.training import make_training_set
+
+try:
+    from threadpoolctl import threadpool_limits
+except ImportError:  # pragma: no cover
+    threadpool_limits = None
+
+# explicit grids, so the numbers quoted here do not move with the library defaults
+PRIOR_VARS = (0.1, 1.0, 10.0, 100.0, 1e3, 1e4)
+NOISE_VARS = tuple(10.0 ** np.arange(-8.0, -0.5, 1.0))
+KW = dict(n_inner=60, n_outer=150, inner_factors=(0.25, 1.0), width_factors=(0.25, 1.0, 2.0),
+          prior_vars=PRIOR_VARS, noise_vars=NOISE_VARS, random_state=0)
+# operator built by a JIT after its initial batch: small grid, fixed seed (reproducible refits)
+OKW = dict(n_inner=60, n_outer=120, inner_factors=[0.25], width_factors=[1.0, 2.0],
+           prior_vars=list(PRIOR_VARS), noise_vars=list(NOISE_VARS), random_state=0)
+THRESHOLD = -5.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_blas_thread():
+    with (threadpool_limits(limits=1) if threadpool_limits else contextlib.nullcontext()):
+        yield
+
+
+def inside(n, rng):
+    rng = np.random.default_rng(rng)
+    mean = rng.uniform(-3.0, 3.0, n)
+    var = np.exp(rng.uniform(np.log(0.1), np.log(3.0), n))
+    label = rng.random(n) < 0.5
+    return {"x": Gaussian(mean, var), "z": Beta(np.where(label, 2.0, 1.0), np.where(label, 1.0, 2.0))}
+
+
+def far(n, rng, lo=8.0, hi=25.0):
+    rng = np.random.default_rng(rng)
+    mean = rng.choice([-1.0, 1.0], n) * rng.uniform(lo, hi, n)
+    var = np.exp(rng.uniform(np.log(0.1), np.log(3.0), n))
+    label = rng.random(n) < 0.5
+    return {"x": Gaussian(mean, var), "z": Beta(np.where(label, 2.0, 1.0), np.where(label, 1.0, 2.0))}
+
+
+def concat(a, b, perm=None):
+    out = {v: type(a[v]).concatenate([a[v], b[v]]) for v in a}
+    return out if perm is None else {v: m[perm] for v, m in out.items()}
+
+
+def assert_same_family(a, b):
+    assert type(a) is type(b) and a.shape == b.shape
+    for pa, pb in zip(a.params, b.params):
+        np.testing.assert_array_equal(pa, pb)
+
+
+@pytest.fixture(scope="module")
+def factor():
+    return Logistic()
+
+
+@pytest.fixture(scope="module")
+def oracle(factor):
+    return QuadratureOracle(factor)
+
+
+@pytest.fixture(scope="module")
+def op(factor, oracle):
+    train = make_training_set(factor, "x", inside, oracle, n=400, random_state=0)
+    return KernelOperator(factor, "x", **KW).fit(train)
+
+
+def fresh_jit(op, oracle, **kw):
+    return JITOperator(copy.deepcopy(op), oracle, threshold=kw.pop("threshold", THRESHOLD), **kw)
+
+
+# ====================================================================== starting from nothing
+
+
+def test_initial_batch_goes_to_oracle_then_operator_takes_over(factor, oracle):
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=120, to="x", operator_kwargs=OKW)
+    rng = np.random.default_rng(20)
+    for call in range(3):  # 3 x 40 = 120 = initial_batch
+        assert jit.operator is None
+        inc = inside(40, rng)
+        q, lv, consulted = jit.predict(inc)
+        assert consulted.shape == (40,) and consulted.all()
+        assert lv.shape == (40, 2) and np.isnan(lv).all()
+        assert_same_family(q, oracle.belief(inc, "x"))  # the oracle's answer, exactly
+        c = jit.counters()
+        assert c["consultations"] == c["requests"] == 40 * (call + 1)
+        assert c["updates"] == 0
+    # fitted once, on exactly the initial batch
+    fitted = jit.operator
+    assert isinstance(fitted, KernelOperator) and fitted.n_train_ == 120
+    assert fitted.n_inner == 60 and fitted.n_outer == 120 and fitted.inner_factor_ == 0.25
+    fit_seconds = jit.counters()["seconds_initial_fit"]
+    assert fit_seconds > 0
+    n_consulted_after = 0
+    for _ in range(4):
+        inc = inside(40, rng)
+        before = copy.deepcopy(jit.operator)
+        q, lv, consulted = jit.predict(inc)
+        n_consulted_after += consulted.sum()
+        assert jit.operator is fitted  # never refitted
+        assert np.all(np.isfinite(lv))
+        # rows it answered itself are the operator's predictions (taken before its update)
+        q_pred = before.belief(inc)
+        np.testing.assert_allclose(q.mean()[~consulted], q_pred.mean()[~consulted], rtol=1e-12, atol=1e-12)
+    c = jit.counters()
+    assert c["seconds_initial_fit"] == fit_seconds
+    assert c["requests"] == 280
+    # the operator took over: measured 13 of the 160 later requests consulted
+    assert n_consulted_after < 0.25 * 160
+    assert c["consultations"] == 120 + n_consulted_after == 120 + c["updates"]
+    assert fitted.n_train_ == c["n_train"] == 120 + c["updates"]
+
+
+def test_initial_batch_not_a_multiple_of_the_batch_size(oracle):
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=100, to="x", operator_kwargs=OKW)
+    rng = np.random.default_rng(21)
+    jit.predict(inside(40, rng))
+    jit.predict(inside(40, rng))
+    assert jit.operator is None and jit.counters()["n_train"] == 80
+    _, _, consulted = jit.predict(inside(40, rng))  # crosses 100 inside this call: all consulted
+    assert consulted.all() and jit.operator is not None and jit.operator.n_train_ == 120
+
+
+# ====================================================================== gating
+
+
+def test_far_inputs_consult_the_oracle_and_inside_inputs_do_not(op, oracle):
+    """The explicit issue-5 requirement: a JIT operator fed inputs far outside what it has
+    seen consults the oracle, and not otherwise."""
+    jit = fresh_jit(op, oracle)
+    inc = inside(300, 30)
+    q, lv, consulted = jit.predict(inc)
+    assert not consulted.any()
+    assert np.all(lv.max(-1) <= THRESHOLD)
+    assert jit.counters()["consultations"] == 0 and jit.counters()["seconds_oracle"] == 0.0
+    assert_same_family(q, op.predict(inc)[0])  # no oracle, no update: the operator's answer
+    far_inc = far(30, 31)
+    q, lv, consulted = jit.predict(far_inc)
+    assert consulted.all()
+    assert np.all(lv.max(-1) > THRESHOLD)  # the uncertainty that triggered the consultation
+    assert_same_family(q, oracle.belief(far_inc, "x"))
+    c = jit.counters()
+    assert c["requests"] == 330 and c["consultations"] == c["updates"] == 30 and c["calls"] == 2
+
+
+def test_mixed_batch_consults_exactly_the_far_rows_and_counters_add_up(op, oracle):
+    jit = fresh_jit(op, oracle)
+    perm = np.random.default_rng(0).permutation(60)
+    inc = concat(inside(50, 40), far(10, 41), perm)
+    is_far = (np.arange(60) >= 50)[perm]
+    before = copy.deepcopy(jit.operator)
+    q, lv, consulted = jit.predict(inc)
+    np.testing.assert_array_equal(consulted, is_far)
+    # consulted rows: the oracle's answer exactly (same rows, same order)
+    sub = {v: m[consulted] for v, m in inc.items()}
+    q_or = oracle.belief(sub, "x")
+    for p, p_or in zip(q.params, q_or.params):
+        np.testing.assert_array_equal(p[consulted], p_or)
+    # other rows: the operator's prediction made before the update
+    q_pred, lv_pred = before.predict(inc)
+    for p, p_pred in zip(q.params, q_pred.params):
+        np.testing.assert_array_equal(p[~consulted], p_pred[~consulted])
+    np.testing.assert_array_equal(lv, lv_pred)
+    c = jit.counters()
+    assert c["calls"] == 1 and c["requests"] == 60
+    assert c["consultations"] == c["updates"] == 10
+    assert c["consultation_rate"] == pytest.approx(10 / 60)
+    assert c["n_train"] == 410 == jit.operator.n_train_
+    for key in ("seconds_predict", "seconds_oracle", "seconds_update", "seconds_initial_fit"):
+        assert c[key] >= 0.0
+    assert c["seconds_predict"] > 0 and c["seconds_oracle"] > 0 and c["seconds_update"] > 0
+    assert c["seconds_initial_fit"] == 0.0
+
+
+def test_consulting_teaches_it_the_far_input(op, oracle):
+    """Measured: the far inputs' max log variance drops from 1.0..2.0 to -9.8 after one update."""
+    jit = fresh_jit(op, oracle)
+    far_inc = far(5, 50)
+    u_before = jit.operator.uncertainty(far_inc).max(-1)
+    _, _, consulted = jit.predict(far_inc)
+    assert consulted.all()
+    u_after = jit.operator.uncertainty(far_inc).max(-1)
+    assert np.all(u_after < u_before - 4.0), (u_before, u_after)
+    assert np.all(u_after < THRESHOLD)
+    q, _, consulted = jit.predict(far_inc)  # asked again: answered without the oracle
+    assert not consulted.any()
+    assert jit.counters()["consultations"] == 5
+    # and answered well: close to the oracle on the inputs it learned
+    assert np.all(oracle.belief(far_inc, "x").kl(q) < 1e-2)
+
+
+def test_jit_interface(op, oracle):
+    jit = fresh_jit(op, oracle)
+    inc = inside(20, 60)
+    q = jit.belief(inc, to="x")
+    msg = jit.message(inc)
+    np.testing.assert_allclose(msg.natural(), q.natural() - inc["x"].natural(), rtol=1e-10, atol=1e-10)
+    s_inc = {"x": Gaussian(0.3, 1.0), "z": Beta(2.0, 1.0)}
+    q, lv, consulted = jit.predict(s_inc)
+    assert q.shape == () and lv.shape == (2,) and consulted.shape == ()
+    assert jit.message(s_inc).shape == ()
+    q, lv, consulted = jit.predict({"x": inc["x"].reshape(4, 5), "z": inc["z"].reshape(4, 5)})
+    assert q.shape == (4, 5) and lv.shape == (4, 5, 2) and consulted.shape == (4, 5)
+    with pytest.raises(ValueError, match="`to`"):
+        jit.belief(inc, to="z")
+    with pytest.raises(ValueError, match="mismatched"):
+        jit.predict({"x": inc["x"], "z": inc["z"][:3]})
+    with pytest.raises(ValueError, match="`to`"):
+        JITOperator(None, oracle)
+    with pytest.raises(ValueError, match="threshold"):
+        JITOperator(copy.deepcopy(op), oracle, threshold=np.inf)
+    with pytest.raises(ValueError, match="initial_batch"):
+        JITOperator(None, oracle, to="x", initial_batch=1)
+    with pytest.raises(ValueError, match="tau"):  # an operator for another factor
+        JITOperator(KernelOperator(CompoundGamma(), "tau"), oracle)
+    # documented: `to` is taken from the operator when one is given (a contradicting `to` is ignored)
+    with pytest.raises(ValueError, match="contradicts"):
+        JITOperator(copy.deepcopy(op), oracle, to="z")  # a contradictory `to` is refused
+    assert JITOperator(copy.deepcopy(op), oracle, to="x").to == "x"
+
+
+# ====================================================================== state
+
+
+def _stream(seed, n_calls):
+    rng = np.random.default_rng(seed)
+    for i in range(n_calls):
+        # mostly inside messages, a few far ones, so fitted operators keep consulting and learning
+        yield concat(inside(35, rng), far(5, rng), rng.permutation(40))
+
+
+def _make_oracle(factor, kind):
+    if kind == "quadrature":
+        return QuadratureOracle(factor)
+    return ImportanceSamplingOracle(factor, n_samples=20_000, random_state=123)
+
+
+@pytest.mark.parametrize("kind", ["quadrature", "importance_sampling"])
+@pytest.mark.parametrize("when", ["pending", "fitted"])
+def test_save_mid_stream_reload_and_continue_bit_identically(factor, kind, when, tmp_path):
+    jit = JITOperator(None, _make_oracle(factor, kind), threshold=THRESHOLD, initial_batch=100, to="x",
+                      operator_kwargs=OKW)
+    stream = _stream(7, 8)
+    for _ in range(2 if when == "pending" else 4):  # pending: 80 < 100 buffered; fitted: fit at call 3
+        jit.predict(next(stream))
+    if when == "pending":
+        assert jit.operator is None and jit.counters()["n_train"] == 80
+    else:
+        assert jit.operator is not None and jit.counters()["updates"] > 0
+    path = tmp_path / "jit.npz"
+    save_operator(jit, path)
+    loaded = load_operator(path)
+    assert isinstance(loaded, JITOperator) and type(loaded.oracle) is type(jit.oracle)
+    assert loaded.threshold == jit.threshold and loaded.initial_batch == jit.initial_batch
+    assert loaded.counters() == jit.counters()
+    total_consulted = 0
+    for inc in stream:
+        q1, lv1, c1 = jit.predict(inc)
+        q2, lv2, c2 = loaded.predict(inc)
+        assert_same_family(q1, q2)
+        np.testing.assert_array_equal(lv1, lv2)  # NaN == NaN here (initial phase)
+        np.testing.assert_array_equal(c1, c2)
+        total_consulted += c1.sum()
+    assert total_consulted > 0  # the continuation did consult (and, once fitted, learn)
+    assert jit.operator is not None and loaded.operator is not None
+    c1, c2 = jit.counters(), loaded.counters()
+    for key in ("calls", "requests", "consultations", "updates", "n_train"):
+        assert c1[key] == c2[key]
+    probe = concat(inside(50, 99), far(10, 98))
+    q1, u1 = jit.operator.predict(probe)
+    q2, u2 = loaded.operator.predict(probe)
+    assert_same_family(q1, q2)
+    np.testing.assert_array_equal(u1, u2)
+
+
+def test_saved_state_has_the_oracle_rng_state(factor, tmp_path):
+    """The reloaded importance sampler continues the same random stream (not a fresh seed)."""
+    o = ImportanceSamplingOracle(factor, n_samples=5_000, random_state=5)
+    jit = JITOperator(None, o, threshold=THRESHOLD, initial_batch=50, to="x", operator_kwargs=OKW)
+    jit.predict(inside(10, 1))
+    save_operator(jit, tmp_path / "j.npz")
+    loaded = load_operator(tmp_path / "j.npz")
+    assert loaded.oracle.n_samples == 5_000 and loaded.oracle.min_ess == o.min_ess
+    assert loaded.oracle._rng.bit_generator.state == o._rng.bit_generator.state
+    inc = inside(5, 2)
+    assert_same_family(o.belief(inc, "x"), loaded.oracle.belief(inc, "x"))
+
+
+def test_operator_kwargs_with_string_dtype_round_trip(factor, oracle, tmp_path):
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=40, to="x",
+                      operator_kwargs={**OKW, "dtype": "float32"})
+    jit.predict(inside(20, 3))
+    save_operator(jit, tmp_path / "j.npz")
+    loaded = load_operator(tmp_path / "j.npz")
+    for j in (jit, loaded):
+        j.predict(inside(20, 4))
+        assert j.operator.dtype == np.float32
+    inc = inside(30, 5)
+    assert_same_family(jit.belief(inc), loaded.belief(inc))
+
+
+def test_operator_kwargs_with_numpy_dtype_can_be_saved(factor, oracle, tmp_path):
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=40, to="x",
+                      operator_kwargs={**OKW, "dtype": np.float32})
+    jit.predict(inside(20, 3))
+    save_operator(jit, tmp_path / "j.npz")
+    loaded = load_operator(tmp_path / "j.npz")
+    loaded.predict(inside(20, 4))
+    assert loaded.operator.dtype == np.float32
