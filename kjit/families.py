@@ -211,6 +211,14 @@ class Family:
         """Plain parameter lists (JSON-ready)."""
         return {n: p.tolist() for n, p in zip(self.param_names, self.params)}
 
+    @classmethod
+    def from_dict(cls, d) -> "Family":
+        """Inverse of :meth:`to_dict` (validated); a missing parameter is a ValueError naming it."""
+        missing = [n for n in cls.param_names if n not in d]
+        if missing:
+            raise ValueError(f"{cls.__name__}: missing parameter(s) {', '.join(map(repr, missing))}")
+        return cls(*(d[n] for n in cls.param_names))
+
     # ------------------------------------------------------------------ natural parameters
     def natural(self) -> np.ndarray:
         """Natural parameters, shape ``(*batch, n_stats)``."""

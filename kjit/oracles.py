@@ -86,6 +86,7 @@ class Oracle:
 _LEVELS = np.array([0.1, 0.5, 1.5, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0, 36.0, 50.0])
 _CUTOFF = 55.0  # below w_max − _CUTOFF the integrand is < 1.3e-24 of its peak: ignored
 _GL_N = 12
+_BISECT_LEVEL = 24  # level crossings to 2^-24 of their segment: panel ends need not be exact
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(_GL_N)
 
 
@@ -105,8 +106,9 @@ def _bisect(g, lo, hi, n_iter):
 def _panel_rule(logf, breaks, step):
     """Nodes and normalised log-weights of the level-panel rule for exp(logf).
 
-    logf(t): vectorised log integrand; ``t`` has shape (B, ...) and logf broadcasts its
-    per-message parameters as (B, 1, ...).  ``breaks`` (B, K): points that include every
+    logf(t, rows=None): vectorised log integrand; with ``rows`` None, ``t`` has shape (B, ...)
+    and logf broadcasts its per-message parameters as (B, 1, ...); otherwise ``t`` is 1-D and
+    ``rows`` gives the message of each entry.  ``breaks`` (B, K): points that include every
     stationary point of logf, so logf is monotone between consecutive sorted breaks and on
     the two outer half-lines.  ``step`` (B,): a length scale for the outward search.
 
@@ -132,20 +134,28 @@ def _panel_rule(logf, breaks, step):
     a, b = pts[:, :-1], pts[:, 1:]  # segments (B, S)
     fa, fb_ = logf(a), logf(b)
     target = wmax[:, None, None] - _LEVELS[None, None, :]  # (B, 1, L)
-    A, Bb = a[..., None], b[..., None]
     FA, FB = fa[..., None], fb_[..., None]
     inside = (target - FA) * (target - FB) < 0  # level crossed strictly inside the segment
-    # bisection for logf(t) = target on [a, b] where crossed
-    lo = np.broadcast_to(A, inside.shape).copy()
-    hi = np.broadcast_to(Bb, inside.shape).copy()
-    sign_lo = np.sign(FA - target)
-    for _ in range(36):
+    # bisection for logf(t) = target, only on the (row, segment, level) entries crossed
+    ib, is_, il = np.nonzero(inside)
+    lo, hi = a[ib, is_], b[ib, is_]
+    tgt = wmax[ib] - _LEVELS[il]
+    sign_lo = np.sign(fa[ib, is_] - tgt)
+    for _ in range(_BISECT_LEVEL):
         mid = 0.5 * (lo + hi)
-        s = np.sign(logf(mid) - target) == sign_lo
-        lo = np.where(s, mid, lo)
-        hi = np.where(s, hi, mid)
-    cross = np.where(inside, 0.5 * (lo + hi), A)  # non-crossings collapse onto the segment start
-    allpts = np.sort(np.concatenate([pts, cross.reshape(B, -1)], axis=1), axis=1)
+        same = np.sign(logf(mid, ib) - tgt) == sign_lo
+        lo = np.where(same, mid, lo)
+        hi = np.where(same, hi, mid)
+    # panel end points: segment ends and crossings; rows padded with copies of their last point
+    count = np.bincount(ib, minlength=B)
+    width = K + 2 + int(count.max(initial=0))
+    allpts = np.repeat(pts[:, -1:], width, axis=1)
+    allpts[:, : K + 2] = pts
+    order = np.argsort(ib, kind="stable")
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])
+    slot = np.arange(ib.size) - start[ib[order]]
+    allpts[ib[order], K + 2 + slot] = (0.5 * (lo + hi))[order]
+    allpts.sort(axis=1)
     left, right = allpts[:, :-1], allpts[:, 1:]
     half = 0.5 * (right - left)
     centre = 0.5 * (right + left)
@@ -175,12 +185,15 @@ def _logistic_rule(mu, v, alpha, beta, weight: int = 0):
     mu, v, alpha, beta = (np.asarray(p, float) for p in (mu, v, alpha, beta))
     am1, bm1 = alpha - 1.0, beta - 1.0
 
-    def col(p, t):
-        return p.reshape(p.shape + (1,) * (t.ndim - 1))
+    ab = am1 + bm1
 
-    def logf0(t):
-        m, vv, a1, b1 = (col(p, t) for p in (mu, v, am1, bm1))
-        return (-0.5 * (t - m) ** 2 / vv - a1 * np.logaddexp(0.0, -t) - b1 * np.logaddexp(0.0, t))
+    def col(p, t, rows):
+        return p[rows] if rows is not None else p.reshape(p.shape + (1,) * (t.ndim - 1))
+
+    def logf0(t, rows=None):
+        m, vv, c, b1 = (col(p, t, rows) for p in (mu, v, ab, bm1))
+        # (α−1) log σ(t) + (β−1) log σ(−t) = −(α+β−2) softplus(−t) − (β−1) t
+        return -0.5 * (t - m) ** 2 / vv - c * np.logaddexp(0.0, -t) - b1 * t
 
     def dlogf0(t):
         return -(t - mu) / v + am1 * special.expit(-t) - bm1 * special.expit(t)
@@ -193,8 +206,8 @@ def _logistic_rule(mu, v, alpha, beta, weight: int = 0):
             return np.where(t < -30.0, 1.0, special.expit(t) / np.logaddexp(0.0, t))
 
     if weight:
-        def logf(t):
-            return logf0(t) + log_softplus(-weight * t)
+        def logf(t, rows=None):
+            return logf0(t, rows) + log_softplus(-weight * t)
 
         def dlogf(t):
             return dlogf0(t) - weight * dlog_softplus(-weight * t)
@@ -214,9 +227,9 @@ def _logistic_rule(mu, v, alpha, beta, weight: int = 0):
     far_hi = mu + v * M + 1.0
     # stationary points: in (−∞, −t0], [−t0, t0], [t0, ∞) (one interval when concave)
     g_m, g_p = dlogf(-t0), dlogf(t0)
-    r1 = _bisect(dlogf, far_lo, np.where(nonconcave, -t0, far_hi), 200)
-    r3 = _bisect(dlogf, np.where(nonconcave, t0, far_lo), far_hi, 200)
-    r2 = _bisect(dlogf, -t0, t0, 200)
+    r1 = _bisect(dlogf, far_lo, np.where(nonconcave, -t0, far_hi), 100)
+    r3 = _bisect(dlogf, np.where(nonconcave, t0, far_lo), far_hi, 100)
+    r2 = _bisect(dlogf, -t0, t0, 100)
     has1 = ~nonconcave | (g_m < 0)
     has3 = nonconcave & (g_p > 0)
     has2 = nonconcave & (g_m < 0) & (g_p > 0)
@@ -266,11 +279,11 @@ def _compound_gamma_rule(factor: CompoundGamma, a, b):
             "(τ^(s2+a-2) is not integrable at 0)"
         )
 
-    def col(p, t):
-        return p.reshape(p.shape + (1,) * (t.ndim - 1))
+    def col(p, t, rows):
+        return p[rows] if rows is not None else p.reshape(p.shape + (1,) * (t.ndim - 1))
 
-    def logf(u):
-        cc, bb = col(c1, u), col(b, u)
+    def logf(u, rows=None):
+        cc, bb = col(c1, u, rows), col(b, u, rows)
         return cc * u - (s1 + s2) * np.logaddexp(np.log(r1), u) - bb * np.exp(u)
 
     def dlogf(u):
