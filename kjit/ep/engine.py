@@ -1,0 +1,635 @@
+"""EP with Gaussian sites on linear predictors (SPEC §7).
+
+Model: ``w ~ N(0, diag(prior_var))`` in R^d, linear predictors ``x_i = a_i^T w`` (rows of ``A``),
+and one non-conjugate factor per row that links ``x_i`` to other, *fixed* messages (the observed
+label, as a message).  The factor's messages to ``x_i`` come from an *operator*::
+
+    operator.belief(incoming: dict[str, Family], to: str) -> Family   # proj[f · Π incoming]
+    operator.log_partition(incoming) -> ndarray                         # optional (log evidence)
+
+``incoming`` maps every variable of the factor to a batch of messages of one common shape
+``(n,)``.  EP approximates each factor by a Gaussian site ``t_i(x_i) ∝ exp(h_i x_i − λ_i x_i²/2)``
+(shift ``h_i``, precision ``λ_i``); the posterior is
+``N(w; μ, Σ)``, ``Σ^{-1} = diag(1/prior_var) + A^T diag(λ) A``, ``Σ^{-1} μ = A^T h``.
+
+One EP update of site i:
+
+1. posterior marginal ``x_i ~ N(m_i, v_i)``, ``m_i = a_i^T μ``, ``v_i = a_i^T Σ a_i``;
+2. cavity (the marginal with site i removed), computed without forming ``Σ_¬i``::
+
+       v_¬i = v_i / (1 − λ_i v_i),   m_¬i = (m_i − v_i h_i) / (1 − λ_i v_i)
+
+   it is a distribution only when ``1 − λ_i v_i > 0`` (otherwise the update is skipped);
+3. ``q = operator.belief({x: N(m_¬i, v_¬i), **observed_i}, x)`` (the projected tilted
+   distribution) and the proposed site ``q / cavity`` (natural parameters subtracted);
+4. damping in natural parameters: ``site ← site + (1 − damping) · (proposal − site)``.
+
+Improper or invalid updates are skipped, never clipped, and counted per iteration by reason:
+
+``cavity``          non-positive or non-finite cavity variance;
+``operator_error``  the operator raised (the whole batch it was asked is skipped, unless the
+                    exception has a ``rows`` attribute naming the failing positions of the
+                    batch, as the importance-sampling oracle's ``LowESSError`` does: then only
+                    those are skipped and the rest is asked again) or returned a non-Gaussian /
+                    wrongly shaped answer;
+``invalid``         the belief is improper or non-finite, or the new site is non-finite;
+``negative``        the new site precision is negative and ``allow_negative_sites`` is False;
+``not_pd``          the update would make the posterior precision not positive definite.
+
+Schedules: ``"parallel"`` updates all sites from one posterior, asking the operator for all
+cavities in **one batched call** per iteration (what a remote operator needs); ``"sequential"``
+updates site by site with rank-one updates of ``(μ, Σ)``, one operator call of batch size one
+per site, and recomputes the posterior from the sites after every sweep (no drift).
+
+Convergence: an iteration converges when the largest change of any site's natural parameters,
+measured on the scale of the posterior marginal ``v_i`` of its predictor,
+``max_i max(|Δh_i| √v_i, |Δλ_i| v_i)``, is below ``tol`` *and* no update was skipped.  The
+scaling makes the test invariant to rescaling a row ``a_i`` and avoids a round-off floor: a
+site's natural parameters are a difference of two precisions of order ``1/v_i`` (belief minus
+cavity), so their absolute round-off is ``~1e-16 / v_i`` and an unscaled test cannot pass for
+rows with small ``v_i``.  (``|Δλ_i| v_i`` is the change of the fraction of the marginal
+precision that site i contributes; ``|Δh_i| √v_i`` the change of the site's pull on the
+marginal mean in marginal standard deviations.)  The unscaled change is recorded too.  A run that stops at
+``max_iter`` has ``converged=False`` and says so in ``status``.
+
+Log evidence (where the operator has ``log_partition``): the standard EP estimate
+``log Z_EP = Σ_i log s_i + log ∫ N(w; 0, Σ_0) Π_i exp(h_i x_i − λ_i x_i²/2) dw`` with site
+normalisers ``s_i`` chosen so that ``∫ cavity_i · s_i exp(h_i x − λ_i x²/2) dx = Z_i``, where
+``Z_i = exp(log_partition)`` is the tilted normaliser at the final cavities.  It is the log
+marginal likelihood of the factor graph as given to the operator (messages normalised).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple
+
+import numpy as np
+from scipy import linalg
+
+from ..families import Family, Gaussian
+
+__all__ = [
+    "GaussianPosterior",
+    "IterationRecord",
+    "EPResult",
+    "LinearEP",
+    "SKIP_REASONS",
+]
+
+SKIP_REASONS = ("cavity", "operator_error", "invalid", "negative", "not_pd")
+
+_SCHEDULES = ("parallel", "sequential")
+
+
+class GaussianPosterior(NamedTuple):
+    """Multivariate Gaussian ``N(mean, cov)``; unpacks as ``mean, cov = posterior``."""
+
+    mean: np.ndarray
+    cov: np.ndarray
+
+    def marginals(self, X) -> Gaussian:
+        """Distribution of ``X @ w`` row by row: ``N(X μ, diag(X Σ X^T))``."""
+        X = np.atleast_2d(np.asarray(X, dtype=float))
+        m = X @ self.mean
+        v = np.einsum("ij,jk,ik->i", X, self.cov, X)
+        return Gaussian(m, np.maximum(v, np.finfo(float).tiny))
+
+
+@dataclass
+class IterationRecord:
+    """What happened in one EP iteration (a full sweep over the sites)."""
+
+    iteration: int
+    max_change: float          # largest scaled change of an applied site: max(|Δh| √v, |Δλ| v)
+    seconds: float             # wall time of the iteration
+    n_skipped: int             # updates skipped, all reasons
+    skipped: dict[str, int]    # updates skipped, by reason (see SKIP_REASONS)
+    n_updated: int             # sites whose update was applied
+    operator_calls: int        # calls to operator.belief in this iteration
+    operator_seconds: float    # time spent inside the operator
+    max_change_raw: float = 0.0  # largest unscaled |Δh| or |Δλ| applied
+    step_scale: float = 1.0    # parallel: extra step shrinkage needed to keep Σ positive definite
+    errors: list[str] = field(default_factory=list)  # operator exception messages (first few)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "max_change": self.max_change,
+            "max_change_raw": self.max_change_raw,
+            "seconds": self.seconds,
+            "n_skipped": self.n_skipped,
+            "skipped": dict(self.skipped),
+            "n_updated": self.n_updated,
+            "operator_calls": self.operator_calls,
+            "operator_seconds": self.operator_seconds,
+            "step_scale": self.step_scale,
+            "errors": list(self.errors),
+        }
+
+
+@dataclass
+class EPResult:
+    """Outcome of an EP run.
+
+    ``site_shift`` (h) and ``site_precision`` (λ) are the Gaussian sites
+    ``exp(h_i x_i − λ_i x_i²/2)``; ``posterior`` is ``N(mean, cov)`` of the weights.
+    """
+
+    posterior: GaussianPosterior
+    site_shift: np.ndarray
+    site_precision: np.ndarray
+    converged: bool
+    iterations: int
+    status: str
+    history: list[IterationRecord]
+    log_evidence: float | None
+    log_evidence_note: str
+    seconds: float
+    operator_calls: int
+    schedule: str
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.posterior.mean
+
+    @property
+    def cov(self) -> np.ndarray:
+        return self.posterior.cov
+
+    @property
+    def n_skipped(self) -> int:
+        """Skipped updates summed over all iterations."""
+        return int(sum(r.n_skipped for r in self.history))
+
+    @property
+    def max_changes(self) -> np.ndarray:
+        return np.array([r.max_change for r in self.history])
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary (no arrays)."""
+        return {
+            "converged": self.converged,
+            "iterations": self.iterations,
+            "status": self.status,
+            "seconds": self.seconds,
+            "operator_calls": self.operator_calls,
+            "n_skipped": self.n_skipped,
+            "log_evidence": self.log_evidence,
+            "schedule": self.schedule,
+            "history": [r.as_dict() for r in self.history],
+        }
+
+
+# ---------------------------------------------------------------------------- helpers
+class _PosteriorState:
+    """Posterior from prior precision and sites, by Cholesky of the precision."""
+
+    __slots__ = ("mean", "cov", "chol")
+
+    def __init__(self, mean, cov, chol):
+        self.mean, self.cov, self.chol = mean, cov, chol
+
+
+def _posterior_from_sites(A, prior_prec, h, lam):
+    """Return a _PosteriorState or None when the precision is not positive definite."""
+    with np.errstate(all="ignore"):
+        P = A.T @ (lam[:, None] * A)
+        P[np.diag_indices_from(P)] += prior_prec
+        b = A.T @ h
+    if not np.all(np.isfinite(P)) or not np.all(np.isfinite(b)):
+        return None
+    try:
+        L = linalg.cholesky(P, lower=True, check_finite=False)
+    except linalg.LinAlgError:
+        return None
+    if not np.all(np.diag(L) > 0):
+        return None
+    mean = linalg.cho_solve((L, True), b, check_finite=False)
+    Linv = linalg.solve_triangular(L, np.eye(P.shape[0]), lower=True, check_finite=False)
+    cov = Linv.T @ Linv
+    return _PosteriorState(mean, cov, L)
+
+
+def _marginals(A, state):
+    """Posterior marginals of every x_i = a_i^T w: mean and variance, stable via the Cholesky."""
+    with np.errstate(all="ignore"):
+        m = A @ state.mean
+        W = linalg.solve_triangular(state.chol, A.T, lower=True, check_finite=False)
+        v = np.einsum("ij,ij->j", W, W)
+    return m, v
+
+
+def _cavity(m, v, h, lam):
+    """Cavity mean/variance and a validity mask (see module docstring)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        denom = 1.0 - lam * v
+        vc = v / denom
+        mc = (m - v * h) / denom
+    ok = (denom > 0) & np.isfinite(vc) & (vc > 0) & np.isfinite(mc)
+    return mc, vc, ok
+
+
+def _log_gauss_integral(mc, vc, h, lam):
+    """log ∫ N(x; mc, vc) exp(h x − λ x²/2) dx (requires 1/vc + λ > 0)."""
+    p = 1.0 / vc + lam
+    b = mc / vc + h
+    return -0.5 * np.log(vc) - 0.5 * np.log(p) + 0.5 * b * b / p - 0.5 * mc * mc / vc
+
+
+def _as_messages(observed: Mapping[str, Family], n: int) -> dict[str, Family]:
+    if not isinstance(observed, Mapping):
+        raise ValueError("`observed` must be a mapping from variable name to a message batch")
+    out = {}
+    for k, msg in observed.items():
+        if not isinstance(msg, Family):
+            raise ValueError(f"`observed[{k!r}]` must be a kjit Family message, got {type(msg).__name__}")
+        if msg.shape not in ((), (n,)):
+            raise ValueError(
+                f"`observed[{k!r}]` must have batch shape ({n},) (one message per row of A) or (), "
+                f"got {msg.shape}"
+            )
+        out[k] = msg.broadcast_to((n,)) if msg.shape == () else msg
+    return out
+
+
+def _index(messages: Mapping[str, Family], idx) -> dict[str, Family]:
+    return {k: m[idx] for k, m in messages.items()}
+
+
+# ---------------------------------------------------------------------------- engine
+class LinearEP:
+    """EP for ``w ~ N(0, prior_var I)``, ``x_i = a_i^T w`` and operator-given factors on ``x_i``.
+
+    Parameters
+    ----------
+    operator:
+        Object with ``belief(incoming, to)`` (batched; see module docstring) and optionally
+        ``log_partition(incoming)``.
+    site_var:
+        Name of the factor variable that is the linear predictor (``"x"`` for ``Logistic``,
+        ``"f"`` for ``ProbitNoise``).
+    prior_var:
+        Prior variance of each weight: a positive scalar or a length-d array.
+    damping:
+        In ``[0, 1)``: the fraction of the old site kept, in natural parameters
+        (0 = undamped EP).
+    max_iter, tol:
+        Iteration cap and convergence tolerance on the largest absolute change of a site natural
+        parameter ``(h_i, λ_i)`` in one iteration, scaled by the posterior marginal variance
+        ``v_i`` of the predictor: ``max(|Δh_i| √v_i, |Δλ_i| v_i)`` (see module docstring).
+    schedule:
+        ``"parallel"`` (one batched operator call per iteration) or ``"sequential"``.
+    allow_negative_sites:
+        Keep site updates with negative precision (if the posterior stays positive definite).
+        Default False: skip them (counted as ``negative``).
+    compute_evidence:
+        After the run, ask ``operator.log_partition`` (if it exists) for the tilted normalisers
+        at the final cavities and compute the EP log evidence.
+    callback:
+        Called as ``callback(record, result_so_far_mean, result_so_far_cov)`` after each iteration.
+    """
+
+    def __init__(
+        self,
+        operator,
+        site_var: str = "x",
+        prior_var=1.0,
+        damping: float = 0.0,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+        schedule: str = "parallel",
+        allow_negative_sites: bool = False,
+        compute_evidence: bool = True,
+        callback: Callable | None = None,
+    ):
+        self.operator = operator
+        self.site_var = site_var
+        self.prior_var = prior_var
+        self.damping = damping
+        self.max_iter = max_iter
+        self.tol = tol
+        self.schedule = schedule
+        self.allow_negative_sites = allow_negative_sites
+        self.compute_evidence = compute_evidence
+        self.callback = callback
+
+    # ------------------------------------------------------------------ validation
+    def _check_options(self, d):
+        if not hasattr(self.operator, "belief"):
+            raise ValueError("`operator` must have a `belief(incoming, to)` method")
+        if not isinstance(self.site_var, str) or not self.site_var:
+            raise ValueError("`site_var` must be a non-empty string")
+        pv = np.asarray(self.prior_var, dtype=float)
+        if pv.ndim > 1 or (pv.ndim == 1 and pv.shape[0] != d):
+            raise ValueError(f"`prior_var` must be a scalar or a length-{d} array, got shape {pv.shape}")
+        if not np.all(np.isfinite(pv) & (pv > 0)):
+            raise ValueError("`prior_var` must be finite and > 0")
+        if not (np.isfinite(self.damping) and 0.0 <= self.damping < 1.0):
+            raise ValueError(f"`damping` must lie in [0, 1), got {self.damping!r}")
+        if int(self.max_iter) != self.max_iter or self.max_iter < 1:
+            raise ValueError(f"`max_iter` must be a positive integer, got {self.max_iter!r}")
+        if not (np.isfinite(self.tol) and self.tol >= 0):
+            raise ValueError(f"`tol` must be finite and >= 0, got {self.tol!r}")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"`schedule` must be one of {_SCHEDULES}, got {self.schedule!r}")
+        return np.broadcast_to(1.0 / pv, (d,)).astype(float)
+
+    # ------------------------------------------------------------------ operator call
+    def _ask(self, cav_m, cav_v, observed, idx, skipped, errors):
+        """Beliefs for the sites ``idx`` with cavities ``(cav_m, cav_v)`` (already indexed by
+        ``idx``); returns (mean, var, ok) arrays of length ``len(idx)``."""
+        k = len(idx)
+        qm, qv = np.zeros(k), np.ones(k)
+        ok = np.zeros(k, dtype=bool)
+        live = np.arange(k)  # positions (within idx) still to be answered
+        for _attempt in range(4):
+            incoming = {self.site_var: Gaussian._unchecked(cav_m[live], cav_v[live])}
+            incoming.update(_index(observed, idx[live]))
+            try:
+                with np.errstate(all="ignore"):
+                    q = self.operator.belief(incoming, self.site_var)
+                break
+            except Exception as exc:  # an operator failure must not end the run: skip and report
+                if len(errors) < 5:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                # an error that names the failing rows of the batch (e.g. the importance-sampling
+                # oracle's LowESSError.rows): skip just those and ask again for the rest
+                rows = getattr(exc, "rows", None)
+                try:
+                    rows = np.unique(np.asarray(rows, dtype=int).ravel()) if rows is not None else None
+                except (TypeError, ValueError):
+                    rows = None
+                if rows is None or rows.size == 0 or rows.size >= live.size or rows.min() < 0 or rows.max() >= live.size:
+                    skipped["operator_error"] += live.size
+                    return qm, qv, ok
+                skipped["operator_error"] += rows.size
+                live = np.delete(live, rows)
+        else:
+            skipped["operator_error"] += live.size
+            return qm, qv, ok
+        k_live = live.size
+        if not isinstance(q, Gaussian) or q.shape != (k_live,):
+            skipped["operator_error"] += k_live
+            if len(errors) < 5:
+                errors.append(
+                    f"operator returned {type(q).__name__} of shape {getattr(q, 'shape', None)}, "
+                    f"expected Gaussian of shape ({k_live},)"
+                )
+            return qm, qv, ok
+        m_live, v_live = np.asarray(q.mean(), float), np.asarray(q.var(), float)
+        good = np.isfinite(m_live) & np.isfinite(v_live) & (v_live > 0)
+        skipped["invalid"] += int(k_live - np.count_nonzero(good))
+        qm[live] = np.where(good, m_live, 0.0)
+        qv[live] = np.where(good, v_live, 1.0)
+        ok[live] = good
+        return qm, qv, ok
+
+    def _propose(self, cm, cv, qm, qv, h_old, lam_old, ok, skipped):
+        """Damped new sites and the mask of acceptable ones (before the PD check)."""
+        with np.errstate(all="ignore"):
+            lam_p = 1.0 / qv - 1.0 / cv
+            h_p = qm / qv - cm / cv
+        fin = np.isfinite(lam_p) & np.isfinite(h_p)
+        bad = ok & ~fin
+        skipped["invalid"] += int(np.count_nonzero(bad))
+        ok = ok & fin
+        g = 1.0 - self.damping
+        lam_n = np.where(ok, lam_old + g * (lam_p - lam_old), lam_old)
+        h_n = np.where(ok, h_old + g * (h_p - h_old), h_old)
+        if not self.allow_negative_sites:
+            neg = ok & (lam_n < 0)
+            skipped["negative"] += int(np.count_nonzero(neg))
+            ok = ok & ~neg
+        return h_n, lam_n, ok
+
+    # ------------------------------------------------------------------ run
+    def run(self, A, observed: Mapping[str, Family], init_sites=None) -> EPResult:
+        """Run EP on design matrix ``A`` (n × d) with fixed messages ``observed`` (batch (n,)).
+
+        ``init_sites``: optional ``(shift, precision)`` arrays to start from (default zeros,
+        i.e. the prior).
+        """
+        A = np.asarray(A, dtype=float)
+        if A.ndim != 2 or A.shape[0] < 1 or A.shape[1] < 1:
+            raise ValueError(f"`A` must be a non-empty 2-D array (n, d), got shape {A.shape}")
+        if not np.all(np.isfinite(A)):
+            raise ValueError("`A` must be finite")
+        n, d = A.shape
+        prior_prec = self._check_options(d)
+        observed = _as_messages(observed, n)
+        if self.site_var in observed:
+            raise ValueError(f"`observed` must not contain the site variable {self.site_var!r}")
+        if init_sites is None:
+            h = np.zeros(n)
+            lam = np.zeros(n)
+        else:
+            h, lam = (np.array(np.broadcast_to(np.asarray(s, float), (n,))) for s in init_sites)
+            if not (np.all(np.isfinite(h)) and np.all(np.isfinite(lam))):
+                raise ValueError("`init_sites` must be finite")
+        state = _posterior_from_sites(A, prior_prec, h, lam)
+        if state is None:
+            raise ValueError("`init_sites` give a posterior precision that is not positive definite")
+
+        history: list[IterationRecord] = []
+        converged = False
+        calls = 0
+        t_start = time.perf_counter()
+        step = self._parallel_iteration if self.schedule == "parallel" else self._sequential_sweep
+        for it in range(1, int(self.max_iter) + 1):
+            t0 = time.perf_counter()
+            h, lam, state, rec = step(A, prior_prec, observed, h, lam, state)
+            rec.iteration = it
+            rec.seconds = time.perf_counter() - t0
+            history.append(rec)
+            calls += rec.operator_calls
+            if self.callback is not None:
+                self.callback(rec, state.mean.copy(), state.cov.copy())
+            if rec.n_skipped == 0 and rec.max_change < self.tol:
+                converged = True
+                break
+        iterations = len(history)
+        last = history[-1]
+        if converged:
+            status = f"converged after {iterations} iteration(s) (max site change {last.max_change:.3g} < tol {self.tol:g})"
+        else:
+            status = (
+                f"stopped at max_iter={int(self.max_iter)} without convergence "
+                f"(last max site change {last.max_change:.3g}, tol {self.tol:g}, "
+                f"{last.n_skipped} update(s) skipped in the last iteration)"
+            )
+        log_z, note = self._log_evidence(A, prior_prec, observed, h, lam, state)
+        if log_z is not None and not converged:
+            note += "; EP did not converge, so this is the estimate at the last iterate"
+        return EPResult(
+            posterior=GaussianPosterior(state.mean, state.cov),
+            site_shift=h,
+            site_precision=lam,
+            converged=converged,
+            iterations=iterations,
+            status=status,
+            history=history,
+            log_evidence=log_z,
+            log_evidence_note=note,
+            seconds=time.perf_counter() - t_start,
+            operator_calls=calls,
+            schedule=self.schedule,
+        )
+
+    # ------------------------------------------------------------------ schedules
+    def _new_record(self):
+        return IterationRecord(
+            iteration=0, max_change=0.0, seconds=0.0, n_skipped=0,
+            skipped=dict.fromkeys(SKIP_REASONS, 0), n_updated=0,
+            operator_calls=0, operator_seconds=0.0,
+        )
+
+    def _parallel_iteration(self, A, prior_prec, observed, h, lam, state):
+        rec = self._new_record()
+        skipped = rec.skipped
+        m, v = _marginals(A, state)
+        cm, cv, ok = _cavity(m, v, h, lam)
+        skipped["cavity"] += int(np.count_nonzero(~ok))
+        idx = np.flatnonzero(ok)
+        qm = np.zeros_like(m)
+        qv = np.ones_like(m)
+        if idx.size:
+            t0 = time.perf_counter()
+            qm_i, qv_i, ok_i = self._ask(cm[idx], cv[idx], observed, idx, skipped, rec.errors)
+            rec.operator_seconds += time.perf_counter() - t0
+            rec.operator_calls += 1
+            qm[idx], qv[idx] = qm_i, qv_i
+            ok[idx] = ok_i
+        h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h, lam, ok, skipped)
+        # each update alone must keep the posterior positive definite: 1 + Δλ v > 0
+        with np.errstate(invalid="ignore"):
+            single = 1.0 + (lam_n - lam) * v > 0
+        bad = ok & ~single
+        skipped["not_pd"] += int(np.count_nonzero(bad))
+        ok = ok & single
+        # jointly: shrink the step until the posterior is positive definite
+        new_state = None
+        scale = 1.0
+        for _ in range(30):
+            h_try = np.where(ok, h + scale * (h_n - h), h)
+            lam_try = np.where(ok, lam + scale * (lam_n - lam), lam)
+            new_state = _posterior_from_sites(A, prior_prec, h_try, lam_try)
+            if new_state is not None or not ok.any():
+                break
+            scale *= 0.5
+        if new_state is None:  # give up on the whole iteration
+            skipped["not_pd"] += int(np.count_nonzero(ok))
+            ok[:] = False
+            h_try, lam_try, new_state = h, lam, state
+        rec.step_scale = scale
+        if ok.any():
+            dh = np.abs(h_try - h)
+            dl = np.abs(lam_try - lam)
+            rec.max_change = float(np.max(np.maximum(dh * np.sqrt(v), dl * v)))
+            rec.max_change_raw = float(np.max(np.maximum(dh, dl)))
+        rec.n_updated = int(np.count_nonzero(ok))
+        rec.n_skipped = int(sum(skipped.values()))
+        return h_try, lam_try, new_state, rec
+
+    def _sequential_sweep(self, A, prior_prec, observed, h, lam, state):
+        rec = self._new_record()
+        skipped = rec.skipped
+        h0, lam0 = h, lam
+        h = h.copy()
+        lam = lam.copy()
+        mu = state.mean.copy()
+        Sigma = state.cov.copy()
+        applied = []  # (site, new shift, new precision, scaled change, raw change), in order
+        for i in range(A.shape[0]):
+            a = A[i]
+            s = Sigma @ a
+            m_i = float(a @ mu)
+            v_i = float(a @ s)
+            cm, cv, ok = _cavity(np.array([m_i]), np.array([v_i]), h[i : i + 1], lam[i : i + 1])
+            if not ok[0]:
+                skipped["cavity"] += 1
+                continue
+            t0 = time.perf_counter()
+            qm, qv, ok = self._ask(cm, cv, observed, np.array([i]), skipped, rec.errors)
+            rec.operator_seconds += time.perf_counter() - t0
+            rec.operator_calls += 1
+            if not ok[0]:
+                continue
+            h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h[i : i + 1], lam[i : i + 1], ok, skipped)
+            if not ok[0]:
+                continue
+            dlam = float(lam_n[0] - lam[i])
+            dh = float(h_n[0] - h[i])
+            denom = 1.0 + dlam * v_i
+            if not (denom > 0 and np.isfinite(denom)):
+                skipped["not_pd"] += 1
+                continue
+            # rank-one update of the posterior (Sherman–Morrison)
+            mu = mu + s * ((dh - dlam * m_i) / denom)
+            Sigma = Sigma - np.outer(s, s) * (dlam / denom)
+            Sigma = 0.5 * (Sigma + Sigma.T)
+            h[i] = h_n[0]
+            lam[i] = lam_n[0]
+            applied.append(
+                (i, h_n[0], lam_n[0], max(abs(dh) * np.sqrt(v_i), abs(dlam) * v_i), max(abs(dh), abs(dlam)))
+            )
+        # recompute the posterior from the sites (no drift from the rank-one updates)
+        new_state = _posterior_from_sites(A, prior_prec, h, lam)
+        k = len(applied)
+        if new_state is None:
+            # round-off let Σ leave the positive-definite cone: keep the longest prefix of the
+            # sweep's updates that gives a positive-definite precision (bisection)
+            def prefix(k):
+                hh, ll = h0.copy(), lam0.copy()
+                for i, hn, ln, _, _ in applied[:k]:
+                    hh[i], ll[i] = hn, ln
+                return hh, ll, _posterior_from_sites(A, prior_prec, hh, ll)
+
+            lo, hi = 0, k  # prefix lo is fine (lo = 0 is the old state), prefix hi is not
+            best = (h0, lam0, state)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                hh, ll, st = prefix(mid)
+                if st is None:
+                    hi = mid
+                else:
+                    lo, best = mid, (hh, ll, st)
+            skipped["not_pd"] += k - lo
+            k = lo
+            h, lam, new_state = best
+        rec.n_updated = k
+        rec.max_change = float(max((c[3] for c in applied[:k]), default=0.0))
+        rec.max_change_raw = float(max((c[4] for c in applied[:k]), default=0.0))
+        rec.n_skipped = int(sum(skipped.values()))
+        return h, lam, new_state, rec
+
+    # ------------------------------------------------------------------ evidence
+    def _log_evidence(self, A, prior_prec, observed, h, lam, state):
+        if not self.compute_evidence:
+            return None, "not computed (compute_evidence=False)"
+        if not hasattr(self.operator, "log_partition"):
+            return None, "operator has no log_partition"
+        m, v = _marginals(A, state)
+        cm, cv, ok = _cavity(m, v, h, lam)
+        if not ok.all():
+            return None, f"{int(np.count_nonzero(~ok))} cavity(ies) improper at the final sites"
+        incoming = {self.site_var: Gaussian._unchecked(cm, cv), **observed}
+        try:
+            with np.errstate(all="ignore"):
+                log_zi = np.asarray(self.operator.log_partition(incoming), dtype=float)
+        except Exception as exc:
+            return None, f"operator.log_partition failed: {type(exc).__name__}: {exc}"
+        if log_zi.shape != m.shape or not np.all(np.isfinite(log_zi)):
+            return None, "operator.log_partition returned non-finite values or a wrong shape"
+        with np.errstate(all="ignore"):
+            log_si = log_zi - _log_gauss_integral(cm, cv, h, lam)
+            # log ∫ N(w; 0, Σ0) exp(b^T w − w^T Q w / 2) dw = ½ log|Σ| − ½ log|Σ0| + ½ b^T μ
+            b = A.T @ h
+            logdet_sigma = -2.0 * float(np.sum(np.log(np.diag(state.chol))))
+            logdet_sigma0 = -float(np.sum(np.log(prior_prec)))
+            log_gauss = 0.5 * logdet_sigma - 0.5 * logdet_sigma0 + 0.5 * float(b @ state.mean)
+            val = float(np.sum(log_si) + log_gauss)
+        if not np.isfinite(val):
+            return None, "log evidence is not finite"
+        return val, "EP estimate (tilted normalisers from operator.log_partition at the final cavities)"
