@@ -1,6 +1,7 @@
 """The ``kjit`` command line.
 
     kjit demo     messages computed by both oracles for a few logistic-factor inputs
+    kjit serve    the HTTP message-operator service (trains the default operators on first start)
 
 Errors are reported as one line on stderr with exit status 2, not a traceback.
 """
@@ -46,6 +47,19 @@ def _demo(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    # the service imports kjit, never the reverse: only this command reaches up into it, lazily
+    from service.server import serve
+    from service.settings import Settings
+
+    overrides = {"host": args.host, "port": args.port, "store": args.store, "log_level": args.log_level,
+                 "default_n_train": args.n_train}
+    if args.no_defaults:
+        overrides["default_operators"] = ()
+    settings = Settings.from_env(**overrides)
+    return serve(settings, train_defaults=bool(settings.default_operators))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kjit",
@@ -56,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--particles", type=int, default=500_000, help="importance-sampling particles (default 500000)")
     d.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     d.set_defaults(func=_demo)
+    s = sub.add_parser(
+        "serve", help="run the HTTP message-operator service (docs at /docs)",
+        description="Run the message-operator service.  On first start the default operators (logistic to x and "
+                    "to z, compound gamma to tau) are trained from the quadrature oracle and cached in the store; "
+                    "later starts load them.  Options default to the KJIT_* environment variables "
+                    "(see service/settings.py); the bearer token is read from KJIT_TOKEN only.")
+    s.add_argument("--host", default=None, help="address to bind (KJIT_HOST, default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port, 0 for any free one (KJIT_PORT, default 8000)")
+    s.add_argument("--store", default=None, help="store directory (KJIT_STORE, default ~/.local/share/kjit/store)")
+    s.add_argument("--n-train", type=int, default=None,
+                   help="training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default 2000)")
+    s.add_argument("--no-defaults", action="store_true", help="serve the store as it is; train nothing")
+    s.add_argument("--log-level", default=None, help="uvicorn log level (KJIT_LOG_LEVEL, default info)")
+    s.set_defaults(func=_serve)
     return p
 
 

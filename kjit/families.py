@@ -451,8 +451,8 @@ def _digamma_diff(x, y):
     series = (
         -np.log1p(y / xs)
         - y / (2.0 * xs * xy)
-        - y * (2.0 * xs + y) / (12.0 * xs**2 * xy**2)
-        + (1.0 / xs**4 - 1.0 / xy**4) / 120.0
+        - y * (2.0 * xs + y) / (12.0 * xs * xy) / (xs * xy)
+        + ((1.0 / xs) ** 4 - (1.0 / xy) ** 4) / 120.0
     )
     return np.where(big, series, special.digamma(x) - special.digamma(x + y))
 
@@ -466,9 +466,9 @@ def _trigamma_diff(x, y):
     # ψ'(x) ~ 1/x + 1/(2x²) + 1/(6x³) − 1/(30x⁵)
     series = (
         y / (xs * xy)
-        + y * (2.0 * xs + y) / (2.0 * xs**2 * xy**2)
-        + (1.0 / xs**3 - 1.0 / xy**3) / 6.0
-        - (1.0 / xs**5 - 1.0 / xy**5) / 30.0
+        + y * (2.0 * xs + y) / (2.0 * xs * xy) / (xs * xy)
+        + ((1.0 / xs) ** 3 - (1.0 / xy) ** 3) / 6.0
+        - ((1.0 / xs) ** 5 - (1.0 / xy) ** 5) / 30.0
     )
     return np.where(big, series, special.polygamma(1, x) - special.polygamma(1, x + y))
 
