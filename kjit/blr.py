@@ -77,6 +77,7 @@ import numbers
 from typing import Any, Mapping
 
 import numpy as np
+from scipy import linalg
 from scipy.linalg import blas, cho_factor, cho_solve, eigh, lapack
 
 __all__ = ["BayesianLinearRegression", "NotFittedError"]
@@ -163,6 +164,16 @@ def _posterior_from_stats(
     Sigma += np.tril(inv, -1).T
     log_det = 2.0 * float(np.sum(np.log(np.diagonal(c))))
     return Sigma, np.ascontiguousarray(mu), log_det
+
+
+def _sqrt_factor(Sigma: np.ndarray) -> np.ndarray:
+    """R with R R^T = Sigma (Cholesky; eigen-decomposition with negative round-off clipped
+    if Sigma is only semi-definite in floating point)."""
+    try:
+        return linalg.cholesky(Sigma, lower=True, check_finite=False)
+    except linalg.LinAlgError:
+        w, Q = np.linalg.eigh(Sigma)
+        return Q * np.sqrt(np.clip(w, 0.0, None))
 
 
 def _symmetrize_inplace(S: np.ndarray, block: int = 256) -> None:
@@ -523,7 +534,9 @@ class BayesianLinearRegression:
             by all outputs).
         dtype : None, np.float64 or np.float32
             Precision of the computation and the result.  float32 uses cached float32 copies
-            of ``Sigma_`` and ``coef_`` (rebuilt lazily after every update).
+            of ``coef_`` and of a square-root factor R of ``Sigma_`` (R R^T = Sigma, from a
+            float64 Cholesky; rebuilt lazily after every update) and computes the variance as
+            ``‖x^T R‖²``, which stays accurate where ``x^T Sigma x`` in float32 would cancel.
 
         Returns
         -------
@@ -540,10 +553,10 @@ class BayesianLinearRegression:
         _, s2, _ = self._sync_posterior()
         if dt == np.float32:
             if self._f32 is None:
-                self._f32 = (self.Sigma_.astype(np.float32), self.coef_.astype(np.float32))
-            Sigma, coef = self._f32
+                self._f32 = (_sqrt_factor(self.Sigma_).astype(np.float32), self.coef_.astype(np.float32))
+            factor, coef = self._f32
         else:
-            Sigma, coef = self.Sigma_, self.coef_
+            factor, coef = self.Sigma_, self.coef_
         mean = self._format_mean(X @ coef)
         if not return_var:
             return mean
@@ -551,7 +564,14 @@ class BayesianLinearRegression:
         step = max(1, _PREDICT_CHUNK_ELEMENTS // max(1, self.n_features_in_))
         for start in range(0, X.shape[0], step):
             Xc = X[start : start + step]
-            var[start : start + step] = np.einsum("ij,ij->i", Xc @ Sigma, Xc)
+            if dt == np.float32:
+                # x^T Σ x = ‖x^T R‖² with Σ = R R^T: a sum of squares, never negative, and its
+                # float32 error scales with the result, not with ‖Σ‖ (the Σ form cancels
+                # catastrophically when the posterior variance is far below the prior's)
+                XR = Xc @ factor
+                var[start : start + step] = np.einsum("ij,ij->i", XR, XR)
+            else:
+                var[start : start + step] = np.einsum("ij,ij->i", Xc @ factor, Xc)
         var += dt.type(s2)
         return mean, var
 
