@@ -453,6 +453,18 @@ class JITOperator:
     def __repr__(self):
         return f"JITOperator({self.factor.name}→{self.to}, threshold={self.threshold}, fitted={self.operator is not None})"
 
+    def raw_counters(self) -> dict:
+        """The stored counters (no derived values): what :meth:`set_counters` accepts."""
+        return dict(self._counts)
+
+    def set_counters(self, counts: Mapping) -> None:
+        """Restore counters (e.g. replayed from a log); unknown keys are a ValueError."""
+        unknown = set(counts) - set(self._counts)
+        if unknown:
+            raise ValueError(f"unknown counter(s) {sorted(unknown)}")
+        for k, v in counts.items():
+            self._counts[k] = type(self._counts[k])(v)
+
     def counters(self) -> dict:
         c = dict(self._counts)
         c["consultation_rate"] = c["consultations"] / c["requests"] if c["requests"] else 0.0
@@ -470,7 +482,21 @@ class JITOperator:
             raise ValueError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
 
     def predict(self, incoming: Mapping[str, Family], to: str | None = None):
-        """(belief, log predictive variance (n, k) or None where the oracle answered, consulted mask)."""
+        """Belief, log predictive variance (n, k) and the mask of rows the oracle answered.
+
+        During the initial phase (no operator yet) every row is consulted and the log
+        variance is NaN; afterwards it is the operator's value before consultation.  If the
+        oracle raises, the exception propagates and the counters are left as they were.
+        """
+        saved = dict(self._counts)
+        try:
+            return self._predict(incoming, to)
+        except BaseException:
+            self._counts.clear()
+            self._counts.update(saved)
+            raise
+
+    def _predict(self, incoming, to):
         self._check_to(to)
         inc, shape = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in inc.items()}

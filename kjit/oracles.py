@@ -199,7 +199,8 @@ def _logistic_rule(mu, v, alpha, beta, weight: int = 0):
         return -(t - mu) / v + am1 * special.expit(-t) - bm1 * special.expit(t)
 
     def log_softplus(t):  # log log(1 + e^t), stable in both tails
-        return np.where(t < -30.0, t, np.log(np.logaddexp(0.0, np.minimum(t, 700.0)) + (t > 700.0) * (t - 700.0)))
+        with np.errstate(divide="ignore"):  # the unused branch underflows for t ≪ 0
+            return np.where(t < -30.0, t, np.log(np.logaddexp(0.0, np.minimum(t, 700.0)) + (t > 700.0) * (t - 700.0)))
 
     def dlog_softplus(t):
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -1,0 +1,74 @@
+"""The application factory: ``create_app(settings)``.
+
+Run it with uvicorn (``kjit serve``, ``python -m service``, or
+``uvicorn --factory service.app:create_app`` which reads the ``KJIT_*`` environment).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from kjit import __version__ as kjit_version
+
+from . import errors
+from .jobs import JobManager
+from .metrics import Metrics
+from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from .routes import router
+from .settings import Settings
+from .store import OperatorStore
+
+log = logging.getLogger("kjit.service")
+
+DESCRIPTION = """
+Learned expectation-propagation message operators over HTTP.
+
+* `POST /v1/operators/{name}/messages?mode=predict|jit|oracle` — outgoing messages and beliefs for a batch
+  of incoming messages, with the log predictive variance and, per row, whether the oracle answered;
+* `POST /v1/operators/{name}/observations` — add (incoming, belief) pairs computed elsewhere;
+* `POST /v1/operators` — train a new operator (background job, `GET /v1/jobs/{id}`);
+* `GET /metrics` — Prometheus.
+
+Every error is `{"detail": [{"loc": [...], "msg": ..., "type": ...}]}` with `loc` naming the field.
+Numbers must be finite (JSON has no NaN: `NaN`/`Infinity` tokens are rejected with 422).
+Requests that change state (`mode=jit`, observations, training) need `Authorization: Bearer <token>` when the
+server has a token (`KJIT_TOKEN`).  Updates are on disk before the response is sent.
+"""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; the store is opened (and its operators loaded, in the background) at startup."""
+    settings = settings if settings is not None else Settings.from_env()
+    metrics = Metrics()
+    store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, observer=metrics.observe_store)
+    metrics.store = store
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        store.open()
+        app.state.jobs = JobManager(store, workers=settings.job_workers, metrics=metrics)
+        loader = threading.Thread(target=store.load_all, name="kjit-load", daemon=True)
+        loader.start()
+        try:
+            yield
+        finally:
+            app.state.jobs.shutdown()
+            loader.join(timeout=120)
+            store.close()
+
+    app = FastAPI(title="kjit message-operator service", version=kjit_version, description=DESCRIPTION,
+                  lifespan=lifespan)
+    app.state.settings = settings
+    app.state.store = store
+    app.state.metrics = metrics
+    errors.install(app)
+    app.include_router(router)
+    # added last = outermost: metrics, then authentication, then the body limit
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, token=settings.token)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

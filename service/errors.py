@@ -1,0 +1,101 @@
+"""One error shape for every 4xx/5xx: ``{"detail": [{"loc": [...], "msg": "...", "type": "..."}]}``.
+
+``loc`` names the field (``["body", "incoming", "x", "var", 3]``, ``["path", "name"]``,
+``["query", "mode"]``, ``["header", "authorization"]``), as FastAPI does for validation
+errors; the request's input is never echoed back (a rejected 10 000-message batch would
+otherwise come back whole).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("kjit.service")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, loc, msg: str, type: str, headers: dict | None = None):
+        self.status = status
+        self.items = [{"loc": list(loc), "msg": msg, "type": type}]
+        self.headers = headers
+        super().__init__(msg)
+
+    @classmethod
+    def many(cls, status: int, items: list[dict], headers: dict | None = None) -> "ApiError":
+        e = cls(status, items[0]["loc"], items[0]["msg"], items[0]["type"], headers)
+        e.items = items
+        return e
+
+
+def error_body(items) -> bytes:
+    return json.dumps({"detail": items}, default=str).encode()
+
+
+def error_response(status: int, items, headers=None) -> JSONResponse:
+    return JSONResponse({"detail": items}, status_code=status, headers=headers)
+
+
+_FAMILY_TAGS = {"gaussian", "beta", "gamma", "bernoulli"}
+_SOURCE_TAGS = {"oracle", "file"}
+
+
+def _strip_tags(loc: list) -> list:
+    """Drop the discriminator tags pydantic puts in ``loc`` for tagged unions:
+    ``body.incoming.x.gaussian.var.1`` → ``body.incoming.x.var.1``."""
+    out = []
+    for i, x in enumerate(loc):
+        if x in _FAMILY_TAGS and ((i >= 2 and loc[i - 2] == "incoming" and loc[0] == "body")
+                                  or (i >= 1 and loc[i - 1] == "beliefs")):
+            continue
+        if x in _SOURCE_TAGS and i >= 1 and loc[i - 1] == "source":
+            continue
+        out.append(x)
+    return out
+
+
+def _clean(err: dict) -> dict:
+    out = {"loc": _strip_tags([x if isinstance(x, (str, int)) else str(x) for x in err.get("loc", ())]),
+           "msg": err.get("msg", ""), "type": err.get("type", "invalid")}
+    if out["type"] == "json_invalid":
+        ctx = err.get("ctx") or {}
+        if ctx.get("error"):
+            out["msg"] = f"malformed JSON: {ctx['error']}"
+    return out
+
+
+async def api_error_handler(request: Request, exc: ApiError):
+    return error_response(exc.status, exc.items, exc.headers)
+
+
+async def validation_handler(request: Request, exc: RequestValidationError):
+    return error_response(422, [_clean(e) for e in exc.errors()])
+
+
+async def http_exception_handler(request: Request, exc: StarletteHTTPException):
+    if exc.status_code == 404:
+        items = [{"loc": ["path"], "msg": f"no route {request.method} {request.url.path}", "type": "not_found"}]
+    elif exc.status_code == 405:
+        items = [{"loc": ["method"], "msg": f"method {request.method} not allowed on {request.url.path}",
+                  "type": "method_not_allowed"}]
+    else:
+        items = [{"loc": [], "msg": str(exc.detail), "type": "http_error"}]
+    return error_response(exc.status_code, items, getattr(exc, "headers", None))
+
+
+async def unhandled_handler(request: Request, exc: Exception):
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(500, [{"loc": [], "msg": f"internal error: {type(exc).__name__}: {exc}",
+                                 "type": "internal_error"}])
+
+
+def install(app) -> None:
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_handler)
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
+    app.add_exception_handler(Exception, unhandled_handler)

@@ -1,0 +1,54 @@
+"""A readers–writer lock (writer-preferring) for one operator.
+
+Predictions hold it shared; anything that changes an operator (observations, just-in-time
+learning, snapshots, recovery) holds it exclusively, so a prediction sees an operator either
+before or after an update, never in between (the online update rewrites the posterior
+covariance in place).  Writers are preferred: once a writer waits, new readers queue behind
+it, so a stream of predictions cannot starve updates.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+__all__ = ["RWLock"]
+
+
+class RWLock:
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def read(self):
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self):
+        with self._cond:
+            self._waiting_writers += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()

@@ -1,0 +1,382 @@
+"""HTTP routes.  State (settings, store, jobs, metrics) comes from ``request.app.state``
+through the small dependencies below; request and response shapes are in :mod:`service.schemas`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import numpy as np
+import pydantic_core
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi.security import HTTPBearer
+
+from kjit import __version__ as kjit_version
+from kjit.factors import Factor, get_factor, registered_factors
+from kjit.families import Family
+
+from . import schemas
+from .errors import ApiError
+from .settings import Settings
+from .store import Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, body_hash, family_name
+from .training import DEFAULT_DISTRIBUTIONS, TrainSpec, sampler_from_ranges
+
+router = APIRouter()
+# documents the bearer token in OpenAPI; the check itself is AuthMiddleware (before the body is read)
+bearer = HTTPBearer(auto_error=False, description="needed by requests that change state when KJIT_TOKEN is set")
+
+ERRORS = {
+    401: {"model": schemas.ErrorResponse, "description": "missing or invalid bearer token"},
+    404: {"model": schemas.ErrorResponse, "description": "unknown operator"},
+    413: {"model": schemas.ErrorResponse, "description": "request body too large"},
+    422: {"model": schemas.ErrorResponse, "description": "invalid request; `loc` names the field"},
+    503: {"model": schemas.ErrorResponse, "description": "operator loading or update not persisted"},
+}
+
+
+# ------------------------------------------------------------------------------ dependencies
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> OperatorStore:
+    return request.app.state.store
+
+
+def get_entry(request: Request, name: Annotated[str, Path(description="operator name")]) -> Entry:
+    try:
+        return request.app.state.store.get(name)
+    except NotFound as exc:
+        raise ApiError(404, ["path", "name"], str(exc), "not_found") from None
+    except NotReady as exc:
+        raise ApiError(503, ["path", "name"], str(exc), "not_ready", {"Retry-After": "1"}) from None
+
+
+Mode = Literal["predict", "jit", "oracle"]
+
+
+# ------------------------------------------------------------------------------ conversion
+def _floats(a) -> list:
+    a = np.asarray(a, dtype=float).ravel()
+    if np.isfinite(a).all():
+        return a.tolist()
+    return [float(x) if np.isfinite(x) else None for x in a]
+
+
+def columns(m: Family) -> dict:
+    return {"family": family_name(m), **{n: _floats(p) for n, p in zip(m.param_names, m.params)}}
+
+
+def _cols(a) -> list:
+    """(n, k) array → k lists of n numbers (column-wise, like the parameters; null if not finite)."""
+    a = np.asarray(a, dtype=float)
+    return [_floats(a[:, j]) for j in range(a.shape[1])]
+
+
+def to_families(factor: Factor, incoming: dict, max_batch: int, loc=("body", "incoming")) -> dict[str, Family]:
+    """Validate a request's incoming batches against the factor; 422 naming every bad field."""
+    errors = []
+    loc = list(loc)
+    for v in incoming:
+        if v not in factor.variables:
+            errors.append({"loc": loc + [v], "type": "unknown_variable",
+                           "msg": f"{v!r} is not a variable of factor {factor.name!r}; its variables are "
+                                  f"{', '.join(factor.variables)}"})
+    for v in factor.variables:
+        if v not in incoming:
+            errors.append({"loc": loc + [v], "type": "missing",
+                           "msg": f"missing the messages from {v!r} (factor {factor.name!r} needs "
+                                  f"{', '.join(factor.variables)})"})
+    lengths = {}
+    for v in factor.variables:
+        if v not in incoming:
+            continue
+        m = incoming[v]
+        fam = factor.families[v]
+        want = family_name(fam)
+        if m.family != want:
+            errors.append({"loc": loc + [v, "family"], "type": "wrong_family",
+                           "msg": f"factor {factor.name!r} takes {want} messages for {v!r}, got {m.family!r}"})
+            continue
+        cols = {p: getattr(m, p) for p in fam.param_names}
+        first = fam.param_names[0]
+        for p in fam.param_names[1:]:
+            if len(cols[p]) != len(cols[first]):
+                errors.append({"loc": loc + [v, p], "type": "length_mismatch",
+                               "msg": f"{len(cols[p])} values, but {first!r} has {len(cols[first])}"})
+        n = len(cols[first])
+        if n > max_batch:
+            errors.append({"loc": loc + [v, first], "type": "too_long",
+                           "msg": f"batch of {n} messages exceeds the limit of {max_batch} per request "
+                                  f"(KJIT_MAX_BATCH); split it"})
+        lengths[v] = n
+    if len(set(lengths.values())) > 1:
+        ref = next(iter(lengths))
+        for v, n in lengths.items():
+            if n != lengths[ref]:
+                errors.append({"loc": loc + [v], "type": "length_mismatch",
+                               "msg": f"batch of {n} messages, but {ref!r} has {lengths[ref]}"})
+    if errors:
+        raise ApiError.many(422, errors)
+    out = {}
+    for v in factor.variables:
+        fam = factor.families[v]
+        try:
+            out[v] = fam(*(getattr(incoming[v], p) for p in fam.param_names))
+        except ValueError as exc:  # pragma: no cover - the schema already checked
+            raise ApiError(422, loc + [v], str(exc), "value_error") from None
+    return out
+
+
+def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
+    factor = entry.jit.factor
+    if to not in factor.variables:
+        raise ApiError(422, ["body", "to"], f"unknown recipient {to!r} for factor {factor.name!r}; its variables are "
+                                            f"{', '.join(factor.variables)}", "unknown_recipient")
+    if to != entry.jit.to:
+        others = [n for n in store.names() if (e := store.entries.get(n)) is not None
+                  and e.jit.factor.name == factor.name and e.jit.to == to]
+        hint = f"; operator {others[0]!r} sends to {to!r}" if others else ""
+        raise ApiError(422, ["body", "to"], f"operator {entry.name!r} sends messages to {entry.jit.to!r}, not "
+                                            f"{to!r}{hint}", "wrong_recipient")
+
+
+def _json(payload, status: int = 200, headers=None) -> Response:
+    # pydantic_core's encoder: ~10x faster than json.dumps on long float lists, and exact (shortest
+    # round-trip repr); non-finite values were mapped to null above, "null" is only a safety net
+    return Response(pydantic_core.to_json(payload, inf_nan_mode="null"), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+# ------------------------------------------------------------------------------ health
+@router.get("/health", tags=["health"], summary="liveness: the process answers")
+def health():
+    return {"status": "ok", "kjit_version": kjit_version}
+
+
+@router.get("/ready", tags=["health"], summary="readiness: every operator of the store is loaded",
+            responses={503: {"description": "still loading, or an operator failed to load"}})
+def ready(store: Annotated[OperatorStore, Depends(get_store)]):
+    body = {"ready": store.loaded and not store.failed and not store.loading, "operators": store.names(),
+            "loading": sorted(store.loading), "failed": dict(store.failed)}
+    return _json(body, 200 if body["ready"] else 503)
+
+
+# ------------------------------------------------------------------------------ operators
+@router.get("/v1/operators", tags=["operators"], summary="list the operators")
+def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
+    ops = []
+    for n in store.names():
+        e = store.entries.get(n)
+        if e is not None:
+            with e.lock.read():
+                ops.append(e.summary())
+    return {"operators": ops, "loading": sorted(store.loading), "failed": dict(store.failed),
+            "factors": list(registered_factors())}
+
+
+@router.get("/v1/operators/{name}", tags=["operators"], responses=ERRORS,
+            summary="an operator: factor, direction, families, feature sizes, hyperparameters, counters, version")
+def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annotated[Settings, Depends(get_settings)]):
+    d = entry.detail()
+    d["limits"] = {"max_batch": settings.max_batch, "max_body_bytes": settings.max_body_bytes}
+    return _json(d)
+
+
+@router.post(
+    "/v1/operators/{name}/messages", tags=["messages"], response_model=schemas.MessagesResponse, responses=ERRORS,
+    dependencies=[Depends(bearer)],
+    summary="outgoing messages and beliefs for a batch of incoming messages",
+    description=(
+        "`mode=predict`: the learned operator answers every row (never the oracle; read-only).\n\n"
+        "`mode=jit` (default): rows whose log predictive variance exceeds the operator's threshold in any "
+        "coordinate go to the oracle, whose answers are returned and learned (durably, before the response; "
+        "needs the token when one is configured).\n\n"
+        "`mode=oracle`: the oracle answers every row; nothing is learned.\n\n"
+        "`beliefs` are the projected beliefs q; `messages` are q / incoming[to], whose natural parameters are "
+        "always given (an outgoing message can be improper; then its parameters are not a distribution and "
+        "`is_proper` is false)."),
+)
+def messages(
+    req: schemas.MessagesRequest,
+    request: Request,
+    entry: Annotated[Entry, Depends(get_entry)],
+    settings: Annotated[Settings, Depends(get_settings)],
+    mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
+):
+    store = request.app.state.store
+    metrics = request.app.state.metrics
+    _check_to(entry, store, req.to)
+    inc = to_families(entry.jit.factor, req.incoming, settings.max_batch)
+    try:
+        q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
+    except OracleFailure as exc:
+        raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
+    except PersistError as exc:
+        raise ApiError(503, [], f"{exc}; nothing was learned", "not_persisted") from None
+    msg = q / inc[entry.jit.to]
+    n = len(q)
+    n_cons = int(np.count_nonzero(consulted))
+    metrics.messages.labels(entry.name, mode).inc(n)
+    if n_cons:
+        metrics.consultations.labels(entry.name).inc(n_cons)
+    if n_learned:
+        metrics.updates.labels(entry.name, "jit").inc(n_learned)
+        metrics.records.labels(entry.name).inc()
+    out_msgs = columns(msg)
+    out_msgs["natural"] = _cols(msg.natural().reshape(n, -1))
+    out_msgs["is_proper"] = np.asarray(msg.is_proper).tolist()
+    payload = {
+        "operator": entry.name, "to": entry.jit.to, "mode": mode, "version": version, "n": n, "n_consulted": n_cons,
+        "coords": list(entry.jit.family.coord_names),
+        "beliefs": columns(q), "messages": out_msgs,
+        "log_var": None if logvar is None else _cols(logvar),
+        "consulted": np.asarray(consulted).tolist(),
+    }
+    return _json(payload)
+
+
+@router.post(
+    "/v1/operators/{name}/observations", tags=["messages"], response_model=schemas.ObservationsResponse,
+    responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}},
+    dependencies=[Depends(bearer)],
+    summary="add (incoming, belief) pairs computed elsewhere (online update, durable before the response)",
+    description=("Send an `Idempotency-Key` header (any unique string, e.g. a UUID) to make retries safe: a request "
+                 "whose key was seen before adds nothing and returns the first response with `duplicate: true`."),
+)
+def observations(
+    req: schemas.ObservationsRequest,
+    request: Request,
+    entry: Annotated[Entry, Depends(get_entry)],
+    settings: Annotated[Settings, Depends(get_settings)],
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
+):
+    factor = entry.jit.factor
+    inc = to_families(factor, req.incoming, settings.max_batch)
+    want = family_name(entry.jit.family)
+    if req.beliefs.family != want:
+        raise ApiError(422, ["body", "beliefs", "family"],
+                       f"operator {entry.name!r} learns {want} beliefs on {entry.jit.to!r}, got {req.beliefs.family!r}",
+                       "wrong_family")
+    fam = entry.jit.family
+    cols = [getattr(req.beliefs, p) for p in fam.param_names]
+    errs = []
+    for p, c in zip(fam.param_names[1:], cols[1:]):
+        if len(c) != len(cols[0]):
+            errs.append({"loc": ["body", "beliefs", p], "type": "length_mismatch",
+                         "msg": f"{len(c)} values, but {fam.param_names[0]!r} has {len(cols[0])}"})
+    n_inc = len(next(iter(inc.values())))
+    if len(cols[0]) != n_inc:
+        errs.append({"loc": ["body", "beliefs", fam.param_names[0]], "type": "length_mismatch",
+                     "msg": f"{len(cols[0])} beliefs for {n_inc} rows of incoming messages"})
+    if errs:
+        raise ApiError.many(422, errs)
+    beliefs = fam(*cols)
+    raw = getattr(request.state, "raw_body", None) or b""
+    try:
+        version, accepted, dup = entry.observe(inc, beliefs, idempotency_key, body_hash(raw) if idempotency_key else None)
+    except Conflict as exc:
+        raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
+    except PersistError as exc:
+        raise ApiError(503, [], f"{exc}; nothing was added", "not_persisted") from None
+    except Exception as exc:  # the operator was rebuilt from the store: nothing was added
+        raise ApiError(500, [], f"the update failed and was rolled back: {type(exc).__name__}: {exc}",
+                       "update_failed") from None
+    metrics = request.app.state.metrics
+    if not dup:
+        metrics.updates.labels(entry.name, "observations").inc(accepted)
+        metrics.records.labels(entry.name).inc()
+    with entry.lock.read():
+        n_train = int(entry.jit.operator.n_train_)
+    return _json({"operator": entry.name, "accepted": accepted, "version": version, "n_train": n_train,
+                  "duplicate": dup})
+
+
+# ------------------------------------------------------------------------------ training jobs
+def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSpec:
+    try:
+        factor = get_factor(req.factor, **req.factor_params)
+    except ValueError as exc:
+        field = "factor" if "unknown factor" in str(exc) else "factor_params"
+        raise ApiError(422, ["body", field], str(exc), "value_error") from None
+    except TypeError as exc:
+        raise ApiError(422, ["body", "factor_params"], f"factor {req.factor!r}: {exc}", "value_error") from None
+    if req.to not in factor.variables:
+        raise ApiError(422, ["body", "to"], f"unknown recipient {req.to!r} for factor {factor.name!r}; its variables "
+                                            f"are {', '.join(factor.variables)}", "unknown_recipient")
+    src = req.source
+    spec = TrainSpec(factor=req.factor, to=req.to, factor_params=dict(req.factor_params), n_inner=req.n_inner,
+                     n_outer=req.n_outer, threshold=req.threshold, initial_batch=req.initial_batch,
+                     random_state=req.random_state, oracle=src.oracle, n_samples=src.n_samples,
+                     n_jobs=settings.n_jobs)
+    try:
+        spec.build_oracle(factor)
+    except ValueError as exc:
+        raise ApiError(422, ["body", "source", "oracle"], str(exc), "value_error") from None
+    if src.kind == "oracle":
+        spec.n = src.n
+        if src.distribution == "default":
+            if factor.name not in DEFAULT_DISTRIBUTIONS:
+                raise ApiError(422, ["body", "source", "distribution"],
+                               f"no default distribution for factor {factor.name!r}; give per-parameter ranges",
+                               "value_error")
+            spec.distribution = "default"
+        else:
+            ranges = {v: {p: r.model_dump() for p, r in d.items()} for v, d in src.distribution.items()}
+            try:
+                sampler_from_ranges(factor, ranges)
+            except ValueError as exc:
+                path = str(exc).split(":", 1)[0].split(".")
+                raise ApiError(422, ["body", "source", "distribution", *path], str(exc), "value_error") from None
+            spec.distribution = ranges
+    else:
+        base = settings.training_dir.resolve()
+        p = (base / src.path).resolve()
+        if not p.is_relative_to(base):
+            raise ApiError(422, ["body", "source", "path"], f"{src.path!r} is outside the training-set directory",
+                           "value_error")
+        if not p.is_file():
+            raise ApiError(422, ["body", "source", "path"], f"no training-set file {src.path!r} in {base}",
+                           "value_error")
+        spec.training_set = str(p)
+    return spec
+
+
+@router.post("/v1/operators", tags=["training"], status_code=202, response_model=schemas.Job,
+             responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "the name is taken"}},
+             dependencies=[Depends(bearer)],
+             summary="train a new operator in the background (poll the job in the Location header)")
+def create_operator(req: schemas.TrainRequest, request: Request,
+                    settings: Annotated[Settings, Depends(get_settings)]):
+    store: OperatorStore = request.app.state.store
+    jobs = request.app.state.jobs
+    if store.exists(req.name):
+        raise ApiError(409, ["body", "name"], f"an operator named {req.name!r} already exists", "name_taken")
+    spec = _spec_from_request(req, settings)
+    try:
+        job = jobs.submit(req.name, spec, req.model_dump())
+    except Conflict as exc:
+        raise ApiError(409, ["body", "name"], str(exc), "name_taken") from None
+    return _json(job.as_dict(), 202, {"Location": f"/v1/jobs/{job.id}"})
+
+
+@router.get("/v1/jobs", tags=["training"], summary="training jobs of this process")
+def list_jobs(request: Request):
+    return {"jobs": [j.as_dict() for j in request.app.state.jobs.list()]}
+
+
+@router.get("/v1/jobs/{job_id}", tags=["training"], response_model=schemas.Job, responses=ERRORS,
+            summary="a training job: status and progress")
+def job_status(job_id: str, request: Request):
+    job = request.app.state.jobs.get(job_id)
+    if job is None:
+        raise ApiError(404, ["path", "job_id"], f"unknown job {job_id!r}", "not_found")
+    return _json(job.as_dict())
+
+
+# ------------------------------------------------------------------------------ metrics
+@router.get("/metrics", tags=["health"], summary="Prometheus metrics (text format)",
+            response_class=Response)
+def metrics(request: Request):
+    from .metrics import CONTENT_TYPE
+
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,187 @@
+"""Pydantic schemas of the HTTP API (requests validated here, responses documented here).
+
+Message batches travel column-wise, one object per variable, like ``Family.to_dict()``::
+
+    {"family": "gaussian", "mean": [0.0, 2.0], "var": [1.0, 0.5]}
+    {"family": "beta", "alpha": [2.0, 1.0], "beta": [1.0, 2.0]}
+    {"family": "gamma", "shape": [3.0], "rate": [1.5]}
+    {"family": "bernoulli", "p": [1.0]}
+
+Numbers must be finite: JSON has no NaN or infinity; the tokens ``NaN``, ``Infinity`` and
+``-Infinity`` that some encoders emit anyway, and literals that overflow a double (``1e400``),
+are rejected with 422 and the path of the offending number (``allow_inf_nan=False``).
+Parameters must be valid: variances, α, β, shapes and rates > 0, Bernoulli p in [0, 1].
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+NonEmpty = dict(min_length=1)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GaussianBatch(_Strict):
+    """N(mean, var) messages."""
+    family: Literal["gaussian"]
+    mean: list[Finite] = Field(**NonEmpty)
+    var: list[Positive] = Field(**NonEmpty)
+
+
+class BetaBatch(_Strict):
+    """Beta(alpha, beta) messages."""
+    family: Literal["beta"]
+    alpha: list[Positive] = Field(**NonEmpty)
+    beta: list[Positive] = Field(**NonEmpty)
+
+
+class GammaBatch(_Strict):
+    """Gamma(shape, rate) messages."""
+    family: Literal["gamma"]
+    shape: list[Positive] = Field(**NonEmpty)
+    rate: list[Positive] = Field(**NonEmpty)
+
+
+class BernoulliBatch(_Strict):
+    """Bernoulli messages on y in {-1, +1}, p = P(y = +1); p = 0 or 1 is an observation."""
+    family: Literal["bernoulli"]
+    p: list[Probability] = Field(**NonEmpty)
+
+
+MessageBatch = Annotated[Union[GaussianBatch, BetaBatch, GammaBatch, BernoulliBatch], Field(discriminator="family")]
+
+_EXAMPLE_INCOMING = {
+    "x": {"family": "gaussian", "mean": [0.0, 2.0], "var": [1.0, 0.5]},
+    "z": {"family": "beta", "alpha": [2.0, 1.0], "beta": [1.0, 2.0]},
+}
+
+
+class MessagesRequest(_Strict):
+    """A batch of incoming messages (one batch per variable of the factor, equal lengths)."""
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"to": "x", "incoming": _EXAMPLE_INCOMING}]})
+    to: str = Field(description="recipient variable: the operator's direction")
+    incoming: dict[str, MessageBatch] = Field(description="variable name → batch of messages from it to the factor")
+
+
+class ObservationsRequest(_Strict):
+    """(incoming, belief) pairs computed elsewhere, to be added online to the operator."""
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "incoming": _EXAMPLE_INCOMING,
+        "beliefs": {"family": "gaussian", "mean": [0.42, 2.1], "var": [0.83, 0.45]}}]})
+    incoming: dict[str, MessageBatch]
+    beliefs: MessageBatch = Field(description="projected beliefs q on the recipient, one per row")
+
+
+class FamilyColumns(BaseModel):
+    """Parameters column-wise; a value that is not a finite number is null."""
+    model_config = ConfigDict(extra="allow")
+    family: str
+
+
+class OutgoingMessages(FamilyColumns):
+    """Outgoing messages q / m_in: parameters (null where not finite), natural parameters
+    (column-wise: one list per natural parameter; exact, use these to rebuild improper messages)
+    and properness."""
+    natural: list[list[float | None]]
+    is_proper: list[bool]
+
+
+class MessagesResponse(BaseModel):
+    operator: str
+    to: str
+    mode: Literal["predict", "jit", "oracle"]
+    version: int = Field(description="operator version the answer was computed from (after this request's own update)")
+    n: int
+    n_consulted: int
+    coords: list[str] = Field(description="regression coordinates of the recipient family, the columns of log_var")
+    beliefs: FamilyColumns
+    messages: OutgoingMessages
+    log_var: list[list[float | None]] | None = Field(
+        description="log predictive variance, column-wise: one list of n per coordinate in `coords` (the "
+                    "uncertainty the JIT threshold is applied to); null in oracle mode")
+    consulted: list[bool] = Field(description="per row: the oracle answered")
+
+
+class ObservationsResponse(BaseModel):
+    operator: str
+    accepted: int
+    version: int
+    n_train: int
+    duplicate: bool = Field(description="true when the Idempotency-Key was seen before: nothing was added again")
+
+
+class ParamRange(_Strict):
+    low: Finite
+    high: Finite
+    scale: Literal["linear", "log"] = "linear"
+
+
+class OracleSource(_Strict):
+    kind: Literal["oracle"]
+    n: int = Field(ge=4, le=200_000, description="training pairs to draw and answer with the oracle")
+    distribution: Literal["default"] | dict[str, dict[str, ParamRange]] = Field(
+        "default", description="'default' (documented per factor) or, per variable and parameter, a range")
+    oracle: Literal["quadrature", "importance_sampling"] = "quadrature"
+    n_samples: int = Field(100_000, ge=100, le=5_000_000, description="importance-sampling particles")
+
+
+class FileSource(_Strict):
+    kind: Literal["file"]
+    path: str = Field(description="training-set .npz (kjit.training.TrainingSet.save), relative to "
+                                  "<store>/training-sets")
+    oracle: Literal["quadrature", "importance_sampling"] = "quadrature"
+    n_samples: int = Field(100_000, ge=100, le=5_000_000)
+
+
+class TrainRequest(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "name": "my-logistic-x", "factor": "logistic", "to": "x",
+        "source": {"kind": "oracle", "n": 1000}, "n_inner": 200, "n_outer": 300}]})
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$", description="name of the new operator")
+    factor: str
+    factor_params: dict[str, Finite] = Field(default_factory=dict)
+    to: str
+    source: Annotated[Union[OracleSource, FileSource], Field(discriminator="kind")]
+    n_inner: int = Field(300, ge=1, le=5000)
+    n_outer: int = Field(500, ge=2, le=5000)
+    threshold: Finite | None = Field(None, description="JIT threshold; null: calibrated on held-out pairs")
+    initial_batch: int = Field(300, ge=2)
+    random_state: int = Field(0, ge=0)
+
+
+class JobProgress(BaseModel):
+    stage: str
+    done: int
+    total: int
+    fraction: float
+
+
+class Job(BaseModel):
+    id: str
+    status: Literal["queued", "running", "succeeded", "failed"]
+    operator: str
+    progress: JobProgress
+    created: str
+    started: str | None = None
+    finished: str | None = None
+    error: str | None = None
+    request: dict[str, Any]
+    result: dict[str, Any] | None = None
+
+
+class ErrorItem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorResponse(BaseModel):
+    detail: list[ErrorItem]

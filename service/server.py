@@ -1,0 +1,131 @@
+"""``kjit serve``: train missing default operators (first start), then run the service.
+
+First start: each default operator named in ``Settings.default_operators`` that is not in
+the store is trained from the quadrature oracle on pairs drawn from its documented incoming
+distribution (:mod:`service.training`; ``default_n_train`` pairs, D_in = ``default_n_inner``,
+D_out = ``default_n_outer``), with a progress bar, and written to the store together with its
+training set (``<store>/training-sets/<name>.npz``).  Later starts find them in the store and
+load them in well under a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+from .settings import Settings
+from .store import OperatorStore
+from .training import DEFAULT_SPECS, TrainSpec, train_operator
+
+__all__ = ["ensure_defaults", "serve", "main"]
+
+
+def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -> list[str]:
+    """Train the default operators missing from the store; returns the names trained."""
+    names = list(settings.default_operators)
+    unknown = [n for n in names if n not in DEFAULT_SPECS]
+    if unknown:
+        raise ValueError(f"unknown default operator(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_SPECS)}")
+    store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every)
+    store.open()
+    trained = []
+    try:
+        missing = [n for n in names if not store.exists(n)]
+        if not missing:
+            return []
+        print(f"kjit: first start — training {len(missing)} default operator(s) from the quadrature oracle "
+              f"into {settings.store} ({settings.default_n_train} pairs each, D_in={settings.default_n_inner}, "
+              f"D_out={settings.default_n_outer}); later starts load them from the store.", file=out, flush=True)
+        for name in missing:
+            factor, to = DEFAULT_SPECS[name]
+            spec = TrainSpec(factor=factor, to=to, n=settings.default_n_train, n_inner=settings.default_n_inner,
+                             n_outer=settings.default_n_outer, random_state=settings.seed, n_jobs=-1)
+            t0 = time.perf_counter()
+            bar = _Bar(name, out) if progress else None
+            jit, ts, info = train_operator(spec, progress=bar)
+            if bar:
+                bar.close()
+            ts.save(settings.training_dir / f"{name}.npz")
+            store.create(name, jit, {"training": info, "source": spec.describe(), "threshold": info["threshold"],
+                                     "default": True})
+            print(f"kjit: {name} trained in {time.perf_counter() - t0:.0f}s: {info['n_train']} pairs, threshold "
+                  f"{info['threshold']:.3g} ({info['threshold_source']}), held-out mean KL "
+                  f"{info.get('held_out_mean_kl', float('nan')):.2g}", file=out, flush=True)
+            trained.append(name)
+    finally:
+        store.close()
+    return trained
+
+
+class _Bar:
+    """tqdm bar over the oracle pairs of one operator, then a 'fitting' stage."""
+
+    def __init__(self, name, out):
+        from tqdm.auto import tqdm
+
+        self._tqdm = tqdm
+        self.name, self.out = name, out
+        self.bar = None
+        self.stage = None
+
+    def __call__(self, stage, done, total):
+        if stage != self.stage:
+            if self.bar is not None:
+                self.bar.close()
+            desc = {"oracle": "oracle pairs", "held_out": "held-out pairs", "fit": "fitting"}.get(stage, stage)
+            unit = "pair" if stage in ("oracle", "held_out") else "step"
+            self.bar = self._tqdm(total=total, desc=f"{self.name}: {desc}", unit=unit, file=self.out, leave=True)
+            self.stage = stage
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> int:
+    """Train missing defaults (if asked), then run uvicorn until interrupted."""
+    import uvicorn
+
+    from .app import create_app
+
+    if train_defaults and settings.default_operators:
+        ensure_defaults(settings)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
+
+    def announce():
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.02)
+        host, port = settings.host, settings.port
+        try:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+        except Exception:  # pragma: no cover
+            pass
+        shown = f"[{host}]" if ":" in str(host) else host
+        url = f"http://{shown}:{port}"
+        print(f"kjit service listening on {url} — API docs: {url}/docs — store: {settings.store}", file=out, flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        pass
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m service``: like ``kjit serve`` with the environment's settings."""
+    from kjit.cli import main as kjit_main
+
+    return kjit_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+logging.getLogger("kjit.service").setLevel(logging.INFO)

@@ -1,0 +1,106 @@
+"""Service settings: one frozen dataclass, read from ``KJIT_*`` environment variables.
+
+=========================  ==========================================  ===========================
+variable                   meaning                                     default
+=========================  ==========================================  ===========================
+``KJIT_HOST``              address to bind                             ``127.0.0.1``
+``KJIT_PORT``              port (0: any free port)                     ``8000``
+``KJIT_STORE``             operator store directory                    ``$XDG_DATA_HOME/kjit/store``
+                                                                       (``~/.local/share/kjit/store``)
+``KJIT_TOKEN``             bearer token for mutating requests;         unset (no authentication)
+                           unset or empty: none required
+``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
+``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
+``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
+``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         ``logistic-x,logistic-z,``
+                           missing (comma-separated; ``none``)         ``compound_gamma-tau``
+``KJIT_DEFAULT_N_TRAIN``   training pairs of a default operator        ``2000``
+``KJIT_DEFAULT_N_INNER``   D_in of a default operator                  ``300``
+``KJIT_DEFAULT_N_OUTER``   D_out of a default operator                 ``500``
+``KJIT_SEED``              seed of default training                    ``0``
+``KJIT_N_JOBS``            joblib workers of oracle runs in jobs       ``1``
+``KJIT_JOB_WORKERS``       training jobs run at once                   ``1``
+``KJIT_LOG_LEVEL``         uvicorn log level                           ``info``
+=========================  ==========================================  ===========================
+
+A training job's ``{"kind": "file"}`` source names a file relative to ``<store>/training-sets``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+__all__ = ["Settings", "DEFAULT_OPERATORS"]
+
+DEFAULT_OPERATORS = ("logistic-x", "logistic-z", "compound_gamma-tau")
+
+
+def _default_store() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "kjit" / "store"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    store: Path = field(default_factory=_default_store)
+    token: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_batch: int = 10_000
+    snapshot_every: int = 500
+    default_operators: tuple[str, ...] = DEFAULT_OPERATORS
+    default_n_train: int = 2000
+    default_n_inner: int = 300
+    default_n_outer: int = 500
+    seed: int = 0
+    n_jobs: int = 1
+    job_workers: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self):
+        object.__setattr__(self, "store", Path(self.store).expanduser())
+        if self.token is not None and self.token == "":
+            object.__setattr__(self, "token", None)
+        for name in ("max_body_bytes", "max_batch", "snapshot_every", "default_n_train",
+                     "default_n_inner", "default_n_outer", "job_workers"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"setting `{name}` must be >= 1, got {getattr(self, name)!r}")
+        if not 0 <= int(self.port) <= 65535:
+            raise ValueError(f"setting `port` must lie in [0, 65535], got {self.port!r}")
+
+    @property
+    def training_dir(self) -> Path:
+        return self.store / "training-sets"
+
+    def with_(self, **changes) -> "Settings":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "Settings":
+        """Settings from ``KJIT_*`` variables (see the module docstring); ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        kw: dict = {}
+        for f in fields(cls):
+            key = "KJIT_" + f.name.upper()
+            if key not in env:
+                continue
+            raw = env[key]
+            try:
+                if f.name == "default_operators":
+                    names = [s.strip() for s in raw.split(",") if s.strip()]
+                    kw[f.name] = () if names in ([], ["none"]) else tuple(names)
+                elif f.name in ("host", "log_level"):
+                    kw[f.name] = raw
+                elif f.name == "token":
+                    kw[f.name] = raw or None
+                elif f.name == "store":
+                    kw[f.name] = Path(raw)
+                else:
+                    kw[f.name] = int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {key}={raw!r} is not valid for `{f.name}`") from None
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)

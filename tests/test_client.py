@@ -1,0 +1,205 @@
+"""kjit.client.RemoteOperator against a real uvicorn server on a loopback port: the operator
+interface over HTTP (same numbers as in process), server errors surfaced with the field,
+timeouts and the retry policy, and EP (logistic regression on banknote) giving the same
+posterior with the remote operator as with the local one."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kjit.client import RemoteOperator, RemoteOperatorError, RemoteValidationError
+from kjit.families import Beta, Gaussian
+from kjit.oracles import QuadratureOracle
+
+from test_service_fixtures import (  # noqa: F401 - fixtures
+    TOKEN,
+    live,
+    load_pristine,
+    pristine_store,
+    probe,
+    settings_for,
+    store_dir,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
+
+
+def test_remote_operator_has_the_local_interface(live, pristine_store):
+    local = load_pristine(pristine_store, "logistic-x")
+    inc = probe("logistic", 25)
+    with RemoteOperator(live.url, "logistic-x", mode="predict") as op:
+        assert op.to == "x" and op.factor.name == "logistic" and op.family is Gaussian
+        q = op.belief(inc, "x")
+        q_loc, lv_loc = local.operator.predict(inc)
+        assert isinstance(q, Gaussian) and q == q_loc  # bit for bit: JSON carries doubles exactly
+        m = op.message(inc)
+        m_loc = local.operator.message(inc)
+        np.testing.assert_array_equal(m.natural(), m_loc.natural())
+        np.testing.assert_array_equal(m.is_proper, m_loc.is_proper)
+        q2, lv, cons = op.predict(inc)
+        np.testing.assert_array_equal(lv, lv_loc)
+        assert q2 == q_loc and not cons.any()
+        np.testing.assert_array_equal(op.uncertainty(inc), lv_loc)
+        # shapes: a scalar message broadcasts, a 2-D batch keeps its shape
+        s = op.belief({"x": Gaussian(0.5, 2.0), "z": Beta(2.0, 1.0)})
+        assert s.shape == ()
+        b2 = op.belief({"x": inc["x"][:6].reshape(2, 3), "z": inc["z"][:6].reshape(2, 3)})
+        assert b2.shape == (2, 3)
+        np.testing.assert_array_equal(b2.mean().ravel(), q_loc.mean()[:6])
+        # larger than the server's batch limit (500 in the tests): split into several requests (the
+        # split changes BLAS blocking, so equal to round-off rather than bit for bit)
+        big = probe("logistic", 1203, seed=4)
+        np.testing.assert_allclose(op.belief(big).mean(), local.operator.belief(big).mean(), rtol=1e-12, atol=1e-13)
+
+
+def test_jit_mode_and_observations_through_the_client(live, pristine_store):
+    local = load_pristine(pristine_store, "logistic-x")
+    inc = probe("logistic", 30, seed=8)
+    with RemoteOperator(live.url, "logistic-x", token=TOKEN) as op:  # mode="jit" by default
+        q, lv, cons = op.predict(inc)
+        q_loc, lv_loc, cons_loc = local.predict(inc)
+        assert q == q_loc and (cons == cons_loc).all() and cons.any()
+        assert op.counters()["consultations"] == cons.sum() and op.last_version_ == 1
+        extra = probe("logistic", 4, seed=9)
+        beliefs = QuadratureOracle(local.factor).belief(extra, "x")
+        ans = op.observe(extra, beliefs)
+        assert ans["accepted"] == 4 and ans["version"] == 2 and not ans["duplicate"]
+        local.operator.partial_fit(extra, beliefs)
+        test = probe("logistic", 10, seed=10)
+        assert RemoteOperator(live.url, "logistic-x", mode="predict").belief(test) == local.operator.belief(test)
+
+
+def test_server_errors_are_surfaced_with_the_field(live):
+    with RemoteOperator(live.url, "logistic-x") as op:  # jit mode, no token
+        with pytest.raises(RemoteOperatorError, match=r"401.*header\.authorization"):
+            op.belief(probe("logistic", 2))
+    with RemoteOperator(live.url, "nope", mode="predict") as op:
+        with pytest.raises(RemoteValidationError, match=r"404.*path\.name: unknown operator 'nope'") as ei:
+            op.info()
+        assert ei.value.status == 404 and ei.value.detail[0]["loc"] == ["path", "name"]
+        assert isinstance(ei.value, ValueError)
+    with RemoteOperator(live.url, "logistic-x", mode="predict") as op:
+        # bypass local validation to see the server's answer
+        with pytest.raises(RemoteValidationError, match=r"422.*body\.incoming\.x\.var\.1: Input should be greater than 0"):
+            op._request("POST", "/v1/operators/logistic-x/messages", params={"mode": "predict"}, json_body={
+                "to": "x", "incoming": {"x": {"family": "gaussian", "mean": [0, 0], "var": [1, -1]},
+                                        "z": {"family": "beta", "alpha": [2, 2], "beta": [1, 1]}}})
+        # non-finite numbers never leave the client (JSON has no NaN)
+        bad = {"x": Gaussian._unchecked(np.array([0.0, np.nan]), np.array([1.0, 1.0])), "z": Beta([2.0, 2.0], 1.0)}
+        with pytest.raises(ValueError):
+            op.belief(bad)
+        with pytest.raises(ValueError, match="not `to`='z'"):
+            op.belief(probe("logistic", 2), "z")
+
+
+class _Silent:
+    """A TCP server that accepts connections and never answers; counts connections."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self.conns = []
+        self._stop = False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        self.sock.settimeout(0.1)
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            self.conns.append(c)
+
+    def close(self):
+        self._stop = True
+        self.t.join()
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def test_timeouts_and_the_retry_policy():
+    silent = _Silent()
+    try:
+        # an idempotent read: timed out, retried `retries` times, then an error naming the cause
+        op = RemoteOperator(silent.url, "logistic-x", timeout=0.2, retries=2, backoff=0.01)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteOperatorError, match="no answer from the server.*ReadTimeout.*after 3 attempts"):
+            op.info()
+        assert silent.accepted == 3 and time.monotonic() - t0 < 5
+        # a jit request is not retried after a timeout: the server may have learned from it
+        n0 = silent.accepted
+        with pytest.raises(RemoteOperatorError, match="ReadTimeout"):
+            op._request("POST", "/v1/operators/logistic-x/messages", json_body={}, params={"mode": "jit"},
+                        retry="connect")
+        assert silent.accepted == n0 + 1
+    finally:
+        silent.close()
+    # connection refused: retried (nothing was sent), then reported
+    port = silent.url.rsplit(":", 1)[1]
+    op = RemoteOperator(f"http://127.0.0.1:{port}", "logistic-x", timeout=1, retries=1, backoff=0.01)
+    with pytest.raises(RemoteOperatorError, match="ConnectError.*after 2 attempts"):
+        op.health()
+
+
+def test_retries_reach_a_server_that_comes_up_late(store_dir):
+    from service.testing import ThreadedServer
+
+    srv = ThreadedServer(settings_for(store_dir))
+    op = RemoteOperator(srv.url, "logistic-x", mode="predict", retries=8, backoff=0.1)
+    threading.Timer(0.3, srv.start).start()
+    try:
+        assert op.health()["status"] == "ok"
+        op.wait_ready(30)
+        assert op.belief(probe("logistic", 3)).shape == (3,)
+    finally:
+        time.sleep(0.1)
+        srv.stop()
+
+
+def test_ep_on_banknote_remote_equals_local(live, pristine_store):
+    """EP runs unchanged with a remote operator: the same posterior as with the same operator in
+    process (parallel schedule: one batched operator call per iteration)."""
+    from kjit.datasets import paper_split
+    from kjit.ep import BayesianLogisticRegression
+
+    split = paper_split("banknote", random_state=0, add_bias=True)
+    X, y = split.X_train, split.y_train
+    local = load_pristine(pristine_store, "logistic-x")
+    with RemoteOperator(live.url, "logistic-x", mode="predict") as remote:
+        m_remote = BayesianLogisticRegression(remote, max_iter=30, damping=0.3).fit(X, y)
+    m_local = BayesianLogisticRegression(local.operator, max_iter=30, damping=0.3).fit(X, y)
+    assert m_remote.n_iter_ == m_local.n_iter_
+    np.testing.assert_allclose(m_remote.posterior_.mean, m_local.posterior_.mean, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(m_remote.posterior_.cov, m_local.posterior_.cov, rtol=1e-12, atol=1e-14)
+    assert m_remote.test_error(split.X_test, split.y_test) == m_local.test_error(split.X_test, split.y_test)
+
+
+def test_ep_on_banknote_jit_remote_equals_jit_local(live, pristine_store):
+    """The same in jit mode: the server consults its oracle on exactly the rows where the local
+    JIT operator does and learns the same pairs, so the posteriors agree."""
+    from kjit.datasets import paper_split
+    from kjit.ep import BayesianLogisticRegression
+
+    split = paper_split("banknote", random_state=0, add_bias=True)
+    X, y = split.X_train, split.y_train
+    local = load_pristine(pristine_store, "logistic-x")
+    with RemoteOperator(live.url, "logistic-x", token=TOKEN, mode="jit") as remote:
+        m_remote = BayesianLogisticRegression(remote, max_iter=30).fit(X, y)
+        counters = remote.counters()
+    m_local = BayesianLogisticRegression(local, max_iter=30).fit(X, y)
+    np.testing.assert_allclose(m_remote.posterior_.mean, m_local.posterior_.mean, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(m_remote.posterior_.cov, m_local.posterior_.cov, rtol=1e-12, atol=1e-14)
+    assert counters["consultations"] == local.counters()["consultations"] > 0
+    assert counters["n_train"] == local.counters()["n_train"]

@@ -1,0 +1,190 @@
+"""Durability of the store: kill -9 in the middle of a stream of observations loses no
+acknowledged update; torn log tails are cut, damage elsewhere is reported, not served;
+jit-mode learning survives a restart; one server per store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from kjit.oracles import QuadratureOracle
+from service.store import OperatorStore
+from service.testing import SubprocessServer, ThreadedServer
+
+from test_service_fixtures import (  # noqa: F401 - fixtures
+    TOKEN,
+    load_pristine,
+    pristine_store,
+    probe,
+    settings_for,
+    store_dir,
+)
+from test_service import AUTH, beliefs_body, body
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
+
+
+def _pairs(n_batches, rows=2, seed=2000):
+    from kjit.factors import Logistic
+
+    oracle = QuadratureOracle(Logistic())
+    out = []
+    for i in range(n_batches):
+        inc = probe("logistic", rows, seed=seed + i)
+        out.append((inc, oracle.belief(inc, "x")))
+    return out
+
+
+def test_kill_9_mid_stream_loses_no_acknowledged_observation(store_dir, pristine_store):
+    pairs = _pairs(400)
+    env = {"KJIT_TOKEN": TOKEN, "KJIT_SNAPSHOT_EVERY": "7"}  # snapshots and log rotations mid-stream too
+    srv = SubprocessServer(store_dir, env=env).start()
+    acked = []          # versions the server acknowledged, in order
+    sent = []           # index of the pair in each request, in order
+    errors = []
+
+    def stream():
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=10) as c:
+            for i, (inc, q) in enumerate(pairs):
+                sent.append(i)
+                try:
+                    r = c.post("/v1/operators/logistic-x/observations",
+                               json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+                except httpx.TransportError as exc:
+                    errors.append(exc)
+                    return
+                assert r.status_code == 200, r.text
+                acked.append(r.json()["version"])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    t_end = time.monotonic() + 60
+    while len(acked) < 40 and time.monotonic() < t_end:
+        time.sleep(0.001)
+    srv.kill()  # SIGKILL in the middle of the stream
+    t.join(timeout=30)
+    assert errors, "the stream should have been cut by the kill"
+    assert 40 <= len(acked) < len(pairs)
+    assert acked == list(range(1, len(acked) + 1))
+    n_acked = len(acked)
+
+    srv2 = SubprocessServer(store_dir, env=env).start()
+    try:
+        with httpx.Client(base_url=srv2.url, headers=AUTH) as c:
+            d = c.get("/v1/operators/logistic-x").json()
+            # every acknowledged observation is there; at most the one in flight on top
+            assert n_acked <= d["version"] <= n_acked + 1, (n_acked, d["version"])
+            assert d["updates"]["observed_pairs"] == 2 * d["version"]
+            assert d["n_train"] == 300 + 2 * d["version"]
+            # and the state is exactly the pristine operator plus those pairs, in order
+            local = load_pristine(pristine_store, "logistic-x")
+            for inc, q in pairs[:d["version"]]:
+                local.operator.partial_fit(inc, q)
+            test = probe("logistic", 50, seed=77)
+            got = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(test, "x")).json()
+            q_loc, lv_loc = local.operator.predict(test)
+            np.testing.assert_allclose(got["beliefs"]["mean"], q_loc.mean(), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(np.transpose(got["log_var"]), lv_loc, rtol=1e-12, atol=1e-12)
+            # the stream goes on after the restart
+            inc, q = pairs[-1]
+            r = c.post("/v1/operators/logistic-x/observations",
+                       json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+            assert r.json()["version"] == d["version"] + 1
+    finally:
+        srv2.stop()
+    files = sorted(p.name for p in (store_dir / "operators" / "logistic-x").iterdir())
+    assert sum(f.startswith("snapshot-") for f in files) == 1, files  # old generations were cleaned up
+
+
+def _thread_server(store_dir, **kw):
+    return ThreadedServer(settings_for(store_dir, **kw))
+
+
+def test_jit_learning_survives_a_restart(store_dir):
+    inc = probe("logistic", 40, seed=5)
+    test = probe("logistic", 30, seed=6)
+    with _thread_server(store_dir) as srv, httpx.Client(base_url=srv.url, headers=AUTH) as c:
+        r = c.post("/v1/operators/logistic-x/messages?mode=jit", json=body(inc, "x")).json()
+        assert r["n_consulted"] > 0
+        after = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(test, "x")).json()
+        detail = c.get("/v1/operators/logistic-x").json()
+    # a crash (no final snapshot): rebuild from snapshot 0 + log in a fresh store object
+    store = OperatorStore(store_dir)
+    store.open()
+    try:
+        store.load_all()
+        e = store.get("logistic-x")
+        assert e.version == detail["version"] == 1
+        np.testing.assert_array_equal(e.jit.operator.belief(test).mean(), after["beliefs"]["mean"])
+        assert e.jit.counters()["consultations"] == r["n_consulted"]
+    finally:
+        store.close()
+
+
+def _observe_then_crash(store_dir, pairs):
+    """Apply observations through the store, then leave without a final snapshot (a crash)."""
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
+    e = store.get("logistic-x")
+    for inc, q in pairs:
+        e.observe(inc, q, None, None)
+    store.abandon()
+
+
+def test_torn_tail_is_cut_and_damage_elsewhere_is_refused(store_dir, pristine_store):
+    pairs = _pairs(3)
+    _observe_then_crash(store_dir, pairs)
+    d = store_dir / "operators" / "logistic-x"
+    log_path = d / "log-00000000.jsonl"
+    assert len(log_path.read_bytes().splitlines()) == 3
+    # a write cut short by the crash: half a record at the end of the log
+    with open(log_path, "ab") as fh:
+        fh.write(b'0badc0de {"seq": 4, "kind": "observe", "incom')
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
+    try:
+        assert not store.failed
+        e = store.get("logistic-x")
+        assert e.version == 3 and e.observed_pairs == 6  # the three records replayed
+        local = load_pristine(pristine_store, "logistic-x")
+        for inc, q in pairs:
+            local.operator.partial_fit(inc, q)
+        test = probe("logistic", 20, seed=3)
+        np.testing.assert_array_equal(e.jit.operator.belief(test).mean(), local.operator.belief(test).mean())
+    finally:
+        store.abandon()
+    assert not log_path.read_bytes().endswith(b"incom")  # cut off
+    assert len(log_path.read_bytes().splitlines()) == 3
+
+    # damage followed by a valid record is corruption: the operator is refused and reported, not served
+    lines = log_path.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1][:20] + b"X" + lines[1][21:]
+    log_path.write_bytes(b"".join(lines))
+    with ThreadedServer(settings_for(store_dir)).start(ready=False) as srv, httpx.Client(base_url=srv.url) as c:
+        for _ in range(200):
+            r = c.get("/ready")
+            if r.json()["loading"] == []:
+                break
+            time.sleep(0.02)
+        assert r.status_code == 503
+        assert "logistic-x" in r.json()["failed"] and "damaged" in r.json()["failed"]["logistic-x"]
+        assert "logistic-z" in r.json()["operators"]
+        m = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(probe("logistic", 2), "x"))
+        assert m.status_code == 503 and m.json()["detail"][0]["loc"] == ["path", "name"]
+
+
+def test_one_server_per_store(store_dir):
+    a = OperatorStore(store_dir)
+    a.open()
+    try:
+        b = OperatorStore(store_dir)
+        with pytest.raises(RuntimeError, match="in use by another kjit server"):
+            b.open()
+    finally:
+        a.close()
