@@ -88,7 +88,7 @@ def test_kernel_operator_round_trip_is_bit_identical(op, probe, tmp_path):
     assert_bit_identical(op, loaded, probe)
     assert loaded.hyperparameters() == op.hyperparameters()
     assert loaded.search_ == op.search_ and loaded.n_train_ == op.n_train_ == 300
-    assert (loaded.to, loaded.n_inner, loaded.n_outer, loaded.treatment) == ("x", 50, 100, "gaussian")
+    assert (loaded.to, loaded.n_inner, loaded.n_outer, loaded.treatment) == ("x", 50, 100, op.treatment)
     # a file of plain arrays plus one JSON header
     with np.load(path, allow_pickle=False) as z:
         assert "__header__" in z.files
