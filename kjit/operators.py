@@ -28,7 +28,7 @@ import numpy as np
 
 from .blr import BayesianLinearRegression
 from .factors import Factor, get_factor
-from .families import Family
+from .families import Family, Gaussian
 from .features import TwoStageFeatures
 from .training import TrainingSet
 
@@ -80,6 +80,12 @@ class KernelOperator:
         exhaustively at each width setting from one eigendecomposition.
     random_state : seeds the random features.
     dtype : float64 or float32 for the prediction hot path.
+    target : what is regressed.  "relative" (default): the belief's coordinates relative to the
+        recipient's incoming message — for a Gaussian ((m_q − m)/√v, log v_q − log v), for Beta
+        and Gamma the log-parameter differences — so coordinate errors translate into KL
+        uniformly whatever the scale of the message (KL between Gaussians depends on exactly
+        these two numbers).  "absolute": the belief's own coordinates (the paper's choice).
+        The reported uncertainty is the predictive variance of the regressed coordinates.
     """
 
     def __init__(
@@ -95,7 +101,11 @@ class KernelOperator:
         noise_vars: Sequence[float] = DEFAULT_NOISE_VARS,
         random_state=None,
         dtype=np.float64,
+        target: str = "relative",
     ):
+        if target not in ("relative", "absolute"):
+            raise ValueError(f"`target` must be 'relative' or 'absolute', got {target!r}")
+        self.target = target
         self.factor = get_factor(factor) if isinstance(factor, str) else factor
         self.to = self.factor.check_to(to)
         self.n_inner = int(n_inner)
@@ -146,7 +156,7 @@ class KernelOperator:
         messages, shape, _ = self._messages(incoming)
         if len(shape) != 1 or shape[0] < 2:
             raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
-        Y = self._targets(beliefs, shape[0])
+        Y = self._targets(beliefs, shape[0], incoming)
         t0 = time.perf_counter()
         n = shape[0]
         self.y_mean_ = Y.mean(axis=0)
@@ -243,7 +253,7 @@ class KernelOperator:
         messages, shape, _ = self._messages(incoming)
         if len(shape) != 1:
             raise ValueError("`incoming` must be 1-D batches")
-        Y = self._targets(beliefs, shape[0])
+        Y = self._targets(beliefs, shape[0], incoming)
         psi = self.features_.transform(messages).astype(np.float64, copy=False)
         self.blr_.partial_fit(psi, (Y - self.y_mean_) / self.y_scale_)
         return self
@@ -259,7 +269,38 @@ class KernelOperator:
             raise ValueError("`beliefs` is required when `data` is a dict of incoming messages")
         return data, beliefs
 
-    def _targets(self, beliefs, n):
+    def _base(self, incoming):
+        """Coordinates of the recipient's incoming message (the frame of relative targets)."""
+        m = incoming[self.to].ravel()
+        c = m.to_coords()
+        return c
+
+    def _to_relative(self, coords, base):
+        rel = coords - base
+        if self.family is Gaussian:
+            rel[..., 0] = rel[..., 0] / np.exp(0.5 * base[..., 1])
+        return rel
+
+    def _from_relative(self, rel, base):
+        out = rel + base
+        if self.family is Gaussian:
+            out[..., 0] = base[..., 0] + rel[..., 0] * np.exp(0.5 * base[..., 1])
+        return out
+
+    def regression_targets(self, incoming: Mapping[str, Family], beliefs: Family) -> np.ndarray:
+        """The coordinates the regression is fitted to (before standardisation), shape (n, k)."""
+        inc, shape = self.factor.check_incoming(incoming, self.to)
+        flat = {v: m.ravel() for v, m in inc.items()}
+        return self._targets(beliefs.ravel(), int(np.prod(shape, dtype=int)), flat)
+
+    def _targets(self, beliefs, n, incoming):
+        Y = self._check_beliefs(beliefs, n)
+        if self.target == "relative":
+            inc, _ = self.factor.check_incoming(incoming, self.to)
+            Y = self._to_relative(Y, self._base(inc))
+        return Y
+
+    def _check_beliefs(self, beliefs, n):
         if not isinstance(beliefs, self.family):
             raise ValueError(f"`beliefs` must be {self.family.__name__} messages")
         if beliefs.shape != (n,):
@@ -270,15 +311,18 @@ class KernelOperator:
 
     # ------------------------------------------------------------------ prediction
     def predict_coords(self, incoming, return_var: bool = True):
-        """Predicted regression coordinates (batch, k) and their predictive variances (batch, k)."""
+        """Predicted belief coordinates (batch, k) and the predictive variances (batch, k) of the
+        regressed coordinates (relative to the incoming message when ``target="relative"``)."""
         self._check_fitted()
-        messages, shape, _ = self._messages(incoming)
+        messages, shape, inc = self._messages(incoming)
         psi = self.features_.transform(messages)
         if return_var:
             z, v = self.blr_.predict(psi, return_var=True, dtype=self.dtype)
         else:
             z = self.blr_.predict(psi, dtype=self.dtype)
         coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
+        if self.target == "relative":
+            coords = self._from_relative(coords, self._base(inc))
         coords = coords.reshape(shape + (len(self.y_mean_),))
         if not return_var:
             return coords
@@ -329,7 +373,7 @@ class KernelOperator:
             "inner_factors": json.dumps(self.inner_factors), "width_factors": json.dumps(self.width_factors),
             "prior_vars": np.asarray(self.prior_vars), "noise_vars": np.asarray(self.noise_vars),
             "random_state": self.random_state if isinstance(self.random_state, int) else None,
-            "dtype": self.dtype.name,
+            "dtype": self.dtype.name, "target": self.target,
         }
         fitted = {
             "y_mean": self.y_mean_, "y_scale": self.y_scale_, "inner_factor": self.inner_factor_,
@@ -349,7 +393,7 @@ class KernelOperator:
                 factor, p["to"], n_inner=p["n_inner"], n_outer=p["n_outer"], treatment=p["treatment"],
                 inner_factors=json.loads(p["inner_factors"]), width_factors=json.loads(p["width_factors"]),
                 prior_vars=p["prior_vars"], noise_vars=p["noise_vars"], random_state=p.get("random_state"),
-                dtype=p["dtype"],
+                dtype=p["dtype"], target=p.get("target", "absolute"),
             )
             op.features_ = TwoStageFeatures.from_state_dict(state["features"])
             op.blr_ = BayesianLinearRegression.from_state_dict(state["blr"])

@@ -487,7 +487,7 @@ class Entry:
             jit, op = self.jit, self.jit.operator
             d = self.summary()
             d.update({
-                "features": {"n_inner": op.n_inner, "n_outer": op.n_outer, "treatment": op.treatment},
+                "features": {"n_inner": op.n_inner, "n_outer": op.n_outer, "treatment": op.treatment, "target": op.target},
                 "hyperparameters": json.loads(json.dumps(op.hyperparameters(), default=lambda o: o.tolist())),
                 "threshold": jit.threshold,
                 "oracle": {"kind": "importance_sampling" if isinstance(jit.oracle, ImportanceSamplingOracle) else "quadrature"},

@@ -113,7 +113,10 @@ def test_hyperparameters_are_the_argmax_of_the_search(op):
     # every record's prior/noise come from the grids
     assert all(r["prior_var"] in op.prior_vars and r["noise_var"] in op.noise_vars for r in search)
     # n = 400 <= SEARCH_SIZE: the search used every pair, so the final evidence is the best one
-    assert op.log_evidence_ == pytest.approx(best["log_evidence"], rel=1e-8)
+    # the search's evidence comes from one eigendecomposition of A, the final one from a Cholesky
+    # fit; both subtract terms of size ~ yy/noise_var, so at the small chosen noise variances they
+    # agree to ~eps * cond(P) relative (measured 7e-8), not to round-off of the result
+    assert op.log_evidence_ == pytest.approx(best["log_evidence"], rel=1e-6)
     hp = op.hyperparameters()
     assert hp["prior_var"] == op.prior_var_ and hp["width_factor"] == op.width_factor_
     assert hp["gamma2"] == pytest.approx(op.width_factor_ * op.features_.median_sq_dist_, rel=1e-12)
@@ -129,7 +132,7 @@ def test_default_width_search_also_picks_the_evidence_argmax(factor, data):
     assert (small.inner_factor_, small.width_factor_, small.prior_var_, small.noise_var_) == (
         best["inner_factor"], best["width_factor"], best["prior_var"], best["noise_var"]
     )
-    assert small.log_evidence_ == pytest.approx(best["log_evidence"], rel=1e-8)
+    assert small.log_evidence_ == pytest.approx(best["log_evidence"], rel=1e-6)  # as above
 
 
 def test_prior_and_noise_are_the_evidence_argmax_for_the_chosen_features(op, data):
@@ -140,7 +143,7 @@ def test_prior_and_noise_are_the_evidence_argmax_for_the_chosen_features(op, dat
     are left out of the comparison."""
     train = data["train"]
     psi = op.features_.transform(_msgs(train))
-    Z = (train.beliefs.to_coords() - op.y_mean_) / op.y_scale_
+    Z = (op.regression_targets(train.incoming, train.beliefs) - op.y_mean_) / op.y_scale_
     max_cond = getattr(operators, "MAX_CONDITION", np.inf)
     trace = np.sum(psi * psi)
     grid = np.array([
@@ -151,7 +154,7 @@ def test_prior_and_noise_are_the_evidence_argmax_for_the_chosen_features(op, dat
     ])
     i, j = np.unravel_index(np.argmax(grid), grid.shape)
     assert (op.prior_vars[i], op.noise_vars[j]) == (op.prior_var_, op.noise_var_)
-    assert grid[i, j] == pytest.approx(op.log_evidence_, rel=1e-8)
+    assert grid[i, j] == pytest.approx(op.log_evidence_, rel=1e-6)  # eigh grid vs Cholesky, as above
 
 
 def test_single_value_grids_fix_the_hyperparameters(factor, data, op):
@@ -269,15 +272,20 @@ def test_partial_fit_equals_fit_on_the_union(factor, data):
     assert op1.n_train_ == 400
     assert op1.hyperparameters() == hyper  # nothing re-searched, the feature map is unchanged
     psi = op1.features_.transform(_msgs(train))
-    Z = (train.beliefs.to_coords() - op1.y_mean_) / op1.y_scale_
+    Z = (op1.regression_targets(train.incoming, train.beliefs) - op1.y_mean_) / op1.y_scale_
     ref = BayesianLinearRegression(prior_var=op1.prior_var_, noise_var=op1.noise_var_).fit(psi, Z)
     np.testing.assert_allclose(op1.blr_.A_, ref.A_, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(op1.blr_.b_, ref.b_, rtol=1e-12, atol=1e-11)
     test = data["test"]
     m_ref, v_ref = ref.predict(op1.features_.transform(_msgs(test)), return_var=True)
     coords, var = op1.predict_coords(test.incoming)
-    np.testing.assert_allclose(coords, m_ref * op1.y_scale_ + op1.y_mean_, rtol=0, atol=1e-7)
-    np.testing.assert_allclose(np.log(var), np.log(v_ref[:, None] * op1.y_scale_ ** 2), rtol=0, atol=1e-7)
+    # the regression is on coordinates relative to the incoming x-message: map the reference back
+    expected = op1._from_relative(m_ref * op1.y_scale_ + op1.y_mean_, test.incoming["x"].to_coords())
+    np.testing.assert_allclose(coords, expected, rtol=0, atol=1e-7)
+    # log variances: the online Sigma differs from the batch one by ~1e-11 ‖Sigma‖ (Woodbury drift,
+    # see test_blr), and x^T Sigma x is ~e^-15 ‖Sigma‖ for the most certain rows, so their log
+    # variance can differ by ~1e-11 e^15 ≈ 3e-5 (measured 7e-7 with relative targets)
+    np.testing.assert_allclose(np.log(var), np.log(v_ref[:, None] * op1.y_scale_ ** 2), rtol=0, atol=3e-5)
     # also the TrainingSet-free form (incoming dict, beliefs) and a block >= D_out (exact refit path)
     op2 = KernelOperator(factor, "x", **KW).fit(first)
     op2.partial_fit(rest.incoming, rest.beliefs)
@@ -395,11 +403,13 @@ def test_calibrate_threshold_meets_target(op, data):
         u = lv.max(axis=-1)
         return kl, u, u <= t
 
-    for target in (3e-5, 1e-4):
+    kl_all = cal.beliefs.kl(op.belief(cal.incoming))
+    # targets that admit a proper subset: below the overall mean KL, above the best pairs'
+    for target in (0.3 * kl_all.mean(), 0.6 * kl_all.mean()):
         t = calibrate_threshold(op, cal, target)
         assert np.isfinite(t)
         kl, u, ok = admitted(cal, t)
-        assert 0.5 < ok.mean() < 1.0
+        assert 0.2 < ok.mean() < 1.0
         assert kl[ok].mean() <= target
         # maximality: adding the next most certain pair(s) misses the target
         order = np.argsort(u)
@@ -410,9 +420,10 @@ def test_calibrate_threshold_meets_target(op, data):
         assert kl2[ok2].mean() <= 2.0 * target, kl2[ok2].mean()
         assert abs(ok2.mean() - ok.mean()) < 0.1
     # a quantile statistic
-    t90 = calibrate_threshold(op, cal, 1e-5, statistic="q90")
+    q_target = float(np.quantile(kl_all, 0.5))
+    t90 = calibrate_threshold(op, cal, q_target, statistic="q90")
     kl, _, ok = admitted(cal, t90)
-    assert ok.any() and np.quantile(kl[ok], 0.9) <= 1e-5
+    assert ok.any() and np.quantile(kl[ok], 0.9) <= q_target
 
 
 def test_calibrate_threshold_unreachable_target_and_bad_arguments(op, data):

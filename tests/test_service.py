@@ -61,7 +61,7 @@ def test_health_ready_and_listing(live):
         for key in ("factor", "to", "families", "features", "hyperparameters", "threshold", "counters", "version",
                     "n_train", "updates", "limits", "training"):
             assert key in d, key
-        assert d["features"] == {"n_inner": 50, "n_outer": 100, "treatment": "gaussian"}
+        assert d["features"] == {"n_inner": 50, "n_outer": 100, "treatment": "unconstrained", "target": "relative"}
         assert d["n_train"] == 300 and d["version"] == 0
         assert c.get("/docs").status_code == 200
         assert "/v1/operators/{name}/messages" in c.get("/openapi.json").json()["paths"]
