@@ -1,0 +1,60 @@
+"""The `kjit` command line: help, errors as one line, train → a loadable operator."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kjit.cli import main
+from kjit.families import Beta, Gaussian
+from kjit.operators import JITOperator, KernelOperator
+from kjit.persistence import load_operator
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "kjit.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_every_command():
+    out = run("--help")
+    assert out.returncode == 0
+    for cmd in ("serve", "demo", "train", "oracles", "bench"):
+        assert cmd in out.stdout
+
+
+def test_errors_are_one_line_not_a_traceback(tmp_path):
+    out = run("train", "no_such_factor", "--to", "x", "--out", str(tmp_path / "op.npz"))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "unknown factor 'no_such_factor'" in lines[0]
+    out = run("train", "logistic", "--to", "w", "--out", str(tmp_path / "op.npz"))
+    assert out.returncode == 2 and "`to`='w'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_train_writes_an_operator_that_predicts(tmp_path, capsys):
+    path = tmp_path / "op.npz"
+    rc = main(["train", "logistic", "--to", "x", "--n", "300", "--d-in", "30", "--d-out", "60",
+               "--quiet", "--out", str(path)])
+    assert rc == 0
+    op = load_operator(path)
+    assert isinstance(op, KernelOperator) and op.n_train_ == 300 and (op.n_inner, op.n_outer) == (30, 60)
+    q = op.belief({"x": Gaussian([0.0, 1.0], [1.0, 2.0]), "z": Beta([2.0, 1.0], [1.0, 2.0])})
+    assert q.shape == (2,) and np.all(q.is_proper)
+    assert "saved KernelOperator" in capsys.readouterr().out
+
+
+def test_train_jit_calibrates_a_threshold(tmp_path):
+    path = tmp_path / "jit.npz"
+    rc = main(["train", "compound_gamma", "--to", "tau", "--n", "300", "--d-in", "30", "--d-out", "60", "--jit",
+               "--target-kl", "1e-2", "--quiet", "--out", str(path)])
+    assert rc == 0
+    jit = load_operator(path)
+    assert isinstance(jit, JITOperator) and np.isfinite(jit.threshold) and jit.operator.n_train_ == 300
+
+
+@pytest.mark.slow
+def test_oracles_command_prints_both_oracles():
+    out = run("oracles", "--particles", "20000")
+    assert out.returncode == 0 and "quadrature" in out.stdout and "importance sampling" in out.stdout
