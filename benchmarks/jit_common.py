@@ -51,6 +51,8 @@ def add_args(ap):
     ap.add_argument("--threshold", type=float, default=-8.5,
                     help="JIT threshold on log predictive variance (paper: -8.5 synthetic, -8.95 UCI)")
     ap.add_argument("--initial-batch", type=int, default=300)
+    ap.add_argument("--target-kl", type=float, default=None,
+                    help="derive the threshold from this mean KL on a held-out quarter of the initial batch")
     ap.add_argument("--d-in", type=int, default=300)
     ap.add_argument("--d-out", type=int, default=500)
     ap.add_argument("--max-iter", type=int, default=10)
@@ -64,7 +66,7 @@ def run_sequence(problems, names, args, is_problems):
     is_oracle = ImportanceSamplingOracle(factor, n_samples=args.particles, random_state=args.seed)
     jit = JITOperator(
         None, ImportanceSamplingOracle(factor, n_samples=args.particles, random_state=args.seed + 1),
-        threshold=args.threshold, initial_batch=args.initial_batch, to="x",
+        threshold=args.threshold, initial_batch=args.initial_batch, to="x", target_kl=args.target_kl,
         operator_kwargs={"n_inner": args.d_in, "n_outer": args.d_out, "random_state": args.seed,
                          "dtype": "float32"},
     )
@@ -112,6 +114,7 @@ def summarise(rows, per_msg, jit, first=1):
         "speedup_vs_sampling": total("is_seconds", rows) / total("jit_seconds", rows),
         "speedup_vs_sampling_after_first": total("is_seconds", later) / total("jit_seconds", later),
         "jit_over_quad_after_first": total("jit_seconds", later) / total("quad_seconds", later),
+        "threshold_used": jit.threshold,
         "consultation_rate": c["consultation_rate"],
         "consultation_rate_after_first": total("jit_consultations", later) / max(1.0, total("jit_requests", later)),
         "max_test_error_gap_vs_quad": float(max(abs(r["jit_test_error"] - r["quad_test_error"]) for r in rows)),

@@ -466,6 +466,11 @@ class JITOperator:
         :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.
     initial_batch : with no operator, the first ``initial_batch`` messages go to the oracle;
         then the operator (widths, hyperparameters) is fitted once on them and takes over.
+    target_kl : if given, the threshold is derived from a target accuracy when the operator is
+        first fitted from the initial batch: a quarter of the batch is held out of the fit, the
+        threshold is set by :func:`calibrate_threshold` so that held-out predictions under it
+        have mean KL[q ‖ q̂] ≤ target_kl (``threshold`` is kept if no value meets it), and the
+        held-out pairs are then learned online.
     to : recipient variable (taken from ``operator`` when given).
     operator_kwargs : constructor arguments for the KernelOperator built after the initial batch.
 
@@ -474,7 +479,8 @@ class JITOperator:
     """
 
     def __init__(self, operator: KernelOperator | None, oracle, threshold: float = -8.5,
-                 initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None):
+                 initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
+                 target_kl: float | None = None):
         if operator is None and to is None:
             raise ValueError("`to` is required when starting without an operator")
         if operator is not None and to is not None and to != operator.to:
@@ -487,6 +493,9 @@ class JITOperator:
             raise ValueError("`threshold` must be finite")
         if int(initial_batch) < 2:
             raise ValueError("`initial_batch` must be >= 2")
+        if target_kl is not None and not (np.isfinite(target_kl) and target_kl > 0):
+            raise ValueError("`target_kl` must be a positive number")
+        self.target_kl = None if target_kl is None else float(target_kl)
         self.operator = operator
         self.oracle = oracle
         self.threshold = float(threshold)
@@ -590,7 +599,19 @@ class JITOperator:
         t = time.perf_counter()
         incoming = {v: type(flat[v]).concatenate([p[0][v] for p in self._pending]) for v in flat}
         beliefs = self.family.concatenate([p[1] for p in self._pending])
-        self.operator = KernelOperator(self.factor, self.to, **self.operator_kwargs).fit(incoming, beliefs)
+        if self.target_kl is None:
+            self.operator = KernelOperator(self.factor, self.to, **self.operator_kwargs).fit(incoming, beliefs)
+        else:
+            # calibrate the threshold on a quarter of the initial batch held out from the fit,
+            # then learn those pairs too (online: the hyperparameters stay those of the fit)
+            data = TrainingSet(self.factor.name, self.to, incoming, beliefs)
+            n_held = max(1, len(data) // 4)
+            fit_part, held = data.split(len(data) - n_held, random_state=0)
+            self.operator = KernelOperator(self.factor, self.to, **self.operator_kwargs).fit(fit_part)
+            t_cal = calibrate_threshold(self.operator, held, self.target_kl)
+            if np.isfinite(t_cal):
+                self.threshold = t_cal
+            self.operator.partial_fit(held)
         self._pending = []
         self._n_pending = 0
         self._counts["seconds_initial_fit"] += time.perf_counter() - t
@@ -622,6 +643,7 @@ class JITOperator:
         state = {
             "params": {"factor": self.factor.name, "factor_params": json.dumps(self.factor.params()),
                        "to": self.to, "threshold": self.threshold, "initial_batch": self.initial_batch,
+                       "target_kl": self.target_kl,
                        "operator_kwargs": json.dumps(self.operator_kwargs)},
             "counters": dict(self._counts),
             "oracle": oracle,
@@ -657,7 +679,7 @@ class JITOperator:
                 raise ValueError(f"unknown oracle kind {o['kind']!r}")
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
             jit = cls(operator, oracle, threshold=float(p["threshold"]), initial_batch=int(p["initial_batch"]),
-                      to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]))
+                      to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]), target_kl=p.get("target_kl"))
             for k, v in state["counters"].items():
                 jit._counts[k] = type(jit._counts.get(k, 0.0))(v)
             if "pending" in state:

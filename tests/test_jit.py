@@ -329,3 +329,23 @@ def test_operator_kwargs_with_numpy_dtype_can_be_saved(factor, oracle, tmp_path)
     loaded = load_operator(tmp_path / "j.npz")
     loaded.predict(inside(20, 4))
     assert loaded.operator.dtype == np.float32
+
+
+def test_threshold_derived_from_target_kl_on_the_initial_batch():
+    """With target_kl, the initial fit holds out a quarter of the initial batch, calibrates the
+    threshold on it (calibrate_threshold), then learns the held-out pairs online too."""
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import logistic_incoming
+
+    factor = Logistic()
+    jit = JITOperator(None, QuadratureOracle(factor), threshold=123.0, initial_batch=200, to="x",
+                      operator_kwargs={"n_inner": 40, "n_outer": 80, "random_state": 0}, target_kl=1e-3)
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        jit.predict(logistic_incoming(100, rng))
+    assert jit.operator is not None and jit.operator.n_train_ == 200
+    assert jit.threshold != 123.0 and np.isfinite(jit.threshold)
+    # target_kl and the calibrated threshold survive a save/load round trip
+    restored = JITOperator.from_state_dict(jit.state_dict())
+    assert restored.target_kl == 1e-3 and restored.threshold == jit.threshold
