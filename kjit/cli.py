@@ -115,6 +115,30 @@ def _demo(args) -> int:
     return 0
 
 
+def _dask_backend(address):
+    """joblib's Dask backend on the cluster at ``address`` for the duration of a ``with``; a no-op without one."""
+    import contextlib
+
+    if not address:
+        return contextlib.nullcontext()
+    try:
+        import joblib
+        from distributed import Client
+    except ImportError as exc:
+        raise RuntimeError("--scheduler needs Dask: pip install 'kjit[dask]'") from exc
+
+    @contextlib.contextmanager
+    def ctx():
+        try:
+            client = Client(address, timeout="20s")
+        except (OSError, TimeoutError) as exc:
+            raise OSError(f"cannot reach the Dask scheduler at {address}: {exc}") from exc
+        with client, joblib.parallel_config(backend="dask"):
+            yield client
+
+    return ctx()
+
+
 def _train(args) -> int:
     import time
 
@@ -139,8 +163,9 @@ def _train(args) -> int:
     else:
         if factor.name not in DEFAULT_DISTRIBUTIONS:
             raise ValueError(f"no default input distribution for factor {factor.name!r}: give --pairs FILE")
-        ts = make_training_set(factor, args.to, DEFAULT_DISTRIBUTIONS[factor.name], oracle, n=args.n + n_held,
-                               n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)
+        with _dask_backend(args.scheduler):
+            ts = make_training_set(factor, args.to, DEFAULT_DISTRIBUTIONS[factor.name], oracle, n=args.n + n_held,
+                                   n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)
     held = None
     if n_held:
         ts, held = ts.split(len(ts) - n_held, random_state=args.seed)
@@ -230,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--jit", action="store_true", help="save a JITOperator with a calibrated threshold")
     t.add_argument("--target-kl", type=float, default=1e-3, help="with --jit: mean KL of confident predictions")
     t.add_argument("--jobs", type=int, default=1, help="parallel oracle jobs (joblib)")
+    t.add_argument("--scheduler", metavar="tcp://HOST:PORT",
+                   help="generate the oracle pairs on this Dask cluster (joblib's dask backend; needs kjit[dask] "
+                        "on the client and the workers; --jobs is then ignored: every worker thread is used)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_train)

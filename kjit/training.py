@@ -153,6 +153,17 @@ def _oracle_chunk(oracle, incoming: Mapping[str, Family], to: str, drop_failures
     return fam.concatenate(parts), ok
 
 
+def _chunk_job(oracle, part: Mapping[str, Family], to: str, seed, drop_failures: bool):
+    """One task: the oracle, re-seeded with the chunk's own child seed, on one chunk.
+
+    A module-level function of plain arguments, so it pickles by reference and runs on any
+    joblib backend, a Dask worker included.
+    """
+    if hasattr(oracle, "with_random_state"):
+        oracle = oracle.with_random_state(seed)
+    return _oracle_chunk(oracle, part, to, drop_failures)
+
+
 def make_training_set(
     factor: Factor | str,
     to: str,
@@ -174,7 +185,17 @@ def make_training_set(
     incoming : recorded messages (dict of batches of one length), or a sampler
         ``incoming(n, rng) -> dict`` of message batches (then ``n`` is required).
     oracle : an oracle for ``factor`` (QuadratureOracle or ImportanceSamplingOracle).
-    n_jobs, chunk_size : joblib parallelism; the result does not depend on ``n_jobs``.
+    n_jobs, chunk_size : joblib parallelism; the result does not depend on ``n_jobs`` or the
+        backend, but does on ``chunk_size`` (one seed per chunk).  On a Dask cluster::
+
+            with distributed.Client("tcp://host:8786"), joblib.parallel_config(backend="dask"):
+                ts = make_training_set(...)   # every worker thread is used, whatever n_jobs
+
+        (``kjit[dask]`` on the client and on the workers).  Size chunks so the scheduler is not
+        the bottleneck: a chunk should cost ≥ max(100 ms, 20 × the per-task overhead, measured by
+        ``benchmarks/scale.py``), i.e. ``chunk_size ≥ that / per-pair cost``, with ≥ ~4 chunks per
+        worker for load balance.  The default 256 costs ~5–10 s with 5×10^5 particles; for the
+        quadrature oracle (~0.2 ms a pair) use a few thousand.
     random_state : seeds the incoming sampler and each chunk's importance sampler.
     progress : show a tqdm progress bar.
     drop_failures : drop messages the oracle cannot answer (low ESS) and count them in
@@ -207,15 +228,16 @@ def make_training_set(
             raise ValueError(f"`n`={n} exceeds the {total} recorded messages")
         incoming = {v: m[: int(n)] for v, m in incoming.items()}
         total = int(n)
-    starts = list(range(0, total, int(chunk_size)))
+    chunk_size = int(chunk_size)
+    starts = list(range(0, total, chunk_size))
     child_seeds = oracle_seed.spawn(len(starts))
-
-    def job(i, s):
-        part = {v: m[s: s + chunk_size] for v, m in incoming.items()}
-        o = oracle.with_random_state(child_seeds[i]) if hasattr(oracle, "with_random_state") else oracle
-        return _oracle_chunk(o, part, to, drop_failures)
-
-    tasks = (delayed(job)(i, s) for i, s in enumerate(starts))
+    # each task carries only its own slice of the messages and its own child seed (a few kB), not
+    # the whole batch: on a cluster (joblib's "dask" backend) every task is shipped to a worker
+    tasks = (
+        delayed(_chunk_job)(oracle, {v: m[s: s + chunk_size] for v, m in incoming.items()}, to,
+                            child_seeds[i], drop_failures)
+        for i, s in enumerate(starts)
+    )
     results = Parallel(n_jobs=n_jobs, return_as="generator")(tasks)
     if progress:
         from tqdm.auto import tqdm

@@ -52,12 +52,12 @@ def test_first_start_trains_then_later_starts_load(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_cli_help_lists_serve_and_demo_still_works():
+def test_cli_help_lists_serve_and_oracles_still_works():
     out = subprocess.run([sys.executable, "-m", "kjit.cli", "--help"], capture_output=True, text=True)
     assert "serve" in out.stdout and "demo" in out.stdout
     out = subprocess.run([sys.executable, "-m", "kjit.cli", "serve", "--help"], capture_output=True, text=True)
     assert "--store" in out.stdout and "--no-defaults" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "kjit.cli", "demo", "--particles", "2000"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kjit.cli", "oracles", "--particles", "2000"], capture_output=True,
                          text=True)
     assert out.returncode == 0 and "quadrature" in out.stdout
 
