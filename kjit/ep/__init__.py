@@ -3,7 +3,11 @@
 * :class:`LinearEP` — the EP loop (parallel or sequential schedule, damping, skips, evidence);
 * models: :class:`BayesianLogisticRegression`, :class:`ProbitClassifier`,
   :class:`CompoundGammaPrecision`;
-* :class:`RecordingOperator` — records the (incoming, belief) pairs an EP run asks for.
+* :class:`RecordingOperator` — records the (incoming, belief) pairs an EP run asks for;
+* variants: power EP (``power=u``) and relaxed EP (``relax_c=c``) in the engine and models;
+  operators :class:`ProbitNoiseOperator`, :class:`LogisticOperator` (power EP, relaxed EP) and
+  :class:`LaplaceOperator` (Laplace propagation);
+* :class:`GPClassifier` — GP classification with the noisy probit by EP / power EP / relaxed EP.
 """
 
 from .engine import SKIP_REASONS, EPResult, GaussianPosterior, IterationRecord, LinearEP
@@ -13,6 +17,14 @@ from .models import (
     ProbitClassifier,
     expected_sigmoid,
     logistic_gauss_hermite,
+)
+from .gp import GPClassifier, kernel_factor, linear_kernel, rbf_kernel
+from .operators import (
+    GaussianLogDensity,
+    LaplaceOperator,
+    LogisticLogDensity,
+    LogisticOperator,
+    ProbitNoiseOperator,
 )
 from .recording import Call, RecordingOperator
 
@@ -29,4 +41,13 @@ __all__ = [
     "logistic_gauss_hermite",
     "RecordingOperator",
     "Call",
+    "ProbitNoiseOperator",
+    "LogisticOperator",
+    "LaplaceOperator",
+    "LogisticLogDensity",
+    "GaussianLogDensity",
+    "GPClassifier",
+    "rbf_kernel",
+    "linear_kernel",
+    "kernel_factor",
 ]

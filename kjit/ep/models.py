@@ -4,6 +4,11 @@ Each model takes the *operator* that answers its non-conjugate factor (a quadrat
 importance-sampling oracle, a learned or a remote operator — anything with ``belief``), stores
 hyper-parameters in its constructor and puts learned state in attributes ending in ``_``
 (scikit-learn style).
+
+The EP variants (see :mod:`kjit.ep.engine`): ``power=u`` runs power EP and ``relax_c=c`` relaxed
+EP (both need an operator from :mod:`kjit.ep.operators` or one with the same extras); Laplace
+propagation is the operator :class:`kjit.ep.operators.LaplaceOperator`, e.g.
+``BayesianLogisticRegression(LaplaceOperator(Logistic()))``.
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ class _LinearEPModel:
         schedule: str = "parallel",
         allow_negative_sites: bool = False,
         compute_evidence: bool = True,
+        power: float = 1.0,
+        relax_c: float | None = None,
     ):
         self.operator = operator
         self.prior_var = prior_var
@@ -112,6 +119,8 @@ class _LinearEPModel:
         self.schedule = schedule
         self.allow_negative_sites = allow_negative_sites
         self.compute_evidence = compute_evidence
+        self.power = power
+        self.relax_c = relax_c
 
     def _engine(self) -> LinearEP:
         return LinearEP(
@@ -124,6 +133,8 @@ class _LinearEPModel:
             schedule=self.schedule,
             allow_negative_sites=self.allow_negative_sites,
             compute_evidence=self.compute_evidence,
+            power=self.power,
+            relax_c=self.relax_c,
         )
 
     def _observed(self, y):  # pragma: no cover - overridden
@@ -192,10 +203,11 @@ class BayesianLogisticRegression(_LinearEPModel):
 
     def __init__(self, operator, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = False,
-                 compute_evidence: bool = True, n_quad: int = 64):
+                 compute_evidence: bool = True, n_quad: int = 64, power: float = 1.0,
+                 relax_c: float | None = None):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
-                         compute_evidence=compute_evidence)
+                         compute_evidence=compute_evidence, power=power, relax_c=relax_c)
         self.n_quad = n_quad
 
     def _observed(self, y):
@@ -238,10 +250,10 @@ class ProbitClassifier(_LinearEPModel):
 
     def __init__(self, operator, eps=None, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = True,
-                 compute_evidence: bool = True):
+                 compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
-                         compute_evidence=compute_evidence)
+                         compute_evidence=compute_evidence, power=power, relax_c=relax_c)
         self.eps = eps
 
     def _resolve_eps(self) -> float:

@@ -51,8 +51,9 @@ class RecordingOperator:
         return getattr(self.operator, name)
 
     # ------------------------------------------------------------------ operator interface
-    def belief(self, incoming: Mapping[str, Family], to: str) -> Family:
-        q = self.operator.belief(incoming, to)
+    def belief(self, incoming: Mapping[str, Family], to: str, **kw) -> Family:
+        """Forwarded (with any extra keyword, e.g. power EP's ``power``) and recorded."""
+        q = self.operator.belief(incoming, to, **kw)
         self.calls.append(Call("belief", _common_batch(dict(incoming)), to, q))
         return q
 
@@ -62,10 +63,10 @@ class RecordingOperator:
         self.calls.append(Call("message", inc, to, msg * inc[to]))
         return msg
 
-    def log_partition(self, incoming):
+    def log_partition(self, incoming, **kw):
         if not hasattr(self.operator, "log_partition"):
             raise AttributeError("the wrapped operator has no log_partition")
-        return self.operator.log_partition(incoming)
+        return self.operator.log_partition(incoming, **kw)
 
     # ------------------------------------------------------------------ records
     @property
