@@ -23,12 +23,14 @@ demo: $(STAMP)
 	$(PY) -m kjit.cli demo
 
 ## test: the fast test suite
+# BLAS pinned to one thread: the suites are full of small matrices and loky worker processes,
+# where multi-threaded BLAS on two cores oversubscribes (measured 10-20x slower under load)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q
 
 ## test-slow: the slow tests only (notebook execution, first start of the service, ...)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
+	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
 
 ## notebook: execute notebooks/train_operator.ipynb top to bottom (nbclient); the executed copy and the
 ##           figures go to notebooks/out/, the operator into the service's store (KJIT_STORE)
