@@ -79,6 +79,7 @@ from typing import Any, Mapping
 import numpy as np
 from scipy import linalg
 from scipy.linalg import blas, cho_factor, cho_solve, eigh, lapack
+from .persistence import StateReader
 
 __all__ = ["BayesianLinearRegression", "NotFittedError"]
 
@@ -657,17 +658,8 @@ class BayesianLinearRegression:
     def from_state_dict(cls, d: Mapping[str, Any]) -> "BayesianLinearRegression":
         """Rebuild a model from :meth:`state_dict` output (also accepts an ``np.load`` npz)."""
 
-        def get(key):
-            try:
-                return d[key]
-            except KeyError:
-                raise ValueError(f"state dict is missing key {key!r}") from None
-
-        def scalar(key, kind):
-            value = np.asarray(get(key))
-            if value.shape != ():
-                raise ValueError(f"state dict key {key!r} must be a scalar, got {value.shape}")
-            return kind(value.item())
+        reader = StateReader(d)
+        get, scalar = reader.get, reader.scalar
 
         if scalar("format", int) != _STATE_FORMAT:
             raise ValueError(f"unsupported state dict format {get('format')!r}")

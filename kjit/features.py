@@ -79,6 +79,7 @@ import numpy as np
 from scipy import special
 
 from .families import FAMILIES, Bernoulli, Beta, Family, Gamma, Gaussian, family_by_name
+from .persistence import StateReader
 
 __all__ = [
     "TwoStageFeatures",
@@ -730,20 +731,8 @@ class TwoStageFeatures:
     def from_state_dict(cls, d: Mapping[str, Any]) -> "TwoStageFeatures":
         """Rebuild from :meth:`state_dict` output (also accepts an ``np.load`` npz or JSON lists)."""
 
-        def get(key):
-            try:
-                return d[key]
-            except KeyError:
-                raise ValueError(f"state dict is missing key {key!r}") from None
-
-        def scalar(key, kind):
-            value = np.asarray(get(key))
-            if value.shape != ():
-                raise ValueError(f"state dict key {key!r} must be a scalar, got shape {value.shape}")
-            return kind(value.item())
-
-        def opt(key, kind):
-            return scalar(key, kind) if key in d else None
+        reader = StateReader(d)
+        get, scalar, opt = reader.get, reader.scalar, reader.opt
 
         if scalar("format", int) != _STATE_FORMAT:
             raise ValueError(f"unsupported features state dict format {get('format')!r}")

@@ -20,10 +20,33 @@ import numpy as np
 
 from . import __version__
 
-__all__ = ["save_operator", "load_operator", "dumps_state", "loads_state", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["save_operator", "load_operator", "dumps_state", "loads_state", "StateReader", "FORMAT",
+           "FORMAT_VERSION"]
 
 FORMAT = "kjit-operator"
 FORMAT_VERSION = 1
+
+
+class StateReader:
+    """Typed access to a state dict (or an ``np.load`` npz) with errors that name the key."""
+
+    def __init__(self, d: Mapping[str, Any]):
+        self.d = d
+
+    def get(self, key):
+        try:
+            return self.d[key]
+        except KeyError:
+            raise ValueError(f"state dict is missing key {key!r}") from None
+
+    def scalar(self, key, kind):
+        value = np.asarray(self.get(key))
+        if value.shape != ():
+            raise ValueError(f"state dict key {key!r} must be a scalar, got shape {value.shape}")
+        return kind(value.item())
+
+    def opt(self, key, kind):
+        return self.scalar(key, kind) if key in self.d else None
 
 
 def _split(state: Mapping[str, Any], prefix: str, arrays: dict, scalars: dict) -> None:
