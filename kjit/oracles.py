@@ -311,27 +311,62 @@ def _weighted_mean_var(t, lw):
     return mean, var
 
 
+_LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
+
+
 def _lower_truncated_std(alpha, n_terms: int = 80):
     """Mean λ and variance of N(0, 1) truncated to [α, ∞), accurate in the far tail.
 
     For α < 5: λ = φ(α)/Φ(−α) and var = 1 − λ(λ − α) (mild cancellation).  For α ≥ 5 the
     Mills-ratio continued fraction R = 1/(α + c), c = 1/(α + d), d = 2/(α + 3/(α + …)) gives
-    λ = α + c and var = c² (α d + d² − 1) with no cancellation (var ≈ 1/α² for large α).
+    λ = α + c and var = c² (α d + d² − 1) with no cancellation (var ≈ 1/α² for large α); the
+    continued fraction is evaluated only on the tail entries.
     """
     alpha = np.asarray(alpha, float)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        lam_d = np.exp(-0.5 * alpha * alpha - 0.5 * np.log(2 * np.pi) - special.log_ndtr(-alpha))
-        var_d = 1.0 - lam_d * (lam_d - alpha)
-    a = np.maximum(alpha, 5.0)
-    t = np.zeros_like(a)
-    for k in range(n_terms, 1, -1):
-        t = k / (a + t)
-    d = t
-    c = 1.0 / (a + d)
-    lam_cf = a + c
-    var_cf = c * c * (a * d + d * d - 1.0)
+        lam = np.exp(-0.5 * alpha * alpha - _LOG_SQRT_2PI - special.log_ndtr(-alpha))
+        var = 1.0 - lam * (lam - alpha)
     tail = alpha >= 5.0
-    return np.where(tail, lam_cf, lam_d), np.where(tail, var_cf, np.maximum(var_d, 0.0))
+    if np.any(tail):
+        a = alpha[tail]
+        t = np.zeros_like(a)
+        for k in range(n_terms, 1, -1):
+            t = k / (a + t)
+        c = 1.0 / (a + t)
+        lam = np.array(lam, dtype=float, copy=True)
+        var = np.array(var, dtype=float, copy=True)
+        lam[tail] = a + c
+        var[tail] = c * c * (a * t + t * t - 1.0)
+    return lam, np.maximum(var, 0.0)
+
+
+def two_piece_moments(mu, v, log_c_pos, log_c_neg):
+    """Tilted moments of ``N(f; mu, v) · [c₊ Θ(f) + c₋ Θ(−f)]`` (log weights; −inf allowed).
+
+    Returns ``(log Z, mean, var, π₊)`` with π₊ the tilted mass of ``f > 0``.  Each piece is a
+    truncated Gaussian; its moments come from :func:`_lower_truncated_std` (accurate in the far
+    tail).  Used by the probit oracle (weights ε + (1−2ε)p, ε + (1−2ε)(1−p)) and by power EP
+    (the weights to the power u).
+    """
+    mu, v, lcp, lcn = np.broadcast_arrays(*(np.asarray(a, dtype=float) for a in (mu, v, log_c_pos, log_c_neg)))
+    s = np.sqrt(v)
+    z = mu / s
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lp = lcp + special.log_ndtr(z)
+        ln = lcn + special.log_ndtr(-z)
+        log_z = np.logaddexp(lp, ln)
+        pi_pos = np.exp(lp - log_z)
+        pi_neg = np.exp(ln - log_z)
+    lam_p, tv_p = _lower_truncated_std(-z)
+    lam_n, tv_n = _lower_truncated_std(z)
+    m_pos = mu + s * lam_p
+    m_neg = mu - s * lam_n
+    with np.errstate(invalid="ignore"):
+        mean = np.where(pi_neg == 0, m_pos, np.where(pi_pos == 0, m_neg, pi_pos * m_pos + pi_neg * m_neg))
+        d_pos = np.where(pi_pos > 0, v * tv_p + (m_pos - mean) ** 2, 0.0)
+        d_neg = np.where(pi_neg > 0, v * tv_n + (m_neg - mean) ** 2, 0.0)
+        var = pi_pos * d_pos + pi_neg * d_neg
+    return log_z, mean, var, pi_pos
 
 
 def _probit_moments(mu, v, p, eps):
@@ -340,26 +375,11 @@ def _probit_moments(mu, v, p, eps):
     Returns (log Z, mean, var, P(y=+1 | tilted)).  The tilted distribution is a mixture of
     the two truncations of the Gaussian at 0, weighted c₊Φ(z) and c₋Φ(−z).
     """
-    s = np.sqrt(v)
-    z = mu / s
     c_pos = eps + (1 - 2 * eps) * p
     c_neg = eps + (1 - 2 * eps) * (1 - p)
     with np.errstate(divide="ignore"):
-        lp = np.log(c_pos) + special.log_ndtr(z)
-        ln = np.log(c_neg) + special.log_ndtr(-z)
-    log_z = np.logaddexp(lp, ln)
-    pi_pos = np.exp(lp - log_z)
-    pi_neg = np.exp(ln - log_z)
-    # each piece is a truncated Gaussian: f > 0 is N(μ, v) truncated below at α = −z (in sd
-    # units), f < 0 is the mirror image truncated below at α = z
-    lam_p, tv_p = _lower_truncated_std(-z)
-    lam_n, tv_n = _lower_truncated_std(z)
-    m_pos = mu + s * lam_p
-    m_neg = mu - s * lam_n
-    v_pos = v * tv_p
-    v_neg = v * tv_n
-    mean = pi_pos * m_pos + pi_neg * m_neg
-    var = pi_pos * (v_pos + (m_pos - mean) ** 2) + pi_neg * (v_neg + (m_neg - mean) ** 2)
+        log_z, mean, var, _ = two_piece_moments(mu, v, np.log(c_pos), np.log(c_neg))
+    z = mu / np.sqrt(v)
     # posterior on y: P(y=+1) ∝ p · (ε + (1−2ε)Φ(z))
     like_pos = eps + (1 - 2 * eps) * special.ndtr(z)
     like_neg = eps + (1 - 2 * eps) * special.ndtr(-z)

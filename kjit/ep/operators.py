@@ -53,7 +53,7 @@ from scipy import special
 
 from ..factors import Factor, Logistic, ProbitNoise
 from ..families import Bernoulli, Beta, Family, Gaussian
-from ..oracles import _logistic_rule
+from ..oracles import _LOG_SQRT_2PI, _logistic_rule, two_piece_moments
 
 __all__ = [
     "ProbitNoiseOperator",
@@ -88,60 +88,6 @@ def _batch(incoming: Mapping[str, Family], names) -> tuple[tuple[int, ...], list
 
 
 # ============================================================================ probit
-_LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
-
-
-def _lower_truncated_std(alpha, n_terms: int = 80):
-    """Mean and variance of N(0, 1) truncated to [α, ∞) — the formulas of
-    ``kjit.oracles._lower_truncated_std`` (direct for α < 5, the Mills-ratio continued fraction
-    in the tail), with the continued fraction evaluated only on the tail entries (this sits on
-    the per-site path of sequential EP, where the batch has one entry)."""
-    alpha = np.asarray(alpha, float)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        lam = np.exp(-0.5 * alpha * alpha - _LOG_SQRT_2PI - special.log_ndtr(-alpha))
-        var = 1.0 - lam * (lam - alpha)
-    tail = alpha >= 5.0
-    if np.any(tail):
-        a = alpha[tail]
-        t = np.zeros_like(a)
-        for k in range(n_terms, 1, -1):
-            t = k / (a + t)
-        c = 1.0 / (a + t)
-        lam = np.array(lam, dtype=float, copy=True)
-        var = np.array(var, dtype=float, copy=True)
-        lam[tail] = a + c
-        var[tail] = c * c * (a * t + t * t - 1.0)
-    return lam, np.maximum(var, 0.0)
-
-
-def two_piece_moments(mu, v, log_c_pos, log_c_neg):
-    """Tilted moments of ``N(f; mu, v) · [c₊ Θ(f) + c₋ Θ(−f)]`` (log weights; −inf allowed).
-
-    Returns ``(log Z, mean, var, π₊)`` with π₊ the tilted mass of ``f > 0``.  Each piece is a
-    truncated Gaussian; its moments come from ``kjit.oracles._lower_truncated_std`` (accurate in
-    the far tail).
-    """
-    mu, v, lcp, lcn = np.broadcast_arrays(*(np.asarray(a, dtype=float) for a in (mu, v, log_c_pos, log_c_neg)))
-    s = np.sqrt(v)
-    z = mu / s
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lp = lcp + special.log_ndtr(z)
-        ln = lcn + special.log_ndtr(-z)
-        log_z = np.logaddexp(lp, ln)
-        pi_pos = np.exp(lp - log_z)
-        pi_neg = np.exp(ln - log_z)
-    lam_p, tv_p = _lower_truncated_std(-z)
-    lam_n, tv_n = _lower_truncated_std(z)
-    m_pos = mu + s * lam_p
-    m_neg = mu - s * lam_n
-    with np.errstate(invalid="ignore"):
-        mean = np.where(pi_neg == 0, m_pos, np.where(pi_pos == 0, m_neg, pi_pos * m_pos + pi_neg * m_neg))
-        d_pos = np.where(pi_pos > 0, v * tv_p + (m_pos - mean) ** 2, 0.0)
-        d_neg = np.where(pi_neg > 0, v * tv_n + (m_neg - mean) ** 2, 0.0)
-        var = pi_pos * d_pos + pi_neg * d_neg
-    return log_z, mean, var, pi_pos
-
-
 def _lae(a: float, b: float) -> float:
     """log(e^a + e^b) for floats (−inf allowed)."""
     if a < b:
