@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,notebook,dask]'
+	$(PY) -m pip install --quiet -e '.[dev,notebook,dask,redis]'
 	touch $(STAMP)
 
 ## run: the main job — the message-operator service on 127.0.0.1:8000 with the default operators

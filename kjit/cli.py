@@ -56,7 +56,7 @@ def _serve(args) -> int:
     from service.settings import Settings
 
     overrides = {"host": args.host, "port": args.port, "store": args.store, "log_level": args.log_level,
-                 "default_n_train": args.n_train}
+                 "default_n_train": args.n_train, "shared_store": args.shared_store}
     if args.no_defaults:
         overrides["default_operators"] = ()
     settings = Settings.from_env(**overrides)
@@ -281,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n-train", type=int, default=None,
                    help="training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default 2000)")
     s.add_argument("--no-defaults", action="store_true", help="serve the store as it is; train nothing")
+    s.add_argument("--shared-store", default=None,
+                   help="run as a replica: the update log shared with the other replicas — a directory or "
+                        "redis://host:port/db (KJIT_SHARED_STORE; see service/shared.py)")
     s.add_argument("--log-level", default=None, help="uvicorn log level (KJIT_LOG_LEVEL, default info)")
     s.set_defaults(func=_serve)
     return p

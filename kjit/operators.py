@@ -310,9 +310,10 @@ class KernelOperator:
         return beliefs.to_coords()
 
     # ------------------------------------------------------------------ prediction
-    def predict_coords(self, incoming, return_var: bool = True):
+    def predict_coords(self, incoming, return_var: bool = True, return_features: bool = False):
         """Predicted belief coordinates (batch, k) and the predictive variances (batch, k) of the
-        regressed coordinates (relative to the incoming message when ``target="relative"``)."""
+        regressed coordinates (relative to the incoming message when ``target="relative"``).
+        ``return_features`` also returns the flat random features ψ (n, D_out)."""
         self._check_fitted()
         messages, shape, inc = self._messages(incoming)
         psi = self.features_.transform(messages)
@@ -327,7 +328,16 @@ class KernelOperator:
         if not return_var:
             return coords
         var = np.asarray(v, np.float64).reshape(-1, 1) * self.y_scale_**2
-        return coords, var.reshape(shape + (len(self.y_mean_),))
+        var = var.reshape(shape + (len(self.y_mean_),))
+        return (coords, var, psi) if return_features else (coords, var)
+
+    def latent_variances(self, psi) -> np.ndarray:
+        """ψᵀΣψ per row (float64): the posterior variance of the regression function on the
+        standardised scale, without the noise σ_y²; the predictive variance of coordinate k is
+        ``y_scale_[k]² (ψᵀΣψ + noise_var_)``."""
+        self._check_fitted()
+        psi = np.asarray(psi, np.float64)
+        return np.einsum("ij,ij->i", psi @ self.blr_.Sigma_, psi)
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
@@ -454,6 +464,48 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet, target_
     return float(u_sorted[last])
 
 
+def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float) -> np.ndarray:
+    """Rows to ask the oracle so that, once their pairs are learned, every row's latent variance
+    ψᵀΣψ is ≤ ``limit``; greedy, most uncertain first.  Returns row indices in selection order.
+
+    In Bayesian linear regression the posterior covariance after learning a pair depends only
+    on its features, not on the oracle's answer: Σ' = Σ − Σψψᵀ Σ / (σ_y² + ψᵀΣψ).  So the
+    effect of consulting a row on the uncertainty of every other row of the batch is known
+    before the oracle is called.  The loop picks the row with the largest variance, applies
+    that rank-one downdate to the variances (and to the vectors Σψ_i) of all rows, and stops
+    when none exceeds ``limit``: O(m D) per pick.  Processing the rows one at a time, as the
+    paper's operator does, consults each row that is still uncertain after the ones before it
+    were learned; this is the same rule with the most uncertain row first, so near-duplicate
+    uncertain rows (EP sends many) cost one consultation instead of one each.  With
+    ``limit`` ≤ 0 (the noise alone exceeds the threshold) every row with variance > limit is
+    returned.
+    """
+    psi = np.asarray(psi, np.float64)
+    m = psi.shape[0]
+    C = psi @ Sigma  # rows Σψ_i
+    var = np.einsum("ij,ij->i", C, psi)
+    if not limit > 0:
+        return np.flatnonzero(var > limit)
+    chosen = []
+    active = np.ones(m, dtype=bool)
+    while True:
+        cand = np.where(active, var, -np.inf)
+        j = int(np.argmax(cand))
+        if not cand[j] > limit:
+            break
+        chosen.append(j)
+        active[j] = False
+        c = C[j].copy()
+        k = psi @ c  # ψ_iᵀ Σ ψ_j
+        denom = noise_var + var[j]
+        var -= k * k / denom
+        C -= np.outer(k / denom, c)
+    return np.asarray(chosen, dtype=int)
+
+
+_MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
+
+
 class JITOperator:
     """Just-in-time operator (SPEC §6): predict when confident, else ask the oracle and learn.
 
@@ -473,6 +525,12 @@ class JITOperator:
         held-out pairs are then learned online.
     to : recipient variable (taken from ``operator`` when given).
     operator_kwargs : constructor arguments for the KernelOperator built after the initial batch.
+    selection : which uncertain rows of a request go to the oracle.  "greedy" (default): the
+        fewest, picked most-uncertain-first by :func:`greedy_consultations`, such that after
+        learning them every row of the request is under the threshold; the remaining rows are
+        answered by the updated operator (as if the rows were processed one by one).  "all":
+        every row that is uncertain before the request (the rule without look-ahead).
+        ``predict(..., learn=False)`` always uses "all" (nothing is learned within the call).
 
     Counters (``counters()``): calls, requests (messages), consultations (messages sent to the
     oracle), seconds in prediction, in the oracle, in updates and in the initial fit.
@@ -480,7 +538,10 @@ class JITOperator:
 
     def __init__(self, operator: KernelOperator | None, oracle, threshold: float = -8.5,
                  initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
-                 target_kl: float | None = None):
+                 target_kl: float | None = None, selection: str = "greedy"):
+        if selection not in ("greedy", "all"):
+            raise ValueError(f"`selection` must be 'greedy' or 'all', got {selection!r}")
+        self.selection = selection
         if operator is None and to is None:
             raise ValueError("`to` is required when starting without an operator")
         if operator is not None and to is not None and to != operator.to:
@@ -541,22 +602,28 @@ class JITOperator:
         if to is not None and to != self.to:
             raise ValueError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
 
-    def predict(self, incoming: Mapping[str, Family], to: str | None = None):
+    def predict(self, incoming: Mapping[str, Family], to: str | None = None, learn: bool = True):
         """Belief, log predictive variance (n, k) and the mask of rows the oracle answered.
 
         During the initial phase (no operator yet) every row is consulted and the log
         variance is NaN; afterwards it is the operator's value before consultation.  If the
         oracle raises, the exception propagates and the counters are left as they were.
+
+        ``learn=False`` (fitted operators only) returns the oracle's answers without learning
+        them: the caller applies them later with ``operator.partial_fit`` — the service's
+        replicas do, after the pairs have their place in the shared update log.
         """
+        if not learn and self.operator is None:
+            raise ValueError("`learn=False` needs a fitted operator")
         saved = dict(self._counts)
         try:
-            return self._predict(incoming, to)
+            return self._predict(incoming, to, learn)
         except BaseException:
             self._counts.clear()
             self._counts.update(saved)
             raise
 
-    def _predict(self, incoming, to):
+    def _predict(self, incoming, to, learn=True):
         self._check_to(to)
         inc, shape = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in inc.items()}
@@ -570,26 +637,57 @@ class JITOperator:
             k = len(self.family.coord_names)
             return q.reshape(shape), np.full(shape + (k,), np.nan), np.ones(shape, dtype=bool)
         t = time.perf_counter()
-        q_hat, logvar = self.operator.predict(flat)
+        coords, var, psi = self.operator.predict_coords(flat, return_var=True, return_features=True)
+        logvar = np.log(var)
         self._counts["seconds_predict"] += time.perf_counter() - t
         uncertain = np.any(logvar > self.threshold, axis=-1)
-        idx = np.flatnonzero(uncertain)
-        if idx.size:
+        consulted = np.zeros(n, dtype=bool)
+        answers = []  # (row indices, oracle beliefs)
+        rounds = 0
+        while uncertain.any():
+            rows = np.flatnonzero(uncertain)
+            if self.selection == "greedy" and learn and rounds < _MAX_ROUNDS:
+                op = self.operator
+                # latent-variance limit equivalent to the threshold on the largest coordinate;
+                # 0.9: a margin for the float32 prediction path
+                limit = 0.9 * np.exp(self.threshold) / np.max(op.y_scale_) ** 2 - op.noise_var_
+                t = time.perf_counter()
+                pick = greedy_consultations(psi[rows], op.blr_.Sigma_, op.noise_var_, limit)
+                self._counts["seconds_predict"] += time.perf_counter() - t
+                idx = rows[pick] if pick.size else rows
+            else:
+                idx = rows
             sub = {v: m[idx] for v, m in flat.items()}
             q_or = self._oracle_beliefs(sub)
             self._counts["consultations"] += idx.size
-            t = time.perf_counter()
-            self.operator.partial_fit(sub, q_or)
-            self._counts["seconds_update"] += time.perf_counter() - t
-            self._counts["updates"] += idx.size
-            coords = q_hat.to_coords()
-            coords[idx] = q_or.to_coords()
+            consulted[idx] = True
+            answers.append((idx, q_or))
+            if learn:
+                t = time.perf_counter()
+                self.operator.partial_fit(sub, q_or)
+                self._counts["seconds_update"] += time.perf_counter() - t
+                self._counts["updates"] += idx.size
+            rest = np.flatnonzero(uncertain & ~consulted)
+            uncertain[:] = False
+            if rest.size:
+                # rows left uncertain before this round: answered by the updated operator, if
+                # it is now confident about them (checked, not assumed)
+                t = time.perf_counter()
+                c2, v2, p2 = self.operator.predict_coords({v: m[rest] for v, m in flat.items()},
+                                                          return_var=True, return_features=True)
+                self._counts["seconds_predict"] += time.perf_counter() - t
+                coords[rest], logvar[rest], psi[rest] = c2, np.log(v2), p2
+                uncertain[rest] = np.any(logvar[rest] > self.threshold, axis=-1)
+            rounds += 1
+        q_hat = self.family.from_coords(coords)
+        if answers:
             # return the oracle's own message for consulted rows (not a coordinate round trip)
             params = [np.array(p) for p in q_hat.params]
-            for p_all, p_or in zip(params, q_or.params):
-                p_all[idx] = p_or
+            for idx, q_or in answers:
+                for p_all, p_or in zip(params, q_or.params):
+                    p_all[idx] = p_or
             q_hat = self.family(*params)
-        return q_hat.reshape(shape), logvar.reshape(shape + logvar.shape[-1:]), uncertain.reshape(shape)
+        return q_hat.reshape(shape), logvar.reshape(shape + logvar.shape[-1:]), consulted.reshape(shape)
 
     def _learn_initial(self, flat, q):
         self._pending.append((flat, q))
@@ -643,7 +741,7 @@ class JITOperator:
         state = {
             "params": {"factor": self.factor.name, "factor_params": json.dumps(self.factor.params()),
                        "to": self.to, "threshold": self.threshold, "initial_batch": self.initial_batch,
-                       "target_kl": self.target_kl,
+                       "target_kl": self.target_kl, "selection": self.selection,
                        "operator_kwargs": json.dumps(self.operator_kwargs)},
             "counters": dict(self._counts),
             "oracle": oracle,
@@ -679,7 +777,8 @@ class JITOperator:
                 raise ValueError(f"unknown oracle kind {o['kind']!r}")
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
             jit = cls(operator, oracle, threshold=float(p["threshold"]), initial_batch=int(p["initial_batch"]),
-                      to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]), target_kl=p.get("target_kl"))
+                      to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]), target_kl=p.get("target_kl"),
+                      selection=p.get("selection", "all"))
             for k, v in state["counters"].items():
                 jit._counts[k] = type(jit._counts.get(k, 0.0))(v)
             if "pending" in state:

@@ -20,6 +20,7 @@ from .metrics import Metrics
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from .routes import router
 from .settings import Settings
+from .shared import open_shared
 from .store import OperatorStore
 
 log = logging.getLogger("kjit.service")
@@ -44,7 +45,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the store is opened (and its operators loaded, in the background) at startup."""
     settings = settings if settings is not None else Settings.from_env()
     metrics = Metrics()
-    store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, observer=metrics.observe_store)
+    store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, observer=metrics.observe_store,
+                          shared=open_shared(settings.shared_store) if settings.shared_store else None,
+                          merge_interval=settings.merge_interval)
     metrics.store = store
 
     @asynccontextmanager

@@ -33,7 +33,7 @@ def is_mutating(method: str, path: str, query_string: bytes) -> bool:
     if parts == ["v1", "operators"]:
         return True  # a training job
     if len(parts) == 4 and parts[:2] == ["v1", "operators"]:
-        if parts[3] == "observations":
+        if parts[3] in ("observations", "merge"):
             return True
         if parts[3] == "messages":
             mode = parse_qs(query_string.decode("latin-1")).get("mode", ["jit"])[-1]

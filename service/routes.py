@@ -17,6 +17,7 @@ from kjit.families import Family
 from . import schemas
 from .errors import ApiError
 from .settings import Settings
+from .shared import SharedLogError
 from .store import Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, body_hash, family_name
 from .training import DEFAULT_DISTRIBUTIONS, TrainSpec, sampler_from_ranges
 
@@ -289,6 +290,28 @@ def observations(
         n_train = int(entry.jit.operator.n_train_)
     return _json({"operator": entry.name, "accepted": accepted, "version": version, "n_train": n_train,
                   "duplicate": dup})
+
+
+@router.post(
+    "/v1/operators/{name}/merge", tags=["replicas"], response_model=schemas.MergeResponse,
+    responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "this server is not a replica"}},
+    dependencies=[Depends(bearer)],
+    summary="replicas: apply the other replicas' updates from the shared store now",
+    description=("A replica (`KJIT_SHARED_STORE`) merges every `KJIT_MERGE_INTERVAL` seconds on its own and before "
+                 "every update it takes; this applies the shared log's records up to its current end now. "
+                 "Replicas at the same `version` predict bit for bit identically."),
+)
+def merge(entry: Annotated[Entry, Depends(get_entry)]):
+    try:
+        merged = entry.merge()
+        length = entry.shared.length(entry.name)
+    except Conflict as exc:
+        raise ApiError(409, ["path", "name"], str(exc), "not_replicated") from None
+    except SharedLogError as exc:
+        raise ApiError(503, [], f"the shared store is unavailable: {exc}", "shared_store_unavailable") from None
+    except ValueError as exc:
+        raise ApiError(500, [], str(exc), "shared_log_damaged") from None
+    return _json({"operator": entry.name, "merged": merged, "version": entry.version, "shared_length": length})
 
 
 # ------------------------------------------------------------------------------ training jobs

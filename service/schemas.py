@@ -118,6 +118,13 @@ class ObservationsResponse(BaseModel):
     duplicate: bool = Field(description="true when the Idempotency-Key was seen before: nothing was added again")
 
 
+class MergeResponse(BaseModel):
+    operator: str
+    merged: int = Field(description="update records of other replicas applied by this request")
+    version: int = Field(description="records of the shared log this replica's operator now reflects")
+    shared_length: int = Field(description="records in the shared log when the merge ended")
+
+
 class ParamRange(_Strict):
     low: Finite
     high: Finite

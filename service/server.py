@@ -16,7 +16,8 @@ import threading
 import time
 
 from .settings import Settings
-from .store import OperatorStore
+from .shared import open_shared
+from .store import Conflict, OperatorStore
 from .training import DEFAULT_SPECS, TrainSpec, train_operator
 
 __all__ = ["ensure_defaults", "serve", "main"]
@@ -28,11 +29,14 @@ def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -
     unknown = [n for n in names if n not in DEFAULT_SPECS]
     if unknown:
         raise ValueError(f"unknown default operator(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_SPECS)}")
-    store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every)
+    shared = open_shared(settings.shared_store) if settings.shared_store else None
+    store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, shared=shared, merge_interval=0)
     store.open()
     trained = []
     try:
-        missing = [n for n in names if not store.exists(n)]
+        # a replica adopts what another replica already published instead of training it again
+        published = set(shared.names()) if shared is not None else set()
+        missing = [n for n in names if not store.exists(n) and n not in published]
         if not missing:
             return []
         print(f"kjit: first start — training {len(missing)} default operator(s) from the quadrature oracle "
@@ -48,8 +52,12 @@ def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -
             if bar:
                 bar.close()
             ts.save(settings.training_dir / f"{name}.npz")
-            store.create(name, jit, {"training": info, "source": spec.describe(), "threshold": info["threshold"],
-                                     "default": True})
+            try:
+                store.create(name, jit, {"training": info, "source": spec.describe(),
+                                         "threshold": info["threshold"], "default": True})
+            except Conflict:  # another replica published it first: this one adopts that one
+                print(f"kjit: {name} was published by another replica meanwhile; using that one", file=out, flush=True)
+                continue
             print(f"kjit: {name} trained in {time.perf_counter() - t0:.0f}s: {info['n_train']} pairs, threshold "
                   f"{info['threshold']:.3g} ({info['threshold_source']}), held-out mean KL "
                   f"{info.get('held_out_mean_kl', float('nan')):.2g}", file=out, flush=True)

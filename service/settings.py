@@ -21,6 +21,11 @@ variable                   meaning                                     default
 ``KJIT_N_JOBS``            joblib workers of oracle runs in jobs       ``1``
 ``KJIT_JOB_WORKERS``       training jobs run at once                   ``1``
 ``KJIT_LOG_LEVEL``         uvicorn log level                           ``info``
+``KJIT_SHARED_STORE``      run as a replica: the update log shared     unset (a standalone server)
+                           with other replicas — a directory or
+                           ``redis://host:port/db`` (service/shared.py)
+``KJIT_MERGE_INTERVAL``    seconds between a replica's merges of the   ``1.0``
+                           others' updates (0: only on request)
 =========================  ==========================================  ===========================
 
 A training job's ``{"kind": "file"}`` source names a file relative to ``<store>/training-sets``.
@@ -59,6 +64,8 @@ class Settings:
     n_jobs: int = 1
     job_workers: int = 1
     log_level: str = "info"
+    shared_store: str | None = None
+    merge_interval: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "store", Path(self.store).expanduser())
@@ -68,6 +75,10 @@ class Settings:
                      "default_n_inner", "default_n_outer", "job_workers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"setting `{name}` must be >= 1, got {getattr(self, name)!r}")
+        if self.shared_store is not None and self.shared_store == "":
+            object.__setattr__(self, "shared_store", None)
+        if not (float(self.merge_interval) >= 0):
+            raise ValueError(f"setting `merge_interval` must be >= 0 seconds, got {self.merge_interval!r}")
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"setting `port` must lie in [0, 65535], got {self.port!r}")
 
@@ -94,8 +105,10 @@ class Settings:
                     kw[f.name] = () if names in ([], ["none"]) else tuple(names)
                 elif f.name in ("host", "log_level"):
                     kw[f.name] = raw
-                elif f.name == "token":
+                elif f.name in ("token", "shared_store"):
                     kw[f.name] = raw or None
+                elif f.name == "merge_interval":
+                    kw[f.name] = float(raw)
                 elif f.name == "store":
                     kw[f.name] = Path(raw)
                 else:

@@ -30,6 +30,12 @@ or does not parse is accepted only at the very end of the newest log — a write
 short, never acknowledged — and is cut off; anywhere else it is corruption and the operator
 is reported as failed (``/ready`` says which and why) instead of being served wrong.
 
+Replicas (``KJIT_SHARED_STORE``, :mod:`service.shared`).  The shared store's ordered log is then the
+source of truth: an update is appended there (compare-and-set on the version) before it is
+applied and acknowledged, and the local directory keeps snapshots only, each naming the shared
+base it grew from; on start a replica loads its newest snapshot (or adopts the shared base) and
+applies the shared log's records after its version.
+
 Nothing in the store is ever unpickled: snapshots are read by :func:`kjit.persistence.loads_state`
 (``allow_pickle=False``), logs are JSON.
 """
@@ -47,6 +53,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 import zlib
 from collections import OrderedDict
 from datetime import datetime, timezone
@@ -61,7 +68,9 @@ from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
 from kjit.persistence import dumps_state, loads_state
 
+from .files import append_durably, fsync_dir, write_atomic
 from .locks import RWLock
+from .shared import SharedLog, SharedLogError
 
 log = logging.getLogger("kjit.service.store")
 
@@ -109,32 +118,6 @@ class OracleFailure(RuntimeError):
     pass
 
 
-# ------------------------------------------------------------------------------ file helpers
-def fsync_dir(path) -> None:
-    fd = os.open(os.fspath(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temporary file in the same directory, fsync, rename over ``path``, fsync the directory."""
-    directory = path.parent
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(directory)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _params_json(m: Family) -> dict[str, list]:
     return {n: np.asarray(p, float).ravel().tolist() for n, p in zip(m.param_names, m.params)}
 
@@ -178,6 +161,8 @@ class Entry:
         self.n_log_records = 0
         self._log_fh = None
         self.snapshot_version = 0
+        self.shared: SharedLog | None = store.shared
+        self.base_hash: str | None = None  # replicas: sha256 of the shared base this state grew from
 
     # ---------------------------------------------------------------- loading and recovery
     def _generations(self):
@@ -198,22 +183,8 @@ class Entry:
         if not snaps:
             raise ValueError(f"operator {self.name!r}: no snapshot in {self.path}")
         g = max(snaps)
-        kind, state = loads_state(snaps[g].read_bytes(), source=str(snaps[g]))
-        if kind == "JITOperator":
-            jit = JITOperator.from_state_dict(state)
-        elif kind == "KernelOperator":  # a plain learned operator dropped into the store
-            op = KernelOperator.from_state_dict(state)
-            jit = JITOperator(op, QuadratureOracle(op.factor), threshold=float(self.meta.get("threshold", -8.5)))
-        else:
-            raise ValueError(f"{snaps[g]}: cannot serve an operator of kind {kind!r}")
-        if jit.operator is None:
-            raise ValueError(f"{snaps[g]}: the operator has no learned model yet; the store serves fitted operators")
-        svc = state.get("service", {})
-        self.jit = jit
-        self.version = self.snapshot_version = int(svc.get("version", 0))
-        self.observed_pairs = int(svc.get("observed_pairs", 0))
-        self.learned_pairs = int(svc.get("learned_pairs", 0))
-        self.keys = OrderedDict((k, (h, s, n)) for k, h, s, n in json.loads(svc.get("idempotency", "[]")))
+        snap_bytes = snaps[g].read_bytes()
+        svc = self._load_state(snap_bytes, str(snaps[g]))
         # stale generations (a crash between a snapshot and the clean-up) go
         for old, p in list(snaps.items()):
             if old < g:
@@ -237,6 +208,143 @@ class Entry:
         self._counters_at_snapshot = self.jit.raw_counters() if not n_replayed else None
         if n_replayed:
             log.info("operator %s: replayed %d update record(s) to version %d", self.name, n_replayed, self.version)
+        if self.shared is not None:
+            self._join_shared(svc.get("shared_base") or _sha256(snap_bytes), rebase=bool(n_replayed))
+
+    def _load_state(self, blob: bytes, source: str) -> dict:
+        """Set the operator and the service's bookkeeping from a snapshot; returns its service dict."""
+        kind, state = loads_state(blob, source=source)
+        if kind == "JITOperator":
+            jit = JITOperator.from_state_dict(state)
+        elif kind == "KernelOperator":  # a plain learned operator dropped into the store
+            op = KernelOperator.from_state_dict(state)
+            jit = JITOperator(op, QuadratureOracle(op.factor), threshold=float(self.meta.get("threshold", -8.5)))
+        else:
+            raise ValueError(f"{source}: cannot serve an operator of kind {kind!r}")
+        if jit.operator is None:
+            raise ValueError(f"{source}: the operator has no learned model yet; the store serves fitted operators")
+        svc = state.get("service", {})
+        self.jit = jit
+        self.version = self.snapshot_version = int(svc.get("version", 0))
+        self.observed_pairs = int(svc.get("observed_pairs", 0))
+        self.learned_pairs = int(svc.get("learned_pairs", 0))
+        self.keys = OrderedDict((k, (h, s, n)) for k, h, s, n in json.loads(svc.get("idempotency", "[]")))
+        return svc
+
+    # ---------------------------------------------------------------- replicas (service.shared)
+    def base_blob(self) -> bytes:
+        """This operator's current state as a shared base: version 0, its meta inside."""
+        state = self.jit.state_dict()
+        state["service"] = {"version": 0, "observed_pairs": 0, "learned_pairs": 0, "idempotency": "[]",
+                            "meta": json.dumps(self.meta, default=str)}
+        return dumps_state("JITOperator", state)
+
+    def _join_shared(self, local_base: str, rebase: bool) -> None:
+        """Make this state a prefix of the shared log: publish or adopt the base, then catch up."""
+        base = self.shared.get_base(self.name)
+        if base is None:
+            # the first replica to publish this operator: its current state becomes the base
+            # (a standalone store joining a shared one keeps what it learned, at version 0)
+            blob = self.base_blob()
+            base = self.shared.publish_base(self.name, blob)
+            if base == blob:
+                self.version = self.snapshot_version = 0
+                self.observed_pairs = self.learned_pairs = 0
+                self.keys.clear()
+                self.base_hash = _sha256(blob)
+                self.n_log_records = self.store.snapshot_every  # a local snapshot at the next update
+                return self._catch_up()
+        if _sha256(base) != local_base or rebase:
+            # another replica's base (or local records outside the shared log): start from the base
+            log.info("operator %s: adopting the shared base from %s", self.name, self.shared.url)
+            self._load_state(base, f"{self.shared.url}/{self.name}/base")
+            self.n_log_records = self.store.snapshot_every
+        self.base_hash = _sha256(base)
+        n = self.shared.length(self.name)
+        if n < self.version:
+            raise ValueError(f"the shared log of {self.name!r} holds {n} records, but this replica's state is at "
+                             f"version {self.version}: the shared store was reset; remove this replica's copy")
+        self._catch_up()
+
+    def _catch_up(self, rid: str | None = None) -> int | None:
+        """Apply the shared log's records after ``version`` in order (exclusive lock held).
+
+        Returns the sequence number of the record whose ``rid`` is ``rid``, if it was among them.
+        """
+        found = None
+        n = 0
+        t = time.perf_counter()
+        for raw in self.shared.read(self.name, self.version):
+            try:
+                rec = decode_record(raw.rstrip(b"\n"))
+                seq = int(rec["seq"])
+                if seq != self.version + 1:
+                    raise ValueError(f"record {seq} follows version {self.version}")
+                self._apply_record(rec)
+            except Exception as exc:
+                why = f"the shared log could not be applied after version {self.version}: {type(exc).__name__}: {exc}"
+                self.store._fail(self.name, why)
+                raise ValueError(why) from exc
+            n += 1
+            if rid is not None and rec.get("rid") == rid:
+                found = seq
+            self._applied_shared()
+        if n:
+            self.store.observe("merge", time.perf_counter() - t)
+        return found
+
+    def _applied_shared(self) -> None:
+        self.n_log_records += 1
+        if self.n_log_records >= self.store.snapshot_every:
+            self._rotate()
+
+    def merge(self) -> int:
+        """Apply the other replicas' records now; returns how many were applied."""
+        if self.shared is None:
+            raise Conflict("this server has no shared store (KJIT_SHARED_STORE): there is nothing to merge")
+        if self.shared.length(self.name) <= self.version:
+            return 0
+        with self.lock.write():
+            before = self.version
+            self._catch_up()
+            return self.version - before
+
+    def _commit_shared(self, make_rec: Callable[[], dict | None], rid: str) -> dict | None:
+        """Append a record to the shared log (compare-and-set on the version), then apply it.
+
+        ``make_rec`` builds the record after each catch-up (None: nothing to append, e.g. a
+        duplicate key).  The record is in the shared store before it is applied here, and is
+        applied by the same code as every other replica's records (bit-identical states).
+        """
+        while True:
+            try:
+                found = self._catch_up(rid)
+            except SharedLogError as exc:
+                raise PersistError(f"the shared store is unavailable: {exc}") from exc
+            if found is not None:
+                return {"seq": found, "found": True}
+            rec = make_rec()
+            if rec is None:
+                return None
+            rec["seq"], rec["rid"] = self.version + 1, rid
+            try:
+                ok = self.shared.append(self.name, self.version, encode_record(rec))
+            except SharedLogError as exc:
+                try:  # did it land before the error?
+                    found = self._catch_up(rid)
+                except Exception:
+                    found = None
+                if found is not None:
+                    return {"seq": found, "found": True}
+                raise PersistError(f"{exc} (the update may still land; retry with the same Idempotency-Key)") from exc
+            if ok:
+                try:
+                    self._apply_record(rec)
+                except Exception as exc:  # the record is in the shared log: the rebuilt state has it
+                    self._recover(f"an update failed half-way ({type(exc).__name__}: {exc})")
+                    return rec
+                self._applied_shared()
+                return rec
 
     def _replay(self, path: Path, last: bool) -> int:
         data = path.read_bytes()
@@ -330,21 +438,10 @@ class Entry:
     def _append(self, rec: Mapping[str, Any]) -> None:
         """Append one record and fsync it; on failure cut the partial write off and raise."""
         data = encode_record(rec)
-        fh = self._log_fh
-        start = fh.tell()
         t = time.perf_counter()
         try:
-            view = memoryview(data)
-            while view:
-                k = fh.write(view)
-                view = view[k:]
-            os.fsync(fh.fileno())
+            append_durably(self._log_fh, data)
         except OSError as exc:
-            try:
-                fh.truncate(start)
-                os.fsync(fh.fileno())
-            except OSError:
-                pass
             raise PersistError(f"could not write the update log of {self.name!r}: {exc}") from exc
         self.store.observe("fsync", time.perf_counter() - t)
         self.n_log_records += 1
@@ -391,6 +488,8 @@ class Entry:
             "version": self.version, "observed_pairs": self.observed_pairs, "learned_pairs": self.learned_pairs,
             "idempotency": json.dumps([[k, h, s, n] for k, (h, s, n) in self.keys.items()]),
         }
+        if self.base_hash is not None:
+            state["service"]["shared_base"] = self.base_hash
         self.snapshot_version = self.version
         self._counters_at_snapshot = dict(state["counters"])
         return dumps_state("JITOperator", state)
@@ -415,6 +514,8 @@ class Entry:
                     raise OracleFailure(str(exc)) from None
                 version = self.version
             return q, None, np.ones(n, dtype=bool), version, 0
+        if self.shared is not None:
+            return self._predict_jit_shared(incoming)
         # jit
         with self.lock.write():
             jit = self.jit
@@ -440,8 +541,52 @@ class Entry:
             version = self.version
         return q, logvar, consulted, version, int(idx.size)
 
+    def _predict_jit_shared(self, incoming):
+        """``jit`` on a replica: consult without learning, then learn through the shared log."""
+        with self.lock.write():
+            try:
+                self._catch_up()
+            except SharedLogError as exc:
+                raise PersistError(f"the shared store is unavailable: {exc}") from exc
+            try:
+                q, logvar, consulted = self.jit.predict(incoming, self.jit.to, learn=False)
+            except OracleError as exc:
+                raise OracleFailure(str(exc)) from None
+            idx = np.flatnonzero(consulted)
+            if idx.size:
+                body = {"kind": "jit", "time": time.time(),
+                        "incoming": {v: _params_json(m[idx]) for v, m in incoming.items()},
+                        "beliefs": _params_json(q[idx])}
+                self._commit_shared(lambda: dict(body), uuid.uuid4().hex)
+            return q, logvar, consulted, self.version, int(idx.size)
+
+    def _observe_shared(self, incoming, beliefs, key, body_hash):
+        n = len(beliefs)
+        dup = []
+
+        def make():
+            if key is not None and key in self.keys:
+                h, seq, n0 = self.keys[key]
+                if h != body_hash:
+                    raise Conflict("this Idempotency-Key was used before with a different request body")
+                dup.append((seq, n0))
+                return None
+            rec = {"kind": "observe", "time": time.time(),
+                   "incoming": {v: _params_json(m) for v, m in incoming.items()}, "beliefs": _params_json(beliefs)}
+            if key is not None:
+                rec["key"], rec["body_hash"] = key, body_hash
+            return rec
+
+        with self.lock.write():
+            rec = self._commit_shared(make, uuid.uuid4().hex)
+            if rec is None:
+                return dup[0][0], dup[0][1], True
+            return int(rec["seq"]), n, False
+
     def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None):
         """Add pairs; returns ``(version, n_accepted, duplicate)``."""
+        if self.shared is not None:
+            return self._observe_shared(incoming, beliefs, key, body_hash)
         n = len(beliefs)
         with self.lock.write():
             if key is not None and key in self.keys:
@@ -500,6 +645,9 @@ class Entry:
                 "created": self.meta.get("created"),
                 "kjit_version": self.meta.get("kjit_version"),
             })
+            if self.shared is not None:
+                d["replication"] = {"shared_store": self.shared.url, "base_sha256": self.base_hash,
+                                    "version": self.version}
         return d
 
 
@@ -507,7 +655,12 @@ class Entry:
 class OperatorStore:
     """All operators of one store directory; one server process per store (flock)."""
 
-    def __init__(self, root: Path, snapshot_every: int = 500, observer: Callable[[str, float], None] | None = None):
+    def __init__(self, root: Path, snapshot_every: int = 500, observer: Callable[[str, float], None] | None = None,
+                 shared: SharedLog | None = None, merge_interval: float = 1.0):
+        self.shared = shared
+        self.merge_interval = float(merge_interval)
+        self._merge_thread: threading.Thread | None = None
+        self._stop = threading.Event()
         self.root = Path(root)
         self.snapshot_every = int(snapshot_every)
         self._observer = observer
@@ -550,8 +703,38 @@ class OperatorStore:
                 shutil.rmtree(p, ignore_errors=True)  # an interrupted creation
         with self._lock:
             self.loading = {p.name for p in self.operators_dir.iterdir() if p.is_dir()}
+            if self.shared is not None:  # operators other replicas published are adopted when loading
+                self.loading |= set(self.shared.names())
         self._snap_thread = threading.Thread(target=self._snapshot_worker, name="kjit-snapshots", daemon=True)
         self._snap_thread.start()
+        if self.shared is not None and self.merge_interval > 0:
+            self._merge_thread = threading.Thread(target=self._merge_worker, name="kjit-merge", daemon=True)
+            self._merge_thread.start()
+
+    def _merge_worker(self) -> None:
+        """Replicas: every ``merge_interval`` s apply other replicas' records, adopt new operators."""
+        while not self._stop.wait(self.merge_interval):
+            if not self.loaded:
+                continue
+            try:
+                for name in self.shared.names():
+                    with self._lock:
+                        new = name not in self.entries and name not in self.loading and name not in self.failed
+                        if new:
+                            self.loading.add(name)
+                    if new:
+                        self._load_one(name)
+                for entry in list(self.entries.values()):
+                    try:
+                        entry.merge()
+                    except SharedLogError as exc:
+                        log.warning("merge of %s: %s (retrying)", entry.name, exc)
+                    except Exception:
+                        log.exception("merge of %s failed", entry.name)
+            except SharedLogError as exc:
+                log.warning("shared store: %s (retrying)", exc)
+            except Exception:  # pragma: no cover - keep merging whatever happens
+                log.exception("merge loop")
 
     def load_all(self) -> None:
         for name in sorted(self.loading):
@@ -561,6 +744,8 @@ class OperatorStore:
     def _load_one(self, name: str) -> None:
         t = time.perf_counter()
         try:
+            if not (self.operators_dir / name).exists() and self.shared is not None:
+                self._adopt(name)
             entry = Entry(self, name, self.operators_dir / name)
             entry.load()
         except Exception as exc:
@@ -574,6 +759,34 @@ class OperatorStore:
             self.loading.discard(name)
         log.info("operator %s loaded (version %d) in %.2fs", name, entry.version, time.perf_counter() - t)
 
+    def _adopt(self, name: str) -> None:
+        """Write another replica's operator into this store from its shared base."""
+        blob = self.shared.get_base(name)
+        if blob is None:
+            raise ValueError(f"operator {name!r} is neither in this store nor in the shared store")
+        _, state = loads_state(blob, source=f"{self.shared.url}/{name}/base")
+        meta = json.loads(state.get("service", {}).get("meta", "{}"))
+        meta.setdefault("name", name)
+        self._install(name, meta, blob)
+        log.info("operator %s adopted from the shared store %s", name, self.shared.url)
+
+    def _install(self, name: str, meta: Mapping[str, Any], snapshot: bytes) -> Path:
+        """Create ``operators/<name>`` (meta, snapshot 0, nothing else) atomically."""
+        final = self.operators_dir / name
+        tmp = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=self.operators_dir))
+        try:
+            write_atomic(tmp / "meta.json", json.dumps(dict(meta), indent=1, default=str).encode())
+            write_atomic(tmp / "snapshot-00000000.npz", snapshot)
+            with self._lock:
+                if final.exists():
+                    raise Conflict(f"an operator named {name!r} already exists")
+                os.rename(tmp, final)
+                fsync_dir(self.operators_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
     def _fail(self, name: str, why: str) -> None:
         with self._lock:
             self.entries.pop(name, None)
@@ -582,6 +795,7 @@ class OperatorStore:
     def close(self) -> None:
         """Final snapshots of operators changed since their last one, then release the store."""
         self.closed = True
+        self._stop_merging()
         if self._snap_thread is not None:  # queued snapshots first, in order
             self._snapq.put(None)
             self._snap_thread.join(timeout=120)
@@ -600,10 +814,13 @@ class OperatorStore:
             finally:
                 self._lock_fh.close()
                 self._lock_fh = None
+        if self.shared is not None:
+            self.shared.close()
 
     def abandon(self) -> None:
         """Release the store *without* final snapshots: what a crash leaves on disk (tests)."""
         self.closed = True
+        self._stop_merging()
         if self._snap_thread is not None:
             self._snapq.put(None)
             self._snap_thread.join(timeout=120)
@@ -613,6 +830,12 @@ class OperatorStore:
         if self._lock_fh is not None:
             self._lock_fh.close()
             self._lock_fh = None
+
+    def _stop_merging(self) -> None:
+        self._stop.set()
+        if self._merge_thread is not None:
+            self._merge_thread.join(timeout=60)
+            self._merge_thread = None
 
     # ---------------------------------------------------------------- snapshots
     def _enqueue_snapshot(self, entry: Entry, gen: int, data: bytes) -> None:
@@ -669,23 +892,21 @@ class OperatorStore:
             raise ValueError(f"invalid operator name {name!r}")
         if jit.operator is None:
             raise ValueError("the store serves fitted operators only")
-        final = self.operators_dir / name
-        tmp = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=self.operators_dir))
-        try:
-            meta = {"name": name, "factor": jit.factor.name, "factor_params": jit.factor.params(), "to": jit.to,
-                    "created": _now(), "kjit_version": kjit_version, **dict(meta)}
-            write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, default=str).encode())
-            state = jit.state_dict()
-            state["service"] = {"version": 0, "observed_pairs": 0, "learned_pairs": 0, "idempotency": "[]"}
-            write_atomic(tmp / "snapshot-00000000.npz", dumps_state("JITOperator", state))
-            with self._lock:
-                if final.exists():
-                    raise Conflict(f"an operator named {name!r} already exists")
-                os.rename(tmp, final)
-                fsync_dir(self.operators_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if self.exists(name):
+            raise Conflict(f"an operator named {name!r} already exists")
+        meta = {"name": name, "factor": jit.factor.name, "factor_params": jit.factor.params(), "to": jit.to,
+                "created": _now(), "kjit_version": kjit_version, **dict(meta)}
+        state = jit.state_dict()
+        state["service"] = {"version": 0, "observed_pairs": 0, "learned_pairs": 0, "idempotency": "[]"}
+        if self.shared is not None:
+            # publish first: the name is taken deployment-wide by the first replica to publish
+            state["service"]["meta"] = json.dumps(meta, default=str)
+            blob = dumps_state("JITOperator", state)
+            if self.shared.publish_base(name, blob) != blob:
+                raise Conflict(f"an operator named {name!r} already exists in the shared store {self.shared.url}")
+        else:
+            blob = dumps_state("JITOperator", state)
+        final = self._install(name, meta, blob)
         entry = Entry(self, name, final)
         entry.load()
         with self._lock:
@@ -697,6 +918,10 @@ class OperatorStore:
 def _counters_changed(entry: Entry) -> bool:
     now = entry.jit.raw_counters()
     return now != getattr(entry, "_counters_at_snapshot", None)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def body_hash(data: bytes) -> str:
