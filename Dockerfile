@@ -6,6 +6,7 @@
 #
 # Configuration is by KJIT_* environment variables (service/settings.py): KJIT_STORE (default here
 # /data/store, on the volume), KJIT_PORT, KJIT_TOKEN, KJIT_DEFAULT_OPERATORS, KJIT_DEFAULT_N_TRAIN, ...
+# Replicas: KJIT_SHARED_STORE=redis://host:6379/0 (the Redis client is in the image; service/README.md).
 # On first start the default operators are trained into the store (a few minutes at the default sizes);
 # later starts load them (--init lets a stop signal interrupt that training).  Arguments replace the
 # command: `docker run ... kjit demo`.  Builds and runs on the reference base are checked by
@@ -30,7 +31,7 @@ RUN set -eu; \
     if [ -f /src/pip.conf ]; then export PIP_CONFIG_FILE=/src/pip.conf; fi; \
     python3 -m venv /opt/kjit; \
     /opt/kjit/bin/python -m pip install --upgrade pip; \
-    python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+    python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['redis']))" \
         > /tmp/requirements.txt; \
     /opt/kjit/bin/python -m pip install -r /tmp/requirements.txt
 COPY kjit /src/kjit
