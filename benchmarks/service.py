@@ -31,36 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _stats(times):
-    t = np.asarray(times)
-    return float(np.percentile(t, 50) * 1e3), float(np.percentile(t, 99) * 1e3), float(t.mean())
-
-
-def _timed(fn, reps, warmup=2):
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-def build_store(root: Path, n_train: int, n_inner: int, n_outer: int) -> None:
-    from service.store import OperatorStore
-    from service.training import TrainSpec, train_operator
-
-    store = OperatorStore(root)
-    store.open()
-    try:
-        spec = TrainSpec("logistic", "x", n=n_train, n_inner=n_inner, n_outer=n_outer, threshold=-3.0,
-                         inner_factors=(0.25,), width_factors=(2.0,), random_state=0, n_jobs=1)
-        jit, _, info = train_operator(spec)
-        store.create("logistic-x", jit, {"training": info, "threshold": -3.0})
-    finally:
-        store.close()
+from _service_common import build_store, stats as _stats, timed as _timed  # noqa: E402
 
 
 def main(argv=None) -> int:

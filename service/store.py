@@ -661,6 +661,7 @@ class OperatorStore:
         self.merge_interval = float(merge_interval)
         self._merge_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._adopt_lock = threading.Lock()
         self.root = Path(root)
         self.snapshot_every = int(snapshot_every)
         self._observer = observer
@@ -718,12 +719,7 @@ class OperatorStore:
                 continue
             try:
                 for name in self.shared.names():
-                    with self._lock:
-                        new = name not in self.entries and name not in self.loading and name not in self.failed
-                        if new:
-                            self.loading.add(name)
-                    if new:
-                        self._load_one(name)
+                    self._adopt_new(name)
                 for entry in list(self.entries.values()):
                     try:
                         entry.merge()
@@ -875,7 +871,28 @@ class OperatorStore:
             if name in self.failed:
                 raise NotReady(f"operator {name!r} failed to load: {self.failed[name]}")
             known = ", ".join(sorted(self.entries)) or "none"
+        if self.shared is not None and self.loaded and NAME_RE.match(name):
+            # published by another replica since this one started: adopt it now
+            try:
+                adopted = self._adopt_new(name)
+            except SharedLogError as exc:
+                raise NotReady(f"operator {name!r}: the shared store is unavailable: {exc}") from None
+            if adopted:
+                return self.get(name)
         raise NotFound(f"unknown operator {name!r}; known: {known}")
+
+    def _adopt_new(self, name: str) -> bool:
+        """Load ``name`` from the shared store if another replica published it and it is not here."""
+        with self._adopt_lock:
+            with self._lock:
+                if name in self.entries or name in self.loading or name in self.failed:
+                    return name in self.entries
+            if self.shared.get_base(name) is None:
+                return False
+            with self._lock:
+                self.loading.add(name)
+            self._load_one(name)
+            return True
 
     def names(self) -> list[str]:
         with self._lock:

@@ -259,6 +259,23 @@ def test_background_merge_and_restarted_replica_catches_up(store_dir, tmp_path):
                 assert pa["beliefs"] == pb["beliefs"] and pa["log_var"] == pb["log_var"]
 
 
+def test_an_operator_published_later_is_adopted_on_first_use(store_dir, tmp_path):
+    """Replica B starts before anything is published (and never merges in the background): the
+    first request naming A's operator adopts it from the shared store."""
+    shared = str(tmp_path / "shared")
+    with _replica(tmp_path / "b", shared) as b, httpx.Client(base_url=b.url, headers=AUTH) as cb:
+        assert cb.get("/ready").json()["operators"] == []
+        assert cb.get("/v1/operators/logistic-x").status_code == 404
+        with _replica(store_dir, shared) as a, httpx.Client(base_url=a.url, headers=AUTH) as ca:
+            (inc, q), = _oracle_pairs(1, rows=2, seed=11)
+            _observe(ca, inc, q)
+            r = cb.post("/v1/operators/logistic-x/merge")
+            assert r.status_code == 200 and r.json()["version"] == 1, r.text
+            test = probe("logistic", 10, seed=12)
+            assert _predict(ca, test)["beliefs"] == _predict(cb, test)["beliefs"]
+            assert cb.get("/v1/operators/nope").status_code == 404
+
+
 def test_merge_without_a_shared_store_is_409(live):
     with httpx.Client(base_url=live.url) as c:
         assert c.post("/v1/operators/logistic-x/merge").status_code == 401  # state-changing: token first
