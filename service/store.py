@@ -209,7 +209,7 @@ class Entry:
         if n_replayed:
             log.info("operator %s: replayed %d update record(s) to version %d", self.name, n_replayed, self.version)
         if self.shared is not None:
-            self._join_shared(svc.get("shared_base") or _sha256(snap_bytes), rebase=bool(n_replayed))
+            self._join_shared(svc.get("shared_base"), _sha256(snap_bytes))
 
     def _load_state(self, blob: bytes, source: str) -> dict:
         """Set the operator and the service's bookkeeping from a snapshot; returns its service dict."""
@@ -239,8 +239,12 @@ class Entry:
                             "meta": json.dumps(self.meta, default=str)}
         return dumps_state("JITOperator", state)
 
-    def _join_shared(self, local_base: str, rebase: bool) -> None:
-        """Make this state a prefix of the shared log: publish or adopt the base, then catch up."""
+    def _join_shared(self, recorded_base: str | None, snapshot_hash: str) -> None:
+        """Make this state a prefix of the shared log: publish or adopt the base, then catch up.
+
+        ``recorded_base`` is the shared base the loaded snapshot grew from (None for a snapshot
+        written outside replication — the base blob itself, or a standalone server's).
+        """
         base = self.shared.get_base(self.name)
         if base is None:
             # the first replica to publish this operator: its current state becomes the base
@@ -254,8 +258,13 @@ class Entry:
                 self.base_hash = _sha256(blob)
                 self.n_log_records = self.store.snapshot_every  # a local snapshot at the next update
                 return self._catch_up()
-        if _sha256(base) != local_base or rebase:
-            # another replica's base (or local records outside the shared log): start from the base
+        if _sha256(base) != (recorded_base or snapshot_hash):
+            if recorded_base is None and self.version > 0:
+                raise ValueError(
+                    f"operator {self.name!r} learned {self.version} update(s) in this store outside the shared "
+                    f"store {self.shared.url}, which already holds another {self.name!r}: serving the shared one "
+                    f"would drop them — move this store's copy away, or serve it under another name")
+            # another replica's base: start from it
             log.info("operator %s: adopting the shared base from %s", self.name, self.shared.url)
             self._load_state(base, f"{self.shared.url}/{self.name}/base")
             self.n_log_records = self.store.snapshot_every

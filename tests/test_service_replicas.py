@@ -276,6 +276,35 @@ def test_an_operator_published_later_is_adopted_on_first_use(store_dir, tmp_path
             assert cb.get("/v1/operators/nope").status_code == 404
 
 
+def test_a_standalone_store_with_updates_does_not_silently_lose_them(store_dir, pristine_store, tmp_path):
+    """A store that learned updates standalone, joining a shared store that already has another
+    copy of the operator, refuses that operator (failed in /ready, with the reason) instead of
+    dropping the updates; with no copy in the shared store it publishes its state, updates kept."""
+    (inc, q), = _oracle_pairs(1, rows=3, seed=21)
+    with ThreadedServer(settings_for(store_dir)) as s, httpx.Client(base_url=s.url, headers=AUTH) as c:
+        assert _observe(c, inc, q)["version"] == 1
+    other = tmp_path / "other"
+    shutil.copytree(pristine_store, other)
+    (other / ".lock").unlink(missing_ok=True)
+    shared = str(tmp_path / "shared")
+    with _replica(other, shared):
+        pass  # publishes the pristine operators
+    srv = _replica(store_dir, shared).start(ready=False)
+    try:
+        with httpx.Client(base_url=srv.url) as c:
+            t_end = time.monotonic() + 30
+            while (r := c.get("/ready").json())["loading"] and time.monotonic() < t_end:
+                time.sleep(0.05)
+            assert "logistic-x" in r["failed"] and "outside the shared store" in r["failed"]["logistic-x"]
+            assert "logistic-z" in r["operators"]  # untouched operators are adopted as usual
+    finally:
+        srv.stop()
+    fresh = str(tmp_path / "shared2")
+    with _replica(store_dir, fresh) as s, httpx.Client(base_url=s.url, headers=AUTH) as c:
+        d = c.get("/v1/operators/logistic-x").json()
+        assert d["n_train"] == 303 and d["version"] == 0  # the learned pairs are in the published base
+
+
 def test_merge_without_a_shared_store_is_409(live):
     with httpx.Client(base_url=live.url) as c:
         assert c.post("/v1/operators/logistic-x/merge").status_code == 401  # state-changing: token first
