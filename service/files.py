@@ -1,12 +1,37 @@
-"""Durable file writes of the store and the directory shared log."""
+"""Durable file writes and the update-record framing of the store and the shared logs."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import zlib
 from pathlib import Path
+from typing import Any, Mapping
 
-__all__ = ["fsync_dir", "write_atomic", "append_durably"]
+__all__ = ["fsync_dir", "write_atomic", "append_durably", "encode_record", "decode_record", "record_ok"]
+
+
+def encode_record(rec: Mapping[str, Any]) -> bytes:
+    """One update record: ``<crc32 hex> <compact JSON>\\n``."""
+    body = json.dumps(rec, separators=(",", ":"), allow_nan=False).encode()
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def decode_record(line: bytes) -> dict:
+    """The record of one line (without its newline); ValueError if the CRC does not match."""
+    crc, _, body = line.partition(b" ")
+    if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
+        raise ValueError("CRC mismatch")
+    return json.loads(body)
+
+
+def record_ok(line: bytes) -> bool:
+    try:
+        decode_record(line.rstrip(b"\n"))
+    except ValueError:  # includes JSONDecodeError
+        return False
+    return True
 
 
 def fsync_dir(path) -> None:

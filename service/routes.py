@@ -157,8 +157,9 @@ def health():
 @router.get("/ready", tags=["health"], summary="readiness: every operator of the store is loaded",
             responses={503: {"description": "still loading, or an operator failed to load"}})
 def ready(store: Annotated[OperatorStore, Depends(get_store)]):
-    body = {"ready": store.loaded and not store.failed and not store.loading, "operators": store.names(),
-            "loading": sorted(store.loading), "failed": dict(store.failed)}
+    waiting = store.loading | store.retry
+    body = {"ready": store.loaded and not store.failed and not waiting, "operators": store.names(),
+            "loading": sorted(waiting), "failed": dict(store.failed)}
     return _json(body, 200 if body["ready"] else 503)
 
 
@@ -213,6 +214,9 @@ def messages(
     except OracleFailure as exc:
         raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
     except PersistError as exc:
+        if exc.unknown:
+            raise ApiError(503, [], f"{exc}; the oracle's answers may or may not have been learned",
+                           "outcome_unknown") from None
         raise ApiError(503, [], f"{exc}; nothing was learned", "not_persisted") from None
     msg = q / inc[entry.jit.to]
     n = len(q)
@@ -278,6 +282,9 @@ def observations(
     except Conflict as exc:
         raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
     except PersistError as exc:
+        if exc.unknown:
+            raise ApiError(503, [], f"{exc}; retry with the same Idempotency-Key to apply it exactly once",
+                           "outcome_unknown") from None
         raise ApiError(503, [], f"{exc}; nothing was added", "not_persisted") from None
     except Exception as exc:  # the operator was rebuilt from the store: nothing was added
         raise ApiError(500, [], f"the update failed and was rolled back: {type(exc).__name__}: {exc}",

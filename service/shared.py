@@ -48,19 +48,24 @@ import logging
 import os
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from .files import append_durably, fsync_dir
+from .files import append_durably, fsync_dir, record_ok
 
 log = logging.getLogger("kjit.service.shared")
 
-__all__ = ["SharedLog", "DirectorySharedLog", "RedisSharedLog", "open_shared", "SharedLogError"]
+__all__ = ["SharedLog", "DirectorySharedLog", "RedisSharedLog", "open_shared", "SharedLogError", "SharedLogCorrupt"]
 
 
 class SharedLogError(RuntimeError):
     """The shared store could not be read or written (the outcome of an append is unknown)."""
+
+
+class SharedLogCorrupt(ValueError):
+    """The shared log is damaged where acknowledged records follow: it cannot be served."""
 
 
 class SharedLog(Protocol):
@@ -117,7 +122,9 @@ class DirectorySharedLog:
 
     def _dir(self, name: str) -> Path:
         d = self.root / _check_name(name)
-        d.mkdir(exist_ok=True)
+        if not d.is_dir():
+            d.mkdir(exist_ok=True)
+            fsync_dir(self.root)  # the new name must survive a power cut with what is written in it
         return d
 
     def names(self) -> list[str]:
@@ -137,6 +144,7 @@ class DirectorySharedLog:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(blob)
                 fh.flush()
+                os.fchmod(fh.fileno(), 0o644)  # replicas may run as other users
                 os.fsync(fh.fileno())
             try:
                 os.link(tmp, d / "base.npz")  # atomic put-if-absent
@@ -162,48 +170,69 @@ class DirectorySharedLog:
             nl = data.find(b"\n", pos)
             if nl < 0:
                 break
+            if not record_ok(data[pos:nl]):
+                if data.find(b"\n", nl + 1) >= 0:
+                    raise SharedLogCorrupt(f"shared log of {name!r}: damaged record at byte {end + pos} followed by "
+                                           f"others: refusing to skip an acknowledged update")
+                # a damaged last record — a multi-page write cut by a power loss, its newline on
+                # disk but an earlier page not — is a torn write: never acknowledged
+                break
             offsets.append(end + pos)
             pos = nl + 1
         self._end[name] = end + pos
         return offsets
 
-    def _open(self, name: str):
-        return open(self._dir(name) / "log.jsonl", "a+b", buffering=0)
+    @contextmanager
+    def _locked(self, name: str, mode: int):
+        """The log of ``name``, open, under ``flock`` (``LOCK_SH`` to read, ``LOCK_EX`` to append):
+        a reader never sees a record whose append has not completed (and might still be cut)."""
+        try:
+            with self._mutex, open(self._dir(name) / ".lock", "a+b") as lk:
+                fcntl.flock(lk.fileno(), mode)
+                try:
+                    p = self.root / name / "log.jsonl"
+                    created = not p.exists()
+                    with open(p, "a+b", buffering=0) as fh:
+                        if created:
+                            fsync_dir(p.parent)
+                        yield fh
+                finally:
+                    fcntl.flock(lk.fileno(), fcntl.LOCK_UN)
+        except OSError as exc:
+            raise SharedLogError(f"shared log of {name!r} in {self.root}: {exc}") from exc
+
+    def _cut(self, name: str, fh, end: int, why: str) -> None:
+        size = os.fstat(fh.fileno()).st_size
+        log.warning("shared log %s: cutting %s (%d bytes; never acknowledged)", name, why, size - end)
+        fh.truncate(end)
+        os.fsync(fh.fileno())
 
     def append(self, name: str, expected: int, record: bytes) -> bool:
         if not record.endswith(b"\n") or b"\n" in record[:-1]:
             raise ValueError("a record is one line ending in a newline")
-        with self._mutex, open(self._dir(name) / ".lock", "a+b") as lk:
-            fcntl.flock(lk.fileno(), fcntl.LOCK_EX)
+        with self._locked(name, fcntl.LOCK_EX) as fh:
+            offsets = self._scan(name, fh)
+            if os.fstat(fh.fileno()).st_size > self._end[name]:
+                # a writer died half-way through a record (it held this lock, so it is not
+                # writing any more): the torn or damaged last record was never acknowledged
+                self._cut(name, fh, self._end[name], "a torn record")
+            if len(offsets) != expected:
+                return False
+            start = self._end[name]
             try:
-                with self._open(name) as fh:
-                    n = len(self._scan(name, fh))
-                    size = os.fstat(fh.fileno()).st_size
-                    if size > self._end[name]:
-                        # a writer died half-way through a record (it held this lock, so it is
-                        # not writing any more): the record was never acknowledged
-                        log.warning("shared log %s: cutting a torn record (%d bytes)", name, size - self._end[name])
-                        fh.truncate(self._end[name])
-                        os.fsync(fh.fileno())
-                    if n != expected:
-                        return False
-                    start = self._end[name]
-                    try:
-                        append_durably(fh, record)
-                    except OSError as exc:
-                        raise SharedLogError(f"could not append to the shared log of {name!r}: {exc}") from exc
-                    self._offsets[name].append(start)
-                    self._end[name] = start + len(record)
-                    return True
-            finally:
-                fcntl.flock(lk.fileno(), fcntl.LOCK_UN)
+                append_durably(fh, record)
+            except OSError as exc:
+                raise SharedLogError(f"could not append to the shared log of {name!r}: {exc}") from exc
+            offsets.append(start)
+            self._end[name] = start + len(record)
+            return True
 
     def length(self, name: str) -> int:
-        with self._mutex, self._open(name) as fh:
+        with self._locked(name, fcntl.LOCK_SH) as fh:
             return len(self._scan(name, fh))
 
     def read(self, name: str, after: int) -> list[bytes]:
-        with self._mutex, self._open(name) as fh:
+        with self._locked(name, fcntl.LOCK_SH) as fh:
             offsets = self._scan(name, fh)
             if after >= len(offsets):
                 return []

@@ -68,7 +68,7 @@ from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
 from kjit.persistence import dumps_state, loads_state
 
-from .files import append_durably, fsync_dir, write_atomic
+from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
 from .locks import RWLock
 from .shared import SharedLog, SharedLogError
 
@@ -111,7 +111,11 @@ class Conflict(RuntimeError):
 
 
 class PersistError(RuntimeError):
-    pass
+    """An update was not made durable; ``unknown``: it may still have landed (shared store)."""
+
+    def __init__(self, msg: str, unknown: bool = False):
+        super().__init__(msg)
+        self.unknown = unknown
 
 
 class OracleFailure(RuntimeError):
@@ -120,18 +124,6 @@ class OracleFailure(RuntimeError):
 
 def _params_json(m: Family) -> dict[str, list]:
     return {n: np.asarray(p, float).ravel().tolist() for n, p in zip(m.param_names, m.params)}
-
-
-def encode_record(rec: Mapping[str, Any]) -> bytes:
-    body = json.dumps(rec, separators=(",", ":"), allow_nan=False).encode()
-    return b"%08x " % zlib.crc32(body) + body + b"\n"
-
-
-def decode_record(line: bytes) -> dict:
-    crc, _, body = line.partition(b" ")
-    if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
-        raise ValueError("CRC mismatch")
-    return json.loads(body)
 
 
 def _now() -> str:
@@ -163,6 +155,7 @@ class Entry:
         self.snapshot_version = 0
         self.shared: SharedLog | None = store.shared
         self.base_hash: str | None = None  # replicas: sha256 of the shared base this state grew from
+        self.last_rid: str | None = None   # replicas: id of the last shared-log record applied
 
     # ---------------------------------------------------------------- loading and recovery
     def _generations(self):
@@ -209,7 +202,7 @@ class Entry:
         if n_replayed:
             log.info("operator %s: replayed %d update record(s) to version %d", self.name, n_replayed, self.version)
         if self.shared is not None:
-            self._join_shared(svc.get("shared_base"), _sha256(snap_bytes))
+            self._join_shared(svc.get("shared_base"), _sha256(snap_bytes), n_replayed)
 
     def _load_state(self, blob: bytes, source: str) -> dict:
         """Set the operator and the service's bookkeeping from a snapshot; returns its service dict."""
@@ -229,6 +222,7 @@ class Entry:
         self.observed_pairs = int(svc.get("observed_pairs", 0))
         self.learned_pairs = int(svc.get("learned_pairs", 0))
         self.keys = OrderedDict((k, (h, s, n)) for k, h, s, n in json.loads(svc.get("idempotency", "[]")))
+        self.last_rid = svc.get("shared_last_rid")
         return svc
 
     # ---------------------------------------------------------------- replicas (service.shared)
@@ -239,11 +233,12 @@ class Entry:
                             "meta": json.dumps(self.meta, default=str)}
         return dumps_state("JITOperator", state)
 
-    def _join_shared(self, recorded_base: str | None, snapshot_hash: str) -> None:
+    def _join_shared(self, recorded_base: str | None, snapshot_hash: str, n_local: int) -> None:
         """Make this state a prefix of the shared log: publish or adopt the base, then catch up.
 
         ``recorded_base`` is the shared base the loaded snapshot grew from (None for a snapshot
-        written outside replication — the base blob itself, or a standalone server's).
+        written outside replication — the base blob itself, or a standalone server's);
+        ``n_local`` counts records replayed from this store's own log (taken standalone).
         """
         base = self.shared.get_base(self.name)
         if base is None:
@@ -255,9 +250,15 @@ class Entry:
                 self.version = self.snapshot_version = 0
                 self.observed_pairs = self.learned_pairs = 0
                 self.keys.clear()
+                self.last_rid = None
                 self.base_hash = _sha256(blob)
                 self.n_log_records = self.store.snapshot_every  # a local snapshot at the next update
                 return self._catch_up()
+        if n_local:
+            raise ValueError(
+                f"operator {self.name!r} learned {n_local} update(s) in this store's own log (served without the "
+                f"shared store) that are not in the shared store {self.shared.url}: serving it as a replica would "
+                f"mix them into the shared order — move this store's copy away, or serve it under another name")
         if _sha256(base) != (recorded_base or snapshot_hash):
             if recorded_base is None and self.version > 0:
                 raise ValueError(
@@ -266,13 +267,12 @@ class Entry:
                     f"would drop them — move this store's copy away, or serve it under another name")
             # another replica's base: start from it
             log.info("operator %s: adopting the shared base from %s", self.name, self.shared.url)
-            self._load_state(base, f"{self.shared.url}/{self.name}/base")
+            svc = self._load_state(base, f"{self.shared.url}/{self.name}/base")
+            if "meta" in svc:  # the creator's description of the operator
+                self.meta = json.loads(svc["meta"])
+                write_atomic(self.path / "meta.json", json.dumps(self.meta, indent=1, default=str).encode())
             self.n_log_records = self.store.snapshot_every
         self.base_hash = _sha256(base)
-        n = self.shared.length(self.name)
-        if n < self.version:
-            raise ValueError(f"the shared log of {self.name!r} holds {n} records, but this replica's state is at "
-                             f"version {self.version}: the shared store was reset; remove this replica's copy")
         self._catch_up()
 
     def _catch_up(self, rid: str | None = None) -> int | None:
@@ -283,7 +283,24 @@ class Entry:
         found = None
         n = 0
         t = time.perf_counter()
-        for raw in self.shared.read(self.name, self.version):
+        try:
+            raws = self.shared.read(self.name, max(self.version - 1, 0))
+            if self.version > 0:
+                # the record at our version must still be the one we applied: a shared log that
+                # lost its tail (a Redis without fsync restarted) or was rewritten is not ours
+                if not raws:
+                    raise ValueError(f"the shared log holds fewer than {self.version} records, the version of this "
+                                     f"replica's state: the shared store lost updates or was reset")
+                prev = decode_record(raws[0].rstrip(b"\n"))
+                if int(prev["seq"]) != self.version or (self.last_rid is not None and prev.get("rid") != self.last_rid):
+                    raise ValueError(f"record {self.version} of the shared log is not the one this replica applied: "
+                                     f"the shared log was rewritten")
+                raws = raws[1:]
+        except (ValueError, KeyError) as exc:
+            why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            self.store._fail(self.name, why)
+            raise ValueError(why) from exc
+        for raw in raws:
             try:
                 rec = decode_record(raw.rstrip(b"\n"))
                 seq = int(rec["seq"])
@@ -311,8 +328,8 @@ class Entry:
         """Apply the other replicas' records now; returns how many were applied."""
         if self.shared is None:
             raise Conflict("this server has no shared store (KJIT_SHARED_STORE): there is nothing to merge")
-        if self.shared.length(self.name) <= self.version:
-            return 0
+        if self.shared.length(self.name) == self.version:
+            return 0  # (a shorter log is a loss the catch-up reports)
         with self.lock.write():
             before = self.version
             self._catch_up()
@@ -325,7 +342,7 @@ class Entry:
         duplicate key).  The record is in the shared store before it is applied here, and is
         applied by the same code as every other replica's records (bit-identical states).
         """
-        while True:
+        for _ in range(self.MAX_APPEND_ATTEMPTS):
             try:
                 found = self._catch_up(rid)
             except SharedLogError as exc:
@@ -345,7 +362,7 @@ class Entry:
                     found = None
                 if found is not None:
                     return {"seq": found, "found": True}
-                raise PersistError(f"{exc} (the update may still land; retry with the same Idempotency-Key)") from exc
+                raise PersistError(f"{exc}: the update may or may not have been recorded", unknown=True) from exc
             if ok:
                 try:
                     self._apply_record(rec)
@@ -354,6 +371,10 @@ class Entry:
                     return rec
                 self._applied_shared()
                 return rec
+        raise PersistError(f"the shared log of {self.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends were "
+                           f"refused; nothing was added")
+
+    MAX_APPEND_ATTEMPTS = 100
 
     def _replay(self, path: Path, last: bool) -> int:
         data = path.read_bytes()
@@ -414,6 +435,7 @@ class Entry:
         inc, bel = self._messages_from_record(rec)
         self.jit.operator.partial_fit(inc, bel)
         self._account(rec, len(bel))
+        self.last_rid = rec.get("rid")
 
     def _account(self, rec, n: int) -> None:
         self.version = int(rec["seq"])
@@ -499,6 +521,8 @@ class Entry:
         }
         if self.base_hash is not None:
             state["service"]["shared_base"] = self.base_hash
+            if self.last_rid is not None:
+                state["service"]["shared_last_rid"] = self.last_rid
         self.snapshot_version = self.version
         self._counters_at_snapshot = dict(state["counters"])
         return dumps_state("JITOperator", state)
@@ -671,6 +695,7 @@ class OperatorStore:
         self._merge_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._adopt_lock = threading.Lock()
+        self.retry: set[str] = set()  # operators waiting for the shared store to load
         self.root = Path(root)
         self.snapshot_every = int(snapshot_every)
         self._observer = observer
@@ -727,8 +752,11 @@ class OperatorStore:
             if not self.loaded:
                 continue
             try:
-                for name in self.shared.names():
-                    self._adopt_new(name)
+                for name in sorted(self.shared.names()) + sorted(self.retry):
+                    try:
+                        self._adopt_new(name)
+                    except SharedLogError as exc:
+                        log.warning("shared store: %s: %s (retrying)", name, exc)
                 for entry in list(self.entries.values()):
                     try:
                         entry.merge()
@@ -753,6 +781,12 @@ class OperatorStore:
                 self._adopt(name)
             entry = Entry(self, name, self.operators_dir / name)
             entry.load()
+        except SharedLogError as exc:  # the shared store is unreachable: not a verdict on the operator
+            log.warning("operator %s: %s; loading it again at the next merge or request", name, exc)
+            with self._lock:
+                self.retry.add(name)
+                self.loading.discard(name)
+            return
         except Exception as exc:
             log.error("operator %s could not be loaded: %s", name, exc)
             with self._lock:
@@ -762,6 +796,7 @@ class OperatorStore:
         with self._lock:
             self.entries[name] = entry
             self.loading.discard(name)
+            self.retry.discard(name)
         log.info("operator %s loaded (version %d) in %.2fs", name, entry.version, time.perf_counter() - t)
 
     def _adopt(self, name: str) -> None:
@@ -881,27 +916,35 @@ class OperatorStore:
                 raise NotReady(f"operator {name!r} failed to load: {self.failed[name]}")
             known = ", ".join(sorted(self.entries)) or "none"
         if self.shared is not None and self.loaded and NAME_RE.match(name):
-            # published by another replica since this one started: adopt it now
+            # published by another replica since this one started, or waiting for the shared store
             try:
-                adopted = self._adopt_new(name)
+                self._adopt_new(name)
             except SharedLogError as exc:
                 raise NotReady(f"operator {name!r}: the shared store is unavailable: {exc}") from None
-            if adopted:
-                return self.get(name)
+            with self._lock:
+                if name in self.entries:
+                    return self.entries[name]
+                if name in self.failed:
+                    raise NotReady(f"operator {name!r} failed to load: {self.failed[name]}")
+                if name in self.retry:
+                    raise NotReady(f"operator {name!r} is waiting for the shared store {self.shared.url}")
         raise NotFound(f"unknown operator {name!r}; known: {known}")
 
     def _adopt_new(self, name: str) -> bool:
-        """Load ``name`` from the shared store if another replica published it and it is not here."""
+        """Load ``name`` if another replica published it and it is not here, or if loading it
+        failed for want of the shared store (``retry``); True if it is served now."""
         with self._adopt_lock:
             with self._lock:
                 if name in self.entries or name in self.loading or name in self.failed:
                     return name in self.entries
-            if self.shared.get_base(name) is None:
+                retrying = name in self.retry
+            if not retrying and self.shared.get_base(name) is None:
                 return False
             with self._lock:
                 self.loading.add(name)
             self._load_one(name)
-            return True
+            with self._lock:
+                return name in self.entries
 
     def names(self) -> list[str]:
         with self._lock:
@@ -918,6 +961,11 @@ class OperatorStore:
             raise ValueError(f"invalid operator name {name!r}")
         if jit.operator is None:
             raise ValueError("the store serves fitted operators only")
+        # under the adoption lock: no request or merge adopts the name between publishing and installing
+        with self._adopt_lock:
+            return self._create(name, jit, meta)
+
+    def _create(self, name: str, jit: JITOperator, meta: Mapping[str, Any]) -> Entry:
         if self.exists(name):
             raise Conflict(f"an operator named {name!r} already exists")
         meta = {"name": name, "factor": jit.factor.name, "factor_params": jit.factor.params(), "to": jit.to,
