@@ -20,14 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy as np
 
-from kjit.ep.models import CompoundGammaPrecision
-from kjit.factors import CompoundGamma
-from kjit.operators import JITOperator
-from kjit.oracles import QuadratureOracle
+sys.path.insert(0, os.path.dirname(__file__))
+
+from jit_common import process_settings  # noqa: E402
+
+from kjit.ep.models import CompoundGammaPrecision  # noqa: E402
+from kjit.factors import CompoundGamma  # noqa: E402
+from kjit.operators import JITOperator  # noqa: E402
+from kjit.oracles import QuadratureOracle  # noqa: E402
 
 
 def emit(obj):
@@ -44,7 +50,11 @@ def main(argv=None):
     ap.add_argument("--d-out", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="leave glibc's memory return policy alone (jit_common.keep_freed_memory)")
+    ap.add_argument("--blas-threads", type=int, default=1, help="BLAS threads for both methods (0: library default)")
     args = ap.parse_args(argv)
+    limits = process_settings(args)  # noqa: F841 - kept alive for the whole run
     if args.quick:
         args.problems, args.block, args.d_in, args.d_out = 800, 200, 100, 200
     rng = np.random.default_rng(args.seed)

@@ -36,6 +36,9 @@ def main(argv=None):
                     help="indices of data sets also solved by importance sampling alone (default: all)")
     ap.add_argument("--quick", action="store_true", help="2x10^4 particles, smaller operator")
     add_args(ap)
+    # initial batch 200: EP's first sweep of banknote (200 messages, every cavity mean 0), and the
+    # fit waits for 200 // 4 = 50 messages of the second sweep (JITOperator), so it is fitted on
+    # 250 pairs; the rest of that sweep goes through the fitted operator
     ap.set_defaults(threshold=-8.95, initial_batch=200)
     args = ap.parse_args(argv)
     if args.quick:

@@ -433,7 +433,14 @@ class Entry:
 
     def _apply_record(self, rec) -> None:
         inc, bel = self._messages_from_record(rec)
-        self.jit.operator.partial_fit(inc, bel)
+        sizes = [int(g) for g in rec.get("groups", [len(bel)])]
+        if sum(sizes) != len(bel) or min(sizes) < 1:
+            raise ValueError(f"record {rec.get('seq')}: groups {sizes} for {len(bel)} beliefs")
+        start = 0
+        for size in sizes:  # one partial_fit per group, as the operator learned them
+            sl = slice(start, start + size)
+            self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl])
+            start += size
         self._account(rec, len(bel))
         self.last_rid = rec.get("rid")
 
@@ -562,14 +569,18 @@ class Entry:
             except Exception as exc:
                 self._recover(f"a just-in-time request failed ({type(exc).__name__}: {exc})")
                 raise
-            idx = np.flatnonzero(consulted)
+            groups = [np.asarray(g) for g in getattr(jit, "last_learned_groups_", [])]
+            idx = np.concatenate(groups) if groups else np.flatnonzero(consulted)
             if idx.size:
+                flat = {v: m.ravel() for v, m in incoming.items()}
                 rec = {
                     "seq": self.version + 1, "kind": "jit", "time": time.time(),
-                    "incoming": {v: _params_json(m[idx]) for v, m in incoming.items()},
-                    "beliefs": _params_json(q[idx]),
+                    "incoming": {v: _params_json(m[idx]) for v, m in flat.items()},
+                    "beliefs": _params_json(q.ravel()[idx]),
                     "counters": jit.raw_counters(),
                 }
+                if len(groups) > 1:  # learned in rounds (greedy selection): replayed the same way
+                    rec["groups"] = [int(g.size) for g in groups]
                 self._commit(rec, apply=None)  # JITOperator.predict already learned the pairs
             version = self.version
         return q, logvar, consulted, version, int(idx.size)

@@ -139,8 +139,17 @@ def test_initial_batch_not_a_multiple_of_the_batch_size(oracle):
     jit.predict(inside(40, rng))
     jit.predict(inside(40, rng))
     assert jit.operator is None and jit.counters()["n_train"] == 80
-    _, _, consulted = jit.predict(inside(40, rng))  # crosses 100 inside this call: all consulted
-    assert consulted.all() and jit.operator is not None and jit.operator.n_train_ == 120
+    inc = inside(40, rng)
+    q, lv, consulted = jit.predict(inc)  # completes the initial batch after 20 rows
+    assert jit.operator is not None
+    # the first 20 rows: the oracle (initial batch); the other 20: the operator fitted on
+    # exactly 100 pairs, consulting only where uncertain
+    assert consulted[:20].all() and np.isnan(lv[:20]).all() and np.isfinite(lv[20:]).all()
+    assert jit.operator.n_train_ == 100 + consulted[20:].sum()
+    assert consulted[20:].sum() < 20
+    c = jit.counters()
+    assert c["consultations"] == 100 + consulted[20:].sum() and c["requests"] == 120
+    assert_same_family(q[:20], oracle.belief({v: m[:20] for v, m in inc.items()}, "x"))
 
 
 # ====================================================================== gating
@@ -149,7 +158,7 @@ def test_initial_batch_not_a_multiple_of_the_batch_size(oracle):
 def test_far_inputs_consult_the_oracle_and_inside_inputs_do_not(op, oracle):
     """The explicit issue-5 requirement: a JIT operator fed inputs far outside what it has
     seen consults the oracle, and not otherwise."""
-    jit = fresh_jit(op, oracle)
+    jit = fresh_jit(op, oracle, selection="all")
     inc = inside(300, 30)
     q, lv, consulted = jit.predict(inc)
     assert not consulted.any()
@@ -165,8 +174,114 @@ def test_far_inputs_consult_the_oracle_and_inside_inputs_do_not(op, oracle):
     assert c["requests"] == 330 and c["consultations"] == c["updates"] == 30 and c["calls"] == 2
 
 
-def test_mixed_batch_consults_exactly_the_far_rows_and_counters_add_up(op, oracle):
+def test_far_inputs_greedy_selection(op, oracle):
+    """Default selection: far inputs still go to the oracle, inside ones do not; of the far
+    rows, those still uncertain after the consulted ones were learned are consulted too, and
+    every far row ends up either consulted or under the threshold of the updated operator."""
     jit = fresh_jit(op, oracle)
+    assert jit.selection == "greedy"
+    q, lv, consulted = jit.predict(inside(300, 30))
+    assert not consulted.any() and np.all(lv.max(-1) <= THRESHOLD)
+    far_inc = far(30, 31)
+    q, lv, consulted = jit.predict(far_inc)
+    assert 0 < consulted.sum() <= 30
+    # consulted rows: the oracle's answers; the others: the updated operator's, confidently
+    sub = {v: m[consulted] for v, m in far_inc.items()}
+    assert_same_family(q[consulted], oracle.belief(sub, "x"))
+    rest = {v: m[~consulted] for v, m in far_inc.items()}
+    q_rest, lv_rest = jit.operator.predict(rest)
+    assert q_rest.allclose(q[~consulted], rtol=1e-6)
+    assert np.all(lv_rest.max(-1) <= THRESHOLD)
+    # answered as confidently as any row the operator answers itself, and as well as the loose
+    # test threshold (−5: sd e^-2.5 in regression units) allows: measured 4 rows, KL 0.013–0.15
+    assert np.all(oracle.belief(rest, "x").kl(q[~consulted]) < 0.5)
+    c = jit.counters()
+    assert c["consultations"] == c["updates"] == consulted.sum() and c["requests"] == 330
+
+
+def test_greedy_consults_one_of_identical_uncertain_rows(op, oracle):
+    """Ten copies of one far message: learning one makes the other nine certain (their features
+    are the same), so greedy selection asks the oracle once; "all" asks ten times."""
+    one = far(1, 32)
+    ten = {v: type(m).concatenate([m] * 10) for v, m in one.items()}
+    g = fresh_jit(op, oracle)
+    q, lv, consulted = g.predict(ten)
+    assert consulted.sum() == 1 and consulted[0]  # ties: the first of the most uncertain rows
+    assert np.all(lv[1:].max(-1) <= THRESHOLD)
+    np.testing.assert_allclose(q.mean(), q.mean()[0], rtol=1e-4)
+    a = fresh_jit(op, oracle, selection="all")
+    _, _, consulted = a.predict(ten)
+    assert consulted.all()
+    with pytest.raises(ValueError, match="selection"):
+        fresh_jit(op, oracle, selection="some")
+
+
+def test_greedy_consultations_meets_the_limit_and_is_needed():
+    """After the selected rows are learned (any targets: the posterior covariance does not
+    depend on them), every row's ψᵀΣψ is ≤ limit; and without the last pick it would not be."""
+    from kjit.blr import BayesianLinearRegression
+    from kjit.operators import greedy_consultations
+
+    rng = np.random.default_rng(3)
+    D = 40
+    blr = BayesianLinearRegression(prior_var=1.0, noise_var=1e-3).fit(rng.normal(size=(30, D)), rng.normal(size=30))
+    psi = np.concatenate([rng.normal(size=(25, D)), np.repeat(rng.normal(size=(5, D)), 3, axis=0)])
+    limit = 0.05
+
+    def var_after(rows):
+        b = copy.deepcopy(blr)
+        if len(rows):
+            b.partial_fit(psi[rows], np.zeros(len(rows)))
+        return np.einsum("ij,jk,ik->i", psi, b.Sigma_, psi)
+
+    v0 = np.einsum("ij,jk,ik->i", psi, blr.Sigma_, psi)
+    for rule in ("coverage", "max"):
+        pick = greedy_consultations(psi, blr.Sigma_, blr.noise_var, limit, rule=rule)
+        assert 0 < pick.size < len(psi) and len(set(pick.tolist())) == pick.size
+        assert np.all(v0[pick] > limit)  # only rows that needed it
+        assert np.all(var_after(pick) <= limit * (1 + 1e-9))
+        assert np.any(var_after(pick[:-1]) > limit)
+        # of three identical rows, at most one is asked
+        assert all(np.isin(np.arange(25 + 3 * g, 28 + 3 * g), pick).sum() <= 1 for g in range(5))
+        if rule == "max":  # the first pick is the most uncertain row
+            assert pick[0] == np.argmax(v0)
+    with pytest.raises(ValueError, match="rule"):
+        greedy_consultations(psi, blr.Sigma_, blr.noise_var, limit, rule="best")
+    # a non-positive limit (noise above the threshold): every row above it
+    np.testing.assert_array_equal(greedy_consultations(psi, blr.Sigma_, blr.noise_var, 0.0), np.arange(len(psi)))
+
+
+def test_greedy_never_picks_a_row_twice_when_learning_leaves_it_above_the_limit():
+    """With the noise variance above the limit, a learned row's latent variance stays above it
+    (K_jj σ²/(σ² + K_jj) → σ²): it must not be picked again — that would consult the oracle and
+    learn the same pair twice (found in review: the counters said 29 consultations, the mask 15)."""
+    from kjit.blr import BayesianLinearRegression
+    from kjit.operators import greedy_consultations
+
+    rng = np.random.default_rng(4)
+    D = 30
+    blr = BayesianLinearRegression(prior_var=1.0, noise_var=0.2).fit(rng.normal(size=(5, D)), rng.normal(size=5))
+    psi = rng.normal(size=(20, D))
+    limit = 0.05
+    pick = greedy_consultations(psi, blr.Sigma_, blr.noise_var, limit)
+    assert pick.size == len(set(pick.tolist())) and 0 < pick.size <= len(psi)
+    b = copy.deepcopy(blr)
+    b.partial_fit(psi[pick], np.zeros(pick.size))
+    v = np.einsum("ij,jk,ik->i", psi, b.Sigma_, psi)
+    rest = np.setdiff1d(np.arange(len(psi)), pick)
+    assert np.all(v[rest] <= limit * (1 + 1e-9))
+
+
+def test_greedy_counters_match_the_consulted_mask(op, oracle):
+    jit = fresh_jit(op, oracle)
+    q, lv, consulted = jit.predict(concat(far(40, 33), inside(20, 34)))
+    c = jit.counters()
+    assert c["consultations"] == c["updates"] == consulted.sum() > 0
+    assert jit.operator.n_train_ == op.n_train_ + consulted.sum()
+
+
+def test_mixed_batch_consults_exactly_the_far_rows_and_counters_add_up(op, oracle):
+    jit = fresh_jit(op, oracle, selection="all")
     perm = np.random.default_rng(0).permutation(60)
     inc = concat(inside(50, 40), far(10, 41), perm)
     is_far = (np.arange(60) >= 50)[perm]
@@ -349,3 +464,129 @@ def test_threshold_derived_from_target_kl_on_the_initial_batch():
     # target_kl and the calibrated threshold survive a save/load round trip
     restored = JITOperator.from_state_dict(jit.state_dict())
     assert restored.target_kl == 1e-3 and restored.threshold == jit.threshold
+
+
+# ====================================================================== initial batch must vary
+
+
+def _first_sweep(n, rng, v_lo=1.0, v_hi=30.0):
+    """EP's first sweep: every cavity mean is the prior's (0), only variances and labels vary."""
+    rng = np.random.default_rng(rng)
+    label = rng.random(n) < 0.5
+    return {"x": Gaussian(np.zeros(n), rng.uniform(v_lo, v_hi, n)),
+            "z": Beta(np.where(label, 2.0, 1.0), np.where(label, 1.0, 2.0))}
+
+
+def test_initial_fit_waits_for_varied_messages(oracle):
+    """With every cavity mean 0 the width search cannot see the mean: the fit waits until
+    initial_batch // 4 rows differ from the first in every coordinate, then answers the rest of
+    that request with the fitted operator."""
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=80, to="x", operator_kwargs=OKW)
+    _, _, consulted = jit.predict(_first_sweep(120, 70))  # more than initial_batch, none varied
+    assert consulted.all() and jit.operator is None and jit.counters()["n_train"] == 120
+    inc = inside(60, 71)  # means vary: 20 = 80 // 4 of them complete the batch
+    q, lv, consulted = jit.predict(inc)
+    assert jit.operator is not None
+    assert consulted[:20].all() and np.isnan(lv[:20]).all() and np.isfinite(lv[20:]).all()
+    assert jit.operator.n_train_ == 140 + consulted[20:].sum()
+    # a request that varies from the start is fitted after exactly initial_batch rows
+    jit2 = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=80, to="x", operator_kwargs=OKW)
+    _, _, consulted = jit2.predict(inside(100, 72))
+    assert jit2.operator is not None and consulted[:80].all()
+    assert jit2.operator.n_train_ == 80 + consulted[80:].sum() == jit2.counters()["consultations"]
+
+
+def test_initial_fit_cap_when_messages_never_vary(oracle):
+    """A coordinate that never varies does not block the fit forever: at most
+    INITIAL_BATCH_CAP × initial_batch pairs are consulted before it."""
+    from kjit.operators import INITIAL_BATCH_CAP
+
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=40, to="x", operator_kwargs=OKW)
+    _, _, consulted = jit.predict(_first_sweep(INITIAL_BATCH_CAP * 40 + 30, 73))
+    assert jit.operator is not None and jit.operator.n_train_ >= INITIAL_BATCH_CAP * 40
+    assert consulted[: INITIAL_BATCH_CAP * 40].all()
+
+
+def test_pending_varied_state_survives_save_and_reload(oracle, tmp_path):
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=80, to="x", operator_kwargs=OKW)
+    jit.predict(_first_sweep(100, 74))
+    restored = JITOperator.from_state_dict(jit.state_dict())
+    assert restored.selection == "greedy" and restored.operator is None
+    inc = inside(40, 75)
+    for j in (jit, restored):
+        _, _, consulted = j.predict(inc)
+        assert j.operator is not None and consulted[:20].all()
+    assert_same_family(jit.predict(inside(30, 76))[0], restored.predict(inside(30, 76))[0])
+    # states written before `selection` existed reload with the rule they were run with
+    state = jit.state_dict()
+    del state["params"]["selection"]
+    assert JITOperator.from_state_dict(state).selection == "all"
+
+
+# ====================================================================== evidence for n < D
+
+
+def test_dual_evidence_grid_equals_the_primal_one():
+    from kjit.blr import BayesianLinearRegression
+    from kjit.operators import DEFAULT_PRIOR_VARS, _log_evidence_grid_dual
+
+    rng = np.random.default_rng(4)
+    psi = 0.1 * rng.normal(size=(60, 200))
+    Y = psi @ rng.normal(size=(200, 2)) + 0.01 * rng.normal(size=(60, 2))
+    nvs = (1e-4, 1e-2, 1.0)
+    grid, lam_max = _log_evidence_grid_dual(psi, Y, DEFAULT_PRIOR_VARS, nvs)
+    ref = BayesianLinearRegression().fit(psi, Y).log_evidence_grid(DEFAULT_PRIOR_VARS, nvs)
+    np.testing.assert_allclose(grid, ref, rtol=1e-8, atol=1e-6)
+    assert lam_max == pytest.approx(np.linalg.eigvalsh(psi.T @ psi).max(), rel=1e-10)
+
+
+# ====================================================================== atomic requests
+
+
+class _FailingOracle:
+    """Wraps an oracle; its ``fail_on``-th call (1-based) raises OracleError."""
+
+    def __init__(self, oracle, fail_on):
+        self.inner, self.factor, self.fail_on, self.calls = oracle, oracle.factor, fail_on, 0
+
+    def belief(self, incoming, to):
+        from kjit.oracles import OracleError
+
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise OracleError("planned failure")
+        return self.inner.belief(incoming, to)
+
+
+def test_failed_second_round_leaves_the_operator_as_it_was(op, oracle, monkeypatch):
+    """Greedy requests can call the oracle more than once; a failure in a later call undoes what
+    the earlier ones taught, so the request is atomic (the service logs only what was returned)."""
+    from kjit import operators
+    from kjit.oracles import OracleError
+
+    real = operators.greedy_consultations
+    monkeypatch.setattr(operators, "greedy_consultations", lambda *a, **k: real(*a, **k)[:1])  # force rounds
+    jit = JITOperator(copy.deepcopy(op), _FailingOracle(oracle, fail_on=2), threshold=THRESHOLD)
+    before = copy.deepcopy(jit.operator.blr_)
+    counters = jit.raw_counters()
+    with pytest.raises(OracleError):
+        jit.predict(far(12, 80))
+    assert jit.oracle.calls == 2
+    np.testing.assert_array_equal(jit.operator.blr_.Sigma_, before.Sigma_)
+    np.testing.assert_array_equal(jit.operator.blr_.coef_, before.coef_)
+    assert jit.operator.n_train_ == before.n_ and jit.raw_counters() == counters
+    # and it goes on normally
+    _, _, consulted = jit.predict(far(12, 80))
+    assert consulted.any() and jit.operator.n_train_ == before.n_ + consulted.sum()
+
+
+def test_failed_call_after_the_initial_fit_restores_the_initial_phase(oracle):
+    jit = JITOperator(None, _FailingOracle(oracle, fail_on=3), threshold=-30.0, initial_batch=60, to="x",
+                      operator_kwargs=OKW)
+    jit.predict(inside(40, 81))  # call 1
+    with pytest.raises(Exception, match="planned"):
+        jit.predict(inside(40, 82))  # call 2 completes the batch (fit), call 3 fails
+    assert jit.operator is None and jit.counters()["n_train"] == 40 and jit.threshold == -30.0
+    assert jit.counters()["requests"] == 40
+    _, _, consulted = jit.predict(inside(40, 82))
+    assert jit.operator is not None and consulted[:20].all()

@@ -188,3 +188,34 @@ def test_one_server_per_store(store_dir):
             b.open()
     finally:
         a.close()
+
+
+def test_a_jit_record_learned_in_rounds_is_replayed_round_by_round(store_dir, pristine_store):
+    """Greedy selection can learn a request's consulted pairs in several partial_fit calls; the
+    record keeps the group sizes and replay repeats exactly those calls (bit for bit), and a
+    record whose groups do not add up is refused before anything is applied."""
+    from service.store import _params_json
+
+    pairs = _pairs(2, rows=3, seed=3100)
+    (inc1, q1), (inc2, q2) = pairs
+    inc = {v: type(m).concatenate([m, inc2[v]]) for v, m in inc1.items()}
+    q = type(q1).concatenate([q1, q2])
+    rec = {"seq": 1, "kind": "jit", "incoming": {v: _params_json(m) for v, m in inc.items()},
+           "beliefs": _params_json(q), "groups": [3, 3]}
+    store = OperatorStore(store_dir)
+    store.open()
+    try:
+        store.load_all()
+        e = store.get("logistic-x")
+        with pytest.raises(ValueError, match="groups"):
+            e._apply_record({**rec, "groups": [3, 2]})
+        assert e.jit.operator.n_train_ == 300  # nothing applied
+        e._apply_record(rec)
+        local = load_pristine(pristine_store, "logistic-x")
+        local.operator.partial_fit(inc1, q1)
+        local.operator.partial_fit(inc2, q2)
+        test = probe("logistic", 30, seed=3)
+        np.testing.assert_array_equal(e.jit.operator.predict(test)[1], local.operator.predict(test)[1])
+        np.testing.assert_array_equal(e.jit.operator.belief(test).mean(), local.operator.belief(test).mean())
+    finally:
+        store.abandon()
