@@ -865,6 +865,7 @@ class JITOperator:
             o = self.oracle
             oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
                       "chunk": o.chunk, "rng_state": json.dumps(o._rng.bit_generator.state),
+                      "reuse": o.reuse, "pool": json.dumps(o.pool_state()),
                       "proposal": json.dumps({v: [type(m).__name__.lower(), m.to_dict()] for v, m in o.proposal.items()})}
         elif isinstance(self.oracle, QuadratureOracle):
             oracle = {"kind": "quadrature"}
@@ -903,8 +904,11 @@ class JITOperator:
             elif o["kind"] == "importance_sampling":
                 proposal = {v: family_by_name(name).from_dict(params) for v, (name, params) in json.loads(o["proposal"]).items()}
                 oracle = ImportanceSamplingOracle(factor, n_samples=int(o["n_samples"]), proposal=proposal,
-                                                  min_ess=float(o["min_ess"]), chunk=int(o["chunk"]))
+                                                  min_ess=float(o["min_ess"]), chunk=int(o["chunk"]),
+                                                  reuse=int(o.get("reuse", 1)))
                 oracle._rng.bit_generator.state = json.loads(o["rng_state"])
+                if "pool" in o:  # mid-way through a reused particle draw: the same particles again
+                    oracle.set_pool_state(json.loads(o["pool"]))
             else:
                 raise ValueError(f"unknown oracle kind {o['kind']!r}")
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None

@@ -369,10 +369,11 @@ def _stream(seed, n_calls):
 def _make_oracle(factor, kind):
     if kind == "quadrature":
         return QuadratureOracle(factor)
-    return ImportanceSamplingOracle(factor, n_samples=20_000, random_state=123)
+    reuse = 3 if kind == "importance_sampling_reuse" else 1
+    return ImportanceSamplingOracle(factor, n_samples=20_000, random_state=123, reuse=reuse)
 
 
-@pytest.mark.parametrize("kind", ["quadrature", "importance_sampling"])
+@pytest.mark.parametrize("kind", ["quadrature", "importance_sampling", "importance_sampling_reuse"])
 @pytest.mark.parametrize("when", ["pending", "fitted"])
 def test_save_mid_stream_reload_and_continue_bit_identically(factor, kind, when, tmp_path):
     jit = JITOperator(None, _make_oracle(factor, kind), threshold=THRESHOLD, initial_batch=100, to="x",

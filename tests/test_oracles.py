@@ -821,6 +821,31 @@ def test_importance_sampling_same_seed_same_answer_and_calls_advance():
     assert a.belief(inc, "x") != q1  # each call draws fresh particles
 
 
+def test_importance_sampling_reuse_shares_one_draw_between_calls():
+    """``reuse`` = 3: three consecutive calls answer from one particle draw (the same input gives
+    the same answer, exactly that of an oracle with fresh draws on its first call), the fourth
+    draws anew; the generator advances once per draw; saved pool states redraw the same particles."""
+    inc = _inc_logistic(*IS_MSG)
+    fresh = ImportanceSamplingOracle(Logistic(), n_samples=3000, random_state=4)
+    r3 = ImportanceSamplingOracle(Logistic(), n_samples=3000, random_state=4, reuse=3)
+    first = r3.belief(inc, "x")
+    assert first == fresh.belief(inc, "x")
+    state_after_draw = r3._rng.bit_generator.state
+    assert r3.belief(inc, "z") == fresh.with_random_state(4).belief(inc, "z")  # same particles, other recipient
+    saved = (r3.pool_state(), r3._rng.bit_generator.state)
+    assert r3.belief(inc, "x") == first and r3._rng.bit_generator.state == state_after_draw
+    assert r3.belief(inc, "x") != first  # a new draw, as fresh's second call
+    assert r3.belief(inc, "x") == fresh.belief(inc, "x")
+    # a copy restored mid-pool (after 2 of 3 calls) continues exactly like the original did
+    copy_ = ImportanceSamplingOracle(Logistic(), n_samples=3000, random_state=0, reuse=3)
+    copy_._rng.bit_generator.state = saved[1]
+    copy_.set_pool_state(saved[0])
+    assert copy_.belief(inc, "x") == first
+    assert copy_.belief(inc, "x") != first
+    with pytest.raises(ValueError, match="reuse"):
+        ImportanceSamplingOracle(Logistic(), reuse=0)
+
+
 def test_importance_sampling_matches_the_plain_weighted_formulas():
     """The matrix-product estimator against the textbook one on the same particles: weights
     exp(log w − max), Ê g = Σ w g / Σ w, centred variance, ESS = (Σw)²/Σw².  Rows include a
