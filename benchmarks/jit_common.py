@@ -173,15 +173,19 @@ def run_sequence(problems, names, args, is_problems):
 
 def summarise(rows, per_msg, jit, first=1):
     def total(key, rs):
-        return float(sum(r[key] for r in rs))
+        vals = [r[key] for r in rs]
+        return None if any(v is None for v in vals) else float(sum(vals))
+
+    def ratio(a, b):  # None when sampling alone was not measured on any problem (--is-problems "")
+        return None if a is None or b is None else a / b
 
     later = rows[first:]
     c = jit.counters()
     out = {
         "is_us_per_msg": None if per_msg is None else 1e6 * per_msg,
         "is_problems_measured": [r["problem"] for r in rows if r["is_measured"]],
-        "speedup_vs_sampling": total("is_seconds", rows) / total("jit_seconds", rows),
-        "speedup_vs_sampling_after_first": total("is_seconds", later) / total("jit_seconds", later),
+        "speedup_vs_sampling": ratio(total("is_seconds", rows), total("jit_seconds", rows)),
+        "speedup_vs_sampling_after_first": ratio(total("is_seconds", later), total("jit_seconds", later)),
         "jit_over_quad_after_first": total("jit_seconds", later) / total("quad_seconds", later),
         "threshold_used": jit.threshold,
         "consultation_rate": c["consultation_rate"],

@@ -647,10 +647,19 @@ class JITOperator:
         c["n_train"] = self.operator.n_train_ if self.operator is not None else self._n_pending
         return c
 
-    def _oracle_beliefs(self, incoming):
+    def _oracle_beliefs(self, incoming, positions):
+        """The oracle's beliefs for a sub-batch; ``positions``: its rows' places in the request,
+        so that a LowESSError names the failing rows of the *request* (the EP engine skips
+        exactly those and asks again for the rest)."""
+        from .oracles import LowESSError
+
         t = time.perf_counter()
-        q = self.oracle.belief(incoming, self.to)
-        self._counts["seconds_oracle"] += time.perf_counter() - t
+        try:
+            q = self.oracle.belief(incoming, self.to)
+        except LowESSError as exc:
+            raise LowESSError(np.asarray(positions)[exc.rows], exc.ess, exc.min_ess) from exc
+        finally:
+            self._counts["seconds_oracle"] += time.perf_counter() - t
         return q
 
     def _check_to(self, to):
@@ -704,14 +713,14 @@ class JITOperator:
             k = len(self.family.coord_names)
             start = self._initial_rows(flat)
             head = flat if start == n else {v: m[:start] for v, m in flat.items()}
-            q = self._oracle_beliefs(head)
+            q = self._oracle_beliefs(head, np.arange(start))
             self._counts["consultations"] += start
             state = (list(self._pending), self._n_pending, self.threshold)
             self._undo = lambda: self._restore_initial(*state)
             self._learn_initial(head, q)
             if start == n:
                 return q.reshape(shape), np.full(shape + (k,), np.nan), np.ones(shape, dtype=bool)
-            q_t, lv_t, c_t = self._answer({v: m[start:] for v, m in flat.items()}, learn)
+            q_t, lv_t, c_t = self._answer({v: m[start:] for v, m in flat.items()}, learn, offset=start)
             q = self.family.concatenate([q, q_t])
             lv = np.concatenate([np.full((start, k), np.nan), lv_t])
             consulted = np.concatenate([np.ones(start, dtype=bool), c_t])
@@ -719,7 +728,7 @@ class JITOperator:
         q, lv, consulted = self._answer(flat, learn)
         return q.reshape(shape), lv.reshape(shape + lv.shape[-1:]), consulted.reshape(shape)
 
-    def _answer(self, flat, learn):
+    def _answer(self, flat, learn, offset=0):
         """The fitted operator's answer for flat incoming messages (see :meth:`predict`)."""
         n = next(iter(flat.values())).size
         t = time.perf_counter()
@@ -746,7 +755,7 @@ class JITOperator:
             else:
                 idx = rows
             sub = {v: m[idx] for v, m in flat.items()}
-            q_or = self._oracle_beliefs(sub)
+            q_or = self._oracle_beliefs(sub, offset + idx)
             self._counts["consultations"] += idx.size
             consulted[idx] = True
             answers.append((idx, q_or))

@@ -591,3 +591,31 @@ def test_failed_call_after_the_initial_fit_restores_the_initial_phase(oracle):
     assert jit.counters()["requests"] == 40
     _, _, consulted = jit.predict(inside(40, 82))
     assert jit.operator is not None and consulted[:20].all()
+
+
+def test_a_low_ess_error_names_the_failing_rows_of_the_request(op, oracle):
+    """The oracle sees only the consulted rows; its LowESSError's rows are positions in that
+    sub-batch.  The JIT operator re-raises them as positions in the request (the EP engine skips
+    exactly those rows), and the request changes nothing (atomic)."""
+    from kjit.oracles import LowESSError
+
+    class Failing:
+        factor = oracle.factor
+
+        def belief(self, incoming, to):
+            bad = np.flatnonzero(np.abs(incoming["x"].mean()) > 20.0)
+            if bad.size:
+                raise LowESSError(bad, np.full(bad.size, 3.0), 50.0)
+            return oracle.belief(incoming, to)
+
+    inc = concat(inside(30, 60), far(10, 61, lo=15.0, hi=30.0), np.random.default_rng(62).permutation(40))
+    jit = fresh_jit(op, oracle)
+    jit.oracle = Failing()
+    before = copy.deepcopy(jit.operator.blr_.Sigma_), jit.counters()
+    with pytest.raises(LowESSError) as info:
+        jit.predict(inc)
+    expected = np.flatnonzero(np.abs(inc["x"].mean()) > 20.0)
+    assert expected.size > 0
+    np.testing.assert_array_equal(np.sort(info.value.rows), expected)
+    np.testing.assert_array_equal(jit.operator.blr_.Sigma_, before[0])
+    assert jit.counters() == before[1]
