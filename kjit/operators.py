@@ -622,6 +622,7 @@ class JITOperator:
         self._pending: list[tuple[dict, Family]] = []
         self._n_pending = 0
         self._undo = None
+        self._keep_undo = False
         self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
                         "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
                         "seconds_initial_fit": 0.0}
@@ -666,7 +667,8 @@ class JITOperator:
         if to is not None and to != self.to:
             raise ValueError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
 
-    def predict(self, incoming: Mapping[str, Family], to: str | None = None, learn: bool = True):
+    def predict(self, incoming: Mapping[str, Family], to: str | None = None, learn: bool = True,
+                revertible: bool = False):
         """Belief, log predictive variance (n, k) and the mask of rows the oracle answered.
 
         During the initial phase (no operator yet) every row is consulted and the log
@@ -678,15 +680,29 @@ class JITOperator:
         are left as they were.
 
         ``learn=False`` (fitted operators only) returns the oracle's answers without learning
-        them: the caller applies them later with ``operator.partial_fit`` — the service's
-        replicas do, after the pairs have their place in the shared update log.
+        them: the caller applies them later with ``operator.partial_fit``.  ``revertible=True``
+        keeps, in ``revert_last_``, a callable that undoes what this request learned and
+        counted — the service's replicas call it when another replica's update took the place
+        in the shared log this request's update was to have (and then ask again).
         """
         if not learn and self.operator is None:
             raise ValueError("`learn=False` needs a fitted operator")
         saved = dict(self._counts)
         self._undo = None  # set before anything is learned that a later oracle call could void
+        self._keep_undo = bool(revertible)
         try:
-            return self._predict(incoming, to, learn)
+            out = self._predict(incoming, to, learn)
+            if revertible:
+                undo = self._undo
+
+                def revert():
+                    if undo is not None:
+                        undo()
+                    self._counts.clear()
+                    self._counts.update(saved)
+
+                self.revert_last_ = revert
+            return out
         except BaseException:
             self._counts.clear()
             self._counts.update(saved)
@@ -695,6 +711,7 @@ class JITOperator:
             raise
         finally:
             self._undo = None
+            self._keep_undo = False
 
     def _restore_initial(self, pending, n_pending, threshold):
         self.operator = None
@@ -761,7 +778,7 @@ class JITOperator:
             answers.append((idx, q_or))
             if learn:
                 t = time.perf_counter()
-                if self._undo is None and self.selection == "greedy":
+                if self._undo is None and (self.selection == "greedy" or self._keep_undo):
                     # a later round's oracle call may fail: keep what to restore (atomic request)
                     op, blr = self.operator, copy.deepcopy(self.operator.blr_)
                     self._undo = lambda: setattr(op, "blr_", blr)

@@ -586,23 +586,51 @@ class Entry:
         return q, logvar, consulted, version, int(idx.size)
 
     def _predict_jit_shared(self, incoming):
-        """``jit`` on a replica: consult without learning, then learn through the shared log."""
+        """``jit`` on a replica: answer and learn as a standalone server does (greedy selection
+        learns in rounds), then place the learned pairs in the shared log; if another replica's
+        record took that place first, undo, apply it, and answer again."""
+        rid = uuid.uuid4().hex
         with self.lock.write():
-            try:
-                self._catch_up()
-            except SharedLogError as exc:
-                raise PersistError(f"the shared store is unavailable: {exc}") from exc
-            try:
-                q, logvar, consulted = self.jit.predict(incoming, self.jit.to, learn=False)
-            except OracleError as exc:
-                raise OracleFailure(str(exc)) from None
-            idx = np.flatnonzero(consulted)
-            if idx.size:
-                body = {"kind": "jit", "time": time.time(),
-                        "incoming": {v: _params_json(m[idx]) for v, m in incoming.items()},
-                        "beliefs": _params_json(q[idx])}
-                self._commit_shared(lambda: dict(body), uuid.uuid4().hex)
-            return q, logvar, consulted, self.version, int(idx.size)
+            for _ in range(self.MAX_APPEND_ATTEMPTS):
+                try:
+                    self._catch_up()
+                except SharedLogError as exc:
+                    raise PersistError(f"the shared store is unavailable: {exc}") from exc
+                jit = self.jit
+                try:
+                    q, logvar, consulted = jit.predict(incoming, jit.to, revertible=True)
+                except OracleError as exc:  # nothing was learned or counted
+                    raise OracleFailure(str(exc)) from None
+                groups = [np.asarray(g) for g in jit.last_learned_groups_]
+                if not groups:
+                    return q, logvar, consulted, self.version, 0
+                idx = np.concatenate(groups)
+                flat = {v: m.ravel() for v, m in incoming.items()}
+                rec = {"seq": self.version + 1, "rid": rid, "kind": "jit", "time": time.time(),
+                       "incoming": {v: _params_json(m[idx]) for v, m in flat.items()},
+                       "beliefs": _params_json(q.ravel()[idx])}
+                if len(groups) > 1:
+                    rec["groups"] = [int(g.size) for g in groups]
+                try:
+                    ok = self.shared.append(self.name, self.version, encode_record(rec))
+                except SharedLogError as exc:
+                    jit.revert_last_()
+                    try:  # did it land before the error?  Then the catch-up applies it from the log
+                        found = self._catch_up(rid)
+                    except Exception:
+                        found = None
+                    if found is not None:
+                        return q, logvar, consulted, self.version, int(idx.size)
+                    raise PersistError(f"{exc}: the oracle's answers may or may not have been recorded",
+                                       unknown=True) from exc
+                if ok:  # learned already, exactly as the record replays
+                    self._account(rec, int(idx.size))
+                    self.last_rid = rid
+                    self._applied_shared()
+                    return q, logvar, consulted, self.version, int(idx.size)
+                jit.revert_last_()  # another replica's update came first
+            raise PersistError(f"the shared log of {self.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
+                               f"were refused; nothing was learned")
 
     def _observe_shared(self, incoming, beliefs, key, body_hash):
         n = len(beliefs)

@@ -619,3 +619,20 @@ def test_a_low_ess_error_names_the_failing_rows_of_the_request(op, oracle):
     np.testing.assert_array_equal(np.sort(info.value.rows), expected)
     np.testing.assert_array_equal(jit.operator.blr_.Sigma_, before[0])
     assert jit.counters() == before[1]
+
+
+@pytest.mark.parametrize("selection", ["greedy", "all"])
+def test_revert_last_undoes_what_a_request_learned_and_counted(op, oracle, selection):
+    jit = fresh_jit(op, oracle, selection=selection)
+    jit.predict(inside(20, 70))
+    before_sigma, before_counts = jit.operator.blr_.Sigma_.copy(), jit.raw_counters()
+    inc = concat(inside(20, 71), far(10, 72))
+    q, lv, consulted = jit.predict(inc, revertible=True)
+    assert consulted.any() and jit.operator.n_train_ > op.n_train_
+    jit.revert_last_()
+    np.testing.assert_array_equal(jit.operator.blr_.Sigma_, before_sigma)
+    assert jit.raw_counters() == before_counts and jit.operator.n_train_ == op.n_train_
+    # asked again, it gives the same answer (quadrature oracle: deterministic)
+    q2, lv2, c2 = jit.predict(inc)
+    assert_same_family(q, q2)
+    np.testing.assert_array_equal(consulted, c2)

@@ -619,11 +619,13 @@ def test_redis_timeout_during_append_then_retry_counts_once(store_dir, tmp_path,
 
 
 def test_jit_response_version_and_what_its_predicted_rows_reflect(store_dir, tmp_path):
-    """The documented semantics of jit on a replica (service/README.md): ``version`` is the state
-    after the request — its own record included, and any records merged while placing it — and
-    the rows the operator answered were predicted before that.  Replica A takes a jit request;
-    between its prediction and its append, B appends an observation (A's compare-and-set loses,
-    A merges B's record and appends at 2): A answers version 2, its predicted rows are version 0's."""
+    """The documented semantics of jit on a replica (service/README.md): the answer is the one
+    the operator at the version just before the request's own record gives, and ``version`` is
+    the state after that record.  Replica A takes a jit request; between its answer and its
+    append, B appends an observation (A's compare-and-set loses): A undoes what it learned,
+    merges B's record and answers again, so its answer is that of version 1, its version 2."""
+    import copy
+
     shared_dir = tmp_path / "shared"
     sa = DirectorySharedLog(shared_dir)
     a = _open(store_dir, sa)
@@ -639,13 +641,20 @@ def test_jit_response_version_and_what_its_predicted_rows_reflect(store_dir, tmp
 
         sa.append = append
         test = probe("logistic", 20, seed=122)
-        q0, _, _, v0, _ = a.get(NAME).predict(test, "predict")
         q, logvar, consulted, version, n_learned = a.get(NAME).predict(test, "jit")
         sa.append = real_append
         assert consulted.any() and not consulted.all() and raced
-        assert v0 == 0 and version == 2 and n_learned == consulted.sum()
-        keep = ~consulted
-        np.testing.assert_array_equal(q[keep].mean(), q0[keep].mean())  # same batch: bit for bit
+        assert version == 2 and n_learned == consulted.sum()
+        at_v1 = copy.deepcopy(b.get(NAME).jit)  # B: its own record, not A's
+        assert b.get(NAME).version == 1
+        q1, lv1, c1 = at_v1.predict(test)
+        np.testing.assert_array_equal(c1, consulted)
+        np.testing.assert_array_equal(q1.mean(), q.mean())
+        np.testing.assert_array_equal(lv1, logvar)
+        # and after merging, B is A bit for bit
+        b.get(NAME).merge()
+        pa, pb = _predict(a, test), _predict(b, test)
+        assert pa[3] == pb[3] == 2 and _same_prediction(pa, pb)
     finally:
         a.abandon()
         b.abandon()
