@@ -623,6 +623,7 @@ class JITOperator:
         self._n_pending = 0
         self._undo = None
         self._keep_undo = False
+        self.last_learned_groups_: list = []  # rows each partial_fit of the last request learned
         self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
                         "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
                         "seconds_initial_fit": 0.0}
@@ -719,6 +720,7 @@ class JITOperator:
 
     def _predict(self, incoming, to, learn=True):
         self._check_to(to)
+        self.last_learned_groups_ = []
         inc, shape = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in inc.items()}
         n = next(iter(flat.values())).size
@@ -799,7 +801,7 @@ class JITOperator:
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
-        self.last_learned_groups_ = [idx for idx, _ in answers] if learn else []
+        self.last_learned_groups_ = [offset + idx for idx, _ in answers] if learn else []
         q_hat = self.family.from_coords(coords)
         if answers:
             # return the oracle's own message for consulted rows (not a coordinate round trip)

@@ -569,21 +569,28 @@ class Entry:
             except Exception as exc:
                 self._recover(f"a just-in-time request failed ({type(exc).__name__}: {exc})")
                 raise
-            groups = [np.asarray(g) for g in getattr(jit, "last_learned_groups_", [])]
-            idx = np.concatenate(groups) if groups else np.flatnonzero(consulted)
-            if idx.size:
-                flat = {v: m.ravel() for v, m in incoming.items()}
-                rec = {
-                    "seq": self.version + 1, "kind": "jit", "time": time.time(),
-                    "incoming": {v: _params_json(m[idx]) for v, m in flat.items()},
-                    "beliefs": _params_json(q.ravel()[idx]),
-                    "counters": jit.raw_counters(),
-                }
-                if len(groups) > 1:  # learned in rounds (greedy selection): replayed the same way
-                    rec["groups"] = [int(g.size) for g in groups]
+            rec, n_learned = self._jit_record(incoming, q)
+            if rec is not None:
+                rec["counters"] = jit.raw_counters()
                 self._commit(rec, apply=None)  # JITOperator.predict already learned the pairs
             version = self.version
-        return q, logvar, consulted, version, int(idx.size)
+        return q, logvar, consulted, version, n_learned
+
+    def _jit_record(self, incoming, q):
+        """``(record, n)`` of the pairs the last jit request learned — in the order learned, with
+        the sizes of its rounds when there were several (replayed round by round) — or
+        ``(None, 0)`` if it learned nothing."""
+        groups = self.jit.last_learned_groups_
+        if not groups:
+            return None, 0
+        idx = np.concatenate(groups)
+        flat = {v: m.ravel() for v, m in incoming.items()}
+        rec = {"seq": self.version + 1, "kind": "jit", "time": time.time(),
+               "incoming": {v: _params_json(m[idx]) for v, m in flat.items()},
+               "beliefs": _params_json(q.ravel()[idx])}
+        if len(groups) > 1:
+            rec["groups"] = [int(len(g)) for g in groups]
+        return rec, int(idx.size)
 
     def _predict_jit_shared(self, incoming):
         """``jit`` on a replica: answer and learn as a standalone server does (greedy selection
@@ -601,16 +608,10 @@ class Entry:
                     q, logvar, consulted = jit.predict(incoming, jit.to, revertible=True)
                 except OracleError as exc:  # nothing was learned or counted
                     raise OracleFailure(str(exc)) from None
-                groups = [np.asarray(g) for g in jit.last_learned_groups_]
-                if not groups:
+                rec, n_learned = self._jit_record(incoming, q)
+                if rec is None:
                     return q, logvar, consulted, self.version, 0
-                idx = np.concatenate(groups)
-                flat = {v: m.ravel() for v, m in incoming.items()}
-                rec = {"seq": self.version + 1, "rid": rid, "kind": "jit", "time": time.time(),
-                       "incoming": {v: _params_json(m[idx]) for v, m in flat.items()},
-                       "beliefs": _params_json(q.ravel()[idx])}
-                if len(groups) > 1:
-                    rec["groups"] = [int(g.size) for g in groups]
+                rec["rid"] = rid
                 try:
                     ok = self.shared.append(self.name, self.version, encode_record(rec))
                 except SharedLogError as exc:
@@ -620,14 +621,14 @@ class Entry:
                     except Exception:
                         found = None
                     if found is not None:
-                        return q, logvar, consulted, self.version, int(idx.size)
+                        return q, logvar, consulted, self.version, n_learned
                     raise PersistError(f"{exc}: the oracle's answers may or may not have been recorded",
                                        unknown=True) from exc
                 if ok:  # learned already, exactly as the record replays
-                    self._account(rec, int(idx.size))
+                    self._account(rec, n_learned)
                     self.last_rid = rid
                     self._applied_shared()
-                    return q, logvar, consulted, self.version, int(idx.size)
+                    return q, logvar, consulted, self.version, n_learned
                 jit.revert_last_()  # another replica's update came first
             raise PersistError(f"the shared log of {self.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
                                f"were refused; nothing was learned")
