@@ -636,3 +636,20 @@ def test_revert_last_undoes_what_a_request_learned_and_counted(op, oracle, selec
     q2, lv2, c2 = jit.predict(inc)
     assert_same_family(q, q2)
     np.testing.assert_array_equal(consulted, c2)
+
+
+def test_learned_groups_are_positions_in_the_request(oracle):
+    """A request that completes the initial batch: its first rows go to the oracle and the fit,
+    the rest to the new operator; the pairs it then learned are named by their positions in the
+    request (what a log of the request replays)."""
+    jit = JITOperator(None, oracle, threshold=THRESHOLD, initial_batch=60, to="x", operator_kwargs=OKW)
+    rng = np.random.default_rng(80)
+    inc = concat(inside(80, rng), far(20, rng))  # 60 complete the batch; far rows follow
+    q, lv, consulted = jit.predict(inc)
+    start = int(np.flatnonzero(np.isnan(lv[:, 0]))[-1]) + 1
+    assert 60 <= start < 100 and consulted[:start].all()
+    learned = np.concatenate(jit.last_learned_groups_)
+    assert learned.size > 0 and learned.min() >= start
+    np.testing.assert_array_equal(np.sort(learned), np.flatnonzero(consulted[start:]) + start)
+    jit.predict(inside(10, rng))
+    assert all(len(g) == 0 for g in jit.last_learned_groups_) or not jit.last_learned_groups_
