@@ -33,6 +33,9 @@ from .factors import CompoundGamma, Factor, Logistic, ProbitNoise
 from .families import Bernoulli, Beta, Family, Gamma, Gaussian
 
 __all__ = [
+    "logistic_tilted_rule",
+    "two_piece_moments",
+    "LOG_SQRT_2PI",
     "Oracle",
     "QuadratureOracle",
     "ImportanceSamplingOracle",
@@ -175,7 +178,7 @@ def _panel_rule(logf, breaks, step):
 _LOGISTIC_BENDS = np.array([-6.0, -3.0, -1.5, 0.0, 1.5, 3.0, 6.0])
 
 
-def _logistic_rule(mu, v, alpha, beta, weight: int = 0):
+def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0):
     """Panel rule for r(x) ∝ N(x; mu, v) · σ(x)^(α−1) σ(−x)^(β−1) (log normaliser included).
 
     ``weight`` = +1 / −1 multiplies the integrand by softplus(−x) = −log σ(x) /
@@ -311,7 +314,7 @@ def _weighted_mean_var(t, lw):
     return mean, var
 
 
-_LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
+LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
 
 
 def _lower_truncated_std(alpha, n_terms: int = 80):
@@ -324,7 +327,7 @@ def _lower_truncated_std(alpha, n_terms: int = 80):
     """
     alpha = np.asarray(alpha, float)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        lam = np.exp(-0.5 * alpha * alpha - _LOG_SQRT_2PI - special.log_ndtr(-alpha))
+        lam = np.exp(-0.5 * alpha * alpha - LOG_SQRT_2PI - special.log_ndtr(-alpha))
         var = 1.0 - lam * (lam - alpha)
     tail = alpha >= 5.0
     if np.any(tail):
@@ -410,15 +413,15 @@ class QuadratureOracle(Oracle):
         f = self.factor
         if isinstance(f, Logistic):
             x, z = flat["x"], flat["z"]
-            t, lw, log_z = _logistic_rule(x.mean(), x.var(), z.alpha, z.beta)
+            t, lw, log_z = logistic_tilted_rule(x.mean(), x.var(), z.alpha, z.beta)
             if to == "x":
                 mean, var = _weighted_mean_var(t, lw)
                 return Gaussian(mean, var), log_z
             if to == "z":
                 # E[log σ(x)] = −∫ r softplus(−x) / Z, each integral with its own panels
                 args = (x.mean(), x.var(), z.alpha, z.beta)
-                lz_neg = _logistic_rule(*args, weight=+1)[2]
-                lz_pos = _logistic_rule(*args, weight=-1)[2]
+                lz_neg = logistic_tilted_rule(*args, weight=+1)[2]
+                lz_pos = logistic_tilted_rule(*args, weight=-1)[2]
                 ess = np.stack([-np.exp(lz_neg - log_z), -np.exp(lz_pos - log_z)], axis=-1)
                 if np.any(~(ess < 0)):
                     bad = np.flatnonzero(~np.all(ess < 0, axis=1))

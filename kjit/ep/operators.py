@@ -53,7 +53,7 @@ from scipy import special
 
 from ..factors import Factor, Logistic, ProbitNoise
 from ..families import Bernoulli, Beta, Family, Gaussian
-from ..oracles import _LOG_SQRT_2PI, _logistic_rule, two_piece_moments
+from ..oracles import LOG_SQRT_2PI, logistic_tilted_rule, two_piece_moments
 
 __all__ = [
     "ProbitNoiseOperator",
@@ -105,7 +105,7 @@ def _lower_truncated_std_scalar(alpha: float) -> tuple[float, float]:
             t = k / (alpha + t)
         c = 1.0 / (alpha + t)
         return alpha + c, max(c * c * (alpha * t + t * t - 1.0), 0.0)
-    lam = math.exp(-0.5 * alpha * alpha - _LOG_SQRT_2PI - float(special.log_ndtr(-alpha)))
+    lam = math.exp(-0.5 * alpha * alpha - LOG_SQRT_2PI - float(special.log_ndtr(-alpha)))
     return lam, max(1.0 - lam * (lam - alpha), 0.0)
 
 
@@ -260,7 +260,7 @@ class LogisticOperator:
             raise ValueError("LogisticOperator needs a Gaussian message on 'x' and a Beta message on 'z'")
         m, v, a, b = (np.asarray(t, float).reshape(-1) for t in (g.mean(), g.var(), zmsg.alpha, zmsg.beta))
         au, bu = 1.0 + u * (a - 1.0), 1.0 + u * (b - 1.0)
-        t, lw, log_z = _logistic_rule(m, v, au, bu)
+        t, lw, log_z = logistic_tilted_rule(m, v, au, bu)
         # the rule's log Z is for N · Beta(σ(x); au, bu) = N · t^u · B(a,b)^u / B(au, bu)
         log_z = log_z + special.betaln(au, bu) - u * special.betaln(a, b)
         return shape, (m, v, a, b, u), t, lw, log_z
