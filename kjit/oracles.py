@@ -383,10 +383,13 @@ def _probit_moments(mu, v, p, eps):
     with np.errstate(divide="ignore"):
         log_z, mean, var, _ = two_piece_moments(mu, v, np.log(c_pos), np.log(c_neg))
     z = mu / np.sqrt(v)
-    # posterior on y: P(y=+1) ∝ p · (ε + (1−2ε)Φ(z))
-    like_pos = eps + (1 - 2 * eps) * special.ndtr(z)
-    like_neg = eps + (1 - 2 * eps) * special.ndtr(-z)
-    py = p * like_pos / (p * like_pos + (1 - p) * like_neg)
+    # posterior on y: P(y=+1) ∝ p · (ε + (1−2ε)Φ(z)), in logs: a label certain a priori (p = 0
+    # or 1) against a Φ that underflows is not 0/0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_eps, log_1m2eps = np.log(eps), np.log1p(-2 * eps)
+        lp = np.log(p) + np.logaddexp(log_eps, log_1m2eps + special.log_ndtr(z))
+        ln = np.log1p(-p) + np.logaddexp(log_eps, log_1m2eps + special.log_ndtr(-z))
+        py = special.expit(lp - ln)
     return log_z, mean, var, py
 
 

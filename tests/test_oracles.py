@@ -1012,3 +1012,22 @@ def test_user_sampled_factor_product_matches_reference():
     mean_ref, var_ref = _product_reference("z", pz=(0.0, 1e12))
     assert abs(mean_ref - mx * my) < 1e-9
     assert abs(var_ref - (vx * vy + mx**2 * vy + my**2 * vx)) < 1e-9
+
+
+def test_probit_label_posterior_without_0_over_0():
+    """P(y=+1 | tilted) for labels certain a priori against a Φ that underflows (ε = 0): 1 and 0,
+    without a division warning; and the closed form p·ℓ₊/(p·ℓ₊ + (1−p)·ℓ₋) where it is finite."""
+    import warnings
+
+    from scipy import special
+
+    from kjit.oracles import _probit_moments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        py = _probit_moments(np.array([-50.0, 50.0]), np.array([1.0, 1.0]), np.array([1.0, 0.0]), 0.0)[3]
+    np.testing.assert_array_equal(py, [1.0, 0.0])
+    mu, v, p, eps = np.array([-2.0, 0.3, 4.0]), np.array([1.0, 2.0, 0.5]), np.array([0.9, 0.7, 0.2]), 0.1
+    z = mu / np.sqrt(v)
+    lpos, lneg = eps + (1 - 2 * eps) * special.ndtr(z), eps + (1 - 2 * eps) * special.ndtr(-z)
+    np.testing.assert_allclose(_probit_moments(mu, v, p, eps)[3], p * lpos / (p * lpos + (1 - p) * lneg), rtol=1e-13)
