@@ -2,23 +2,33 @@
 
 A job draws incoming messages, runs the oracle on them (progress counts pairs), fits the
 kernel operator, calibrates its threshold and writes it to the store, which serves it from
-then on.  Job records live in memory: after a restart the finished operators are in the
-store, the job records are gone, and a job that was running is abandoned (its half-written
-directory is removed when the store opens).
+then on.  Each job's record is written to ``<store>/jobs/<id>.json`` (atomically) when it is
+queued, starts and ends, so ``GET /v1/jobs/{id}`` answers across restarts; a job that was
+queued or running when the server stopped is recorded as failed ("interrupted") on the next
+start (its half-written operator directory is removed when the store opens).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import uuid
 from datetime import datetime, timezone
 
+from pathlib import Path
+
+from .files import write_atomic
 from .store import Conflict, OperatorStore
 from .training import TrainSpec, train_operator
 
 log = logging.getLogger("kjit.service.jobs")
+
+
+def _plain(o):
+    """JSON for numpy scalars and arrays in a job's result (anything else as text)."""
+    return o.tolist() if hasattr(o, "tolist") else str(o)
 
 
 def _now() -> str:
@@ -42,6 +52,18 @@ class Job:
         with self._lock:
             self.stage, self.done, self.total = stage, int(done), int(total)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Job":
+        """A job of an earlier run of the server, from its record (read-only: no spec)."""
+        job = cls.__new__(cls)
+        job.id, job.name, job.spec, job.request = str(d["id"]), str(d["operator"]), None, d.get("request") or {}
+        job.status, job.error, job.result = d["status"], d.get("error"), d.get("result")
+        p = d.get("progress") or {}
+        job.stage, job.done, job.total = p.get("stage", "queued"), int(p.get("done", 0)), int(p.get("total", 0))
+        job.created, job.started, job.finished = d.get("created"), d.get("started"), d.get("finished")
+        job._lock = threading.Lock()
+        return job
+
     def as_dict(self) -> dict:
         with self._lock:
             frac = self.done / self.total if self.total else (1.0 if self.status == "succeeded" else 0.0)
@@ -54,16 +76,40 @@ class Job:
 
 
 class JobManager:
-    def __init__(self, store: OperatorStore, workers: int = 1, metrics=None):
+    def __init__(self, store: OperatorStore, workers: int = 1, metrics=None, directory: Path | None = None):
         self.store = store
         self.metrics = metrics
         self.jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        self.directory = Path(directory) if directory is not None else Path(store.root) / "jobs"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._restore()
         self._queue: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._worker, name=f"kjit-job-{i}", daemon=True)
                          for i in range(max(1, int(workers)))]
         for t in self._threads:
             t.start()
+
+    def _restore(self) -> None:
+        """Load the records of earlier runs; jobs they left queued or running were interrupted."""
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                job = Job.from_dict(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("job record %s unreadable (%s): skipped", path.name, exc)
+                continue
+            if job.status in ("queued", "running"):
+                job.status = "failed"
+                job.error = "interrupted: the server stopped before the job finished"
+                job.finished = job.finished or _now()
+                self._save(job)
+            self.jobs[job.id] = job
+
+    def _save(self, job: Job) -> None:
+        try:
+            write_atomic(self.directory / f"{job.id}.json", json.dumps(job.as_dict(), default=_plain).encode())
+        except OSError as exc:  # the job itself is unaffected; only its record may be lost
+            log.warning("could not write the record of job %s: %s", job.id, exc)
 
     def pending_names(self) -> set[str]:
         with self._lock:
@@ -75,6 +121,7 @@ class JobManager:
                 raise Conflict(f"a training job for operator {name!r} is already queued or running")
             job = Job(name, spec, request)
             self.jobs[job.id] = job
+        self._save(job)
         if self.metrics is not None:
             self.metrics.jobs.labels("submitted").inc()
         self._queue.put(job)
@@ -102,6 +149,7 @@ class JobManager:
     def _run(self, job: Job) -> None:
         with job._lock:
             job.status, job.started = "running", _now()
+        self._save(job)
         try:
             jit, ts, info = train_operator(job.spec, progress=job.progress)
             job.progress("store", 0, 1)
@@ -118,5 +166,6 @@ class JobManager:
             status = "failed"
         with job._lock:
             job.finished = _now()
+        self._save(job)
         if self.metrics is not None:
             self.metrics.jobs.labels(status).inc()

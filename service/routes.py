@@ -389,7 +389,7 @@ def create_operator(req: schemas.TrainRequest, request: Request,
     return _json(job.as_dict(), 202, {"Location": f"/v1/jobs/{job.id}"})
 
 
-@router.get("/v1/jobs", tags=["training"], summary="training jobs of this process")
+@router.get("/v1/jobs", tags=["training"], summary="training jobs (their records are kept in the store across restarts)")
 def list_jobs(request: Request):
     return {"jobs": [j.as_dict() for j in request.app.state.jobs.list()]}
 

@@ -26,8 +26,10 @@ from test_service_fixtures import (  # noqa: F401 - fixtures
     load_pristine,
     pristine_store,
     probe,
+    settings_for,
     store_dir,
 )
+from service.testing import ThreadedServer
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
@@ -170,6 +172,32 @@ def test_training_job_with_progress(live, store_dir):
         names = [o["name"] for o in c.get("/v1/operators").json()["operators"]]
         assert {"tiny-x", "tiny-z"} <= set(names)
         assert len(c.get("/v1/jobs").json()["jobs"]) == 2
+
+
+def test_job_records_survive_a_restart_and_interrupted_jobs_are_failed(store_dir):
+    """A finished job is still answered after a restart (its record is in <store>/jobs); a job
+    that a crash left running is reported failed ("interrupted") instead of running forever."""
+    req = {"name": "tiny-x", "factor": "logistic", "to": "x", "n_inner": 20, "n_outer": 30, "threshold": -3.0,
+           "source": {"kind": "oracle", "n": 60}}
+    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, headers=AUTH) as c:
+        r = c.post("/v1/operators", json=req)
+        assert r.status_code == 202, r.text
+        loc = r.headers["Location"]
+        for _ in range(600):
+            job = c.get(loc).json()
+            if job["status"] in ("succeeded", "failed"):
+                break
+            time.sleep(0.05)
+        assert job["status"] == "succeeded", job
+    # a record a crash left behind mid-job
+    ghost = dict(job, id="0123456789abcdef", status="running", finished=None, result=None, operator="ghost")
+    (store_dir / "jobs" / "0123456789abcdef.json").write_text(json.dumps(ghost))
+    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, headers=AUTH) as c:
+        again = c.get(loc).json()
+        assert again == job  # the same record, result included
+        g = c.get("/v1/jobs/0123456789abcdef").json()
+        assert g["status"] == "failed" and "interrupted" in g["error"] and g["finished"]
+        assert {j["id"] for j in c.get("/v1/jobs").json()["jobs"]} == {job["id"], "0123456789abcdef"}
 
 
 def test_metrics_in_prometheus_format(live):
