@@ -492,7 +492,7 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet, target_
 
 
 def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float,
-                         rule: str = "coverage") -> np.ndarray:
+                         rule: str = "max") -> np.ndarray:
     """Rows to ask the oracle so that, once their pairs are learned, every row's latent variance
     ψᵀΣψ is ≤ ``limit``; greedy.  Returns row indices in selection order.
 
@@ -501,10 +501,12 @@ def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, l
     effect of consulting a row on the uncertainty of every other row of the batch is known
     before the oracle is called.  With K = ΨΣΨᵀ (m × m) for the m rows, learning row j maps
     K ← K − K[:, j] K[j, :] / (σ_y² + K_jj); the loop picks rows until no diagonal entry
-    exceeds ``limit``: O(m² D) once, then O(m²) per pick.  ``rule`` "coverage" (default) picks
-    the row that removes the most excess variance Σ_i min(K_ii − limit, K_ij²/(σ_y² + K_jj))
-    over the rows still above the limit; "max" picks the most uncertain row (the rule of
-    processing the rows one at a time, most uncertain first).  Either way near-duplicate
+    exceeds ``limit``: O(m² D) once, then O(m²) per pick.  ``rule`` "max" (default) picks the
+    most uncertain row (the rule of processing the rows one at a time, most uncertain first);
+    "coverage" picks the row that removes the most excess variance
+    Σ_i min(K_ii − limit, K_ij²/(σ_y² + K_jj)) over the rows still above the limit.  Measured on
+    jit_uci.py, seeds 0/1/2, consultations after the first data set: "max" 89/72/109,
+    "coverage" 92/76/115, test errors equal or better with "max".  Either way near-duplicate
     uncertain rows (EP sends many) cost one consultation instead of one each.  With
     ``limit`` ≤ 0 (the noise alone exceeds the threshold) every row with variance > limit is
     returned.
@@ -576,8 +578,8 @@ class JITOperator:
     to : recipient variable (taken from ``operator`` when given).
     operator_kwargs : constructor arguments for the KernelOperator built after the initial batch.
     selection : which uncertain rows of a request go to the oracle.  "greedy" (default): a few,
-        picked by :func:`greedy_consultations` (the row that removes the most excess
-        uncertainty first) so that after learning them every row of the request is under the
+        picked by :func:`greedy_consultations` (most uncertain first) so that after learning
+        them every row of the request is under the
         threshold — computable before the oracle is called, since the BLR posterior covariance
         does not depend on the answers; the remaining rows are answered by the updated operator
         and checked (up to 3 rounds, then every row still uncertain is consulted).  "all":
