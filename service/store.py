@@ -353,16 +353,9 @@ class Entry:
             if rec is None:
                 return None
             rec["seq"], rec["rid"] = self.version + 1, rid
-            try:
-                ok = self.shared.append(self.name, self.version, encode_record(rec))
-            except SharedLogError as exc:
-                try:  # did it land before the error?
-                    found = self._catch_up(rid)
-                except Exception:
-                    found = None
-                if found is not None:
-                    return {"seq": found, "found": True}
-                raise PersistError(f"{exc}: the update may or may not have been recorded", unknown=True) from exc
+            ok, found = self._place(rec)
+            if found is not None:
+                return {"seq": found, "found": True}
             if ok:
                 try:
                     self._apply_record(rec)
@@ -375,6 +368,25 @@ class Entry:
                            f"refused; nothing was added")
 
     MAX_APPEND_ATTEMPTS = 100
+
+    def _place(self, rec: dict, before_catch_up: Callable[[], None] | None = None):
+        """Append ``rec`` as record ``version + 1``: ``(True, None)`` if it is there now,
+        ``(False, None)`` if another record took the place.  If the append itself failed, the
+        log is read to see whether the record landed anyway — ``before_catch_up`` first undoes
+        what the caller already applied — and ``(None, seq)`` says it did (applied now by the
+        catch-up); otherwise the outcome is unknown: PersistError(unknown=True)."""
+        try:
+            return self.shared.append(self.name, self.version, encode_record(rec)), None
+        except SharedLogError as exc:
+            if before_catch_up is not None:
+                before_catch_up()
+            try:
+                found = self._catch_up(rec["rid"])
+            except Exception:
+                found = None
+            if found is not None:
+                return None, found
+            raise PersistError(f"{exc}: the update may or may not have been recorded", unknown=True) from exc
 
     def _replay(self, path: Path, last: bool) -> int:
         data = path.read_bytes()
@@ -612,18 +624,9 @@ class Entry:
                 if rec is None:
                     return q, logvar, consulted, self.version, 0
                 rec["rid"] = rid
-                try:
-                    ok = self.shared.append(self.name, self.version, encode_record(rec))
-                except SharedLogError as exc:
-                    jit.revert_last_()
-                    try:  # did it land before the error?  Then the catch-up applies it from the log
-                        found = self._catch_up(rid)
-                    except Exception:
-                        found = None
-                    if found is not None:
-                        return q, logvar, consulted, self.version, n_learned
-                    raise PersistError(f"{exc}: the oracle's answers may or may not have been recorded",
-                                       unknown=True) from exc
+                ok, found = self._place(rec, before_catch_up=jit.revert_last_)
+                if found is not None:  # it landed after all; the catch-up applied it from the log
+                    return q, logvar, consulted, self.version, n_learned
                 if ok:  # learned already, exactly as the record replays
                     self._account(rec, n_learned)
                     self.last_rid = rid
