@@ -586,7 +586,6 @@ class JITOperator:
         every row that is uncertain before the request (the rule without look-ahead).
         Measured on jit_uci.py (seed 0): consultations after the first data set 218 → 91,
         JIT seconds on the last three sets 2.55 → 1.65, the same test errors.
-        ``predict(..., learn=False)`` always uses "all" (nothing is learned within the call).
 
     Counters (``counters()``): calls, requests (messages), consultations (messages sent to the
     oracle), seconds in prediction, in the oracle, in updates and in the initial fit.
@@ -670,8 +669,7 @@ class JITOperator:
         if to is not None and to != self.to:
             raise ValueError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
 
-    def predict(self, incoming: Mapping[str, Family], to: str | None = None, learn: bool = True,
-                revertible: bool = False):
+    def predict(self, incoming: Mapping[str, Family], to: str | None = None, revertible: bool = False):
         """Belief, log predictive variance (n, k) and the mask of rows the oracle answered.
 
         During the initial phase (no operator yet) every row is consulted and the log
@@ -682,19 +680,15 @@ class JITOperator:
         raises, the exception propagates and the operator, its initial batch and the counters
         are left as they were.
 
-        ``learn=False`` (fitted operators only) returns the oracle's answers without learning
-        them: the caller applies them later with ``operator.partial_fit``.  ``revertible=True``
-        keeps, in ``revert_last_``, a callable that undoes what this request learned and
+        ``revertible=True`` keeps, in ``revert_last_``, a callable that undoes what this request learned and
         counted — the service's replicas call it when another replica's update took the place
         in the shared log this request's update was to have (and then ask again).
         """
-        if not learn and self.operator is None:
-            raise ValueError("`learn=False` needs a fitted operator")
         saved = dict(self._counts)
         self._undo = None  # set before anything is learned that a later oracle call could void
         self._keep_undo = bool(revertible)
         try:
-            out = self._predict(incoming, to, learn)
+            out = self._predict(incoming, to)
             if revertible:
                 undo = self._undo
 
@@ -720,7 +714,7 @@ class JITOperator:
         self.operator = None
         self._pending, self._n_pending, self.threshold = pending, n_pending, threshold
 
-    def _predict(self, incoming, to, learn=True):
+    def _predict(self, incoming, to):
         self._check_to(to)
         self.last_learned_groups_ = []
         inc, shape = self.factor.check_incoming(incoming, self.to)
@@ -741,15 +735,15 @@ class JITOperator:
             self._learn_initial(head, q)
             if start == n:
                 return q.reshape(shape), np.full(shape + (k,), np.nan), np.ones(shape, dtype=bool)
-            q_t, lv_t, c_t = self._answer({v: m[start:] for v, m in flat.items()}, learn, offset=start)
+            q_t, lv_t, c_t = self._answer({v: m[start:] for v, m in flat.items()}, offset=start)
             q = self.family.concatenate([q, q_t])
             lv = np.concatenate([np.full((start, k), np.nan), lv_t])
             consulted = np.concatenate([np.ones(start, dtype=bool), c_t])
             return q.reshape(shape), lv.reshape(shape + (k,)), consulted.reshape(shape)
-        q, lv, consulted = self._answer(flat, learn)
+        q, lv, consulted = self._answer(flat)
         return q.reshape(shape), lv.reshape(shape + lv.shape[-1:]), consulted.reshape(shape)
 
-    def _answer(self, flat, learn, offset=0):
+    def _answer(self, flat, offset=0):
         """The fitted operator's answer for flat incoming messages (see :meth:`predict`)."""
         n = next(iter(flat.values())).size
         t = time.perf_counter()
@@ -762,7 +756,7 @@ class JITOperator:
         rounds = 0
         while uncertain.any():
             rows = np.flatnonzero(uncertain)
-            if self.selection == "greedy" and learn and rounds < _MAX_ROUNDS:
+            if self.selection == "greedy" and rounds < _MAX_ROUNDS:
                 op = self.operator
                 # latent-variance limit equivalent to the threshold on the largest coordinate;
                 # 0.99: a margin for the float32 prediction path
@@ -770,8 +764,7 @@ class JITOperator:
                 t = time.perf_counter()
                 pick = greedy_consultations(psi[rows], op.blr_.Sigma_, op.noise_var_, limit)
                 self._counts["seconds_predict"] += time.perf_counter() - t
-                # learned in row order, like "all" (a log replaying the consulted rows in one
-                # partial_fit then reproduces the operator)
+                # learned in row order, like "all"
                 idx = np.sort(rows[pick]) if pick.size else rows
             else:
                 idx = rows
@@ -780,15 +773,14 @@ class JITOperator:
             self._counts["consultations"] += idx.size
             consulted[idx] = True
             answers.append((idx, q_or))
-            if learn:
-                t = time.perf_counter()
-                if self._undo is None and (self.selection == "greedy" or self._keep_undo):
-                    # a later round's oracle call may fail: keep what to restore (atomic request)
-                    op, blr = self.operator, copy.deepcopy(self.operator.blr_)
-                    self._undo = lambda: setattr(op, "blr_", blr)
-                self.operator.partial_fit(sub, q_or)
-                self._counts["seconds_update"] += time.perf_counter() - t
-                self._counts["updates"] += idx.size
+            t = time.perf_counter()
+            if self._undo is None and (self.selection == "greedy" or self._keep_undo):
+                # a later round's oracle call may fail: keep what to restore (atomic request)
+                op, blr = self.operator, copy.deepcopy(self.operator.blr_)
+                self._undo = lambda: setattr(op, "blr_", blr)
+            self.operator.partial_fit(sub, q_or)
+            self._counts["seconds_update"] += time.perf_counter() - t
+            self._counts["updates"] += idx.size
             rest = np.flatnonzero(uncertain & ~consulted)
             uncertain[:] = False
             if rest.size:
@@ -803,7 +795,7 @@ class JITOperator:
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
-        self.last_learned_groups_ = [offset + idx for idx, _ in answers] if learn else []
+        self.last_learned_groups_ = [offset + idx for idx, _ in answers]
         q_hat = self.family.from_coords(coords)
         if answers:
             # return the oracle's own message for consulted rows (not a coordinate round trip)
