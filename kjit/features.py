@@ -79,7 +79,7 @@ import numpy as np
 from scipy import special
 
 from .families import FAMILIES, Bernoulli, Beta, Family, Gamma, Gaussian, family_by_name
-from .persistence import StateReader
+from .state import StateReader
 
 __all__ = [
     "TwoStageFeatures",

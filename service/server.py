@@ -10,6 +10,7 @@ load them in well under a second.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import threading
@@ -129,11 +130,45 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
     return 0
 
 
-def main(argv=None) -> int:
-    """``python -m service``: like ``kjit serve`` with the environment's settings."""
-    from kjit.cli import main as kjit_main
+def build_parser(prog: str = "kjit serve") -> argparse.ArgumentParser:
+    """The options of ``kjit serve`` / ``python -m service`` (they default to the ``KJIT_*`` variables)."""
+    s = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the message-operator service.  On first start the default operators (each factor's "
+                    "default served directions: logistic to x and to z, compound gamma to tau) are trained from "
+                    "the quadrature oracle and cached in the store; later starts load them.  Options default to "
+                    "the KJIT_* environment variables (see service/settings.py); the bearer token is read from "
+                    "KJIT_TOKEN only.")
+    s.add_argument("--host", default=None, help="address to bind (KJIT_HOST, default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port, 0 for any free one (KJIT_PORT, default 8000)")
+    s.add_argument("--store", default=None, help="store directory (KJIT_STORE, default ~/.local/share/kjit/store)")
+    s.add_argument("--n-train", type=int, default=None,
+                   help="training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default 2000)")
+    s.add_argument("--no-defaults", action="store_true", help="serve the store as it is; train nothing")
+    s.add_argument("--shared-store", default=None,
+                   help="run as a replica: the update log shared with the other replicas — a directory or "
+                        "redis://host:port/db (KJIT_SHARED_STORE; see service/shared.py)")
+    s.add_argument("--log-level", default=None, help="uvicorn log level (KJIT_LOG_LEVEL, default info)")
+    return s
 
-    return kjit_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+def main(argv=None, prog: str = "kjit serve") -> int:
+    """``kjit serve [options]`` and ``python -m service [options]``: parse, then :func:`serve`.
+
+    ``kjit serve`` reaches this through the ``kjit.commands`` entry point, so kjit never imports
+    the service and the service's options live here, beside the code that reads them.
+    """
+    args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
+    overrides = {"host": args.host, "port": args.port, "store": args.store, "log_level": args.log_level,
+                 "default_n_train": args.n_train, "shared_store": args.shared_store}
+    if args.no_defaults:
+        overrides["default_operators"] = ()
+    try:
+        settings = Settings.from_env(**overrides)
+        return serve(settings, train_defaults=bool(settings.default_operators))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 logging.getLogger("kjit.service").setLevel(logging.INFO)

@@ -70,6 +70,7 @@ from kjit.persistence import dumps_state, loads_state
 
 from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
 from .locks import RWLock
+from .names import NAME_RE
 from .shared import SharedLog, SharedLogError
 
 log = logging.getLogger("kjit.service.store")
@@ -86,7 +87,6 @@ __all__ = [
     "family_name",
 ]
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
 MAX_IDEMPOTENCY_KEYS = 10_000
