@@ -82,7 +82,8 @@ def _demo(args) -> int:
     from .factors import Logistic
     from .operators import JITOperator, KernelOperator, calibrate_threshold
     from .oracles import QuadratureOracle
-    from .training import logistic_incoming, make_training_set
+    from .factors import logistic_incoming
+    from .training import make_training_set
 
     split = paper_split(args.dataset, random_state=args.seed, add_bias=True)
     factor = Logistic()
@@ -157,7 +158,7 @@ def _train(args) -> int:
     from .operators import JITOperator, KernelOperator, calibrate_threshold
     from .oracles import ImportanceSamplingOracle, QuadratureOracle
     from .persistence import save_operator
-    from .training import DEFAULT_DISTRIBUTIONS, TrainingSet, make_training_set
+    from .training import TrainingSet, make_training_set
 
     factor = get_factor(args.factor)
     factor.check_to(args.to)
@@ -172,10 +173,10 @@ def _train(args) -> int:
         if (ts.factor, ts.to) != (factor.name, args.to):
             raise ValueError(f"--pairs holds {ts.factor}->{ts.to} pairs, not {factor.name}->{args.to}")
     else:
-        if factor.name not in DEFAULT_DISTRIBUTIONS:
+        if factor.default_incoming is None:
             raise ValueError(f"no default input distribution for factor {factor.name!r}: give --pairs FILE")
         with _dask_backend(args.scheduler):
-            ts = make_training_set(factor, args.to, DEFAULT_DISTRIBUTIONS[factor.name], oracle, n=args.n + n_held,
+            ts = make_training_set(factor, args.to, factor.default_incoming, oracle, n=args.n + n_held,
                                    n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)
     held = None
     if n_held:

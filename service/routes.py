@@ -19,7 +19,7 @@ from .errors import ApiError
 from .settings import Settings
 from .shared import SharedLogError
 from .store import Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, body_hash, family_name
-from .training import DEFAULT_DISTRIBUTIONS, TrainSpec, sampler_from_ranges
+from .training import TrainSpec, sampler_from_ranges
 
 router = APIRouter()
 # documents the bearer token in OpenAPI; the check itself is AuthMiddleware (before the body is read)
@@ -345,7 +345,7 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     if src.kind == "oracle":
         spec.n = src.n
         if src.distribution == "default":
-            if factor.name not in DEFAULT_DISTRIBUTIONS:
+            if factor.default_incoming is None:
                 raise ApiError(422, ["body", "source", "distribution"],
                                f"no default distribution for factor {factor.name!r}; give per-parameter ranges",
                                "value_error")

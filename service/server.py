@@ -1,6 +1,7 @@
 """``kjit serve``: train missing default operators (first start), then run the service.
 
-First start: each default operator named in ``Settings.default_operators`` that is not in
+First start: each default operator named in ``Settings.default_operators`` (by default each
+registered factor's ``served`` recipients, :func:`service.training.served_defaults`) that is not in
 the store is trained from the quadrature oracle on pairs drawn from its documented incoming
 distribution (:mod:`service.training`; ``default_n_train`` pairs, D_in = ``default_n_inner``,
 D_out = ``default_n_outer``), with a progress bar, and written to the store together with its
@@ -19,17 +20,18 @@ import time
 from .settings import Settings
 from .shared import open_shared
 from .store import Conflict, OperatorStore
-from .training import DEFAULT_SPECS, TrainSpec, train_operator
+from .training import TrainSpec, default_specs, served_defaults, train_operator
 
 __all__ = ["ensure_defaults", "serve", "main"]
 
 
 def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -> list[str]:
     """Train the default operators missing from the store; returns the names trained."""
-    names = list(settings.default_operators)
-    unknown = [n for n in names if n not in DEFAULT_SPECS]
+    specs = default_specs()
+    names = list(served_defaults() if settings.default_operators is None else settings.default_operators)
+    unknown = [n for n in names if n not in specs]
     if unknown:
-        raise ValueError(f"unknown default operator(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_SPECS)}")
+        raise ValueError(f"unknown default operator(s) {', '.join(unknown)}; known: {', '.join(specs)}")
     shared = open_shared(settings.shared_store) if settings.shared_store else None
     store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, shared=shared, merge_interval=0)
     store.open()
@@ -44,7 +46,7 @@ def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -
               f"into {settings.store} ({settings.default_n_train} pairs each, D_in={settings.default_n_inner}, "
               f"D_out={settings.default_n_outer}); later starts load them from the store.", file=out, flush=True)
         for name in missing:
-            factor, to = DEFAULT_SPECS[name]
+            factor, to = specs[name]
             spec = TrainSpec(factor=factor, to=to, n=settings.default_n_train, n_inner=settings.default_n_inner,
                              n_outer=settings.default_n_outer, random_state=settings.seed, n_jobs=-1)
             t0 = time.perf_counter()
@@ -101,7 +103,7 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
 
     from .app import create_app
 
-    if train_defaults and settings.default_operators:
+    if train_defaults and settings.default_operators != ():
         ensure_defaults(settings)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -165,7 +167,7 @@ def main(argv=None, prog: str = "kjit serve") -> int:
         overrides["default_operators"] = ()
     try:
         settings = Settings.from_env(**overrides)
-        return serve(settings, train_defaults=bool(settings.default_operators))
+        return serve(settings, train_defaults=settings.default_operators != ())
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -12,8 +12,10 @@ variable                   meaning                                     default
 ``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
 ``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
 ``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
-``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         ``logistic-x,logistic-z,``
-                           missing (comma-separated; ``none``)         ``compound_gamma-tau``
+``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         every registered factor's
+                           missing (comma-separated; ``none``)         served recipients (built-ins:
+                                                                       ``logistic-x,logistic-z,``
+                                                                       ``compound_gamma-tau``)
 ``KJIT_DEFAULT_N_TRAIN``   training pairs of a default operator        ``2000``
 ``KJIT_DEFAULT_N_INNER``   D_in of a default operator                  ``300``
 ``KJIT_DEFAULT_N_OUTER``   D_out of a default operator                 ``500``
@@ -39,7 +41,7 @@ from pathlib import Path
 
 __all__ = ["Settings", "DEFAULT_OPERATORS"]
 
-DEFAULT_OPERATORS = ("logistic-x", "logistic-z", "compound_gamma-tau")
+DEFAULT_OPERATORS = None  # None: each registered factor's served recipients (service.training.served_defaults)
 
 
 def _default_store() -> Path:
@@ -56,7 +58,7 @@ class Settings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_batch: int = 10_000
     snapshot_every: int = 500
-    default_operators: tuple[str, ...] = DEFAULT_OPERATORS
+    default_operators: tuple[str, ...] | None = DEFAULT_OPERATORS
     default_n_train: int = 2000
     default_n_inner: int = 300
     default_n_outer: int = 500
