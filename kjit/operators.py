@@ -29,7 +29,7 @@ import numpy as np
 
 from .blr import BayesianLinearRegression
 from .factors import Factor, get_factor
-from .families import Family, Gaussian
+from .families import Family, family_name
 from .features import TwoStageFeatures
 from .training import TrainingSet
 
@@ -311,16 +311,10 @@ class KernelOperator:
         return c
 
     def _to_relative(self, coords, base):
-        rel = coords - base
-        if self.family is Gaussian:
-            rel[..., 0] = rel[..., 0] / np.exp(0.5 * base[..., 1])
-        return rel
+        return self.family.to_relative(coords, base)
 
     def _from_relative(self, rel, base):
-        out = rel + base
-        if self.family is Gaussian:
-            out[..., 0] = base[..., 0] + rel[..., 0] * np.exp(0.5 * base[..., 1])
-        return out
+        return self.family.from_relative(rel, base)
 
     def regression_targets(self, incoming: Mapping[str, Family], beliefs: Family) -> np.ndarray:
         """The coordinates the regression is fitted to (before standardisation), shape (n, k)."""
@@ -883,12 +877,12 @@ class JITOperator:
         configuration including its random generator state."""
         from .oracles import ImportanceSamplingOracle, QuadratureOracle
 
-        if isinstance(self.oracle, ImportanceSamplingOracle):
+        if isinstance(self.oracle, ImportanceSamplingOracle):  # noqa: SIM114
             o = self.oracle
             oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
                       "chunk": o.chunk, "rng_state": json.dumps(o._rng.bit_generator.state),
                       "reuse": o.reuse, "pool": json.dumps(o.pool_state()),
-                      "proposal": json.dumps({v: [type(m).__name__.lower(), m.to_dict()] for v, m in o.proposal.items()})}
+                      "proposal": json.dumps({v: [family_name(m), m.to_dict()] for v, m in o.proposal.items()})}
         elif isinstance(self.oracle, QuadratureOracle):
             oracle = {"kind": "quadrature"}
         else:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import LowESSError, OracleError
 from .factors import Factor
-from .families import Bernoulli, Beta, Family, Gamma, Gaussian
+from .families import Family
 from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -108,14 +108,6 @@ class QuadratureOracle(Oracle):
 
 
 # ====================================================================== importance sampling
-_DEFAULT_PROPOSALS = {
-    Gaussian: lambda: Gaussian(0.0, 200.0),  # the KJIT paper's proposal on the logistic input
-    Beta: lambda: Beta(1.0, 1.0),
-    Gamma: lambda: Gamma(1.0, 0.1),
-    Bernoulli: lambda: Bernoulli(0.5),
-}
-
-
 _LOG_W_FLOOR = -350.0
 
 
@@ -161,7 +153,7 @@ class ImportanceSamplingOracle(Oracle):
         proposal = dict(proposal or {})
         for v in factor.inputs:
             if v not in proposal:
-                proposal[v] = _DEFAULT_PROPOSALS[factor.families[v]]()
+                proposal[v] = factor.families[v].default_proposal()
             if not isinstance(proposal[v], factor.families[v]) or proposal[v].shape != ():
                 raise ValueError(f"`proposal[{v!r}]` must be a scalar {factor.families[v].__name__} message")
         unknown = set(proposal) - set(factor.inputs)
@@ -256,7 +248,7 @@ class ImportanceSamplingOracle(Oracle):
         B = next(iter(flat.values())).size
         u_to = stats[to]  # (N, k)
         N = len(log_r)
-        centred = f.families[to] is Gaussian
+        centred = f.families[to].centred_estimate
         # log w = Σ_W η_W · u_W(x_W) − log r(x_in) (message normalisers cancel) is one matrix
         # product of the batch's natural parameters H (B, K+1) with the particles' statistics
         # U (K+1, N) = [u_W ..., −log r]; the weighted sums Σ w u_to are a second one (for a
@@ -310,8 +302,7 @@ class ImportanceSamplingOracle(Oracle):
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
         fam = self.factor.families[to]
-        if fam is Gaussian:
-            if np.any(~(ess_stats[:, 1] > 0)):
-                raise OracleError("importance-sampling variance estimate is not positive")
-            return Gaussian(ess_stats[:, 0], ess_stats[:, 1])
-        return fam.project(ess_stats)
+        if not np.all(fam.estimate_ok(ess_stats)):
+            raise OracleError(f"importance-sampling estimate does not make a {fam.__name__} message "
+                              "(e.g. a variance estimate that is not positive)")
+        return fam.from_estimate(ess_stats)

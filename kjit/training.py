@@ -21,13 +21,12 @@ from joblib import Parallel, delayed
 
 from . import __version__
 from .factors import Factor, get_factor, registered_factors
-from .families import FAMILIES, Family, family_by_name
+from .families import Family, family_by_name, family_name
 from .oracles import ImportanceSamplingOracle, OracleError
 
 __all__ = ["TrainingSet", "make_training_set", "FORMAT_VERSION", "DEFAULT_DISTRIBUTIONS", "default_incoming"]
 
 FORMAT_VERSION = 1
-_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
 
 
 @dataclass
@@ -83,8 +82,8 @@ class TrainingSet:
         header = {
             "format": "kjit-training-set", "format_version": FORMAT_VERSION, "kjit_version": __version__,
             "factor": self.factor, "factor_params": self.factor_params, "to": self.to, "meta": self.meta,
-            "incoming": {v: _FAMILY_NAMES[type(m)] for v, m in self.incoming.items()},
-            "belief": _FAMILY_NAMES[type(self.beliefs)],
+            "incoming": {v: family_name(m) for v, m in self.incoming.items()},
+            "belief": family_name(self.beliefs),
         }
         for v, m in self.incoming.items():
             for name, p in zip(m.param_names, m.params):
@@ -124,16 +123,10 @@ def _oracle_chunk(oracle, incoming: Mapping[str, Family], to: str, drop_failures
     if isinstance(oracle, ImportanceSamplingOracle):
         stats, ess = oracle.estimate(incoming, to)
         ok = ess >= oracle.min_ess
-        if fam.__name__ == "Gaussian":
-            ok &= stats[:, 1] > 0
+        ok &= fam.estimate_ok(stats)
         if not drop_failures and not ok.all():
             raise OracleError(f"importance sampling failed on {int((~ok).sum())} message(s) (low ESS)")
-        stats = stats[ok]
-        if fam.__name__ == "Gaussian":
-            beliefs = fam(stats[:, 0], stats[:, 1])
-        else:
-            beliefs = fam.project(stats)
-        return beliefs, ok
+        return fam.from_estimate(stats[ok]), ok
     try:
         return oracle.belief(incoming, to), np.ones(n, dtype=bool)
     except OracleError:

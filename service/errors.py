@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kjit.families import FAMILIES
+
 log = logging.getLogger("kjit.service")
 
 
@@ -41,7 +43,7 @@ def error_response(status: int, items, headers=None) -> JSONResponse:
     return JSONResponse({"detail": items}, status_code=status, headers=headers)
 
 
-_FAMILY_TAGS = {"gaussian", "beta", "gamma", "bernoulli"}
+_FAMILY_TAGS = set(FAMILIES)  # the discriminator tags of message batches
 _SOURCE_TAGS = {"oracle", "file"}
 
 

@@ -63,7 +63,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from kjit import __version__ as kjit_version
-from kjit.families import FAMILIES, Family
+from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
 from kjit.persistence import dumps_state, loads_state
@@ -90,14 +90,6 @@ __all__ = [
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
 MAX_IDEMPOTENCY_KEYS = 10_000
-_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
-
-
-def family_name(cls_or_msg) -> str:
-    cls = cls_or_msg if isinstance(cls_or_msg, type) else type(cls_or_msg)
-    return _FAMILY_NAMES[cls]
-
-
 class NotFound(LookupError):
     pass
 
