@@ -31,6 +31,7 @@ from .blr import BayesianLinearRegression
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .features import TwoStageFeatures
+from .protocols import Operator
 from .training import TrainingSet
 
 __all__ = ["KernelOperator"]
@@ -83,7 +84,7 @@ def _log_evidence_grid_dual(psi: np.ndarray, Y: np.ndarray, prior_vars, noise_va
     return out, float(lam_n.max(initial=0.0))
 
 
-class KernelOperator:
+class KernelOperator(Operator):
     """Kernel-based message operator for one (factor, recipient) direction.
 
     Parameters
@@ -364,10 +365,9 @@ class KernelOperator:
         self._check_to(to)
         return self.family.from_coords(self.predict_coords(incoming, return_var=False))
 
-    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+    def _recipient(self, to):
         self._check_to(to)
-        _, _, inc = self._messages(incoming)
-        return self.belief(incoming) / inc[self.to]
+        return self.to
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
         """Log predictive variance per output coordinate, shape (batch, k)."""
@@ -541,7 +541,7 @@ _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is 
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
 
-class JITOperator:
+class JITOperator(Operator):
     """Just-in-time operator (SPEC §6): predict when confident, else ask the oracle and learn.
 
     Parameters
@@ -865,10 +865,9 @@ class JITOperator:
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         return self.predict(incoming, to)[0]
 
-    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+    def _recipient(self, to):
         self._check_to(to)
-        inc, _ = self.factor.check_incoming(incoming, self.to)
-        return self.belief(incoming) / inc[self.to]
+        return self.to
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

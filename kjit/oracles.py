@@ -27,6 +27,7 @@ import numpy as np
 from .errors import LowESSError, OracleError
 from .factors import Factor
 from .families import Family
+from .protocols import Operator
 from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-class Oracle:
+class Oracle(Operator):
     """Common interface: subclasses implement ``_belief_stats`` (expected suff. stats)."""
 
     factor: Factor
@@ -53,11 +54,6 @@ class Oracle:
     def belief(self, incoming: Mapping[str, Family], to: str) -> Family:
         flat, shape = self._prepare(incoming, to)
         return self._belief_flat(flat, to).reshape(shape)
-
-    def message(self, incoming: Mapping[str, Family], to: str) -> Family:
-        flat, shape = self._prepare(incoming, to)
-        q = self._belief_flat(flat, to)
-        return (q / flat[to]).reshape(shape)
 
     def _belief_flat(self, flat, to) -> Family:
         raise NotImplementedError
@@ -82,6 +78,8 @@ class QuadratureOracle(Oracle):
                 "use ImportanceSamplingOracle for user factors"
             )
         self.factor = factor
+
+    has_log_partition = True
 
     def __repr__(self):
         return f"QuadratureOracle({self.factor!r})"

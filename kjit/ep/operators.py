@@ -49,6 +49,7 @@ from ..factors.base import broadcast_messages, check_power
 from ..factors.logistic import LogisticLogDensity, LogisticOperator  # noqa: F401  (their home: the factor)
 from ..factors.probit_noise import ProbitNoiseOperator  # noqa: F401
 from ..families import Family, Gaussian
+from ..protocols import Operator
 from ..quadrature import gaussian_kl, two_piece_moments  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -81,7 +82,7 @@ class GaussianLogDensity:
         return ell, (y - x) / s2, np.broadcast_to(-1.0 / s2, np.shape(ell))
 
 
-class LaplaceOperator:
+class LaplaceOperator(Operator):
     """Laplace propagation: belief = Laplace approximation of the tilted distribution at its mode.
 
     ``LaplaceOperator(Logistic())`` or ``LaplaceOperator(log_density)`` with a log-density object
@@ -101,6 +102,7 @@ class LaplaceOperator:
     """
 
     supports_power = True
+    has_log_partition = True
 
     def __init__(self, log_density, max_iter: int = 100, tol: float = 1e-12):
         if isinstance(log_density, Factor):
@@ -172,9 +174,6 @@ class LaplaceOperator:
         with np.errstate(all="ignore"):
             var = np.where(ok, -1.0 / g2, np.nan)
         return Gaussian._unchecked(x.reshape(shape), var.reshape(shape))
-
-    def message(self, incoming: Mapping[str, Family], to: str) -> Family:
-        return self.belief(incoming, to) / incoming[to]
 
     def log_partition(self, incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
         shape, m, v, u, x, val, g2, ok = self._mode(incoming, self.site_var, power)

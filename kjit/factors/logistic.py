@@ -19,6 +19,7 @@ from scipy import special
 
 from ..errors import OracleError
 from ..families import Beta, Family, Gaussian
+from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
 from .base import Factor, broadcast_messages, check_power, partition, register_factor, rule
 
@@ -229,7 +230,7 @@ def logistic_incoming(n: int, rng: np.random.Generator) -> dict[str, Family]:
 
 
 # ------------------------------------------------------------------ EP operators
-class LogisticOperator:
+class LogisticOperator(Operator):
     """``Logistic`` factor (site ``'x'``, label message ``Beta`` on ``'z'``) by quadrature, with
     power EP (label message raised to the power u) and ``projection_kl`` for relaxed EP.
 
@@ -238,6 +239,8 @@ class LogisticOperator:
     """
 
     supports_power = True
+    has_log_partition = True
+    has_projection_kl = True
 
     def __init__(self):
         self.factor = Logistic()
@@ -269,9 +272,6 @@ class LogisticOperator:
             raise ValueError("LogisticOperator answers to='x' only (use QuadratureOracle for 'z')")
         _, mean, var, _ = self.tilted(incoming, power)
         return Gaussian._unchecked(mean, var)
-
-    def message(self, incoming: Mapping[str, Family], to: str) -> Family:
-        return self.belief(incoming, to) / incoming[to]
 
     def log_partition(self, incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
         return self.tilted(incoming, power)[0]

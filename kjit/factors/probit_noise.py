@@ -26,6 +26,7 @@ from scipy import special
 
 from ..errors import OracleError
 from ..families import Bernoulli, Family, Gaussian
+from ..protocols import Operator
 from ..quadrature import LOG_SQRT_2PI, gaussian_kl, two_piece_moments
 from .base import Factor, broadcast_messages, check_power, message_rule, partition, register_factor, rule
 
@@ -167,7 +168,7 @@ def _lower_truncated_std_scalar(alpha: float) -> tuple[float, float]:
     return lam, max(1.0 - lam * (lam - alpha), 0.0)
 
 
-class ProbitNoiseOperator:
+class ProbitNoiseOperator(Operator):
     """Closed-form operator for ``ProbitNoise(eps)`` (site variable ``'f'``, label ``'y'``).
 
     Supports power EP (``power=u``: factor ``f^u``, appendix §4) and relaxed EP
@@ -177,6 +178,8 @@ class ProbitNoiseOperator:
     """
 
     supports_power = True
+    has_log_partition = True
+    has_projection_kl = True
 
     def __init__(self, eps: float = 0.0):
         self.factor = ProbitNoise(eps)
@@ -263,7 +266,7 @@ class ProbitNoiseOperator:
     def message(self, incoming: Mapping[str, Family], to: str) -> Family:
         if to == "y":
             return Bernoulli(probit_label_likelihood(incoming["f"], self.eps))
-        return self.belief(incoming, to) / incoming[to]
+        return super().message(incoming, to)
 
     def log_partition(self, incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
         """``log ∫ N(f; m, v) Σ_y m(y) f(y | f)^u df``."""
