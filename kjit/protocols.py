@@ -5,7 +5,7 @@ oracle (:mod:`kjit.oracles`), hand-crafted (:class:`kjit.factors.logistic.Logist
 remote (:class:`kjit.client.RemoteOperator`) or a user's own — answers batches::
 
     belief(incoming: dict[str, Family], to) -> Family        # q = proj[f · Π incoming], required
-    message(incoming, to) -> Family                          # q / incoming[to], required
+    message(incoming, to) -> Family                          # q / incoming[to] (Operator's default)
     log_partition(incoming[, power]) -> ndarray              # log ∫ f^power Π m, optional
     supports_power: bool                                     # belief/log_partition take power=u, optional
     projection_kl(incoming, to[, power]) -> ndarray          # KL(tilted ‖ proj tilted), optional (relaxed EP)
@@ -13,8 +13,9 @@ remote (:class:`kjit.client.RemoteOperator`) or a user's own — answers batches
 :class:`Operator` is the base the kjit operators share: ``message = belief / incoming[to]``
 written once, and the optional members' defaults (no power, no log partition, no projection KL).
 The engine asks through :func:`supports_power`, :func:`has_log_partition` and
-:func:`has_projection_kl`, which read those optional members for any object that has the two
-required methods — a user's operator need not inherit from :class:`Operator`.
+:func:`has_projection_kl`, which read those optional members for any object with a ``belief``
+method — a user's operator need not inherit from :class:`Operator` (the EP engine only ever
+calls ``belief``; :func:`outgoing_message` gives any operator's message).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "MessageOperator",
     "Operator",
     "is_operator",
+    "outgoing_message",
     "supports_power",
     "has_log_partition",
     "has_projection_kl",
@@ -40,8 +42,6 @@ class MessageOperator(Protocol):
     """The required part of the protocol (see the module docstring for the optional members)."""
 
     def belief(self, incoming: Mapping[str, Family], to: Any) -> Family: ...
-
-    def message(self, incoming: Mapping[str, Family], to: Any) -> Family: ...
 
 
 class Operator:
@@ -59,8 +59,7 @@ class Operator:
 
     def message(self, incoming: Mapping[str, Family], to=None) -> Family:
         """``belief(incoming, to) / incoming[to]``: the outgoing message (may be improper)."""
-        q = self.belief(incoming, to)
-        return q / incoming[self._recipient(to)]
+        return _belief_over_incoming(self, incoming, to, self._recipient(to))
 
     def _recipient(self, to):
         """The recipient a call addresses (operators for one direction default it)."""
@@ -72,6 +71,19 @@ class Operator:
 
 def is_operator(op) -> bool:
     return isinstance(op, MessageOperator)
+
+
+def outgoing_message(op, incoming: Mapping[str, Family], to) -> Family:
+    """``op.message`` if the operator has one, else ``belief / incoming[to]``."""
+    fn = getattr(op, "message", None)
+    if callable(fn):
+        return fn(incoming, to)
+    return _belief_over_incoming(op, incoming, to, to)
+
+
+def _belief_over_incoming(op, incoming, to, recipient) -> Family:
+    """The one ``message = belief / incoming[to]`` (natural parameters subtract; may be improper)."""
+    return op.belief(incoming, to) / incoming[recipient]
 
 
 def supports_power(op) -> bool:
