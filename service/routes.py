@@ -160,6 +160,8 @@ def ready(store: Annotated[OperatorStore, Depends(get_store)]):
     waiting = store.loading | store.retry
     body = {"ready": store.loaded and not store.failed and not waiting, "operators": store.names(),
             "loading": sorted(waiting), "failed": dict(store.failed)}
+    if store.missing_factors:  # operator → the factor it needs that this server does not have
+        body["missing_factors"] = dict(store.missing_factors)
     return _json(body, 200 if body["ready"] else 503)
 
 

@@ -27,6 +27,7 @@ __all__ = ["ensure_defaults", "serve", "main"]
 
 def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -> list[str]:
     """Train the default operators missing from the store; returns the names trained."""
+    settings.import_factors()
     specs = default_specs()
     names = list(served_defaults() if settings.default_operators is None else settings.default_operators)
     unknown = [n for n in names if n not in specs]
@@ -147,6 +148,10 @@ def build_parser(prog: str = "kjit serve") -> argparse.ArgumentParser:
     s.add_argument("--n-train", type=int, default=None,
                    help="training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default 2000)")
     s.add_argument("--no-defaults", action="store_true", help="serve the store as it is; train nothing")
+    s.add_argument("--factors", default=None, metavar="MODULE[,MODULE]",
+                   help="modules that define factors (imported at start: their factors can be trained, "
+                        "persisted, reloaded and served; KJIT_FACTORS). Installed packages' kjit.factors "
+                        "entry points are found without this")
     s.add_argument("--shared-store", default=None,
                    help="run as a replica: the update log shared with the other replicas — a directory or "
                         "redis://host:port/db (KJIT_SHARED_STORE; see service/shared.py)")
@@ -162,7 +167,7 @@ def main(argv=None, prog: str = "kjit serve") -> int:
     """
     args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     overrides = {"host": args.host, "port": args.port, "store": args.store, "log_level": args.log_level,
-                 "default_n_train": args.n_train, "shared_store": args.shared_store}
+                 "default_n_train": args.n_train, "shared_store": args.shared_store, "factors": args.factors}
     if args.no_defaults:
         overrides["default_operators"] = ()
     try:

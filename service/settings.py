@@ -16,6 +16,8 @@ variable                   meaning                                     default
                            missing (comma-separated; ``none``)         served recipients (built-ins:
                                                                        ``logistic-x,logistic-z,``
                                                                        ``compound_gamma-tau``)
+``KJIT_FACTORS``            modules that define (register) factors,     unset (built-ins and the
+                           imported at start (comma-separated)          ``kjit.factors`` entry points)
 ``KJIT_DEFAULT_N_TRAIN``   training pairs of a default operator        ``2000``
 ``KJIT_DEFAULT_N_INNER``   D_in of a default operator                  ``300``
 ``KJIT_DEFAULT_N_OUTER``   D_out of a default operator                 ``500``
@@ -59,6 +61,7 @@ class Settings:
     max_batch: int = 10_000
     snapshot_every: int = 500
     default_operators: tuple[str, ...] | None = DEFAULT_OPERATORS
+    factors: tuple[str, ...] = ()
     default_n_train: int = 2000
     default_n_inner: int = 300
     default_n_outer: int = 500
@@ -71,6 +74,10 @@ class Settings:
 
     def __post_init__(self):
         object.__setattr__(self, "store", Path(self.store).expanduser())
+        if isinstance(self.factors, str):
+            object.__setattr__(self, "factors", tuple(m.strip() for m in self.factors.split(",") if m.strip()))
+        else:
+            object.__setattr__(self, "factors", tuple(self.factors))
         if self.token is not None and self.token == "":
             object.__setattr__(self, "token", None)
         for name in ("max_body_bytes", "max_batch", "snapshot_every", "default_n_train",
@@ -83,6 +90,14 @@ class Settings:
             raise ValueError(f"setting `merge_interval` must be >= 0 seconds, got {self.merge_interval!r}")
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"setting `port` must lie in [0, 65535], got {self.port!r}")
+
+    def import_factors(self) -> None:
+        """Import the modules named by ``factors`` (they register their factors); ``ValueError``
+        naming a module that cannot be imported.  Entry-point plugins need nothing: the registry
+        loads them on first use."""
+        from kjit.factors import import_factor_modules
+
+        import_factor_modules(self.factors)
 
     @property
     def training_dir(self) -> Path:
@@ -105,6 +120,8 @@ class Settings:
                 if f.name == "default_operators":
                     names = [s.strip() for s in raw.split(",") if s.strip()]
                     kw[f.name] = () if names in ([], ["none"]) else tuple(names)
+                elif f.name == "factors":
+                    kw[f.name] = tuple(s.strip() for s in raw.split(",") if s.strip())
                 elif f.name in ("host", "log_level"):
                     kw[f.name] = raw
                 elif f.name in ("token", "shared_store"):

@@ -63,6 +63,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from kjit import __version__ as kjit_version
+from kjit.factors import UnknownFactorError
 from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
@@ -736,6 +737,7 @@ class OperatorStore:
         self._observer = observer
         self.entries: dict[str, Entry] = {}
         self.failed: dict[str, str] = {}
+        self.missing_factors: dict[str, str] = {}  # operator → the factor it needs that is not registered
         self.loading: set[str] = set()
         self.loaded = False
         self._lock = threading.Lock()
@@ -820,6 +822,15 @@ class OperatorStore:
             log.warning("operator %s: %s; loading it again at the next merge or request", name, exc)
             with self._lock:
                 self.retry.add(name)
+                self.loading.discard(name)
+            return
+        except UnknownFactorError as exc:  # the factor's package or module is not available here
+            why = (f"factor {exc.name!r} is not available: install the package that provides it (entry point "
+                   f"group kjit.factors) or name its module with --factors / KJIT_FACTORS ({exc})")
+            log.error("operator %s could not be loaded: %s", name, why)
+            with self._lock:
+                self.failed[name] = why
+                self.missing_factors[name] = exc.name
                 self.loading.discard(name)
             return
         except Exception as exc:
@@ -1021,6 +1032,7 @@ class OperatorStore:
         with self._lock:
             self.entries[name] = entry
             self.failed.pop(name, None)
+            self.missing_factors.pop(name, None)
         return entry
 
 
