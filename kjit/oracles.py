@@ -25,7 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from .errors import LowESSError, OracleError
-from .factors import Factor
+from .factors.base import Factor
 from .families import Family
 from .protocols import Operator
 from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
