@@ -112,27 +112,32 @@ def message_rule(*recipients: str):
 def exact_rules(module, recipients: Iterable[str], power: bool = False):
     """Belief and partition rules from a vectorised exact module.
 
-    ``module.belief(to, incoming, **params) -> Family`` and optionally
-    ``module.log_partition(incoming, **params) -> ndarray``, with ``params`` the factor's
-    :meth:`Factor.params`.  In the factor's class body::
+    ``module.belief(to, incoming, [projection=...,] [power=u,] **params) -> Family`` and
+    optionally ``module.log_partition(incoming, [power=u,] **params) -> ndarray``, with
+    ``params`` the factor's :meth:`Factor.params` — except ``projection`` (a belief-only option,
+    e.g. a Gamma belief by KL or by moments), which only the belief rule receives.  In the
+    factor's class body::
 
         _belief, _log_partition = exact_rules(kjit.exact.product, ("x", "y", "z"))
     """
     recipients = tuple(recipients)
 
     def belief(self, incoming, to, power_=1.0):
+        kw = self.params()
         if power:
-            return module.belief(to, incoming, power=power_, **self.params())
-        return module.belief(to, incoming, **self.params())
+            kw["power"] = power_
+        return module.belief(to, incoming, **kw)
 
     belief._kjit_rule = ("belief", recipients, bool(power))
     if not hasattr(module, "log_partition"):
         return belief, None
 
     def log_partition(self, incoming, power_=1.0):
+        kw = self.params()
+        kw.pop("projection", None)
         if power:
-            return module.log_partition(incoming, power=power_, **self.params())
-        return module.log_partition(incoming, **self.params())
+            kw["power"] = power_
+        return module.log_partition(incoming, **kw)
 
     log_partition._kjit_rule = ("partition", (None,), bool(power))
     return belief, log_partition
