@@ -484,3 +484,14 @@ def broadcast_messages(incoming: Mapping[str, Family], names) -> tuple[tuple[int
         raise ValueError(f"incoming messages missing for {missing}")
     shape = np.broadcast_shapes(*(incoming[n].shape for n in names))
     return shape, [incoming[n].broadcast_to(shape) if incoming[n].shape != shape else incoming[n] for n in names]
+
+
+PROJECTIONS = ("kl", "moments")
+
+
+def check_projection(projection) -> str:
+    """A Gamma (non-Gaussian) belief's projection: ``"kl"`` (match E[x], E[log x]; the default) or
+    ``"moments"`` (match mean and variance, Infer.NET's convention for some factors)."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"`projection` must be one of {', '.join(map(repr, PROJECTIONS))}, got {projection!r}")
+    return projection
