@@ -164,6 +164,8 @@ class Factor:
     #: ``default_incoming(n, rng) -> dict`` of message batches, or None when the factor has no
     #: documented default distribution (training then needs ranges or recorded messages).
     default_incoming: ClassVar[Callable | None] = None
+    #: why power EP is not available for this factor (shown when it is asked for)
+    no_power_reason: ClassVar[str | None] = None
 
     # rule tables, filled per class by __init_subclass__ from the tagged methods
     _belief_rules: ClassVar[dict[str, tuple[str, bool]]] = {}
@@ -243,8 +245,8 @@ class Factor:
         supported = self.supports_power(to) if what == "belief" else self.supports_power(None)
         if not supported:
             target = f"to {to!r}" if what == "belief" else "for the log partition"
-            raise ValueError(f"power EP is not supported for factor {self.name!r} {target}: its exact rule "
-                             f"does not compute the tilted distribution of f^power")
+            why = self.no_power_reason or "its exact rule does not compute the tilted distribution of f^power"
+            raise ValueError(f"power EP is not supported for factor {self.name!r} {target}: {why}")
         return u
 
     def exact_belief(self, incoming: Mapping[str, Family], to: str, power: float = 1.0) -> Family:
