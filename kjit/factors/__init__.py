@@ -25,10 +25,15 @@ __all__ = list(_base_all)
 BUILTIN_MODULES: tuple[str, ...] = tuple(
     sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base" and not m.name.startswith("_"))
 )
-for _name in BUILTIN_MODULES:
-    _mod = importlib.import_module(f"{__name__}.{_name}")
-    for _k, _v in base._exported(_mod).items():
-        globals()[_k] = _v
-        if _k not in __all__:
-            __all__.append(_k)
-del _name, _mod, _k, _v
+
+
+def _export_builtins() -> None:
+    for name in BUILTIN_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        for key, value in base._exported(module).items():
+            globals()[key] = value
+            if key not in __all__:
+                __all__.append(key)
+
+
+_export_builtins()
