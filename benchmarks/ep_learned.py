@@ -14,8 +14,12 @@ three operators:
 * ``jit``: ``RemoteOperator(url, "logistic-x", mode="jit")`` — the server consults its
   quadrature oracle where the operator is uncertain (belief variance above the threshold, or a
   message whose precision has an undetermined sign) and learns;
-* ``predict``: ``RemoteOperator(url, "logistic-x", mode="predict")`` — learned answers only
-  (``on_uncertain="warn"``: uncertain answers are used and counted).
+* ``predict``: ``RemoteOperator(url2, "logistic-x", mode="predict")`` on a second server started
+  from the same pristine operators (predict mode never learns, so it stays as trained) — learned
+  answers only, ``on_uncertain="warn"``: answers above the operator's threshold are used and
+  counted (``uncertain_used``), never silently;
+* ``predict_oracle``: the same with ``on_uncertain="oracle"``: those answers are replaced by the
+  server's oracle (``mode=oracle`` requests, ``oracle_replaced``).
 
 Per (data set, seed, operator), one JSON line: iterations, converged, outcome, skipped updates by
 reason, messages used with precision 0 (``n_zeroed``), uncertain answers used, server
@@ -24,7 +28,8 @@ standard deviations (max over weights of |μ − μ_quad| / sd_quad).  Last line
 ``max_iteration_ratio`` (jit / quadrature), ``all_converged`` (jit and predict),
 ``max_test_error_gap`` (jit and predict vs quadrature), ``max_wall_ratio_after_first`` (jit wall /
 quadrature wall, over every run after the first data set), ``nonfinite_posteriors``,
-``max_posterior_gap_sd`` (jit), ``max_posterior_gap_sd_predict``.  Wall times are measured in one
+``max_posterior_gap_sd`` (jit), ``jit_consultations``, and per predict variant its convergence,
+iteration ratio, test-error gap, posterior gap, uncertain answers used and replaced.  Wall times are measured in one
 run, so ratios are comparable; absolute seconds depend on the machine's load.
 
     python benchmarks/ep_learned.py [--quick] [--store DIR] [--seeds 0 1 2]
@@ -76,8 +81,9 @@ def problems(args):
     return out
 
 
-def run_ep(operator, split, args):
-    model = BayesianLogisticRegression(operator, max_iter=args.max_iter, tol=args.tol, schedule="parallel")
+def run_ep(operator, split, args, on_uncertain="warn"):
+    model = BayesianLogisticRegression(operator, max_iter=args.max_iter, tol=args.tol, schedule="parallel",
+                                       on_uncertain=on_uncertain)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UncertainAnswerWarning)  # counted in n_uncertain
@@ -89,7 +95,8 @@ def run_ep(operator, split, args):
     return model, {
         "iterations": res.iterations, "converged": res.converged, "outcome": res.outcome,
         "skipped": res.skipped, "n_zeroed": int(sum(r.n_zeroed for r in res.history)),
-        "uncertain_used": res.n_uncertain, "seconds": seconds, "test_error": err, "finite": finite,
+        "uncertain_used": res.n_uncertain, "oracle_replaced": int(sum(r.n_oracle for r in res.history)),
+        "seconds": seconds, "test_error": err, "finite": finite,
     }
 
 
@@ -116,24 +123,27 @@ def main(argv=None):
         # first start trains the default operators; killed (no final snapshot) so the cache
         # holds them as trained, and every run starts from a copy of that
         SubprocessServer(cache, env=env, train_defaults=True).start(timeout=1800).kill()
-    store = Path(tmp.name) / "store"
-    shutil.copytree(cache, store)
-    (store / ".lock").unlink(missing_ok=True)
-    server = SubprocessServer(store, env=env, train_defaults=True).start(timeout=1800)
-    rows, summary_src = [], []
+    servers = []
+    for label in ("jit", "predict"):  # the predict-only server never learns: a pristine copy of its own
+        store = Path(tmp.name) / f"store-{label}"
+        shutil.copytree(cache, store)
+        (store / ".lock").unlink(missing_ok=True)
+        servers.append(SubprocessServer(store, env=env, train_defaults=True).start(timeout=1800))
+    rows = []
     try:
-        jit = RemoteOperator(server.url, "logistic-x", token=TOKEN, mode="jit")
-        pred = RemoteOperator(server.url, "logistic-x", mode="predict")
+        jit = RemoteOperator(servers[0].url, "logistic-x", token=TOKEN, mode="jit")
+        pred = RemoteOperator(servers[1].url, "logistic-x", mode="predict")
+        operators = (("jit", jit, "warn"), ("predict", pred, "warn"), ("predict_oracle", pred, "oracle"))
         quad_op = QuadratureOracle(Logistic())
         for k, (name, seed, make) in enumerate(problems(args)):
             split = make()
             quad, rq = run_ep(quad_op, split, args)
             mu_q, sd_q = quad.posterior_.mean, np.sqrt(np.diag(quad.posterior_.cov))
             out = {"quadrature": rq}
-            for label, op in (("jit", jit), ("predict", pred)):
-                c0 = jit.counters()["consultations"]
-                model, r = run_ep(op, split, args)
-                r["consultations"] = int(jit.counters()["consultations"] - c0)
+            for label, op, policy in operators:
+                c0 = op.counters()["consultations"]
+                model, r = run_ep(op, split, args, on_uncertain=policy)
+                r["consultations"] = int(op.counters()["consultations"] - c0)
                 if r["finite"]:
                     r["max_posterior_gap_sd"] = float(np.max(np.abs(model.posterior_.mean - mu_q) / sd_q))
                     r["max_var_ratio_err"] = float(np.max(np.abs(np.diag(model.posterior_.cov) / sd_q**2 - 1)))
@@ -146,26 +156,36 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
         tmp.cleanup()
 
-    learned = [(r, r[m]) for r in rows for m in ("jit", "predict")]
+    def gap(r, m):
+        x = r[m]
+        return abs(x["test_error"] - r["quadrature"]["test_error"]) if x["test_error"] is not None else float("inf")
+
+    labels = [lab for lab, _, _ in operators]
     summary = {
         "summary": True,
         "max_iteration_ratio": max(r["jit"]["iteration_ratio"] for r in rows),
-        "max_iteration_ratio_predict": max(r["predict"]["iteration_ratio"] for r in rows),
-        "all_converged": all(x["converged"] for _, x in learned),
-        "max_test_error_gap": max(
-            abs(x["test_error"] - r["quadrature"]["test_error"]) if x["test_error"] is not None else float("inf")
-            for r, x in learned),
+        "all_converged": all(r["jit"]["converged"] for r in rows),
+        "max_test_error_gap": max(gap(r, "jit") for r in rows),
         "max_wall_ratio_after_first": max((r["jit"]["wall_ratio"] for r in rows if r["order"] > 0), default=None),
-        "nonfinite_posteriors": sum(not x["finite"] for _, x in learned) + sum(not r["quadrature"]["finite"] for r in rows),
+        "nonfinite_posteriors": sum(not r[m]["finite"] for r in rows for m in labels + ["quadrature"]),
         "max_posterior_gap_sd": max(r["jit"]["max_posterior_gap_sd"] or float("inf") for r in rows),
-        "max_posterior_gap_sd_predict": max(r["predict"]["max_posterior_gap_sd"] or float("inf") for r in rows),
         "skipped_negative_jit": sum(r["jit"]["skipped"]["negative"] for r in rows),
-        "uncertain_used_predict": sum(r["predict"]["uncertain_used"] for r in rows),
+        "jit_consultations": sum(r["jit"]["consultations"] for r in rows),
         "runs": len(rows),
     }
+    for m in ("predict", "predict_oracle"):  # the predict-only operator, its answers used / replaced when uncertain
+        summary.update({
+            f"{m}_all_converged": all(r[m]["converged"] for r in rows),
+            f"{m}_max_iteration_ratio": max(r[m]["iteration_ratio"] for r in rows),
+            f"{m}_max_test_error_gap": max(gap(r, m) for r in rows),
+            f"{m}_max_posterior_gap_sd": max(r[m]["max_posterior_gap_sd"] or float("inf") for r in rows),
+            f"{m}_uncertain_used": sum(r[m]["uncertain_used"] for r in rows),
+            f"{m}_oracle_replaced": sum(r[m]["oracle_replaced"] for r in rows),
+        })
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -312,7 +312,7 @@ def _check_random(n_problems, seed, op):
         operator = op if k % 2 == 0 else _Perturbed(op, rng)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UncertainAnswerWarning)
-            m = BayesianLogisticRegression(operator, max_iter=30, **p).fit(X, y)
+            m = BayesianLogisticRegression(operator, max_iter=20, **p).fit(X, y)
         res = m.result_
         assert np.all(np.isfinite(res.mean)) and np.all(np.isfinite(res.cov)), (k, p)
         assert np.all(np.isfinite(m.predict_proba(X))), (k, p)

@@ -447,6 +447,26 @@ class LinearEP:
         Number of log-spaced grid values of ``b · v_¬`` in the relaxed-EP line search (≥ 3).
     stop_rule:
         Optional ``(record, mean, cov) -> bool`` replacing the ``tol`` test (see module docstring).
+    on_uncertain:
+        What to do with an answer whose log predictive variance (the operator's ``predict``:
+        KernelOperator, JITOperator, RemoteOperator) exceeds the threshold in some coordinate:
+        ``"warn"`` (default: use it, count it per iteration in ``n_uncertain``, say so in
+        ``status`` and warn once with :class:`UncertainAnswerWarning`), ``"raise"``
+        (:class:`UncertainAnswerError`) or ``"oracle"`` (ask ``oracle`` for those rows instead).
+    uncertainty_threshold:
+        The threshold; default the operator's own ``threshold`` (JIT and served operators have
+        one; without either nothing is counted).
+    oracle:
+        For ``on_uncertain="oracle"``; default the operator's own ``oracle`` (JITOperator; a
+        RemoteOperator's is the server's ``mode=oracle``).
+    divergence_limit:
+        An iteration that makes a site's precision exceed this many times the prior precision of
+        its predictor, or any site or the posterior non-finite, is divergent: the run stops with
+        the last finite state and ``outcome="diverged"`` (status says the iteration and cause).
+    answer_rtol, sign_z:
+        A belief wider than the cavity by a relative ``≤ sign_z · sd + answer_rtol`` (``sd``: the
+        answer's predictive standard deviation of log v, when reported) is used as a message of
+        precision 0 instead of being skipped as negative (see ``_propose``).
     """
 
     def __init__(
