@@ -4,8 +4,8 @@ carry, and observations that are plausible data (service/README.md, "Hostile inp
 * :func:`parse_body` — the JSON body of a request, validated straight from its bytes by
   pydantic-core (strict numbers, lists that stop at their first bad element), after a cheap
   guard on how many values it holds: a body with more commas than the largest valid request
-  could need is refused before anything is parsed, so a 16 MiB body of bad numbers costs a
-  byte count, not a parse tree.
+  could need, or more than :data:`MAX_KEYS` colons, is refused before anything is parsed, so a
+  16 MiB body of bad numbers costs a byte count, not a parse tree.
 * :func:`bad_feature_rows`, :func:`bad_output_rows` — rows whose random features or predicted
   belief are not finite (a message the operator cannot evaluate): 422 naming the rows.
 * :func:`implausible_rows` — the observation rule: a belief is accepted if its standardised
@@ -40,6 +40,9 @@ M = TypeVar("M", bound=BaseModel)
 #: generous bound on the numbers one message row of a valid request needs (all incoming
 #: parameters plus the belief's): the comma guard allows ``max_batch`` rows of this many
 MAX_VALUES_PER_ROW = 16
+#: most object keys (colons) in a body: a valid request has a few dozen; each unknown key
+#: would otherwise cost pydantic an error object
+MAX_KEYS = 1000
 #: slack for the fixed part of a body (keys, family names, a training request's ranges)
 _FIXED_VALUES = 1000
 
@@ -57,6 +60,10 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
     if n_commas > limit:
         raise ApiError(422, ["body"], f"the body holds more than {limit} values (the largest valid request, "
                                       f"{max_batch} rows, needs fewer); split it", "too_many_values")
+    n_keys = raw.count(b":")
+    if n_keys > MAX_KEYS:
+        raise ApiError(422, ["body"], f"the body holds more than {MAX_KEYS} object keys (a valid request has a few "
+                                      f"dozen)", "too_many_keys")
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:

@@ -279,3 +279,57 @@ def test_an_operator_that_cannot_predict_is_reported_failed(store_dir):
         assert "logistic-x" in r.json()["failed"], r.text
         assert "cannot predict" in r.json()["failed"]["logistic-x"] or "not finite" in r.json()["failed"]["logistic-x"]
         assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=good_x()).status_code == 503
+
+
+def test_openapi_documents_the_request_bodies_parsed_outside_fastapi(app_client):
+    spec = app_client.get("/openapi.json").json()
+    for path, model in (("/v1/operators/{name}/messages", "MessagesRequest"),
+                        ("/v1/operators/{name}/observations", "ObservationsRequest"),
+                        ("/v1/operators", "TrainRequest")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}"
+        assert model in spec["components"]["schemas"]
+    # every reference resolves
+    text = json.dumps(spec)
+    import re
+    for name in set(re.findall(r'#/components/schemas/([A-Za-z0-9_]+)', text)):
+        assert name in spec["components"]["schemas"], name
+
+
+def test_health_answers_while_a_large_invalid_body_is_parsed(store_dir):
+    import threading
+    import time
+
+    import httpx
+    from service.testing import ThreadedServer
+
+    with ThreadedServer(settings_for(store_dir, max_body_bytes=16 * 2**20, max_batch=10_000)) as srv:
+        body = b'{"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [' + b'"a",' * 4_000_000 + b'0]}}}'
+        worst = []
+        done = threading.Event()
+
+        def poll():
+            with httpx.Client(base_url=srv.url, timeout=30) as c:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    assert c.get("/health").status_code == 200
+                    worst.append(time.perf_counter() - t)
+        t = threading.Thread(target=poll)
+        t.start()
+        try:
+            r = httpx.post(srv.url + "/v1/operators/logistic-x/messages?mode=predict", content=body,
+                           headers={"Content-Type": "application/json"}, timeout=60)
+        finally:
+            done.set()
+            t.join()
+        assert r.status_code == 422 and len(r.content) < 2000
+        assert r.json()["detail"][0]["type"] == "too_many_values"
+        assert worst  # /health was answered while the request was in flight
+
+
+def test_a_body_with_thousands_of_keys_is_refused_unparsed(app_client):
+    raw = ("{" + ",".join(f'"k{i}": {i}' for i in range(5000)) + "}").encode()
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", content=raw,
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"] == [
+        {"loc": ["body"], "type": "too_many_keys", "msg": r.json()["detail"][0]["msg"]}]
