@@ -464,7 +464,10 @@ def create_operator(request: Request, settings: Annotated[Settings, Depends(get_
     n = getattr(req.source, "n", None)
     for loc, value, limit, env in ((["body", "source", "n"], n, settings.max_train_n, "KJIT_MAX_TRAIN_N"),
                                    (["body", "n_inner"], req.n_inner, settings.max_n_inner, "KJIT_MAX_N_INNER"),
-                                   (["body", "n_outer"], req.n_outer, settings.max_n_outer, "KJIT_MAX_N_OUTER")):
+                                   (["body", "n_outer"], req.n_outer, settings.max_n_outer, "KJIT_MAX_N_OUTER"),
+                                   (["body", "source", "n_samples"],
+                                    req.source.n_samples if req.source.oracle == "importance_sampling" else None,
+                                    settings.max_n_samples, "KJIT_MAX_N_SAMPLES")):
         if value is not None and value > limit:
             errs.append({"loc": loc, "type": "too_large",
                          "msg": f"{value} exceeds this server's limit of {limit} ({env})"})

@@ -31,6 +31,9 @@ variable                   meaning                                     default
 ``KJIT_MAX_TRAIN_N``       largest ``n`` of a training job             ``20000``
 ``KJIT_MAX_N_INNER``       largest ``n_inner`` (D_in) of a job         ``1000``
 ``KJIT_MAX_N_OUTER``       largest ``n_outer`` (D_out) of a job        ``2000``
+``KJIT_MAX_N_SAMPLES``     largest importance-sampling ``n_samples``   ``500000``
+                           of a job (memory ~ 16 x n_samples x 8 B x
+                           a few arrays: +166 MB measured at 500 000)
 ``KJIT_MAX_ORACLE_BATCH``  most rows of one ``mode=oracle`` request    ``2000``
 ``KJIT_ORACLE_CONCURRENCY`` oracle-mode requests and observation        ``1``
                            spot checks running at once
@@ -86,6 +89,7 @@ class Settings:
     max_train_n: int = 20_000
     max_n_inner: int = 1000
     max_n_outer: int = 2000
+    max_n_samples: int = 500_000
     max_oracle_batch: int = 2000
     oracle_concurrency: int = 1
     oracle_wait: float = 10.0
@@ -98,7 +102,7 @@ class Settings:
             object.__setattr__(self, "token", None)
         for name in ("max_body_bytes", "max_batch", "snapshot_every", "default_n_train",
                      "default_n_inner", "default_n_outer", "job_workers", "max_queued_jobs", "max_train_n",
-                     "max_n_inner", "max_n_outer", "max_oracle_batch", "oracle_concurrency"):
+                     "max_n_inner", "max_n_outer", "max_n_samples", "max_oracle_batch", "oracle_concurrency"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"setting `{name}` must be >= 1, got {getattr(self, name)!r}")
         if self.shared_store is not None and self.shared_store == "":

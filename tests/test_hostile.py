@@ -245,6 +245,9 @@ def test_training_limits_and_queue_cap(store_dir):
                    headers=AUTH)
         assert r.status_code == 422
         assert set(locs(r)) == {("body", "source", "n"), ("body", "n_outer")}
+        r = c.post("/v1/operators", json=_job("is", source={"kind": "oracle", "n": 40, "oracle": "importance_sampling",
+                                                           "n_samples": 5_000_000}), headers=AUTH)
+        assert r.status_code == 422 and locs(r) == [("body", "source", "n_samples")]
         r = c.post("/v1/operators", json=_job("missing", source={"kind": "file", "path": "nope.npz"}), headers=AUTH)
         assert r.status_code == 422 and str(store_dir) not in r.text and "training-sets" not in r.text
         jobs = app.state.jobs
