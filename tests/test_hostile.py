@@ -134,15 +134,17 @@ def test_a_moderately_wrong_belief_is_rejected_and_the_oracle_s_own_is_accepted(
     assert r.json()["version"] == before[0]["version"] + 1
 
 
-def test_plausible_observations_still_learn(app_client):
-    from kjit.factors import Logistic
+@pytest.mark.parametrize("name,factor,to", [("logistic-x", "logistic", "x"), ("logistic-z", "logistic", "z"),
+                                            ("compound_gamma-tau", "compound_gamma", "tau")])
+def test_plausible_observations_still_learn(app_client, name, factor, to):
+    from kjit.factors import get_factor
     from test_service_fixtures import probe
-    inc = probe("logistic", 20, seed=5)
-    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    inc = probe(factor, 200, seed=5)  # the training distribution: every honest row is accepted
+    q = QuadratureOracle(get_factor(factor)).belief(inc, to)
     body = _obs({v: {"family": type(m).__name__.lower(), **m.to_dict()} for v, m in inc.items()},
-                {"family": "gaussian", **q.to_dict()})
-    r = app_client.post("/v1/operators/logistic-x/observations", json=body, headers=AUTH)
-    assert r.status_code == 200 and r.json()["accepted"] == 20, r.text
+                {"family": type(q).__name__.lower(), **q.to_dict()})
+    r = app_client.post(f"/v1/operators/{name}/observations", json=body, headers=AUTH)
+    assert r.status_code == 200 and r.json()["accepted"] == 200, r.text
 
 
 # ------------------------------------------------------------------------------ bodies and numbers
