@@ -66,6 +66,18 @@ class Factor:
         """Constructor parameters (JSON-ready), so a factor can be rebuilt by name."""
         return {}
 
+    def log_concave(self, to: str, incoming: Mapping[str, Family]) -> np.ndarray | None:
+        """Rows (of the flat batch ``incoming``) where the factor, with the other variables'
+        incoming messages integrated out, is log-concave in ``to`` — or None where unknown.
+
+        For a Gaussian recipient this is a guarantee on the answer (Brascamp–Lieb: a Gaussian
+        times a log-concave function has variance at most the Gaussian's), so the projected
+        belief is never wider than ``incoming[to]`` and the outgoing message never has a
+        negative precision.  Operators use it to keep learned or sampled answers on the right
+        side of that bound (see :func:`kjit.operators.respect_factor_bounds`).
+        """
+        return None
+
     # -------------------------------------------------------------- validation helpers
     def check_to(self, to: str) -> str:
         if to not in self.variables:
@@ -167,6 +179,14 @@ class Logistic(Factor):
     def sample(self, inputs, size, rng):
         return special.expit(inputs["x"])
 
+    def log_concave(self, to, incoming):
+        # the factor on x, z integrated against Beta(α, β): σ(x)^(α−1) σ(−x)^(β−1), log-concave
+        # in x exactly when α ≥ 1 and β ≥ 1 (log σ is concave); the labels Beta(2,1)/(1,2) are
+        if to != "x":
+            return None
+        z = incoming["z"]
+        return (np.asarray(z.alpha) >= 1.0) & (np.asarray(z.beta) >= 1.0)
+
     def suff_stats(self, var, draws):
         if var == "z":
             # (log σ(x), log σ(−x)) = −(softplus(−x), softplus(x)), softplus(t) = max(t, 0) +
@@ -230,6 +250,13 @@ class ProbitNoise(Factor):
 
     def params(self):
         return {"eps": self.eps}
+
+    def log_concave(self, to, incoming):
+        # Θ(y f) is the indicator of a half-line (log-concave); with label noise ε > 0 the
+        # factor is a two-level step, which is not
+        if to != "f" or self.eps > 0.0:
+            return None
+        return np.ones(incoming["f"].shape, dtype=bool)
 
     def sample(self, inputs, size, rng):
         y = np.where(inputs["f"] >= 0, 1.0, -1.0)

@@ -45,7 +45,25 @@ __all__ = [
 
 
 class OracleError(RuntimeError):
-    """An oracle could not produce a trustworthy message."""
+    """An oracle could not produce a trustworthy message.  ``rows``: the failing positions of
+    the batch when known (the EP engine then skips exactly those and asks again for the rest)."""
+
+    def __init__(self, message: str = "", rows=None):
+        super().__init__(message)
+        if rows is not None:
+            self.rows = np.asarray(rows, dtype=int).ravel()
+
+
+def _gaussian_or_error(mean, var, what: str) -> Gaussian:
+    """``Gaussian(mean, var)``, or an OracleError naming the rows whose moments are not a
+    distribution (underflowed variance, overflowed mean) instead of a bare ValueError for the batch."""
+    bad = ~(np.isfinite(mean) & np.isfinite(var) & (var > 0))
+    if np.any(bad):
+        rows = np.flatnonzero(bad)
+        raise OracleError(
+            f"{what}: the tilted moments of rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} are not a "
+            "distribution in double precision (variance underflowed to 0 or a moment overflowed)", rows=rows)
+    return Gaussian(mean, var)
 
 
 class LowESSError(OracleError):
@@ -307,6 +325,36 @@ def _compound_gamma_rule(factor: CompoundGamma, a, b):
     return t, lw, log_z
 
 
+# below this v·(α + β + 1) the logistic belief on x is its second-order (Laplace) limit
+_POINT_MASS = 1e-10
+
+
+def _logistic_point_mass_limit(mu, v, alpha, beta, mean, var):
+    """Where the cavity N(mu, v) is nearly a point mass on the scale of the factor
+    l(x) = (α−1) log σ(x) + (β−1) log σ(−x) (v·(α+β+1) < 1e-10), the tilted distribution is
+    N(mu + v_q l'(mu), v_q), 1/v_q = 1/v − l''(mu), up to a relative O(v) in the variance (the
+    next terms carry the third derivative of l); the panel rule there can underflow the variance
+    to 0 (v ~ 1e-23) and loses the message precision 1/v_q − 1/v to round-off long before."""
+    mu, v = np.asarray(mu, float), np.asarray(v, float)
+    a, b = np.asarray(alpha, float), np.asarray(beta, float)
+    pm = v * (a + b + 1.0) < _POINT_MASS
+    if not np.any(pm):
+        return mean, var
+    mean, var = np.array(mean, dtype=float), np.array(var, dtype=float)
+    mean[pm], var[pm] = logistic_laplace_limit(mu[pm], v[pm], a[pm], b[pm])
+    return mean, var
+
+
+def logistic_laplace_limit(mu, v, alpha, beta):
+    """Mean and variance of N(x; mu, v)·σ(x)^(α−1)σ(−x)^(β−1) to second order in the cavity
+    (exact as v → 0): precision 1/v − l''(mu), mean mu + v_q l'(mu)."""
+    s_pos, s_neg = special.expit(mu), special.expit(-mu)
+    d1 = (alpha - 1.0) * s_neg - (beta - 1.0) * s_pos          # l'(mu)
+    d2 = -(alpha + beta - 2.0) * s_pos * s_neg                 # l''(mu)
+    vq = v / (1.0 - v * d2)                                    # 1 / (1/v − l'')
+    return mu + vq * d1, vq
+
+
 def _weighted_mean_var(t, lw):
     w = np.exp(lw)
     mean = np.sum(w * t, axis=1)
@@ -419,7 +467,8 @@ class QuadratureOracle(Oracle):
             t, lw, log_z = logistic_tilted_rule(x.mean(), x.var(), z.alpha, z.beta)
             if to == "x":
                 mean, var = _weighted_mean_var(t, lw)
-                return Gaussian(mean, var), log_z
+                mean, var = _logistic_point_mass_limit(x.mean(), x.var(), z.alpha, z.beta, mean, var)
+                return _gaussian_or_error(mean, var, "logistic belief on x"), log_z
             if to == "z":
                 # E[log σ(x)] = −∫ r softplus(−x) / Z, each integral with its own panels
                 args = (x.mean(), x.var(), z.alpha, z.beta)
@@ -452,9 +501,7 @@ class QuadratureOracle(Oracle):
         fm, y = flat["f"], flat["y"]
         log_z, mean, var, py = _probit_moments(fm.mean(), fm.var(), y.p, f.eps)
         if to == "f":
-            if np.any(~(var > 0)):
-                raise OracleError("probit tilted variance underflowed to 0 (cavity far in the tail)")
-            return Gaussian(mean, var), log_z
+            return _gaussian_or_error(mean, var, "probit belief on f (cavity far in the tail)"), log_z
         if to == "y":
             return Bernoulli(py), log_z
         return None, log_z
