@@ -226,7 +226,8 @@ def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
             summary="an operator: factor, direction, families, feature sizes, hyperparameters, counters, version")
 def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annotated[Settings, Depends(get_settings)]):
     d = entry.detail()
-    d["limits"] = {"max_batch": settings.max_batch, "max_body_bytes": settings.max_body_bytes}
+    d["limits"] = {"max_batch": settings.max_batch, "max_body_bytes": settings.max_body_bytes,
+                   "max_oracle_batch": settings.max_oracle_batch}
     return _json(d)
 
 

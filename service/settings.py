@@ -7,8 +7,8 @@ variable                   meaning                                     default
 ``KJIT_PORT``              port (0: any free port)                     ``8000``
 ``KJIT_STORE``             operator store directory                    ``$XDG_DATA_HOME/kjit/store``
                                                                        (``~/.local/share/kjit/store``)
-``KJIT_TOKEN``             bearer token for mutating requests;         unset (no authentication)
-                           unset or empty: none required
+``KJIT_TOKEN``             bearer token for mutating requests and      unset (no authentication)
+                           ``mode=oracle``; unset or empty: none
 ``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
 ``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
 ``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
