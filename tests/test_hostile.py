@@ -67,23 +67,32 @@ def test_the_issue_s_1e308_mean_is_a_422_naming_it_in_every_mode(app_client, mod
     assert app_client.get("/health").status_code == 200  # the connection and the server are fine
 
 
-def test_an_oracle_that_cannot_carry_finite_input_is_a_422_and_jit_keeps_its_counters(app_client):
-    # within the documented range, but the quadrature oracle's moments underflow: its ValueError
-    # used to be a 500, and the jit request's recovery reset the counters
-    app_client.post("/v1/operators/logistic-x/messages?mode=jit", json=good_x(), headers=AUTH)
-    before = state(app_client)
-    body = extreme(1e60, 1e-60)
-    with pytest.raises(ValueError):
-        QuadratureOracle(__import__("kjit.factors", fromlist=["Logistic"]).Logistic()).belief(
-            {"x": Gaussian([1e60], [1e-60]), "z": Beta([2.0], [1.0])}, "x")
+@pytest.mark.parametrize("name,body", [
+    # the logistic oracle's OracleError, and the compound-gamma oracle's ValueError (Gamma.project on
+    # moments that overflow): within the documented range, but more than the oracle can carry
+    ("logistic-x", extreme(1e100, 1.0)),
+    ("compound_gamma-tau", {"to": "tau", "incoming": {"tau": {"family": "gamma", "shape": [1e-6], "rate": [1.0]}}}),
+])
+def test_an_oracle_that_cannot_carry_finite_input_is_a_422_and_jit_keeps_its_counters(app_client, name, body):
+    # such a ValueError used to be a 500, and the jit request's recovery reset the counters
+    ok = {"logistic-x": good_x(),
+          "compound_gamma-tau": {"to": "tau", "incoming": {"tau": {"family": "gamma", "shape": [2.0], "rate": [1.0]}}}}
+    app_client.post(f"/v1/operators/{name}/messages?mode=jit", json=ok[name], headers=AUTH)  # counters > 0
+
+    def snap():
+        d = app_client.get(f"/v1/operators/{name}").json()
+        p = app_client.post(f"/v1/operators/{name}/messages?mode=predict", json=ok[name]).json()
+        return {k: d[k] for k in ("version", "n_train", "counters", "updates")}, p["beliefs"]
+    before = snap()
+    assert before[0]["counters"]["calls"] > 0
     for mode in ("oracle", "jit"):
-        r = app_client.post(f"/v1/operators/logistic-x/messages?mode={mode}", json=body, headers=AUTH)
+        r = app_client.post(f"/v1/operators/{name}/messages?mode={mode}", json=body, headers=AUTH)
         # (jit: the operator is uncertain this far out, so it consults the oracle, which fails)
         assert r.status_code == 422, r.text
         assert r.json()["detail"][0]["type"] in ("oracle_failed", "not_computable")
         assert r.json()["detail"][0]["loc"][:2] == ["body", "incoming"]
         assert "Traceback" not in r.text
-    assert state(app_client) == before
+    assert snap() == before
 
 
 @pytest.mark.parametrize("field,value", [("var", 1e-101), ("var", 1e101), ("alpha", 1e101), ("alpha", 1e-300)])
