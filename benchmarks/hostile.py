@@ -171,8 +171,7 @@ def kinds(quick: bool):
         out.append((f"{mode}_oracle_cannot_carry_1e60_mean", "POST", msg_url.format(mode),
                     json.dumps({"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [1e60], "var": [1e-60]},
                                                         "z": {"family": "beta", "alpha": [2.0], "beta": [1.0]}}}).encode(),
-                    {**JSON, **AUTH}, {200, 422} if mode != "oracle" else {422}, ["body", "incoming"], "logistic-x",
-                    False))
+                    {**JSON, **AUTH}, {200, 422}, ["body", "incoming"], "logistic-x", False))
     # structure
     g = good_x()
     def mut(f):
@@ -372,7 +371,9 @@ def run_kinds(url: str, quick: bool, emit, sampler: RssSampler | None = None) ->
             changed = before != after
             server_error = not isinstance(status, int) or status >= 500
             named = r is not None and (status < 300 or names(r, loc))
-            ok = (isinstance(status, int) and status in expect and not server_error and named and not changed
+            accepted = isinstance(status, int) and status < 300  # (a jit answer may learn: not a reject)
+            ok = (isinstance(status, int) and status in expect and not server_error and named
+                  and (accepted or not changed)
                   and (r is None or ("Traceback" not in r.text and "/tmp/" not in r.text)))
             res["kinds"] += 1
             res["passed"] += ok
@@ -410,15 +411,17 @@ def run_kinds(url: str, quick: bool, emit, sampler: RssSampler | None = None) ->
         emit({"kind": "idempotency_key_reused_with_another_body", "status": r3.status_code,
               "names_field": names(r3, ["header", "Idempotency-Key"]), "state_changed": before != after, "passed": ok})
         # a flood of training jobs: at most KJIT_MAX_QUEUED_JOBS accepted, the rest 429 + Retry-After
-        statuses = []
+        statuses, retry = [], None
         for i in range(12):
             r = c.post("/v1/operators", headers={**JSON, **AUTH}, json={
                 "name": f"flood-{i}", "factor": "logistic", "to": "x", "source": {"kind": "oracle", "n": 200},
                 "n_inner": 20, "n_outer": 40})
             statuses.append(r.status_code)
-            retry = r.headers.get("Retry-After")
+            if r.status_code == 429:
+                retry = r.headers.get("Retry-After")
         accepted = statuses.count(202)
-        ok = accepted <= 4 and statuses.count(429) == 12 - accepted and retry is not None
+        # the first KJIT_MAX_QUEUED_JOBS (4) are queued, then 429s (a job that finished meanwhile frees a place)
+        ok = statuses[:4] == [202] * 4 and 429 in statuses and retry is not None and set(statuses) <= {202, 429}
         res["kinds"] += 1
         res["passed"] += ok
         res["server_errors"] += sum(s >= 500 for s in statuses)
@@ -466,7 +469,9 @@ def restart_identical(store: Path, tmp: Path, sampler: RssSampler, n_records: in
     same = (a["version"] == b["version"] == n_records and a["beliefs"] == b["beliefs"] and a["log_var"] == b["log_var"])
     diff = float(np.max(np.abs(np.asarray(a["beliefs"]["mean"]) - np.asarray(b["beliefs"]["mean"]))))
     emit({"kind": "restart_bit_identical", "records": n_records, "rows_per_record": rows,
-          "restarts": {str(k): v for k, v in how.items()}, "identical": same, "max_abs_mean_diff": diff})
+          "restarts": {str(k): v for k, v in how.items()}, "identical": same, "max_abs_mean_diff": diff,
+          "versions": [a["version"], b["version"]], "beliefs_equal": a["beliefs"] == b["beliefs"],
+          "log_var_equal": a["log_var"] == b["log_var"]})
     return same
 
 
