@@ -90,8 +90,11 @@ def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
     factor = operator.factor
     inc, shape = factor.check_incoming(incoming, operator.to)
     n = int(np.prod(shape, dtype=int))
-    with np.errstate(all="ignore"):
-        psi = operator.features_.transform(tuple(inc[v].ravel() for v in factor.variables))
+    try:
+        with np.errstate(all="ignore"):
+            psi = operator.features_.transform(tuple(inc[v].ravel() for v in factor.variables))
+    except NUMERIC_ERRORS:  # cannot tell the rows apart: none of them can be evaluated
+        return list(range(n))
     return np.flatnonzero(~_row_finite(psi, n)).tolist()
 
 
