@@ -132,7 +132,8 @@ def main(argv=None):
     rows = []
     try:
         jit = RemoteOperator(servers[0].url, "logistic-x", token=TOKEN, mode="jit")
-        pred = RemoteOperator(servers[1].url, "logistic-x", mode="predict")
+        # the token: its oracle view (mode=oracle) needs it (issue 21); predict requests do not
+        pred = RemoteOperator(servers[1].url, "logistic-x", token=TOKEN, mode="predict")
         operators = (("jit", jit, "warn"), ("predict", pred, "warn"), ("predict_oracle", pred, "oracle"))
         quad_op = QuadratureOracle(Logistic())
         for k, (name, seed, make) in enumerate(problems(args)):
