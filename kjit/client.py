@@ -33,6 +33,7 @@ retried, since the server may have learned from it.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -251,6 +252,24 @@ class RemoteOperator:
     @property
     def family(self) -> type[Family]:
         return self.factor.families[self.to]
+
+    @property
+    def threshold(self) -> float | None:
+        """The served operator's uncertainty threshold (log predictive variance): the EP engine
+        counts, and by its ``on_uncertain`` policy handles, answers above it."""
+        thr = self.info().get("threshold")
+        return None if thr is None else float(thr)
+
+    @property
+    def oracle(self) -> "RemoteOperator":
+        """The same served operator in ``oracle`` mode (sharing this client's connection): what the
+        EP engine asks for uncertain answers with ``on_uncertain="oracle"``."""
+        if self.mode == "oracle":
+            return self
+        view = copy.copy(self)
+        view.mode = "oracle"
+        view._own_client = False
+        return view
 
     @property
     def max_batch(self) -> int:

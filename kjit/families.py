@@ -68,6 +68,9 @@ class Family:
     param_names: ClassVar[tuple[str, ...]] = ()
     n_stats: ClassVar[int] = 2
     coord_names: ClassVar[tuple[str, ...]] = ()
+    # index of the regression coordinate that is log(spread) (Gaussian: log variance), where a
+    # log-concave factor bounds the belief by the incoming message; None: no such coordinate
+    spread_coord: ClassVar[int | None] = None
 
     # ------------------------------------------------------------------ construction
     def __init__(self, *params, validate: bool = True):
@@ -411,6 +414,9 @@ class Gaussian(Family):
 
     param_names = ("mean", "var")
     coord_names = ("mean", "log_var")
+    # the coordinate that is the log of the spread: a belief ÷ cavity message has a negative
+    # precision exactly when this coordinate of the belief exceeds the cavity's
+    spread_coord = 1
 
     def _check(self, mean, var):
         self._require_positive("Gaussian", "var", var)

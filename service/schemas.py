@@ -10,30 +10,51 @@ Message batches travel column-wise, one object per variable, like ``Family.to_di
 Numbers must be finite: JSON has no NaN or infinity; the tokens ``NaN``, ``Infinity`` and
 ``-Infinity`` that some encoders emit anyway, and literals that overflow a double (``1e400``),
 are rejected with 422 and the path of the offending number (``allow_inf_nan=False``).
-Parameters must be valid: variances, α, β, shapes and rates > 0, Bernoulli p in [0, 1].  The
-batch models are generated from the family registry (each family's ``json_columns``), so a new
-family travels over HTTP with no edit here.
+Numbers are strict: a string (``"1.5"``) or a boolean where a number is expected is a 422.
+Parameters must be valid and within the range the math can carry (:data:`PARAM_MAX`,
+:data:`POSITIVE_MIN`): message parameters at most ``1e100`` in magnitude, variances, α, β,
+shapes and rates in ``[1e-100, 1e100]``, Bernoulli p in [0, 1].  Lists stop at their first
+invalid element (``fail_fast``), so a long list of bad numbers costs one error, not one each.
+The batch models are generated from the family registry (each family's ``json_columns``: a
+column is ``"finite"`` (a bounded real), ``"positive"`` or ``"probability"``), so a new family
+travels over HTTP with no edit here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
 from kjit.families import FAMILIES
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-NonEmpty = dict(min_length=1)
+#: largest magnitude of a message parameter: squares and products of two parameters stay finite
+PARAM_MAX = 1e100
+#: smallest positive parameter (variance, α, β, shape, rate): its reciprocal stays below PARAM_MAX
+POSITIVE_MIN = 1e-100
+
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Param = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-PARAM_MAX, le=PARAM_MAX)]
+
+
+def _not_tiny(x: float) -> float:
+    if x < POSITIVE_MIN:
+        raise ValueError(f"a positive parameter must be at least {POSITIVE_MIN:g}, got {x:g}")
+    return x
+
+
+Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=PARAM_MAX), AfterValidator(_not_tiny)]
+Probability = Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)]
+NonEmpty = dict(min_length=1, fail_fast=True)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no "1.5" strings or booleans where numbers are expected (merged into subclasses' configs)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-_CONSTRAINTS = {"finite": Finite, "positive": Positive, "probability": Probability}
+# a family's json_columns kinds → the column's element type
+_CONSTRAINTS = {"finite": Param, "positive": Positive, "probability": Probability}
 
 
 def _batch_model(name: str, fam) -> type[BaseModel]:

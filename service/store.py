@@ -73,6 +73,8 @@ from .files import append_durably, decode_record, encode_record, fsync_dir, writ
 from .locks import RWLock
 from .names import NAME_RE
 from .shared import SharedLog, SharedLogError
+from .schemas import PARAM_MAX
+from .validation import NUMERIC_ERRORS
 
 log = logging.getLogger("kjit.service.store")
 
@@ -84,6 +86,7 @@ __all__ = [
     "Conflict",
     "PersistError",
     "OracleFailure",
+    "Unprocessable",
     "NAME_RE",
     "family_name",
 ]
@@ -113,6 +116,10 @@ class PersistError(RuntimeError):
 
 class OracleFailure(RuntimeError):
     pass
+
+
+class Unprocessable(ValueError):
+    """The input is valid but the numerics cannot carry it (nothing was changed)."""
 
 
 def _params_json(m: Family) -> dict[str, list]:
@@ -196,6 +203,27 @@ class Entry:
             log.info("operator %s: replayed %d update record(s) to version %d", self.name, n_replayed, self.version)
         if self.shared is not None:
             self._join_shared(svc.get("shared_base"), _sha256(snap_bytes), n_replayed)
+        self._self_test()
+
+    def _self_test(self) -> None:
+        """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
+        failed): predict a fixed batch from the factor's default distribution, if it has one."""
+        sampler = self.jit.factor.default_incoming
+        if sampler is None:
+            return
+        incoming = sampler(16, np.random.default_rng(0))
+        try:
+            with np.errstate(all="ignore"):
+                q, logvar = self.jit.operator.predict(incoming)
+                ok = np.isfinite(q.to_coords()).all() and np.isfinite(logvar).all()
+                big = max(float(np.max(np.abs(p))) for p in q.params)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the operator cannot predict
+            raise ValueError(f"the operator cannot predict ordinary messages ({type(exc).__name__}: {exc})") from None
+        if not ok:
+            raise ValueError("the operator cannot predict ordinary messages: its predictions are not finite")
+        if big > PARAM_MAX:
+            raise ValueError(f"the operator cannot predict ordinary messages: its beliefs have parameters of "
+                             f"{big:.3g}, beyond the range requests may carry ({PARAM_MAX:g})")
 
     def _load_state(self, blob: bytes, source: str) -> dict:
         """Set the operator and the service's bookkeeping from a snapshot; returns its service dict."""
@@ -491,8 +519,13 @@ class Entry:
 
     def _recover(self, why: str) -> None:
         log.error("operator %s: %s; rebuilding it from the store", self.name, why)
+        # the JIT counters in memory count the requests that succeeded; those on disk only
+        # reach the last snapshot or jit record: keep the former
+        counters = self.jit.raw_counters() if self.jit is not None else None
         try:
             self.load()
+            if counters is not None:
+                self.jit.set_counters(counters)
         except Exception:  # pragma: no cover - disk unusable
             log.exception("operator %s: could not be rebuilt", self.name)
             self.store._fail(self.name, f"could not be rebuilt after: {why}")
@@ -509,6 +542,8 @@ class Entry:
             raise
         except Exception as exc:
             self._recover(f"an update failed half-way ({type(exc).__name__}: {exc})")
+            if isinstance(exc, NUMERIC_ERRORS):
+                raise Unprocessable(str(exc)) from exc
             raise
         self._account(rec, len(rec["beliefs"][next(iter(rec["beliefs"]))]))
         if self.n_log_records >= self.store.snapshot_every:
@@ -546,7 +581,10 @@ class Entry:
         n = len(next(iter(incoming.values())))
         if mode == "predict":
             with self.lock.read():
-                q, logvar = self.jit.operator.predict(incoming)
+                try:
+                    q, logvar = self.jit.operator.predict(incoming)
+                except NUMERIC_ERRORS as exc:
+                    raise Unprocessable(str(exc)) from None
                 version = self.version
             return q, logvar, np.zeros(n, dtype=bool), version, 0
         if mode == "oracle":
@@ -555,7 +593,7 @@ class Entry:
             with ctx:
                 try:
                     q = self.jit.oracle.belief(incoming, self.jit.to)
-                except OracleError as exc:
+                except (OracleError, *NUMERIC_ERRORS) as exc:
                     raise OracleFailure(str(exc)) from None
                 version = self.version
             return q, None, np.ones(n, dtype=bool), version, 0
@@ -571,6 +609,8 @@ class Entry:
                 q, logvar, consulted = jit.predict(incoming, jit.to)
             except OracleError as exc:
                 raise OracleFailure(str(exc)) from None
+            except NUMERIC_ERRORS as exc:  # JITOperator.predict is atomic: nothing learned or counted
+                raise Unprocessable(str(exc)) from None
             except Exception as exc:
                 self._recover(f"a just-in-time request failed ({type(exc).__name__}: {exc})")
                 raise
@@ -613,6 +653,8 @@ class Entry:
                     q, logvar, consulted = jit.predict(incoming, jit.to, revertible=True)
                 except OracleError as exc:  # nothing was learned or counted
                     raise OracleFailure(str(exc)) from None
+                except NUMERIC_ERRORS as exc:
+                    raise Unprocessable(str(exc)) from None
                 rec, n_learned = self._jit_record(incoming, q)
                 if rec is None:
                     return q, logvar, consulted, self.version, 0

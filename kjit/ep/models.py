@@ -110,8 +110,14 @@ class _LinearEPModel:
         compute_evidence: bool = True,
         power: float = 1.0,
         relax_c: float | None = None,
+        on_uncertain: str = "warn",
+        oracle=None,
+        uncertainty_threshold: float | None = None,
     ):
         self.operator = operator
+        self.on_uncertain = on_uncertain
+        self.oracle = oracle
+        self.uncertainty_threshold = uncertainty_threshold
         self.prior_var = prior_var
         self.damping = damping
         self.max_iter = max_iter
@@ -135,6 +141,9 @@ class _LinearEPModel:
             compute_evidence=self.compute_evidence,
             power=self.power,
             relax_c=self.relax_c,
+            on_uncertain=self.on_uncertain,
+            oracle=self.oracle,
+            uncertainty_threshold=self.uncertainty_threshold,
         )
 
     def _observed(self, y):  # pragma: no cover - overridden
@@ -204,10 +213,12 @@ class BayesianLogisticRegression(_LinearEPModel):
     def __init__(self, operator, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = False,
                  compute_evidence: bool = True, n_quad: int = 64, power: float = 1.0,
-                 relax_c: float | None = None):
+                 relax_c: float | None = None, on_uncertain: str = "warn", oracle=None,
+                 uncertainty_threshold: float | None = None):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
-                         compute_evidence=compute_evidence, power=power, relax_c=relax_c)
+                         compute_evidence=compute_evidence, power=power, relax_c=relax_c,
+                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
         self.n_quad = n_quad
 
     def _observed(self, y):
@@ -250,10 +261,12 @@ class ProbitClassifier(_LinearEPModel):
 
     def __init__(self, operator, eps=None, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = True,
-                 compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None):
+                 compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None,
+                 on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
-                         compute_evidence=compute_evidence, power=power, relax_c=relax_c)
+                         compute_evidence=compute_evidence, power=power, relax_c=relax_c,
+                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
         self.eps = eps
 
     def _resolve_eps(self) -> float:

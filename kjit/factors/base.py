@@ -209,6 +209,18 @@ class Factor:
         """Constructor parameters (JSON-ready), so a factor can be rebuilt by name."""
         return {}
 
+    def log_concave(self, to: str, incoming: Mapping[str, Family]) -> np.ndarray | None:
+        """Rows (of the flat batch ``incoming``) where the factor, with the other variables'
+        incoming messages integrated out, is log-concave in ``to`` — or None where unknown.
+
+        For a Gaussian recipient this is a guarantee on the answer (Brascamp–Lieb: a Gaussian
+        times a log-concave function has variance at most the Gaussian's), so the projected
+        belief is never wider than ``incoming[to]`` and the outgoing message never has a
+        negative precision.  Operators use it to keep learned or sampled answers on the right
+        side of that bound (see :func:`kjit.operators.respect_factor_bounds`).
+        """
+        return None
+
     def log_density(self, *args, **kw):  # pragma: no cover - optional
         raise NotImplementedError(f"factor {self.name!r} has no log density")
 

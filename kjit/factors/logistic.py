@@ -17,13 +17,14 @@ from typing import Mapping
 import numpy as np
 from scipy import special
 
-from ..errors import OracleError
+from ..errors import OracleError, gaussian_or_error
 from ..families import Beta, Family, Gaussian
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
 from .base import Factor, broadcast_messages, check_power, partition, register_factor, rule
 
-__all__ = ["Logistic", "logistic_tilted_rule", "logistic_incoming", "LogisticOperator", "LogisticLogDensity"]
+__all__ = ["Logistic", "logistic_tilted_rule", "logistic_laplace_limit", "logistic_incoming", "LogisticOperator",
+           "LogisticLogDensity"]
 
 
 # the logistic's bends: fixed split points so no panel straddles the transition of σ
@@ -175,13 +176,23 @@ class Logistic(Factor):
     def laplace_log_density(self):
         return LogisticLogDensity()
 
+    def log_concave(self, to, incoming):
+        # the factor on x, z integrated against Beta(α, β): σ(x)^(α−1) σ(−x)^(β−1), log-concave
+        # in x exactly when α ≥ 1 and β ≥ 1 (log σ is concave); the labels Beta(2,1)/(1,2) are
+        if to != "x":
+            return None
+        z = incoming["z"]
+        return (np.asarray(z.alpha) >= 1.0) & (np.asarray(z.beta) >= 1.0)
+
     # ------------------------------------------------------------------ exact rules
     @rule("x", power=True)
     def _belief_x(self, incoming, to, power):
         x, z = incoming["x"], incoming["z"]
         t, lw, _ = logistic_tilted(x.mean(), x.var(), z.alpha, z.beta, power)
         mean, var = weighted_mean_var(t, lw)
-        return Gaussian(mean, var)
+        au, bu = _powered(z.alpha, z.beta, power)
+        mean, var = _logistic_point_mass_limit(x.mean(), x.var(), au, bu, mean, var)
+        return gaussian_or_error(mean, var, "logistic belief on x")
 
     @rule("z")
     def _belief_z(self, incoming, to, power):
@@ -207,6 +218,36 @@ class Logistic(Factor):
     def _log_partition(self, incoming, power):
         x, z = incoming["x"], incoming["z"]
         return logistic_tilted(x.mean(), x.var(), z.alpha, z.beta, power)[2]
+
+
+# below this v·(α + β + 1) the logistic belief on x is its second-order (Laplace) limit
+_POINT_MASS = 1e-10
+
+
+def _logistic_point_mass_limit(mu, v, alpha, beta, mean, var):
+    """Where the cavity N(mu, v) is nearly a point mass on the scale of the factor
+    l(x) = (α−1) log σ(x) + (β−1) log σ(−x) (v·(α+β+1) < 1e-10), the tilted distribution is
+    N(mu + v_q l'(mu), v_q), 1/v_q = 1/v − l''(mu), up to a relative O(v) in the variance (the
+    next terms carry the third derivative of l); the panel rule there can underflow the variance
+    to 0 (v ~ 1e-23) and loses the message precision 1/v_q − 1/v to round-off long before."""
+    mu, v = np.asarray(mu, float), np.asarray(v, float)
+    a, b = np.asarray(alpha, float), np.asarray(beta, float)
+    pm = v * (a + b + 1.0) < _POINT_MASS
+    if not np.any(pm):
+        return mean, var
+    mean, var = np.array(mean, dtype=float), np.array(var, dtype=float)
+    mean[pm], var[pm] = logistic_laplace_limit(mu[pm], v[pm], a[pm], b[pm])
+    return mean, var
+
+
+def logistic_laplace_limit(mu, v, alpha, beta):
+    """Mean and variance of N(x; mu, v)·σ(x)^(α−1)σ(−x)^(β−1) to second order in the cavity
+    (exact as v → 0): precision 1/v − l''(mu), mean mu + v_q l'(mu)."""
+    s_pos, s_neg = special.expit(mu), special.expit(-mu)
+    d1 = (alpha - 1.0) * s_neg - (beta - 1.0) * s_pos          # l'(mu)
+    d2 = -(alpha + beta - 2.0) * s_pos * s_neg                 # l''(mu)
+    vq = v / (1.0 - v * d2)                                    # 1 / (1/v − l'')
+    return mu + vq * d1, vq
 
 
 # ------------------------------------------------------------------ default training distribution

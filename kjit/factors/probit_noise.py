@@ -24,7 +24,7 @@ from typing import Mapping
 import numpy as np
 from scipy import special
 
-from ..errors import OracleError
+from ..errors import gaussian_or_error
 from ..families import Bernoulli, Family, Gaussian
 from ..protocols import Operator
 from ..quadrature import LOG_SQRT_2PI, gaussian_kl, two_piece_moments
@@ -64,6 +64,13 @@ class ProbitNoise(Factor):
     def laplace_log_density(self):
         raise ValueError(_NOT_SMOOTH)
 
+    def log_concave(self, to, incoming):
+        # Θ(y f) is the indicator of a half-line (log-concave); with label noise ε > 0 the
+        # factor is a two-level step, which is not
+        if to != "f" or self.eps > 0.0:
+            return None
+        return np.ones(incoming["f"].shape, dtype=bool)
+
     def sample(self, inputs, size, rng):
         y = np.where(inputs["f"] >= 0, 1.0, -1.0)
         flip = rng.random(size) < self.eps
@@ -81,9 +88,7 @@ class ProbitNoise(Factor):
     @rule("f", power=True)
     def _belief_f(self, incoming, to, power):
         _, mean, var, _ = self._tilted(incoming, power)
-        if np.any(~(var > 0)):
-            raise OracleError("probit tilted variance underflowed to 0 (cavity far in the tail)")
-        return Gaussian(mean, var)
+        return gaussian_or_error(mean, var, "probit belief on f (cavity far in the tail)")
 
     @rule("y")
     def _belief_y(self, incoming, to, power):
