@@ -399,15 +399,21 @@ class MessageImportanceSampler(Oracle):
             s0 = np.sum(w, axis=0)
             with np.errstate(invalid="ignore", divide="ignore"):
                 wn = w / s0[None, :]
-                mu = np.einsum("nr,nrk->rk", wn, u)
+                k_ = u.shape[-1]
+                mu = np.stack([np.sum(wn * u[..., a], axis=0) for a in range(k_)], axis=-1)
                 d = u - mu[None]
-                cov = np.einsum("nr,nrk,nrl->rkl", wn * wn, d, d)
-                ess = 1.0 / np.sum(wn * wn, axis=0)
+                w2 = wn * wn
+                cov = np.empty((sub.size, k_, k_))
+                for a in range(k_):  # k is 1 or 2: explicit sums beat a general einsum here
+                    wd = w2 * d[..., a]
+                    for b in range(a, k_):
+                        cov[:, a, b] = cov[:, b, a] = np.sum(wd * d[..., b], axis=0)
+                ess = 1.0 / np.sum(w2, axis=0)
                 log_z = np.log(s0 / n) + m
             ess = np.where(ok, ess, 0.0)
             if self.factor.families[to].centred_estimate:
                 # (E x, E x²) with the variance computed centred: no loss of digits for |mean| ≫ sd
-                var = np.einsum("nr,nr->r", wn, d[..., 0] ** 2)
+                var = np.sum(wn * d[..., 0] ** 2, axis=0)
                 mu = np.stack([mu[:, 0], var + mu[:, 0] ** 2], axis=-1)
             out.append((mu, cov, ess, log_z))
             k = u.shape[-1]
