@@ -104,3 +104,68 @@ def test_validation_names_the_problem():
         g.add_factor("logistic", {"x": Gaussian(0.0, 1.0), "z": Beta(2.0, 1.0)})
     with pytest.raises(ValueError, match="no factors"):
         GraphEP(g).run()
+
+
+# ----------------------------------------------------------------------------- random graphs
+_RANDOM_FACTORS = ("product", "gaussian", "gamma_rate", "exp", "logistic")
+
+
+def _random_message(fam, rng):
+    if fam is Gaussian:
+        return Gaussian(float(rng.normal(0, 3)), float(10 ** rng.uniform(-2, 2)))
+    if fam is Gamma:
+        return Gamma(float(10 ** rng.uniform(-0.5, 1.5)), float(10 ** rng.uniform(-1, 1)))
+    return Beta(float(10 ** rng.uniform(-0.3, 1)), float(10 ** rng.uniform(-0.3, 1)))
+
+
+def _random_graph(rng):
+    from kjit.factors import get_factor
+
+    g = FactorGraph()
+    names = {Gaussian: [], Gamma: []}
+    for i in range(int(rng.integers(1, 5))):
+        fam = Gaussian if rng.random() < 0.6 else Gamma
+        names[fam].append(g.add_variable(f"v{i}", _random_message(fam, rng)))
+    for _ in range(int(rng.integers(1, 7))):
+        f = get_factor(str(rng.choice(_RANDOM_FACTORS)))
+        bind, used = {}, set()
+        for fv in f.variables:
+            fam = f.families[fv]
+            free = [v for v in names.get(fam, []) if v not in used]
+            if free and rng.random() < 0.7:
+                bind[fv] = str(rng.choice(free))
+                used.add(bind[fv])
+            else:
+                bind[fv] = _random_message(fam, rng)
+        if used:
+            g.add_factor(f, bind)
+    return g
+
+
+def _check_random_graphs(n, seed, max_iter=15):
+    rng = np.random.default_rng(seed)
+    outcomes = {"converged": 0, "max_iter": 0, "diverged": 0}
+    for k in range(n):
+        g = _random_graph(rng)
+        if not g.factors:
+            continue
+        res = GraphEP(g, max_iter=max_iter, damping=float(rng.choice([0.0, 0.5])),
+                      schedule=str(rng.choice(["parallel", "sequential"]))).run()
+        for v, q in res.beliefs.items():
+            assert np.all(np.isfinite(q.natural())) and bool(q.is_proper), (k, v, q, res.status)
+        outcomes[res.outcome] += 1
+        assert res.status.startswith({"converged": "converged", "max_iter": "stopped at max_iter",
+                                      "diverged": "diverged"}[res.outcome])
+    return outcomes
+
+
+def test_random_small_graphs_never_crash_or_return_nan():
+    out = _check_random_graphs(25, seed=7)
+    assert out["converged"] > 0
+
+
+@pytest.mark.slow
+def test_1000_random_small_graphs_never_crash_or_return_nan():
+    # at most 5 iterations each (exact rules on random, often hard messages: ~0.2 s a graph)
+    out = _check_random_graphs(1000, seed=2026, max_iter=5)
+    assert sum(out.values()) > 900

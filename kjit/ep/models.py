@@ -28,6 +28,7 @@ __all__ = [
     "PoissonRegression",
     "normal_mean_precision",
     "poisson_gamma",
+    "rank_one",
     "expected_sigmoid",
     "logistic_gauss_hermite",
 ]
@@ -478,4 +479,29 @@ def poisson_gamma(counts, shape: float = 1.0, prior_rate=None):
     for i, ki in enumerate(k):
         g.add_variable(f"lam{i}", Gamma(ki + 1.0, 1.0))
         g.add_factor("gamma_rate", {"r": "r", "x": f"lam{i}"}, shape=shape)
+    return g
+
+
+def rank_one(Y, noise_var: float, prior_u=None, prior_v=None, mask=None):
+    """Factor graph of a rank-one factorisation ``Y_ij ≈ u_i v_j``: ``u_i ~ prior_u``,
+    ``v_j ~ prior_v``, ``z_ij = u_i · v_j`` (the ``product`` factor) observed with Gaussian noise:
+    the message ``N(Y_ij, noise_var)`` to ``z_ij``.  Entries with ``mask`` False are missing.
+    Variables ``"u0"``, …, ``"v0"``, …  (Give one of the priors a non-zero mean: the likelihood is
+    symmetric under (u, v) → (−u, −v).)"""
+    from ..families import Gaussian
+    from .graph import FactorGraph
+
+    Y = np.asarray(Y, dtype=float)
+    if Y.ndim != 2 or Y.size == 0:
+        raise ValueError(f"`Y` must be a non-empty 2-D array, got shape {Y.shape}")
+    mask = np.isfinite(Y) if mask is None else np.asarray(mask, bool) & np.isfinite(Y)
+    if not (np.isfinite(noise_var) and noise_var > 0):
+        raise ValueError("`noise_var` must be a positive number")
+    g = FactorGraph()
+    for i in range(Y.shape[0]):
+        g.add_variable(f"u{i}", prior_u if prior_u is not None else Gaussian(0.0, 1.0))
+    for j in range(Y.shape[1]):
+        g.add_variable(f"v{j}", prior_v if prior_v is not None else Gaussian(1.0, 1.0))
+    for i, j in zip(*np.nonzero(mask)):
+        g.add_factor("product", {"x": f"u{i}", "y": f"v{j}", "z": Gaussian(float(Y[i, j]), float(noise_var))})
     return g

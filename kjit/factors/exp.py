@@ -28,6 +28,9 @@ class Exp(Factor):
     output = "y"
     families = {"x": Gaussian, "y": Gamma}
     no_power_reason = "the factor is the deterministic constraint δ(y − e^x), whose power is not a density"
+    # served by default: x is the recipient of Poisson regression with a log link
+    # (kjit.ep.PoissonRegression; the README's served-model example)
+    served = ("x",)
 
     _belief, _log_partition = exact_rules(_exact, ("x", "y"), power=_exact.SUPPORTS_POWER)
 
