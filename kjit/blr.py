@@ -79,7 +79,7 @@ from typing import Any, Mapping
 import numpy as np
 from scipy import linalg
 from scipy.linalg import blas, cho_factor, cho_solve, eigh, lapack
-from .persistence import StateReader
+from .state import StateReader
 
 __all__ = ["BayesianLinearRegression", "NotFittedError"]
 

@@ -42,11 +42,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from .factors import Factor, get_factor
-from .families import FAMILIES, Family
+from .families import Family, family_name
 
 __all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError"]
 
-_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
 _MODES = ("predict", "jit", "oracle")
 
 
@@ -100,7 +99,7 @@ def _describe(detail) -> str:
 
 
 def _columns(m: Family, what: str) -> dict:
-    out = {"family": _FAMILY_NAMES[type(m)]}
+    out = {"family": family_name(m)}
     for n, p in zip(m.param_names, m.params):
         a = np.asarray(p, dtype=float).ravel()
         if not np.all(np.isfinite(a)):

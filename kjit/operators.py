@@ -29,8 +29,9 @@ import numpy as np
 
 from .blr import BayesianLinearRegression
 from .factors import Factor, get_factor
-from .families import Family, Gaussian
+from .families import Family, family_name
 from .features import TwoStageFeatures
+from .protocols import Operator
 from .training import TrainingSet
 
 __all__ = ["KernelOperator", "respect_factor_bounds", "sign_undetermined", "SIGN_Z"]
@@ -87,7 +88,7 @@ def _log_evidence_grid_dual(psi: np.ndarray, Y: np.ndarray, prior_vars, noise_va
     return out, float(lam_n.max(initial=0.0))
 
 
-class KernelOperator:
+class KernelOperator(Operator):
     """Kernel-based message operator for one (factor, recipient) direction.
 
     Parameters
@@ -315,16 +316,10 @@ class KernelOperator:
         return c
 
     def _to_relative(self, coords, base):
-        rel = coords - base
-        if self.family is Gaussian:
-            rel[..., 0] = rel[..., 0] / np.exp(0.5 * base[..., 1])
-        return rel
+        return self.family.to_relative(coords, base)
 
     def _from_relative(self, rel, base):
-        out = rel + base
-        if self.family is Gaussian:
-            out[..., 0] = base[..., 0] + rel[..., 0] * np.exp(0.5 * base[..., 1])
-        return out
+        return self.family.from_relative(rel, base)
 
     def regression_targets(self, incoming: Mapping[str, Family], beliefs: Family) -> np.ndarray:
         """The coordinates the regression is fitted to (before standardisation), shape (n, k)."""
@@ -386,10 +381,9 @@ class KernelOperator:
         self._check_to(to)
         return self._to_belief(self.predict_coords(incoming, return_var=False), incoming)
 
-    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+    def _recipient(self, to):
         self._check_to(to)
-        _, _, inc = self._messages(incoming)
-        return self.belief(incoming) / inc[self.to]
+        return self.to
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
         """Log predictive variance per output coordinate, shape (batch, k)."""
@@ -620,7 +614,7 @@ _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is 
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
 
-class JITOperator:
+class JITOperator(Operator):
     """Just-in-time operator (SPEC §6): predict when confident, else ask the oracle and learn.
 
     Parameters
@@ -958,10 +952,9 @@ class JITOperator:
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         return self.predict(incoming, to)[0]
 
-    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+    def _recipient(self, to):
         self._check_to(to)
-        inc, _ = self.factor.check_incoming(incoming, self.to)
-        return self.belief(incoming) / inc[self.to]
+        return self.to
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -970,12 +963,12 @@ class JITOperator:
         configuration including its random generator state."""
         from .oracles import ImportanceSamplingOracle, QuadratureOracle
 
-        if isinstance(self.oracle, ImportanceSamplingOracle):
+        if isinstance(self.oracle, ImportanceSamplingOracle):  # noqa: SIM114
             o = self.oracle
             oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
                       "chunk": o.chunk, "rng_state": json.dumps(o._rng.bit_generator.state),
                       "reuse": o.reuse, "pool": json.dumps(o.pool_state()),
-                      "proposal": json.dumps({v: [type(m).__name__.lower(), m.to_dict()] for v, m in o.proposal.items()})}
+                      "proposal": json.dumps({v: [family_name(m), m.to_dict()] for v, m in o.proposal.items()})}
         elif isinstance(self.oracle, QuadratureOracle):
             oracle = {"kind": "quadrature"}
         else:

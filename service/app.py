@@ -63,6 +63,7 @@ def _document_bodies(app: FastAPI) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the store is opened (and its operators loaded, in the background) at startup."""
     settings = settings if settings is not None else Settings.from_env()
+    settings.import_factors()  # --factors / KJIT_FACTORS: before any operator is loaded
     metrics = Metrics()
     store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, observer=metrics.observe_store,
                           shared=open_shared(settings.shared_store) if settings.shared_store else None,

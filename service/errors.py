@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kjit.families import FAMILIES
+
 log = logging.getLogger("kjit.service")
 
 #: most error items in one response (the first ones; ``error_count`` gives the total)
@@ -53,7 +55,7 @@ def error_response(status: int, items, headers=None) -> JSONResponse:
     return JSONResponse(_payload(items), status_code=status, headers=headers)
 
 
-_FAMILY_TAGS = {"gaussian", "beta", "gamma", "bernoulli"}
+_FAMILY_TAGS = set(FAMILIES)  # the discriminator tags of message batches
 _SOURCE_TAGS = {"oracle", "file"}
 
 

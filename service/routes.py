@@ -24,7 +24,7 @@ from .shared import SharedLogError
 from .store import (Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, Unprocessable,
                     body_hash, family_name)
 from .jobs import QueueFull, scrub
-from .training import DEFAULT_DISTRIBUTIONS, TrainSpec, sampler_from_ranges
+from .training import TrainSpec, sampler_from_ranges
 from .validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
 
 router = APIRouter()
@@ -206,6 +206,8 @@ def ready(store: Annotated[OperatorStore, Depends(get_store)]):
     waiting = store.loading | store.retry
     body = {"ready": store.loaded and not store.failed and not waiting, "operators": store.names(),
             "loading": sorted(waiting), "failed": _failed(store)}
+    if store.missing_factors:  # operator → the factor it needs that this server does not have
+        body["missing_factors"] = dict(store.missing_factors)
     return _json(body, 200 if body["ready"] else 503)
 
 
@@ -427,7 +429,7 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     if src.kind == "oracle":
         spec.n = src.n
         if src.distribution == "default":
-            if factor.name not in DEFAULT_DISTRIBUTIONS:
+            if factor.default_incoming is None:
                 raise ApiError(422, ["body", "source", "distribution"],
                                f"no default distribution for factor {factor.name!r}; give per-parameter ranges",
                                "value_error")

@@ -15,13 +15,18 @@ Parameters must be valid and within the range the math can carry (:data:`PARAM_M
 :data:`POSITIVE_MIN`): message parameters at most ``1e100`` in magnitude, variances, α, β,
 shapes and rates in ``[1e-100, 1e100]``, Bernoulli p in [0, 1].  Lists stop at their first
 invalid element (``fail_fast``), so a long list of bad numbers costs one error, not one each.
+The batch models are generated from the family registry (each family's ``json_columns``: a
+column is ``"finite"`` (a bounded real), ``"positive"`` or ``"probability"``), so a new family
+travels over HTTP with no edit here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+
+from kjit.families import FAMILIES
 
 #: largest magnitude of a message parameter: squares and products of two parameters stay finite
 PARAM_MAX = 1e100
@@ -48,34 +53,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class GaussianBatch(_Strict):
-    """N(mean, var) messages."""
-    family: Literal["gaussian"]
-    mean: list[Param] = Field(**NonEmpty)
-    var: list[Positive] = Field(**NonEmpty)
+# a family's json_columns kinds → the column's element type
+_CONSTRAINTS = {"finite": Param, "positive": Positive, "probability": Probability}
 
 
-class BetaBatch(_Strict):
-    """Beta(alpha, beta) messages."""
-    family: Literal["beta"]
-    alpha: list[Positive] = Field(**NonEmpty)
-    beta: list[Positive] = Field(**NonEmpty)
+def _batch_model(name: str, fam) -> type[BaseModel]:
+    """The request model of one family's message batch, from its ``json_columns``."""
+    if not fam.json_columns:
+        raise ValueError(f"family {fam.__name__} declares no json_columns: it cannot travel over HTTP")
+    fields: dict[str, Any] = {"family": (Literal[name], ...)}
+    for col, kind in fam.json_columns.items():
+        fields[col] = (list[_CONSTRAINTS[kind]], Field(**NonEmpty))
+    doc = (fam.__doc__ or fam.__name__).strip().splitlines()[0]
+    return create_model(f"{fam.__name__}Batch", __base__=_Strict, __doc__=f"{doc} (message batch)", **fields)
 
 
-class GammaBatch(_Strict):
-    """Gamma(shape, rate) messages."""
-    family: Literal["gamma"]
-    shape: list[Positive] = Field(**NonEmpty)
-    rate: list[Positive] = Field(**NonEmpty)
+def message_batch_models() -> dict[str, type[BaseModel]]:
+    """Family name → request model, for every family in :data:`kjit.families.FAMILIES`."""
+    return {name: _batch_model(name, fam) for name, fam in FAMILIES.items()}
 
 
-class BernoulliBatch(_Strict):
-    """Bernoulli messages on y in {-1, +1}, p = P(y = +1); p = 0 or 1 is an observation."""
-    family: Literal["bernoulli"]
-    p: list[Probability] = Field(**NonEmpty)
-
-
-MessageBatch = Annotated[Union[GaussianBatch, BetaBatch, GammaBatch, BernoulliBatch], Field(discriminator="family")]
+_BATCH_MODELS = message_batch_models()
+globals().update({m.__name__: m for m in _BATCH_MODELS.values()})  # GaussianBatch, BetaBatch, …
+MessageBatch = Annotated[Union[tuple(_BATCH_MODELS.values())], Field(discriminator="family")]
 
 _EXAMPLE_INCOMING = {
     "x": {"family": "gaussian", "mean": [0.0, 2.0], "var": [1.0, 0.5]},

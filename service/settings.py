@@ -12,8 +12,12 @@ variable                   meaning                                     default
 ``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
 ``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
 ``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
-``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         ``logistic-x,logistic-z,``
-                           missing (comma-separated; ``none``)         ``compound_gamma-tau``
+``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         every registered factor's
+                           missing (comma-separated; ``none``)         served recipients (built-ins:
+                                                                       ``logistic-x,logistic-z,``
+                                                                       ``compound_gamma-tau``)
+``KJIT_FACTORS``            modules that define (register) factors,     unset (built-ins and the
+                           imported at start (comma-separated)          ``kjit.factors`` entry points)
 ``KJIT_DEFAULT_N_TRAIN``   training pairs of a default operator        ``4000``
 ``KJIT_DEFAULT_N_INNER``   D_in of a default operator                  ``500``
 ``KJIT_DEFAULT_N_OUTER``   D_out of a default operator                 ``1000``
@@ -58,7 +62,7 @@ import math
 
 __all__ = ["Settings", "DEFAULT_OPERATORS"]
 
-DEFAULT_OPERATORS = ("logistic-x", "logistic-z", "compound_gamma-tau")
+DEFAULT_OPERATORS = None  # None: each registered factor's served recipients (service.training.served_defaults)
 
 
 def _default_store() -> Path:
@@ -75,7 +79,8 @@ class Settings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_batch: int = 10_000
     snapshot_every: int = 500
-    default_operators: tuple[str, ...] = DEFAULT_OPERATORS
+    default_operators: tuple[str, ...] | None = DEFAULT_OPERATORS
+    factors: tuple[str, ...] = ()
     # 4000 pairs at D 500/1000 (was 2000 at 300/500): EP through the served JIT operator then stays
     # within 0.02 posterior sd of quadrature-EP on banknote (0.14 before: the smaller operator's
     # noise floor, a relative 2e-3 per message, adds up over EP's messages) — benchmarks/ep_learned.py
@@ -101,6 +106,10 @@ class Settings:
 
     def __post_init__(self):
         object.__setattr__(self, "store", Path(self.store).expanduser())
+        if isinstance(self.factors, str):
+            object.__setattr__(self, "factors", tuple(m.strip() for m in self.factors.split(",") if m.strip()))
+        else:
+            object.__setattr__(self, "factors", tuple(self.factors))
         if self.token is not None and self.token == "":
             object.__setattr__(self, "token", None)
         for name in ("max_body_bytes", "max_batch", "snapshot_every", "default_n_train",
@@ -117,6 +126,14 @@ class Settings:
             raise ValueError(f"setting `merge_interval` must be >= 0 seconds, got {self.merge_interval!r}")
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"setting `port` must lie in [0, 65535], got {self.port!r}")
+
+    def import_factors(self) -> None:
+        """Import the modules named by ``factors`` (they register their factors); ``ValueError``
+        naming a module that cannot be imported.  Entry-point plugins need nothing: the registry
+        loads them on first use."""
+        from kjit.factors import import_factor_modules
+
+        import_factor_modules(self.factors)
 
     @property
     def training_dir(self) -> Path:
@@ -139,6 +156,8 @@ class Settings:
                 if f.name == "default_operators":
                     names = [s.strip() for s in raw.split(",") if s.strip()]
                     kw[f.name] = () if names in ([], ["none"]) else tuple(names)
+                elif f.name == "factors":
+                    kw[f.name] = tuple(s.strip() for s in raw.split(",") if s.strip())
                 elif f.name in ("host", "log_level"):
                     kw[f.name] = raw
                 elif f.name in ("token", "shared_store"):

@@ -63,14 +63,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from kjit import __version__ as kjit_version
-from kjit.families import FAMILIES, Family
+from kjit.factors import UnknownFactorError
+from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
 from kjit.persistence import dumps_state, loads_state
-from kjit.training import DEFAULT_DISTRIBUTIONS
 
 from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
 from .locks import RWLock
+from .names import NAME_RE
 from .shared import SharedLog, SharedLogError
 from .schemas import PARAM_MAX
 from .validation import NUMERIC_ERRORS
@@ -90,18 +91,9 @@ __all__ = [
     "family_name",
 ]
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
 MAX_IDEMPOTENCY_KEYS = 10_000
-_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
-
-
-def family_name(cls_or_msg) -> str:
-    cls = cls_or_msg if isinstance(cls_or_msg, type) else type(cls_or_msg)
-    return _FAMILY_NAMES[cls]
-
-
 class NotFound(LookupError):
     pass
 
@@ -216,7 +208,7 @@ class Entry:
     def _self_test(self) -> None:
         """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
         failed): predict a fixed batch from the factor's default distribution, if it has one."""
-        sampler = DEFAULT_DISTRIBUTIONS.get(self.jit.factor.name)
+        sampler = self.jit.factor.default_incoming
         if sampler is None:
             return
         incoming = sampler(16, np.random.default_rng(0))
@@ -787,6 +779,7 @@ class OperatorStore:
         self._observer = observer
         self.entries: dict[str, Entry] = {}
         self.failed: dict[str, str] = {}
+        self.missing_factors: dict[str, str] = {}  # operator → the factor it needs that is not registered
         self.loading: set[str] = set()
         self.loaded = False
         self._lock = threading.Lock()
@@ -871,6 +864,15 @@ class OperatorStore:
             log.warning("operator %s: %s; loading it again at the next merge or request", name, exc)
             with self._lock:
                 self.retry.add(name)
+                self.loading.discard(name)
+            return
+        except UnknownFactorError as exc:  # the factor's package or module is not available here
+            why = (f"factor {exc.name!r} is not available: install the package that provides it (entry point "
+                   f"group kjit.factors) or name its module with --factors / KJIT_FACTORS ({exc})")
+            log.error("operator %s could not be loaded: %s", name, why)
+            with self._lock:
+                self.failed[name] = why
+                self.missing_factors[name] = exc.name
                 self.loading.discard(name)
             return
         except Exception as exc:
@@ -1072,6 +1074,7 @@ class OperatorStore:
         with self._lock:
             self.entries[name] = entry
             self.failed.pop(name, None)
+            self.missing_factors.pop(name, None)
         return entry
 
 

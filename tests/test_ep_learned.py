@@ -23,7 +23,8 @@ from kjit.ep.engine import UncertainAnswerError, UncertainAnswerWarning, _poster
 from kjit.factors import Logistic, ProbitNoise
 from kjit.families import Beta, Gaussian
 from kjit.operators import KernelOperator, JITOperator, respect_factor_bounds, sign_undetermined
-from kjit.oracles import OracleError, QuadratureOracle, logistic_laplace_limit
+from kjit.factors.logistic import logistic_laplace_limit
+from kjit.oracles import OracleError, QuadratureOracle
 from kjit.training import logistic_incoming, make_training_set
 
 from test_ep_helpers import logistic_problem

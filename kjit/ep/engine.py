@@ -122,6 +122,7 @@ from scipy import linalg
 from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
+from ..protocols import has_log_partition, has_projection_kl, is_operator, supports_power
 
 __all__ = [
     "GaussianPosterior",
@@ -515,8 +516,8 @@ class LinearEP:
 
     # ------------------------------------------------------------------ validation
     def _check_options(self, d):
-        if not hasattr(self.operator, "belief"):
-            raise ValueError("`operator` must have a `belief(incoming, to)` method")
+        if not is_operator(self.operator):
+            raise ValueError("`operator` must have a `belief(incoming, to)` method (kjit.protocols.MessageOperator)")
         if not isinstance(self.site_var, str) or not self.site_var:
             raise ValueError("`site_var` must be a non-empty string")
         pv = np.asarray(self.prior_var, dtype=float)
@@ -538,7 +539,7 @@ class LinearEP:
             raise ValueError(f"`power` must be a finite number > 0, got {self.power!r}") from None
         if not (np.isfinite(u) and u > 0):
             raise ValueError(f"`power` must be a finite number > 0, got {self.power!r}")
-        if u != 1.0 and not getattr(self.operator, "supports_power", False):
+        if u != 1.0 and not supports_power(self.operator):
             raise ValueError(
                 f"power EP (power={u:g}) needs an operator for the factor to the power u: "
                 "operator.belief(incoming, to, power=u) with operator.supports_power = True "
@@ -549,7 +550,7 @@ class LinearEP:
             c = self.relax_c
             if not (isinstance(c, (int, float, np.floating, np.integer)) and np.isfinite(c) and c > 0):
                 raise ValueError(f"`relax_c` must be None or a finite number > 0, got {c!r}")
-            if not hasattr(self.operator, "projection_kl"):
+            if not has_projection_kl(self.operator):
                 raise ValueError(
                     "relaxed EP needs operator.projection_kl(incoming, to) = KL(tilted ‖ proj tilted) "
                     f"for its line search; {type(self.operator).__name__} has none "
@@ -1032,7 +1033,7 @@ class LinearEP:
     def _log_evidence(self, A, prior_prec, observed, h, lam, state):
         if not self.compute_evidence:
             return None, "not computed (compute_evidence=False)"
-        if not hasattr(self.operator, "log_partition"):
+        if not has_log_partition(self.operator):
             return None, "operator has no log_partition"
         u = float(self.power)
         m, v = _marginals(A, state)

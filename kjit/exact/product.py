@@ -1,0 +1,193 @@
+"""Exact EP rules of the ``product`` factor: x, y (Gaussian) → z = x·y (Gaussian).
+
+Incoming N(x; m_x, v_x), N(y; m_y, v_y), N(z; m_z, v_z).  Given x, y ↦ z = x y is linear, so y
+and z integrate out in closed form and the tilted distribution is a 1-D integral over x:
+
+    w(x) = N(x; m_x, v_x) · N(x m_y; m_z, V(x)),   V(x) = x² v_y + v_z.
+
+* belief on x: the first two moments of w;
+* belief on z: the w-mixture of the Gaussian posterior of z given x,
+  N((x m_y v_z + m_z x² v_y) / V, x² v_y v_z / V), by its mixture moments (E[var] + Var[mean],
+  summed centred) — both functions are bounded in x;
+* belief on y: the same with x and y exchanged (integral over y);
+* ``log_partition``: log ∫ w.
+
+w is not log-concave (it can have two modes, e.g. z observed far from m_x m_y with a broad x,
+and a spike at 0 when m_z ≈ 0 and v_z is small): its derivative times v_x V(x)² is the quintic
+
+    −(x − m_x) V² − v_x v_y x V − v_x (x m_y − m_z)(m_y v_z + m_z v_y x),
+
+whose real roots (companion-matrix eigenvalues, refined by bisection on the derivative's sign
+changes) are all of w's stationary points; only those within the region where
+N(x; m_x, v_x) (2π v_z)^{−1/2} — an upper bound of w — exceeds e^{−60} of w's largest found
+value can matter.  The panel rule is cut at these points, at ±σ, ±3σ, ±6σ, ±12σ about each
+(σ a local curvature scale), and at ±√(v_z/v_y) 4^k: where x² v_y ≫ v_z the factor decays like
+1/|x| over decades (an x message centred at 0 with z ≈ 0), which level panels alone resolve
+poorly; geometric panels of ratio 4 integrate it to ~1e-12.
+
+Power EP: not supported.  The factor is the deterministic constraint δ(z − x y); its power
+δ^α (α ≠ 1) is not a density, so there is no powered tilted distribution; ``power`` other
+than 1 raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ..families import Family, Gaussian
+from ._common import (
+    check_incoming,
+    check_power,
+    check_projection,
+    check_sample_inputs,
+    check_to,
+    col,
+    gaussian_belief,
+    gaussian_from_nodes,
+    gaussian_mixture,
+    rule,
+    stationary_points,
+)
+
+NAME = "product"
+INPUTS = ("x", "y")
+OUTPUT = "z"
+FAMILIES = {"x": Gaussian, "y": Gaussian, "z": Gaussian}
+PARAMS: dict = {}
+SUPPORTS_POWER = False
+
+__all__ = ["belief", "log_partition", "sample"]
+
+_LOG_2PI = np.log(2.0 * np.pi)
+_LOCAL = np.array([1.0, 3.0, 6.0, 12.0])
+_MAX_GEOMETRIC = 64
+
+
+def _no_power(power):
+    if check_power(power) != 1.0:
+        raise NotImplementedError(
+            "product: power EP is not available: the factor is the deterministic constraint "
+            "z = x·y, whose power δ(z − x y)^α (α ≠ 1) is not a density"
+        )
+
+
+def _rule(m1, v1, m2, v2, mz, vz):
+    """Panel rule over t (the integrated input, message N(m1, v1); the other input N(m2, v2)).
+
+    log w(t) = −(t − m1)²/(2 v1) − ½ log V − (t m2 − mz)²/(2V) (constants dropped).
+    Returns (t, lw, raw log integral)."""
+
+    def logf(t, rows=None):
+        a1, b1, a2, b2, az, bz = (col(p, t, rows) for p in (m1, v1, m2, v2, mz, vz))
+        with np.errstate(over="ignore", invalid="ignore"):
+            V = t * t * b2 + bz
+            out = -0.5 * (t - a1) ** 2 / b1 - 0.5 * np.log(V) - 0.5 * (t * a2 - az) ** 2 / V
+        return np.where(np.isnan(out), -np.inf, out)
+
+    def dlogf(t, rows=None):
+        a1, b1, a2, b2, az, bz = (col(p, t, rows) for p in (m1, v1, m2, v2, mz, vz))
+        with np.errstate(over="ignore", invalid="ignore"):
+            V = t * t * b2 + bz
+            R = t * a2 - az
+            return -(t - a1) / b1 - t * b2 / V - R * a2 / V + R * R * t * b2 / (V * V)
+
+    B = m1.size
+    c = vz / v2  # the scale² where the factor's variance switches from v_z to x² v_y
+    # the quintic / (−v_y²) in the scaled variable ξ = t / lam
+    lam = np.abs(m1) + np.sqrt(v1) + np.sqrt(c)
+    k4 = -m1
+    k3 = 2.0 * c + v1
+    k2 = -2.0 * m1 * c + v1 * m2 * mz / v2
+    k1 = c * c + v1 * c + v1 * m2 * m2 * c / v2 - v1 * mz * mz / v2
+    k0 = -m1 * c * c - v1 * m2 * mz * c / v2
+    ks = np.stack([k4 / lam, k3 / lam**2, k2 / lam**3, k1 / lam**4, k0 / lam**5], axis=1)
+    comp = np.zeros((B, 5, 5))
+    ok = np.all(np.isfinite(ks), axis=1)
+    comp[:, 0, :] = np.where(ok[:, None], -ks, 0.0)
+    for i in range(1, 5):
+        comp[:, i, i - 1] = 1.0
+    roots_c = np.linalg.eigvals(comp)
+    cand = np.where(ok[:, None], roots_c.real * lam[:, None], np.nan)
+    # the region where w can matter: N(t; m1, v1) (2π v_z)^{-1/2} >= e^{-60} max w
+    probe = np.concatenate([m1[:, None], np.where(np.isfinite(cand), cand, m1[:, None])], axis=1)
+    fstar = np.max(logf(probe) - 0.5 * np.log(v1)[:, None], axis=1)  # log w + ½ log 4π²... below
+    q = np.maximum(-np.log(v1) * 0.5 - 0.5 * np.log(vz) - fstar + 60.0, 60.0)
+    half = np.sqrt(2.0 * v1 * q)
+    lo, hi = m1 - half, m1 + half
+    roots = stationary_points(dlogf, cand, lo, hi)
+    finite = np.isfinite(roots)
+    if not finite.any(axis=1).all():  # cannot happen for a proper w (it has a maximum); keep m1
+        roots[~finite.any(axis=1), 0] = m1[~finite.any(axis=1)]
+        finite = np.isfinite(roots)
+    r = np.where(finite, roots, m1[:, None])
+    V = r * r * v2[:, None] + vz[:, None]
+    kappa = 1.0 / v1[:, None] + (m2 * m2 + v2)[:, None] / V + ((mz * mz + vz) * v2)[:, None] / (V * V)
+    sig = 1.0 / np.sqrt(kappa)
+    local = (r[:, :, None] + sig[:, :, None] * np.concatenate([-_LOCAL, _LOCAL])).reshape(B, -1)
+    local = np.where(np.repeat(finite, 2 * _LOCAL.size, axis=1), local, np.nan)
+    # geometric breaks ±√c 4^k inside [lo, hi]
+    sc = np.sqrt(c)
+    with np.errstate(divide="ignore"):
+        ratio = np.max(np.maximum(np.abs(lo), np.abs(hi)) / sc)
+    K = int(np.clip(np.ceil(np.log(max(ratio, 1.0)) / np.log(4.0)), 0, _MAX_GEOMETRIC))
+    geo = sc[:, None] * 4.0 ** np.arange(K + 1)
+    geo = np.concatenate([-geo, geo], axis=1)
+    geo = np.where((geo > lo[:, None]) & (geo < hi[:, None]), geo, np.nan)
+    breaks = np.concatenate([roots, local, geo], axis=1)
+    breaks = np.where((breaks >= lo[:, None]) & (breaks <= hi[:, None]), breaks, np.nan)
+    best = np.argmax(np.where(finite, logf(r), -np.inf), axis=1)
+    step = sig[np.arange(B), best]
+    return rule(NAME, logf, breaks, step)
+
+
+def _setup(incoming, power):
+    _no_power(power)
+    flat, shape = check_incoming(NAME, FAMILIES, incoming)
+    return flat, shape
+
+
+def _args(flat, over: str):
+    """Messages of (integrated input, other input) for the integral over ``over``."""
+    other = "y" if over == "x" else "x"
+    a, b, z = flat[over], flat[other], flat["z"]
+    return a.mean(), a.var(), b.mean(), b.var(), z.mean(), z.var()
+
+
+def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", power: float = 1.0) -> Gaussian:
+    """Gaussian belief on ``to`` in {"x", "y", "z"} by its first two moments (``projection`` is
+    irrelevant for Gaussian beliefs: "kl" and "moments" coincide).  ``power`` must be 1."""
+    check_to(NAME, tuple(FAMILIES), to)
+    check_projection(projection)
+    flat, shape = _setup(incoming, power)
+    over = "y" if to == "y" else "x"
+    m1, v1, m2, v2, mz, vz = _args(flat, over)
+    t, lw, _ = _rule(m1, v1, m2, v2, mz, vz)
+    if to in ("x", "y"):
+        mean, var = gaussian_from_nodes(t, lw)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            t2v = t * t * v2[:, None]
+            V = t2v + vz[:, None]
+            mu = (t * m2[:, None] * vz[:, None] + mz[:, None] * t2v) / V
+            var_ = t2v * vz[:, None] / V
+        # nodes whose weight underflowed may hold inf/nan terms: they carry no mass
+        keep = np.isfinite(mu) & np.isfinite(var_) & np.isfinite(lw)
+        lw = np.where(keep, lw, -np.inf)
+        mean, var = gaussian_mixture(lw, np.where(keep, mu, 0.0), np.where(keep, var_, 0.0))
+    return gaussian_belief(NAME, mean, var).reshape(shape)
+
+
+def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
+    """log ∫ N(x; m_x, v_x) N(y; m_y, v_y) N(x y; m_z, v_z) dx dy."""
+    flat, shape = _setup(incoming, power)
+    m1, v1, m2, v2, mz, vz = _args(flat, "x")
+    lz = _rule(m1, v1, m2, v2, mz, vz)[2] - 0.5 * np.log(v1) - _LOG_2PI
+    return lz.reshape(shape)
+
+
+def sample(inputs: Mapping[str, np.ndarray], size: int, rng: np.random.Generator) -> np.ndarray:
+    """z = x·y for each of the ``size`` input pairs (deterministic; ``rng`` unused)."""
+    ins, size = check_sample_inputs(NAME, INPUTS, inputs, size)
+    return ins["x"] * ins["y"]
