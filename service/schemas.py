@@ -210,4 +210,5 @@ class ErrorItem(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    detail: list[ErrorItem]
+    detail: list[ErrorItem] = Field(description="the first errors (at most 20)")
+    error_count: int | None = Field(None, description="how many errors there were, when more than those listed")

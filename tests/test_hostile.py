@@ -346,3 +346,19 @@ def test_a_body_with_thousands_of_keys_is_refused_unparsed(app_client):
                         headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and r.json()["detail"] == [
         {"loc": ["body"], "type": "too_many_keys", "msg": r.json()["detail"][0]["msg"]}]
+
+
+def test_the_limits_are_kjit_environment_settings():
+    from service.settings import Settings
+
+    s = Settings.from_env({"KJIT_MAX_QUEUED_JOBS": "2", "KJIT_MAX_TRAIN_N": "500", "KJIT_MAX_N_INNER": "50",
+                           "KJIT_MAX_N_OUTER": "80", "KJIT_MAX_N_SAMPLES": "1000", "KJIT_MAX_ORACLE_BATCH": "7",
+                           "KJIT_ORACLE_CONCURRENCY": "3", "KJIT_ORACLE_WAIT": "0.5", "KJIT_OBSERVATION_MAX_Z": "4",
+                           "KJIT_OBSERVATION_MAX_KL": "0.1"})
+    assert (s.max_queued_jobs, s.max_train_n, s.max_n_inner, s.max_n_outer, s.max_n_samples, s.max_oracle_batch,
+            s.oracle_concurrency, s.oracle_wait, s.observation_max_z, s.observation_max_kl) == (
+        2, 500, 50, 80, 1000, 7, 3, 0.5, 4.0, 0.1)
+    for key, bad in (("KJIT_MAX_QUEUED_JOBS", "0"), ("KJIT_ORACLE_WAIT", "-1"), ("KJIT_OBSERVATION_MAX_KL", "nan"),
+                     ("KJIT_MAX_ORACLE_BATCH", "x")):
+        with pytest.raises(ValueError):
+            Settings.from_env({key: bad})
