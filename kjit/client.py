@@ -15,7 +15,8 @@ larger than the server's limit is sent in several requests.
 
 ``mode``: ``"jit"`` (the server consults its oracle on uncertain rows and learns; needs the
 token if the server has one), ``"predict"`` (learned operator only, read-only) or
-``"oracle"``.
+``"oracle"`` (needs the token too: it costs the server real CPU; batches are split at the
+server's ``max_oracle_batch``).
 
 Numbers cross the wire as JSON, which carries every finite double exactly, so a remote
 operator gives the same numbers as the same operator in process.  Non-finite parameters are
@@ -124,7 +125,7 @@ class RemoteOperator:
     ----------
     url : base URL of the service, e.g. ``"http://127.0.0.1:8000"``.
     name : operator name (``GET /v1/operators`` lists them).
-    token : bearer token, if the server has one (needed for ``jit`` mode and ``partial_fit``).
+    token : bearer token, if the server has one (needed for ``jit`` and ``oracle`` modes and ``partial_fit``).
     mode : ``"jit"`` (default), ``"predict"`` or ``"oracle"``.
     timeout : seconds for each request (connect: at most 5 s).
     retries : extra attempts after a connection error on idempotent calls.
@@ -313,6 +314,8 @@ class RemoteOperator:
         flat, shape = self._flat(incoming)
         n = int(np.prod(shape, dtype=int)) if shape else 1
         step = self.max_batch
+        if mode == "oracle":  # the server caps oracle work per request separately
+            step = min(step, int(self.info().get("limits", {}).get("max_oracle_batch", step)))
         parts = []
         retry = "connection" if mode in ("predict", "oracle") else "connect"
         for s in range(0, n, step):
