@@ -156,10 +156,13 @@ class _LinearEPModel:
     def _log_evidence_correction(self, y) -> float:
         return 0.0
 
+    def _check_y(self, y, n):
+        return _check_y01(y, n)
+
     def fit(self, X, y, init_sites=None):
         """Run EP on ``(X, y)``; returns ``self`` with ``posterior_``, ``result_``, ``coef_``."""
         X = _check_X(X)
-        y = _check_y01(y, X.shape[0])
+        y = self._check_y(y, X.shape[0])
         result: EPResult = self._engine().run(X, self._observed(y), init_sites=init_sites)
         self.result_ = result
         self.posterior_ = result.posterior
@@ -419,19 +422,8 @@ class PoissonRegression(_LinearEPModel):
     def _log_evidence_correction(self, y):
         return -float(np.sum(special.gammaln(np.asarray(y, float) + 1.0)))  # Gamma(k+1, 1) vs Poisson(k | y)
 
-    def fit(self, X, y, init_sites=None):
-        X = _check_X(X)
-        y = _check_counts(y, X.shape[0])
-        result: EPResult = self._engine().run(X, self._observed(y), init_sites=init_sites)
-        self.result_ = result
-        self.posterior_ = result.posterior
-        self.coef_ = result.posterior.mean
-        self.n_features_in_ = X.shape[1]
-        self.converged_ = result.converged
-        self.n_iter_ = result.iterations
-        self.log_evidence_ = (None if result.log_evidence is None
-                              else result.log_evidence + self._log_evidence_correction(y))
-        return self
+    def _check_y(self, y, n):
+        return _check_counts(y, n)
 
     def predict(self, X) -> np.ndarray:
         """Posterior predictive mean of the count, ``E[e^x] = exp(m + v/2)``."""
