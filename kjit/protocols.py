@@ -9,13 +9,23 @@ remote (:class:`kjit.client.RemoteOperator`) or a user's own — answers batches
     log_partition(incoming[, power]) -> ndarray              # log ∫ f^power Π m, optional
     supports_power: bool                                     # belief/log_partition take power=u, optional
     projection_kl(incoming, to[, power]) -> ndarray          # KL(tilted ‖ proj tilted), optional (relaxed EP)
+    predict(incoming, to) -> (belief, log_var[, consulted])  # with its uncertainty, optional (see below)
+    threshold: float                                         # the log variance above which it is uncertain, optional
+    oracle                                                   # an operator to ask instead where uncertain, optional
 
 :class:`Operator` is the base the kjit operators share: ``message = belief / incoming[to]``
 written once, and the optional members' defaults (no power, no log partition, no projection KL).
 The engine asks through :func:`supports_power`, :func:`has_log_partition` and
 :func:`has_projection_kl`, which read those optional members for any object with a ``belief``
-method — a user's operator need not inherit from :class:`Operator` (the EP engine only ever
-calls ``belief``; :func:`outgoing_message` gives any operator's message).
+method — a user's operator need not inherit from :class:`Operator` (the EP engine calls
+``belief``, or ``predict`` where :func:`reports_uncertainty`; :func:`outgoing_message` gives any
+operator's message).
+
+An operator *reports uncertainty* when its class defines ``predict`` (KernelOperator,
+JITOperator, RemoteOperator): the engine then asks ``predict`` and gets the log predictive
+variance of each answer (and, for a JIT operator, which rows its oracle answered).  A wrapper
+that forwards attributes through ``__getattr__`` (a recorder, a tap counting calls) does not
+count: the engine keeps calling its ``belief``, so what it records stays what EP asked.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ __all__ = [
     "supports_power",
     "has_log_partition",
     "has_projection_kl",
+    "reports_uncertainty",
 ]
 
 
@@ -102,3 +113,12 @@ def has_projection_kl(op) -> bool:
     if isinstance(flag, bool):
         return flag
     return callable(getattr(op, "projection_kl", None))
+
+
+def reports_uncertainty(op) -> bool:
+    """Does ``op``'s class define ``predict(incoming, to) -> (belief, log_var[, consulted])``
+    (see the module docstring; an explicit class flag ``reports_uncertainty`` overrides)."""
+    flag = getattr(type(op), "reports_uncertainty", None)
+    if isinstance(flag, bool):
+        return flag
+    return callable(getattr(type(op), "predict", None))

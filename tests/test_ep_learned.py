@@ -336,3 +336,17 @@ def test_random_problems_with_a_poor_learned_operator_never_return_nan(small_op)
 def test_1000_random_problems_with_a_poor_learned_operator_never_return_nan(small_op):
     out = _check_random(1000, seed=2026, op=small_op)
     assert sum(out.values()) == 1000
+
+
+def test_wrappers_that_forward_attributes_keep_their_belief_calls(small_op):
+    """A recorder or tap forwarding attributes through __getattr__ must still see every call (the
+    notebook's tap, kjit.ep.RecordingOperator): only operators whose class defines predict report
+    uncertainty to the engine."""
+    from kjit.ep import RecordingOperator
+    from kjit.protocols import reports_uncertainty
+
+    X, y = logistic_problem(15, 2, seed=1)
+    rec = RecordingOperator(small_op)
+    assert reports_uncertainty(small_op) and not reports_uncertainty(rec)
+    res = LinearEP(rec, max_iter=3).run(X, _labels(y))
+    assert len(rec.calls) == res.operator_calls == 3

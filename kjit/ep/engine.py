@@ -122,7 +122,7 @@ from scipy import linalg
 from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
-from ..protocols import has_log_partition, has_projection_kl, is_operator, supports_power
+from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
 __all__ = [
     "GaussianPosterior",
@@ -595,12 +595,11 @@ class LinearEP:
         uncertainty threshold are counted and handled by ``on_uncertain``."""
         n = len(next(iter(incoming.values())))
         logvar_spread = np.full(n, np.nan)
-        predict = getattr(self.operator, "predict", None)
         if self.power != 1.0:
             return self.operator.belief(incoming, self.site_var, power=float(self.power)), logvar_spread
-        if not callable(predict):
+        if not reports_uncertainty(self.operator):
             return self.operator.belief(incoming, self.site_var), logvar_spread
-        out = predict(incoming, self.site_var)
+        out = self.operator.predict(incoming, self.site_var)
         q, logvar = out[0], np.asarray(out[1], dtype=float)
         consulted = np.asarray(out[2], dtype=bool).reshape(n) if len(out) > 2 else np.zeros(n, dtype=bool)
         if logvar.ndim != 2 or logvar.shape[0] != n:
