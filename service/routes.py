@@ -304,6 +304,8 @@ def messages(
     payload = {
         "operator": entry.name, "to": entry.jit.to, "mode": mode, "version": version, "n": n, "n_consulted": n_cons,
         "coords": list(entry.jit.family.coord_names),
+        # the factor's projection convention (a factor parameter where it offers a choice)
+        "projection": str(entry.jit.factor.params().get("projection", "kl")),
         "beliefs": columns(q), "messages": out_msgs,
         "log_var": None if logvar is None else _cols(logvar),
         "consulted": np.asarray(consulted).tolist(),

@@ -121,6 +121,10 @@ class MessagesResponse(BaseModel):
     n: int
     n_consulted: int
     coords: list[str] = Field(description="regression coordinates of the recipient family, the columns of log_var")
+    projection: Literal["kl", "moments"] = Field(
+        "kl", description="how the beliefs were projected: `kl` (match the family's expected sufficient statistics; "
+                          "for a Gaussian, mean and variance) or `moments` (mean and variance; Infer.NET's convention "
+                          "for Gamma beliefs of e.g. GammaFromShapeAndRate) — the factor's `projection` parameter")
     beliefs: FamilyColumns
     messages: OutgoingMessages
     log_var: list[list[float | None]] | None = Field(

@@ -95,7 +95,7 @@ def test_good_input_is_answered_in_every_mode(client):
     for mode in ("predict", "oracle", "jit"):
         r = client.post(f"/v1/operators/gaussian-tau/messages?mode={mode}", json=_body(), headers=AUTH)
         assert r.status_code == 200, r.text
-        assert r.json()["beliefs"]["shape"][0] > 0
+        assert r.json()["beliefs"]["shape"][0] > 0 and r.json()["projection"] == "kl"
     r = client.post("/v1/operators/exp-x/messages?mode=oracle", headers=AUTH,
                     json={"to": "x", "incoming": {"x": GOOD["x"], "y": {"family": "gamma", "shape": [3.0], "rate": [1.0]}}})
     assert r.status_code == 200, r.text
