@@ -315,6 +315,11 @@ class Family:
     def var(self) -> np.ndarray:
         raise NotImplementedError
 
+    def log_normalizer(self) -> np.ndarray:
+        """log ∫ exp(η · u(x)) dx at the natural parameters η (the family's log partition with its
+        base measure): what a product of messages integrates to, e.g. for the EP evidence."""
+        raise NotImplementedError(f"{type(self).__name__} has no log_normalizer")
+
     def kl(self, other) -> np.ndarray:
         """KL[self ‖ other], closed form, elementwise over the batch."""
         raise NotImplementedError
@@ -495,6 +500,10 @@ class Gaussian(Family):
         self._require_proper("log_pdf")
         x = np.asarray(x, dtype=float)
         return -0.5 * (_LOG_2PI + np.log(self._var) + (x - self._mean) ** 2 / self._var)
+
+    def log_normalizer(self):
+        self._require_proper("log_normalizer")
+        return 0.5 * np.log(2 * np.pi * self._var) + 0.5 * self._mean**2 / self._var
 
     def kl(self, other):
         self._same_family(other, "compare")
@@ -740,6 +749,10 @@ class Beta(Family):
         s = self._alpha + self._beta
         return self._alpha * self._beta / (s * s * (s + 1.0))
 
+    def log_normalizer(self):
+        self._require_proper("log_normalizer")
+        return special.betaln(self._alpha, self._beta)
+
     def kl(self, other):
         self._same_family(other, "compare")
         self._require_proper("kl")
@@ -883,6 +896,10 @@ class Gamma(Family):
 
     def var(self):
         return self._shape / self._rate**2
+
+    def log_normalizer(self):
+        self._require_proper("log_normalizer")
+        return special.gammaln(self._shape) - self._shape * np.log(self._rate)
 
     def kl(self, other):
         self._same_family(other, "compare")

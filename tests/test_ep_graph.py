@@ -169,3 +169,45 @@ def test_1000_random_small_graphs_never_crash_or_return_nan():
     # at most 3 iterations each (exact rules on random, often hard messages: ~0.2 s a graph)
     out = _check_random_graphs(1000, seed=2026, max_iter=3)
     assert sum(out.values()) > 900
+
+
+# ----------------------------------------------------------------------------- log evidence
+def test_log_evidence_equals_linear_ep_on_a_one_weight_graph():
+    """Same model, same fixed point, Minka's formula in both engines: equal to round-off."""
+    y = np.random.default_rng(0).integers(0, 2, 20)
+    res = GraphEP(_logistic_graph(y), tol=1e-11).run()
+    ref = LinearEP(QuadratureOracle(Logistic()), tol=1e-11).run(
+        np.ones((20, 1)), {"z": Beta(np.where(y == 1, 2.0, 1.0), np.where(y == 1, 1.0, 2.0))})
+    assert res.log_evidence == pytest.approx(ref.log_evidence, rel=1e-9, abs=1e-9)
+
+
+def test_log_evidence_of_a_poisson_gamma_hierarchy_against_the_exact_integral():
+    """The graph's evidence ∫ p(r) Π_i ∫ Gamma(λ; s, r) Gamma(λ; k_i + 1, 1) dλ dr is a 1-D integral
+    (negative binomials in r): EP's estimate is within 0.01 nats (measured 1.2e-3)."""
+    from scipy import integrate, special, stats
+
+    from kjit.ep.models import poisson_gamma
+
+    rng = np.random.default_rng(1)
+    s, a0, b0 = 2.0, 2.0, 1.0
+    k = rng.poisson(rng.gamma(s, 2.0, 25))
+    res = GraphEP(poisson_gamma(k, shape=s, prior_rate=Gamma(a0, b0)), tol=1e-10, max_iter=300).run()
+
+    def integrand(r):
+        return np.exp(stats.gamma.logpdf(r, a0, scale=1 / b0) + np.sum(
+            s * np.log(r) + special.gammaln(s + k) - special.gammaln(s) - special.gammaln(k + 1)
+            - (s + k) * np.log1p(r)))
+    exact = np.log(integrate.quad(integrand, 0, 50, limit=500, points=[0.1, 0.5, 1, 2])[0])
+    assert res.log_evidence == pytest.approx(exact, abs=0.01)
+
+
+def test_log_evidence_is_none_with_a_reason_when_an_operator_has_none():
+    class NoPartition:
+        def __init__(self):
+            self.op = QuadratureOracle(Logistic())
+
+        def belief(self, incoming, to):
+            return self.op.belief(incoming, to)
+
+    res = GraphEP(_logistic_graph(np.array([1, 0, 1])), operators={("logistic", "x"): NoPartition()}).run()
+    assert res.log_evidence is None and "no log_partition" in res.log_evidence_note

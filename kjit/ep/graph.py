@@ -137,6 +137,8 @@ class GraphResult:
     history: list[GraphIteration]
     seconds: float
     operator_calls: int
+    log_evidence: float | None = None
+    log_evidence_note: str = ""
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -165,10 +167,12 @@ class GraphEP:
     damping : fraction of the old site kept, in [0, 1).
     max_iter, tol : iteration cap and convergence tolerance (module docstring).
     schedule : ``"parallel"`` (default) or ``"sequential"``.
+    compute_evidence : after the run, the EP log evidence (``GraphResult.log_evidence``) where every
+        operator has a ``log_partition``.
     """
 
     def __init__(self, graph: FactorGraph, operators: Mapping | None = None, damping: float = 0.0,
-                 max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel"):
+                 max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True):
         if not isinstance(graph, FactorGraph):
             raise ValueError("`graph` must be a FactorGraph")
         if not (0.0 <= damping < 1.0):
@@ -183,6 +187,7 @@ class GraphEP:
         self.max_iter = int(max_iter)
         self.tol = float(tol)
         self.schedule = schedule
+        self.compute_evidence = bool(compute_evidence)
         self._default_ops: dict = {}
 
     # ------------------------------------------------------------------ operators and groups
@@ -258,8 +263,61 @@ class GraphEP:
         else:
             outcome, status = "max_iter", (f"stopped at max_iter={self.max_iter} without convergence (last max change "
                                            f"{history[-1].max_change:.3g}, {history[-1].n_skipped} update(s) skipped)")
+        log_z, note = self._log_evidence(prior_nat, sites, post) if self.compute_evidence else (None, "not computed")
+        if log_z is not None and not converged:
+            note += "; EP did not converge, so this is the estimate at the last iterate"
         return GraphResult(self._beliefs(post), converged, outcome, n, status, history,
-                           time.perf_counter() - t_start, calls)
+                           time.perf_counter() - t_start, calls, log_z, note)
+
+    def _log_evidence(self, prior_nat, sites, post):
+        """The EP estimate of log ∫ Π priors Π factors (messages normalised), Minka's formula for a
+        fully factorised approximation: with A(η) = log ∫ exp(η·u) (``Family.log_normalizer``),
+
+            log Z = Σ_v [A(post_v) − A(prior_v)] + Σ_j [log Z_j − Σ_{v∈j} (A(post_v) − A(cavity_{j,v}))]
+
+        where Z_j = ∫ f_j Π cavities (``operator.log_partition`` at the final cavities, fixed
+        messages included).  None (with the reason) when an operator has no log partition or a
+        final cavity is improper."""
+        from ..protocols import has_log_partition
+
+        g = self.graph
+
+        def A(v, nat):
+            fam = g.variables[v][0]
+            m = fam.from_natural(nat)
+            return float(fam(*[np.asarray(p, float) for p in m.params]).log_normalizer())
+
+        try:
+            total = sum(A(v, post[v]) - A(v, prior_nat[v]) for v in post)
+            for members in self._groups(range(len(g.factors))):
+                f, bind0 = g.factors[members[0]]
+                bound = [fv for fv, b in bind0.items() if isinstance(b, str)]
+                op = self._operator(f, bound[0])
+                if not has_log_partition(op):
+                    return None, f"the operator of ({f.name!r}, {bound[0]!r}) has no log_partition"
+                incoming = {}
+                for fv, b in bind0.items():
+                    if isinstance(b, str):
+                        nat = np.stack([post[g.factors[j][1][fv]] - sites[(j, fv)] for j in members])
+                        m = f.families[fv].from_natural(nat)
+                        if not np.all(m.is_proper):
+                            return None, f"a final cavity of factor {f.name!r} on {fv!r} is improper"
+                        incoming[fv] = type(m)(*[np.asarray(p, float) for p in m.params])
+                        for j, row in zip(members, nat):
+                            v = g.factors[j][1][fv]
+                            total -= A(v, post[v]) - A(v, row)
+                    else:
+                        incoming[fv] = type(b).concatenate([g.factors[j][1][fv].reshape((1,)) for j in members])
+                with np.errstate(all="ignore"):
+                    log_zj = np.asarray(op.log_partition(incoming), dtype=float)
+                if log_zj.shape != (len(members),) or not np.all(np.isfinite(log_zj)):
+                    return None, f"log_partition of {f.name!r} returned non-finite values or a wrong shape"
+                total += float(np.sum(log_zj))
+        except (ValueError, NotImplementedError, ArithmeticError) as exc:
+            return None, f"not computable: {type(exc).__name__}: {exc}"
+        if not np.isfinite(total):
+            return None, "log evidence is not finite"
+        return float(total), "EP estimate (fully factorised; tilted normalisers from log_partition at the final cavities)"
 
     def _posteriors(self, prior_nat, sites):
         post = {v: p.copy() for v, p in prior_nat.items()}
