@@ -132,14 +132,18 @@ def col(p, t, rows):
     return p[rows] if rows is not None else p.reshape(p.shape + (1,) * (np.ndim(t) - 1))
 
 
-def stationary_points(dlogf, candidates, lo, hi, n_iter: int = 200):
+def stationary_points(dlogf, candidates, lo, hi, accept=None, n_iter: int = 200):
     """All sign changes of ``dlogf`` on [lo, hi], bracketed by approximate roots.
 
     ``candidates`` (B, K): approximate stationary points (e.g. real parts of polynomial roots;
     NaN allowed); every sign change of ``dlogf`` between consecutive sorted points of
     [lo, candidates clipped to [lo, hi], hi] is refined by bisection.  ``dlogf(t, rows)`` takes
     flat ``t`` and the message index of each entry.
-    Returns (B, K+1) roots, with NaN where an interval has no sign change.
+    Returns (B, K+1) roots, with NaN where an interval has no sign change, followed (if
+    ``accept`` (B, K) is given) by the accepted candidates inside [lo, hi]: a candidate that is a
+    root to within a few ulps leaves no sign change between its neighbours (the derivative can
+    be steep: a tilted width of 1e-7 on a line where the candidates are 1e2 apart), yet it is a
+    stationary point.
     """
     c = np.where(np.isfinite(candidates), candidates, lo[:, None])
     c = np.clip(c, lo[:, None], hi[:, None])
@@ -153,7 +157,11 @@ def stationary_points(dlogf, candidates, lo, hi, n_iter: int = 200):
     if idx.size:
         with np.errstate(invalid="ignore", over="ignore"):
             roots[idx] = _bisect(lambda t: dlogf(t, rows[idx]), a[idx], b[idx], n_iter)
-    return roots.reshape(pts.shape[0], -1)
+    roots = roots.reshape(pts.shape[0], -1)
+    if accept is None:
+        return roots
+    inside = accept & np.isfinite(candidates) & (candidates >= lo[:, None]) & (candidates <= hi[:, None])
+    return np.concatenate([roots, np.where(inside, candidates, np.nan)], axis=1)
 
 
 def rule(factor: str, logf, breaks, step):

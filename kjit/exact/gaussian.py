@@ -103,7 +103,8 @@ def _rule(ap, b, S, D, alpha):
         cand = np.where((re > 0) & ok[:, None], np.log(np.where(re > 0, re, 1.0)) - np.log(p)[:, None], np.nan)
     hi = np.log((ap + 0.5) / b)
     lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha)
-    roots = stationary_points(dlogf, cand, lo, hi)
+    real = np.abs(xi.imag) <= 1e-6 * np.abs(xi)  # real eigenvalues are stationary points themselves
+    roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     # step: the local scale at the highest stationary point
     with np.errstate(invalid="ignore"):
         vals = np.where(np.isfinite(roots), logf(np.where(np.isfinite(roots), roots, lo[:, None])), -np.inf)

@@ -17,7 +17,7 @@ and a spike at 0 when m_z ≈ 0 and v_z is small): its derivative times v_x V(x)
 
     −(x − m_x) V² − v_x v_y x V − v_x (x m_y − m_z)(m_y v_z + m_z v_y x),
 
-whose real roots (companion-matrix eigenvalues, refined by bisection on the derivative's sign
+whose real roots (companion-matrix eigenvalues, kept as they are and refined by bisection on the derivative's sign
 changes) are all of w's stationary points; only those within the region where
 N(x; m_x, v_x) (2π v_z)^{−1/2} — an upper bound of w — exceeds e^{−60} of w's largest found
 value can matter.  The panel rule is cut at these points, at ±σ, ±3σ, ±6σ, ±12σ about each
@@ -116,7 +116,9 @@ def _rule(m1, v1, m2, v2, mz, vz):
     q = np.maximum(-np.log(v1) * 0.5 - 0.5 * np.log(vz) - fstar + 60.0, 60.0)
     half = np.sqrt(2.0 * v1 * q)
     lo, hi = m1 - half, m1 + half
-    roots = stationary_points(dlogf, cand, lo, hi)
+    # real eigenvalues are stationary points themselves (P = dlogf · v_x V² with V > 0)
+    real = np.abs(roots_c.imag) <= 1e-6 * np.abs(roots_c)
+    roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     finite = np.isfinite(roots)
     if not finite.any(axis=1).all():  # cannot happen for a proper w (it has a maximum); keep m1
         roots[~finite.any(axis=1), 0] = m1[~finite.any(axis=1)]
