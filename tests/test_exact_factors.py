@@ -61,6 +61,8 @@ PRODUCT_CASES = [
     (0.0, 1643.368064, -93.920435, 4.207354e-06, 3.54203, 5.474675e-06),
     # z contradicts both narrow inputs: the tilted mode is a compromise 42 sds from y's message
     (2.223845, 3.805854e-06, 11.214668, 9.51317e-05, -1.024772, 1.54934e-06),
+    (-2.602098, 1.745142e-07, 14.385335, 9.611835e-06, 10.786842, 9.527347e-07),  # mode beyond both peaks
+    (0.0, 0.000216, 0.0, 5.65336e-08, -11.489999, 1.331671e-05),  # x y = −11.5 from two inputs at 0: ±21.8
 ]
 
 
@@ -104,6 +106,8 @@ GAUSSIAN_CASES = [
     (0.0, 100.0, 0.5, 1e-3, 0.0, 1.0, 1.0),     # broad m, broad tau
     (0.0, 1.0, 5.0, 1.0, 30.0, 1.0, 1.0),       # data far from the prior precision: bimodal in tau
     (1.0, 0.01, 0.1, 10.0, -1.0, 0.01, 1.0),
+    (7.813793, 0.085445, 2325.259916, 9.441593, -9.28621, 1.108487e-07, 1.0),  # m, x 57 noise sds apart
+    (12.008909, 3.84023e-05, 34976.885144, 233.599329, -11.319658, 0.144061, 1.0),
     (0.0, 1.0, 2.0, 2.0, 1.0, 1.0, 0.5),        # power EP
     (0.0, 1.0, 0.3, 0.5, 5.0, 0.1, 2.0),
 ]
@@ -214,6 +218,17 @@ def test_exp_against_quad_vec(case, projection):
     qy = exp.belief("y", inc, projection=projection)
     assert rel_gamma(qy, ref["y"]) <= TOL, (qy, ref["y"])
     assert abs(float(exp.log_partition(inc)) - lz) <= TOL * max(1.0, abs(lz))
+
+
+def test_exp_gamma_belief_beyond_double_range_is_an_oracle_error_naming_rows():
+    # x ~ N(−15, 5540) with y shape 0.04: the tilted x sits near −5300, so E[y] ≈ e^{−5300}
+    inc = {"x": Gaussian(np.array([0.0, -15.23571]), np.array([1.0, 5540.510672])),
+           "y": Gamma(np.array([2.0, 0.043635]), np.array([1.0, 41.393732]))}
+    qx = exp.belief("x", inc)
+    assert qx.mean()[1] < -5000 and np.all(qx.var() > 0)
+    for projection in ("kl", "moments"):
+        with pytest.raises(OracleError, match=r"rows \[1\]"):
+            exp.belief("y", inc, projection=projection)
 
 
 # ------------------------------------------------------------------------------ Monte Carlo, samplers

@@ -235,7 +235,7 @@ def gamma_belief(factor: str, u, lw, log_moment, projection: str) -> Gamma:
     if broad.any():
         lm1 = log_moment(1)
         s = np.where(narrow, s_nodes, lm1 - ubar)
-    check_finite_rows(factor, "E[x] or E[log x] of the Gamma belief is not finite", s, ubar)
+    check_finite_rows(factor, "the Gamma belief's statistics (E[v], E[log v]) are not finite", s, ubar)
     bad = ~(s > 0)
     if bad.any():
         raise_bad_rows(factor, np.flatnonzero(bad), "the tilted distribution is too narrow for a Gamma "
@@ -252,13 +252,14 @@ def gamma_belief(factor: str, u, lw, log_moment, projection: str) -> Gamma:
             lm2 = log_moment(2)
             with np.errstate(over="ignore", invalid="ignore"):
                 r = np.where(narrow, r_nodes, np.expm1(lm2 - 2.0 * lm1))
-        check_finite_rows(factor, "Var[x] of the Gamma belief is not finite", r)
+        check_finite_rows(factor, "the Gamma belief's variance is not finite (beyond double precision)", r)
         bad = ~(r > 0)
         if bad.any():
-            raise_bad_rows(factor, np.flatnonzero(bad), "Var[x] of the tilted distribution is not positive")
+            raise_bad_rows(factor, np.flatnonzero(bad), "the tilted distribution's variance is not positive")
         a = 1.0 / r
-    rate = a * np.exp(-log_mean)
-    check_finite_rows(factor, "the Gamma belief's rate is not finite", rate, a)
+    with np.errstate(over="ignore", under="ignore"):
+        rate = a * np.exp(-log_mean)
+    check_finite_rows(factor, "the Gamma belief's rate is not finite (its mean is beyond double precision)", rate, a)
     if np.any(~(rate > 0)):
         raise_bad_rows(factor, np.flatnonzero(~(rate > 0)), "the Gamma belief's rate underflowed")
     return Gamma(a, rate)

@@ -98,8 +98,19 @@ def product_reference(mx, vx, my, vy, mz, vz):
             t0 = mz / m_other
             s0 = np.sqrt(vz + t0 * t0 * v_other) / abs(m_other)
             pts += around(t0, s0)
-            # the hull, widened: a compromise mode lies between, with tails up to ~sd beyond
-            lo, hi = min(lo, t0 - 45 * s0) - 20 * sd, max(hi, t0 + 45 * s0) + 20 * sd
+            lo, hi = min(lo, t0 - 45 * s0), max(hi, t0 + 45 * s0)
+        # the mode can lie outside both peaks (the other input moves too, along z = x y): a
+        # log-spaced scan out to 1e7 sds finds it; the range covers it and the tails beyond
+        dist = sd * 10.0 ** np.linspace(-4, 7, 40_001)
+        scan = np.concatenate([m_int - dist, m_int + dist])
+        with np.errstate(all="ignore"):
+            vals = logw(scan)
+        vals = np.where(np.isfinite(vals), vals, -np.inf)
+        n = dist.size  # the best on each side of m_int (w can be bimodal, e.g. x y = z ≠ 0, both at 0)
+        t_lo, t_hi = scan[np.argmax(vals[:n])], scan[n + np.argmax(vals[n:])]
+        for t_star, gap in ((t_lo, abs(t_lo - m_int)), (t_hi, abs(t_hi - m_int))):
+            pts += around(t_star, gap * 1e-3)
+        lo, hi = min(lo, t_lo) - 20 * sd, max(hi, t_hi) + 20 * sd
         return logw, [p for p in pts if lo < p < hi], lo, hi
 
     logw, pts, lo, hi = over(mx, vx, my, vy)  # integral over y
@@ -128,7 +139,9 @@ def gaussian_reference(mm, vm, a, b, mx, vx, alpha, projection="kl"):
 
     sd, sc = np.sqrt(S), np.sqrt(b / A / alpha)
     pts = around(delta, sd) + around(0.0, sc, ks=(0, 0.3, 1, 3, 10, 30, 100, 1e3, 1e4))
-    lo, hi = delta - 45 * sd, delta + 45 * sd
+    # the hull of the two peaks (Δ and 0), widened: a compromise mode lies between
+    lo = min(delta - 45 * sd, -45 * sc) - 10 * sd
+    hi = max(delta + 45 * sd, 45 * sc) + 10 * sd
     dig = special.digamma(A) - np.log(A)
 
     def cond(d):  # τ0 = A / b;  τ/τ0 | d has mean 1/(1+ρ), ρ = αd²/(2b)
