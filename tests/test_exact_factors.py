@@ -360,6 +360,16 @@ def test_bad_input_is_a_value_error_naming_the_variable(mod, inc):
         mod.belief(mod.OUTPUT, shaped)
 
 
+@pytest.mark.parametrize("mod,inc", ALL, ids=[m.NAME for m, _ in ALL])
+def test_empty_batch(mod, inc):
+    first = next(iter(mod.FAMILIES))
+    empty = {**inc, first: inc[first].broadcast_to((0, 2))}
+    for to, fam in mod.FAMILIES.items():
+        q = mod.belief(to, empty)
+        assert isinstance(q, fam) and q.shape == (0, 2)
+    assert mod.log_partition(empty).shape == (0, 2)
+
+
 def test_gamma_rate_shape_parameter_is_validated():
     inc = ALL[2][1]
     for bad in (0.0, -1.0, np.nan, np.inf, "a"):

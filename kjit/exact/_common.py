@@ -12,7 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..families import Family, Gamma, Gaussian
+from ..families import Gamma, Gaussian
 from ..oracles import OracleError, _bisect, _panel_rule
 
 PROJECTIONS = ("kl", "moments")
@@ -106,6 +106,15 @@ def check_incoming(factor: str, families: Mapping[str, type], incoming) -> tuple
         raise ValueError(f"{factor}: batch shapes of `incoming` do not broadcast: {desc}") from None
     flat = {v: incoming[v].broadcast_to(shape).ravel() for v in families}
     return flat, shape
+
+
+def is_empty(shape) -> bool:
+    return int(np.prod(shape, dtype=int)) == 0
+
+
+def empty_belief(fam, shape):
+    """The belief of an empty batch (shape with a 0)."""
+    return fam(np.ones(shape), np.ones(shape))
 
 
 def raise_bad_rows(factor: str, rows, what: str):
@@ -306,8 +315,6 @@ def log_concave_mode(dlogf, lo, hi, n_iter: int = 200):
 
 
 __all__ = [
-    "Family",
-    "OracleError",
     "check_to",
     "check_projection",
     "check_power",
@@ -321,5 +328,7 @@ __all__ = [
     "gamma_belief",
     "gaussian_belief",
     "check_sample_inputs",
+    "is_empty",
+    "empty_belief",
     "log_concave_mode",
 ]

@@ -42,9 +42,11 @@ from ._common import (
     check_sample_inputs,
     check_to,
     col,
+    empty_belief,
     gamma_belief,
     gaussian_belief,
     gaussian_mixture,
+    is_empty,
     rule,
     stationary_points,
 )
@@ -138,6 +140,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     check_to(NAME, tuple(FAMILIES), to)
     check_projection(projection)
     alpha, flat, shape, (mm, vm, a, b, mx, vx, S, D, ap) = _setup(incoming, power)
+    if is_empty(shape):
+        return empty_belief(FAMILIES[to], shape)
     u, lw, lz0 = _rule(ap, b, S, D, alpha)
     if to == "tau":
         return gamma_belief(NAME, u, lw, lambda k: _rule(ap + k, b, S, D, alpha)[2] - lz0, projection).reshape(shape)
@@ -160,6 +164,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
 def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
     """log ∫ N(x; m, 1/τ)^power N(m; m_m, v_m) Gamma(τ; a, b) N(x; m_x, v_x) dm dτ dx."""
     alpha, flat, shape, (mm, vm, a, b, mx, vx, S, D, ap) = _setup(incoming, power)
+    if is_empty(shape):
+        return np.zeros(shape)
     lz = _rule(ap, b, S, D, alpha)[2]
     lz = (
         lz + a * np.log(b) - special.gammaln(a)

@@ -44,9 +44,11 @@ from ._common import (
     check_sample_inputs,
     check_to,
     col,
+    empty_belief,
     gaussian_belief,
     gaussian_from_nodes,
     gaussian_mixture,
+    is_empty,
     rule,
     stationary_points,
 )
@@ -163,6 +165,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     check_to(NAME, tuple(FAMILIES), to)
     check_projection(projection)
     flat, shape = _setup(incoming, power)
+    if is_empty(shape):
+        return empty_belief(Gaussian, shape)
     over = "y" if to == "y" else "x"
     m1, v1, m2, v2, mz, vz = _args(flat, over)
     t, lw, _ = _rule(m1, v1, m2, v2, mz, vz)
@@ -184,6 +188,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
 def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
     """log ∫ N(x; m_x, v_x) N(y; m_y, v_y) N(x y; m_z, v_z) dx dy."""
     flat, shape = _setup(incoming, power)
+    if is_empty(shape):
+        return np.zeros(shape)
     m1, v1, m2, v2, mz, vz = _args(flat, "x")
     lz = _rule(m1, v1, m2, v2, mz, vz)[2] - 0.5 * np.log(v1) - _LOG_2PI
     return lz.reshape(shape)
