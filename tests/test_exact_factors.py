@@ -187,8 +187,9 @@ def test_gamma_rate_infer_net_case():
 def test_gamma_rate_improper_tilted_is_an_oracle_error_naming_rows():
     # c = shape − 1 + a_x = 0.3 − 1 + 0.5 < 0: x^(c−1) is not integrable at 0
     inc = {"r": Gamma(np.ones(3), 1.0), "x": Gamma(np.array([2.0, 0.5, 2.0]), 1.0)}
-    with pytest.raises(OracleError, match=r"rows \[1\]"):
+    with pytest.raises(OracleError, match=r"rows \[1\]") as err:
         gamma_rate.belief("r", inc, shape=0.3)
+    assert err.value.rows.tolist() == [1]
     with pytest.raises(OracleError, match="improper"):
         gamma_rate.log_partition(inc, shape=0.3)
 

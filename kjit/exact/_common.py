@@ -118,11 +118,14 @@ def empty_belief(fam, shape):
 
 
 def raise_bad_rows(factor: str, rows, what: str):
+    """Raise an OracleError naming the failed rows (flat batch indices, also in ``err.rows``)."""
     rows = np.asarray(rows)
-    raise OracleError(
+    err = OracleError(
         f"{factor}: {what} for {rows.size} message(s) (rows {rows[:10].tolist()}"
         f"{'…' if rows.size > 10 else ''})"
     )
+    err.rows = rows
+    raise err
 
 
 def check_finite_rows(factor: str, what: str, *arrays) -> None:
