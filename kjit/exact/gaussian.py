@@ -103,8 +103,10 @@ def _rule(ap, b, S, D, alpha):
     re = xi.real
     with np.errstate(divide="ignore", invalid="ignore"):
         cand = np.where((re > 0) & ok[:, None], np.log(np.where(re > 0, re, 1.0)) - np.log(p)[:, None], np.nan)
-    hi = np.log((ap + 0.5) / b)
-    lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha)
+    # the derivative is < 0 above τ = (a'+½)/b and > 0 below (a'+½)/(b + p/2 + Dα/2); the margin
+    # of 1 keeps the end signs clear of rounding when the two bounds nearly coincide (S tiny)
+    hi = np.log((ap + 0.5) / b) + 1.0
+    lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha) - 1.0
     real = np.abs(xi.imag) <= 1e-6 * np.abs(xi)  # real eigenvalues are stationary points themselves
     roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     # step: the local scale at the highest stationary point

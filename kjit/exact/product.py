@@ -114,7 +114,7 @@ def _rule(m1, v1, m2, v2, mz, vz):
     cand = np.where(ok[:, None], roots_c.real * lam[:, None], np.nan)
     # the region where w can matter: N(t; m1, v1) (2π v_z)^{-1/2} >= e^{-60} max w
     probe = np.concatenate([m1[:, None], np.where(np.isfinite(cand), cand, m1[:, None])], axis=1)
-    fstar = np.max(logf(probe) - 0.5 * np.log(v1)[:, None], axis=1)  # log w + ½ log 4π²... below
+    fstar = np.max(logf(probe) - 0.5 * np.log(v1)[:, None], axis=1)  # = max log w + log 2π at the probes
     q = np.maximum(-np.log(v1) * 0.5 - 0.5 * np.log(vz) - fstar + 60.0, 60.0)
     half = np.sqrt(2.0 * v1 * q)
     lo, hi = m1 - half, m1 + half
