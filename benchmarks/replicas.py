@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     from kjit.factors import Logistic
     from kjit.oracles import QuadratureOracle
     from service.testing import SubprocessServer
-    from service.training import logistic_incoming
+    from kjit.factors import logistic_incoming
 
     reps = args.reps or (60 if args.quick else 300)
     n_train = args.n_train or (300 if args.quick else 1000)

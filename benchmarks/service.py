@@ -45,7 +45,7 @@ def main(argv=None) -> int:
 
     from kjit.client import RemoteOperator
     from service.testing import SubprocessServer
-    from service.training import logistic_incoming
+    from kjit.factors import logistic_incoming
     from kjit.persistence import loads_state
     from kjit.operators import JITOperator
 

@@ -50,17 +50,28 @@ def _oracles(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    # the service imports kjit, never the reverse: only this command reaches up into it, lazily
-    from service.server import serve
-    from service.settings import Settings
+SERVE_ENTRY_POINT = ("kjit.commands", "serve")
 
-    overrides = {"host": args.host, "port": args.port, "store": args.store, "log_level": args.log_level,
-                 "default_n_train": args.n_train, "shared_store": args.shared_store}
-    if args.no_defaults:
-        overrides["default_operators"] = ()
-    settings = Settings.from_env(**overrides)
-    return serve(settings, train_defaults=bool(settings.default_operators))
+
+def _serve(args) -> int:
+    """Hand ``kjit serve ARGS`` to the service's entry point (``kjit.commands:serve``).
+
+    The service imports kjit, never the reverse: kjit finds it by the entry point its package
+    declares (pyproject.toml), not by an import, and the service parses its own options.
+    """
+    from importlib import import_module
+    from importlib.metadata import entry_points
+
+    group, name = SERVE_ENTRY_POINT
+    found = [ep for ep in entry_points(group=group) if ep.name == name]
+    if found:
+        target = found[0].load()
+    else:  # an install whose metadata predates the entry point (an old editable install)
+        try:
+            target = import_module("service.server").main
+        except ImportError as exc:
+            raise RuntimeError(f"the kjit service is not installed ({exc}); install kjit with its service") from None
+    return target(list(args.args), prog="kjit serve")
 
 
 def _demo(args) -> int:
@@ -71,7 +82,8 @@ def _demo(args) -> int:
     from .factors import Logistic
     from .operators import JITOperator, KernelOperator, calibrate_threshold
     from .oracles import QuadratureOracle
-    from .training import logistic_incoming, make_training_set
+    from .factors import logistic_incoming
+    from .training import make_training_set
 
     split = paper_split(args.dataset, random_state=args.seed, add_bias=True)
     factor = Logistic()
@@ -146,7 +158,7 @@ def _train(args) -> int:
     from .operators import JITOperator, KernelOperator, calibrate_threshold
     from .oracles import ImportanceSamplingOracle, QuadratureOracle
     from .persistence import save_operator
-    from .training import DEFAULT_DISTRIBUTIONS, TrainingSet, make_training_set
+    from .training import TrainingSet, make_training_set
 
     factor = get_factor(args.factor)
     factor.check_to(args.to)
@@ -161,10 +173,10 @@ def _train(args) -> int:
         if (ts.factor, ts.to) != (factor.name, args.to):
             raise ValueError(f"--pairs holds {ts.factor}->{ts.to} pairs, not {factor.name}->{args.to}")
     else:
-        if factor.name not in DEFAULT_DISTRIBUTIONS:
+        if factor.default_incoming is None:
             raise ValueError(f"no default input distribution for factor {factor.name!r}: give --pairs FILE")
         with _dask_backend(args.scheduler):
-            ts = make_training_set(factor, args.to, DEFAULT_DISTRIBUTIONS[factor.name], oracle, n=args.n + n_held,
+            ts = make_training_set(factor, args.to, factor.default_incoming, oracle, n=args.n + n_held,
                                    n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)
     held = None
     if n_held:
@@ -270,21 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="the quick version of each")
     b.set_defaults(func=_bench)
     s = sub.add_parser(
-        "serve", help="run the HTTP message-operator service (docs at /docs)",
-        description="Run the message-operator service.  On first start the default operators (logistic to x and "
-                    "to z, compound gamma to tau) are trained from the quadrature oracle and cached in the store; "
-                    "later starts load them.  Options default to the KJIT_* environment variables "
-                    "(see service/settings.py); the bearer token is read from KJIT_TOKEN only.")
-    s.add_argument("--host", default=None, help="address to bind (KJIT_HOST, default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="port, 0 for any free one (KJIT_PORT, default 8000)")
-    s.add_argument("--store", default=None, help="store directory (KJIT_STORE, default ~/.local/share/kjit/store)")
-    s.add_argument("--n-train", type=int, default=None,
-                   help="training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default 2000)")
-    s.add_argument("--no-defaults", action="store_true", help="serve the store as it is; train nothing")
-    s.add_argument("--shared-store", default=None,
-                   help="run as a replica: the update log shared with the other replicas — a directory or "
-                        "redis://host:port/db (KJIT_SHARED_STORE; see service/shared.py)")
-    s.add_argument("--log-level", default=None, help="uvicorn log level (KJIT_LOG_LEVEL, default info)")
+        "serve", help="run the HTTP message-operator service (docs at /docs; kjit serve --help for options)",
+        add_help=False, prefix_chars="\0")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="the service's options (kjit serve --help)")
     s.set_defaults(func=_serve)
     return p
 

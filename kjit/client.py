@@ -15,7 +15,8 @@ larger than the server's limit is sent in several requests.
 
 ``mode``: ``"jit"`` (the server consults its oracle on uncertain rows and learns; needs the
 token if the server has one), ``"predict"`` (learned operator only, read-only) or
-``"oracle"``.
+``"oracle"`` (needs the token too: it costs the server real CPU; batches are split at the
+server's ``max_oracle_batch``).
 
 Numbers cross the wire as JSON, which carries every finite double exactly, so a remote
 operator gives the same numbers as the same operator in process.  Non-finite parameters are
@@ -33,6 +34,7 @@ retried, since the server may have learned from it.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -41,11 +43,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from .factors import Factor, get_factor
-from .families import FAMILIES, Family
+from .families import Family, family_name
 
 __all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError"]
 
-_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
 _MODES = ("predict", "jit", "oracle")
 
 
@@ -99,7 +100,7 @@ def _describe(detail) -> str:
 
 
 def _columns(m: Family, what: str) -> dict:
-    out = {"family": _FAMILY_NAMES[type(m)]}
+    out = {"family": family_name(m)}
     for n, p in zip(m.param_names, m.params):
         a = np.asarray(p, dtype=float).ravel()
         if not np.all(np.isfinite(a)):
@@ -124,7 +125,7 @@ class RemoteOperator:
     ----------
     url : base URL of the service, e.g. ``"http://127.0.0.1:8000"``.
     name : operator name (``GET /v1/operators`` lists them).
-    token : bearer token, if the server has one (needed for ``jit`` mode and ``partial_fit``).
+    token : bearer token, if the server has one (needed for ``jit`` and ``oracle`` modes and ``partial_fit``).
     mode : ``"jit"`` (default), ``"predict"`` or ``"oracle"``.
     timeout : seconds for each request (connect: at most 5 s).
     retries : extra attempts after a connection error on idempotent calls.
@@ -254,6 +255,24 @@ class RemoteOperator:
         return self.factor.families[self.to]
 
     @property
+    def threshold(self) -> float | None:
+        """The served operator's uncertainty threshold (log predictive variance): the EP engine
+        counts, and by its ``on_uncertain`` policy handles, answers above it."""
+        thr = self.info().get("threshold")
+        return None if thr is None else float(thr)
+
+    @property
+    def oracle(self) -> "RemoteOperator":
+        """The same served operator in ``oracle`` mode (sharing this client's connection): what the
+        EP engine asks for uncertain answers with ``on_uncertain="oracle"``."""
+        if self.mode == "oracle":
+            return self
+        view = copy.copy(self)
+        view.mode = "oracle"
+        view._own_client = False
+        return view
+
+    @property
     def max_batch(self) -> int:
         return int(self.info().get("limits", {}).get("max_batch", 10_000))
 
@@ -295,6 +314,8 @@ class RemoteOperator:
         flat, shape = self._flat(incoming)
         n = int(np.prod(shape, dtype=int)) if shape else 1
         step = self.max_batch
+        if mode == "oracle":  # the server caps oracle work per request separately
+            step = min(step, int(self.info().get("limits", {}).get("max_oracle_batch", step)))
         parts = []
         retry = "connection" if mode in ("predict", "oracle") else "connect"
         for s in range(0, n, step):

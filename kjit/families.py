@@ -33,6 +33,10 @@ from typing import ClassVar
 import numpy as np
 from scipy import special
 
+from .charfun import (
+    beta_characteristic_function, beta_chebyshev_moments, chebyshev_cf_coefficients, chebyshev_size,
+)
+
 __all__ = [
     "Family",
     "Gaussian",
@@ -41,6 +45,8 @@ __all__ = [
     "Bernoulli",
     "FAMILIES",
     "family_by_name",
+    "family_name",
+    "register_family",
 ]
 
 _LOG_2PI = np.log(2.0 * np.pi)
@@ -62,6 +68,9 @@ class Family:
     param_names: ClassVar[tuple[str, ...]] = ()
     n_stats: ClassVar[int] = 2
     coord_names: ClassVar[tuple[str, ...]] = ()
+    # index of the regression coordinate that is log(spread) (Gaussian: log variance), where a
+    # log-concave factor bounds the belief by the incoming message; None: no such coordinate
+    spread_coord: ClassVar[int | None] = None
 
     # ------------------------------------------------------------------ construction
     def __init__(self, *params, validate: bool = True):
@@ -306,6 +315,11 @@ class Family:
     def var(self) -> np.ndarray:
         raise NotImplementedError
 
+    def log_normalizer(self) -> np.ndarray:
+        """log ∫ exp(η · u(x)) dx at the natural parameters η (the family's log partition with its
+        base measure): what a product of messages integrates to, e.g. for the EP evidence."""
+        raise NotImplementedError(f"{type(self).__name__} has no log_normalizer")
+
     def kl(self, other) -> np.ndarray:
         """KL[self ‖ other], closed form, elementwise over the batch."""
         raise NotImplementedError
@@ -313,6 +327,66 @@ class Family:
     def sample(self, n: int, random_state=None) -> np.ndarray:
         """``n`` draws per message: array of shape ``(n, *batch)``."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ what other layers need
+    # Everything specific to a family lives here, so the feature maps, the regression, the
+    # oracles and the service's JSON never branch on a family's type.
+
+    #: the characteristic function is exactly that of N(mean(), var()) (Gaussian only): the
+    #: feature maps then treat the variable with the batched Gaussian formula
+    gaussian_cf: ClassVar[bool] = False
+    #: JSON columns of a message batch: parameter → constraint ("finite", "positive",
+    #: "probability"); the service generates its request schemas and validation from these
+    json_columns: ClassVar[dict[str, str]] = {}
+    #: the importance-sampling oracle estimates (mean, centred variance) rather than E[u(x)]
+    centred_estimate: ClassVar[bool] = False
+
+    def unconstrained_moments(self):
+        """Mean and variance of the variable in its unconstrained coordinate (the inner
+        embedding's "unconstrained" treatment); the variable itself unless overridden."""
+        return self.mean(), self.var()
+
+    def characteristic_function(self, omega) -> np.ndarray:
+        """``E exp(i ω x)`` of every message at 1-D frequencies ``omega``: complex ``(*batch, len(omega))``."""
+        raise ValueError(f"characteristic_function: unsupported family {type(self).__name__}")
+
+    @classmethod
+    def cf_plan(cls, omega, dt):
+        """Precomputation for :meth:`cf_terms` at one feature map's frequencies, in dtype ``dt``
+        (default none)."""
+        return None
+
+    def cf_terms(self, omega, plan, dt):
+        """The characteristic function of a flat batch at ``omega`` for the exact treatment, as
+        ``("polar", log_modulus, phase)`` (real arrays, added to the Gaussian part's) or
+        ``("complex", re, im)`` (multiplied in); arrays broadcast to ``(n, len(omega))``."""
+        cf = self.characteristic_function(omega)
+        return "complex", cf.real.astype(dt), cf.imag.astype(dt)
+
+    @classmethod
+    def to_relative(cls, coords, base):
+        """Regression coordinates relative to ``base`` (the recipient's incoming message's)."""
+        return coords - base
+
+    @classmethod
+    def from_relative(cls, rel, base):
+        return rel + base
+
+    @classmethod
+    def default_proposal(cls) -> "Family":
+        """A broad scalar message, the importance-sampling oracle's default proposal."""
+        raise ValueError(f"no default proposal for {cls.__name__} variables; give one")
+
+    @classmethod
+    def estimate_ok(cls, stats) -> np.ndarray:
+        """Rows of an importance-sampling estimate that make a valid message."""
+        return np.ones(len(stats), dtype=bool)
+
+    @classmethod
+    def from_estimate(cls, stats) -> "Family":
+        """The belief from an importance-sampling estimate (rows :meth:`estimate_ok`)."""
+        return cls.project(stats)
+
 
 
 def _check_coords(cls, coords) -> np.ndarray:
@@ -345,6 +419,9 @@ class Gaussian(Family):
 
     param_names = ("mean", "var")
     coord_names = ("mean", "log_var")
+    # the coordinate that is the log of the spread: a belief ÷ cavity message has a negative
+    # precision exactly when this coordinate of the belief exceeds the cavity's
+    spread_coord = 1
 
     def _check(self, mean, var):
         self._require_positive("Gaussian", "var", var)
@@ -424,6 +501,10 @@ class Gaussian(Family):
         x = np.asarray(x, dtype=float)
         return -0.5 * (_LOG_2PI + np.log(self._var) + (x - self._mean) ** 2 / self._var)
 
+    def log_normalizer(self):
+        self._require_proper("log_normalizer")
+        return 0.5 * np.log(2 * np.pi * self._var) + 0.5 * self._mean**2 / self._var
+
     def kl(self, other):
         self._same_family(other, "compare")
         self._require_proper("kl")
@@ -435,6 +516,46 @@ class Gaussian(Family):
         self._require_proper("sample")
         rng = _rng(random_state)
         return self._mean + np.sqrt(self._var) * rng.standard_normal((int(n),) + self.shape)
+
+    gaussian_cf = True
+    json_columns = {"mean": "finite", "var": "positive"}
+    centred_estimate = True
+
+    def characteristic_function(self, omega):
+        self._require_proper("characteristic_function")
+        w = np.atleast_1d(np.asarray(omega, dtype=np.float64))
+        m, v = self.mean()[..., None], self.var()[..., None]
+        return np.exp(-0.5 * v * w**2 + 1j * m * w)
+
+    def cf_terms(self, omega, plan, dt):
+        m, v = self._mean.astype(dt)[:, None], self._var.astype(dt)[:, None]
+        w = omega.astype(dt)[None, :]
+        return "polar", -0.5 * v * w * w, m * w
+
+    @classmethod
+    def to_relative(cls, coords, base):
+        # the mean in units of the incoming message's standard deviation
+        rel = coords - base
+        rel[..., 0] = rel[..., 0] / np.exp(0.5 * base[..., 1])
+        return rel
+
+    @classmethod
+    def from_relative(cls, rel, base):
+        out = rel + base
+        out[..., 0] = base[..., 0] + rel[..., 0] * np.exp(0.5 * base[..., 1])
+        return out
+
+    @classmethod
+    def default_proposal(cls):
+        return cls(0.0, 200.0)  # the KJIT paper's proposal on the logistic input
+
+    @classmethod
+    def estimate_ok(cls, stats):
+        return stats[:, 1] > 0
+
+    @classmethod
+    def from_estimate(cls, stats):
+        return cls(stats[:, 0], stats[:, 1])
 
 
 # ====================================================================== Beta
@@ -628,6 +749,10 @@ class Beta(Family):
         s = self._alpha + self._beta
         return self._alpha * self._beta / (s * s * (s + 1.0))
 
+    def log_normalizer(self):
+        self._require_proper("log_normalizer")
+        return special.betaln(self._alpha, self._beta)
+
     def kl(self, other):
         self._same_family(other, "compare")
         self._require_proper("kl")
@@ -645,6 +770,34 @@ class Beta(Family):
         self._require_proper("sample")
         rng = _rng(random_state)
         return rng.beta(self._alpha, self._beta, size=(int(n),) + self.shape)
+
+    json_columns = {"alpha": "positive", "beta": "positive"}
+
+    def unconstrained_moments(self):
+        # logit z: (ψ(α) − ψ(β), ψ'(α) + ψ'(β))
+        a, b = self._alpha, self._beta
+        return special.digamma(a) - special.digamma(b), special.polygamma(1, a) + special.polygamma(1, b)
+
+    def characteristic_function(self, omega):
+        self._require_proper("characteristic_function")
+        return beta_characteristic_function(self._alpha, self._beta, omega)
+
+    @classmethod
+    def cf_plan(cls, omega, dt):
+        omega = np.asarray(omega, dtype=np.float64)
+        G = chebyshev_size(float(np.max(np.abs(omega))))
+        Kc, Ks = chebyshev_cf_coefficients(omega, G)
+        return G, np.concatenate([Kc, Ks], axis=1).astype(dt)
+
+    def cf_terms(self, omega, plan, dt):
+        G, K = plan
+        D = len(omega)
+        CS = beta_chebyshev_moments(self._alpha, self._beta, G).astype(dt) @ K
+        return "complex", CS[:, :D], CS[:, D:]
+
+    @classmethod
+    def default_proposal(cls):
+        return cls(1.0, 1.0)
 
 
 # ====================================================================== Gamma
@@ -744,6 +897,10 @@ class Gamma(Family):
     def var(self):
         return self._shape / self._rate**2
 
+    def log_normalizer(self):
+        self._require_proper("log_normalizer")
+        return special.gammaln(self._shape) - self._shape * np.log(self._rate)
+
     def kl(self, other):
         self._same_family(other, "compare")
         self._require_proper("kl")
@@ -761,6 +918,35 @@ class Gamma(Family):
         self._require_proper("sample")
         rng = _rng(random_state)
         return rng.gamma(self._shape, 1.0 / self._rate, size=(int(n),) + self.shape)
+
+    json_columns = {"shape": "positive", "rate": "positive"}
+
+    def unconstrained_moments(self):
+        # log τ: (ψ(a) − log b, ψ'(a))
+        a, b = self._shape, self._rate
+        return special.digamma(a) - np.log(b), special.polygamma(1, a)
+
+    def characteristic_function(self, omega):
+        self._require_proper("characteristic_function")
+        w = np.atleast_1d(np.asarray(omega, dtype=np.float64))
+        a, t = self._shape[..., None], w / self._rate[..., None]
+        return np.exp(-0.5 * a * np.log1p(t * t) + 1j * a * np.arctan(t))
+
+    def cf_terms(self, omega, plan, dt):
+        # (1 − i ω / b)^(−a) = exp(−a/2 log1p(t²) + i a atan t), t = ω / b
+        a = self._shape.astype(dt)[:, None]
+        t = omega[None, :] / self._rate.astype(dt)[:, None]
+        phase = a * np.arctan(t)
+        np.multiply(t, t, out=t)
+        np.log1p(t, out=t)
+        t *= a
+        t *= 0.5
+        np.negative(t, out=t)
+        return "polar", t, phase
+
+    @classmethod
+    def default_proposal(cls):
+        return cls(1.0, 0.1)
 
 
 # ====================================================================== Bernoulli
@@ -851,6 +1037,23 @@ class Bernoulli(Family):
         rng = _rng(random_state)
         return np.where(rng.random((int(n),) + self.shape) < self._p, 1.0, -1.0)
 
+    json_columns = {"p": "probability"}
+
+    def characteristic_function(self, omega):
+        self._require_proper("characteristic_function")
+        w = np.atleast_1d(np.asarray(omega, dtype=np.float64))
+        return np.cos(w) + 1j * (2.0 * self._p[..., None] - 1.0) * np.sin(w)
+
+    def cf_terms(self, omega, plan, dt):
+        k = self.shape[0]
+        re = np.broadcast_to(np.cos(omega), (k, len(omega)))
+        im = (2.0 * self._p.astype(dt) - 1.0)[:, None] * np.sin(omega)[None, :]
+        return "complex", re, im
+
+    @classmethod
+    def default_proposal(cls):
+        return cls(0.5)
+
 
 FAMILIES: dict[str, type[Family]] = {
     "gaussian": Gaussian,
@@ -858,6 +1061,25 @@ FAMILIES: dict[str, type[Family]] = {
     "gamma": Gamma,
     "bernoulli": Bernoulli,
 }
+
+
+def register_family(name: str, cls: type[Family], replace: bool = False) -> None:
+    """Add a family to the one name map (JSON ``"family"`` tags, training-set and operator files)."""
+    if not (isinstance(cls, type) and issubclass(cls, Family)):
+        raise ValueError(f"`cls` must be a Family subclass, got {cls!r}")
+    name = str(name).lower()
+    if name in FAMILIES and FAMILIES[name] is not cls and not replace:
+        raise ValueError(f"a family named {name!r} is already registered")
+    FAMILIES[name] = cls
+
+
+def family_name(cls_or_message) -> str:
+    """The registered name of a family class (or of a message's family)."""
+    cls = cls_or_message if isinstance(cls_or_message, type) else type(cls_or_message)
+    for name, c in FAMILIES.items():
+        if c is cls:
+            return name
+    raise ValueError(f"family {cls.__name__} is not registered in kjit.families.FAMILIES")
 
 
 def family_by_name(name: str) -> type[Family]:

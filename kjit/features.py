@@ -45,41 +45,26 @@ Median heuristic (unless widths are given): ``sigma_l^2`` = mean over the traini
 ``Var[m_l]`` and ``gamma^2 = outer_width_factor x`` the median pairwise squared distance between
 inner features of a (``random_state``) subsample of at most 1000 training messages.
 
-Beta characteristic function
-----------------------------
-``chi(omega) = E e^{i omega x}``, ``x ~ Beta(alpha, beta)``.  With ``y = 2x - 1`` and
-``f(y) = exp(i omega (1 + y) / 2)``, interpolate ``f`` at ``G`` Chebyshev points; then
-``chi ~= sum_j a_j(omega) M_j`` where ``a_j`` are the Chebyshev coefficients of the interpolant
-and ``M_j = E T_j(y)`` the Chebyshev moments of the Beta law.  Integrating by parts against
-``(1 - y^2) w(y)`` gives the exact three-term recurrence (valid for all alpha, beta > 0)::
-
-    M_0 = 1,  M_1 = (alpha - beta) / (alpha + beta),
-    (alpha + beta + n) M_{n+1} = 2 (alpha - beta) M_n - (alpha + beta - n) M_{n-1}
-
-whose (frozen-coefficient) characteristic roots never exceed 1 in modulus, so forward
-evaluation keeps absolute errors at rounding level.  The Beta weight (endpoint singularities for alpha or beta < 1, a
-spike for alpha, beta ~ 1e3..1e6) is integrated exactly; the only approximation is the
-interpolation of the entire function ``f``, whose error ``<= 4 sum_{j >= G} |J_j(omega / 2)|`` is
-uniform over all Beta messages.  ``G`` is chosen per feature map from ``max |omega|`` so this
-bound is below 1e-14.  Checked against mpmath's ``hyp1f1`` at 40 digits on 600 random points
-with ``alpha, beta`` log-uniform in ``[0.01, 1e6]`` and ``|omega| <= 300``: max abs error 6e-14
-(and against adaptive quadrature in the tests).  The features are
-``M @ K`` with a precomputed ``(G, 2 D_in)`` coefficient matrix ``K`` (real | imaginary), one matrix product per
-Beta variable, so the exact treatment costs about as much as the Gaussian one.
+Characteristic functions
+------------------------
+Each family gives its own (``Family.characteristic_function`` and, for the batched exact
+treatment, ``Family.cf_plan`` / ``Family.cf_terms``); the Beta one by Chebyshev quadrature
+(:mod:`kjit.charfun`): ``M @ K`` with a precomputed ``(G, 2 D_in)`` coefficient matrix ``K``
+(real | imaginary), one matrix product per Beta variable, so the exact treatment costs about as
+much as the Gaussian one.
 """
 
 from __future__ import annotations
 
 import copy
 import numbers
-import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from scipy import special
 
-from .families import FAMILIES, Bernoulli, Beta, Family, Gamma, Gaussian, family_by_name
-from .persistence import StateReader
+from .charfun import beta_characteristic_function, beta_chebyshev_moments  # noqa: F401  (re-exported)
+from .families import FAMILIES, Family, family_by_name, family_name
+from .state import StateReader
 
 __all__ = [
     "TwoStageFeatures",
@@ -98,131 +83,32 @@ def component_moments(message: Family, treatment: str = "gaussian"):
     """Mean and variance of one component as the inner embedding sees it.
 
     ``"gaussian"``/``"exact"``: moments of the variable itself.  ``"unconstrained"``: moments
-    of the variable in its unconstrained coordinate — log τ for a Gamma message
-    (ψ(a) − log b, ψ'(a)), logit z for a Beta message (ψ(α) − ψ(β), ψ'(α) + ψ'(β)) —
-    so messages whose scale varies over orders of magnitude are compared on a log scale.
+    of the variable in its family's unconstrained coordinate (``Family.unconstrained_moments``:
+    log τ for a Gamma message, logit z for a Beta message), so messages whose scale varies over
+    orders of magnitude are compared on a log scale.
     """
     if treatment == "unconstrained":
-        if isinstance(message, Gamma):
-            a, b = message.shape_param, message.rate
-            return special.digamma(a) - np.log(b), special.polygamma(1, a)
-        if isinstance(message, Beta):
-            a, b = message.alpha, message.beta
-            return special.digamma(a) - special.digamma(b), special.polygamma(1, a) + special.polygamma(1, b)
+        return message.unconstrained_moments()
     return message.mean(), message.var()
+
+
 _STATE_FORMAT = 1
 _TWO_PI = 2.0 * np.pi
 # Row chunk: keeps each (chunk, D) temporary at about 2**21 elements (16 MB in float64).
 _CHUNK_ELEMENTS = 1 << 21
 # Median heuristic subsample size (SPEC §4).
 _MEDIAN_SUBSAMPLE = 1000
-# Chebyshev quadrature for the Beta characteristic function.
-_CHEB_TOL = 1e-14
-_CHEB_MAX_NODES = 8192
-# Batches up to this size compute the Beta moment recurrence in Python floats.
-_SMALL_BATCH = 4
 
 
 class NotFittedError(ValueError, AttributeError):
     """Raised when features are requested before :meth:`TwoStageFeatures.fit`."""
 
 
-# =========================================================================== Beta CF
-
-
-def beta_chebyshev_moments(alpha, beta, n_moments: int) -> np.ndarray:
-    """Chebyshev moments ``E[T_j(2x - 1)]``, ``j < n_moments``, of ``x ~ Beta(alpha, beta)``.
-
-    ``alpha`` and ``beta`` broadcast; the result has shape ``(*batch, n_moments)``.  Uses the
-    exact forward recurrence of the module docstring (absolute error ~ 1e-16 per step).
-    """
-    a = np.asarray(alpha, dtype=np.float64)
-    b = np.asarray(beta, dtype=np.float64)
-    a, b = np.broadcast_arrays(a, b)
-    if not (np.all(a > 0) and np.all(b > 0) and np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        raise ValueError("beta_chebyshev_moments: `alpha` and `beta` must be finite and > 0")
-    n_moments = int(n_moments)
-    if n_moments < 1:
-        raise ValueError(f"beta_chebyshev_moments: `n_moments` must be >= 1, got {n_moments}")
-    if a.size <= _SMALL_BATCH:
-        # request-time path: a Python-float loop beats ~4 numpy calls per step on 1-element arrays
-        rows = [_beta_cheb_row(float(x), float(y), n_moments) for x, y in zip(a.ravel(), b.ravel())]
-        return np.array(rows, dtype=np.float64).reshape(a.shape + (n_moments,))
-    c = a + b
-    d2 = 2.0 * (a - b)
-    M = np.empty(a.shape + (n_moments,), dtype=np.float64)
-    M[..., 0] = 1.0
-    if n_moments > 1:
-        M[..., 1] = (a - b) / c
-    for n in range(1, n_moments - 1):
-        M[..., n + 1] = (d2 * M[..., n] - (c - n) * M[..., n - 1]) / (c + n)
-    return M
-
-
-def _beta_cheb_row(a: float, b: float, n_moments: int) -> list[float]:
-    """One row of :func:`beta_chebyshev_moments` in Python floats (same operations, same order)."""
-    c, d2 = a + b, 2.0 * (a - b)
-    row = [1.0]
-    if n_moments > 1:
-        row.append((a - b) / c)
-    for n in range(1, n_moments - 1):
-        row.append((d2 * row[n] - (c - n) * row[n - 1]) / (c + n))
-    return row
-
-
-def _chebyshev_size(omega_max: float, tol: float = _CHEB_TOL) -> int:
-    """Smallest G (step 8, 64 above 256) whose interpolation error bound for exp(i w x), |w| <= omega_max,
-    on [0, 1] is below ``tol``: 4 sum_{j >= G} |J_j(omega_max / 2)|."""
-    kappa = 0.5 * float(omega_max)
-    G = 8
-    while G <= _CHEB_MAX_NODES:
-        j = np.arange(G, G + 400)
-        if 4.0 * np.abs(special.jv(j, kappa)).sum() < tol:
-            return G
-        G += 8 if G < 256 else 64
-    warnings.warn(
-        f"Beta characteristic function: |omega| up to {omega_max:.4g} needs more than "
-        f"{_CHEB_MAX_NODES} Chebyshev nodes; using {_CHEB_MAX_NODES} (reduced accuracy). "
-        "The inner widths are probably far too small for these Beta messages.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return _CHEB_MAX_NODES
-
-
-def _chebyshev_cf_coefficients(omega: np.ndarray, G: int) -> tuple[np.ndarray, np.ndarray]:
-    """Chebyshev coefficients (real and imaginary parts, each ``(G, len(omega))``) of the degree
-    G-1 interpolant of ``exp(i omega x)``, ``x = (1 + y) / 2``, at the G Chebyshev points of
-    the first kind; row ``j`` multiplies ``T_j(y)``."""
-    theta = np.pi * (np.arange(G) + 0.5) / G
-    x = 0.5 * (1.0 + np.cos(theta))
-    T = np.cos(np.outer(np.arange(G), theta)) * (2.0 / G)  # T[j, g] = (2/G) T_j(y_g)
-    T[0] *= 0.5
-    arg = np.outer(x, omega)  # (G, D)
-    return T @ np.cos(arg), T @ np.sin(arg)
-
-
-def beta_characteristic_function(alpha, beta, omega) -> np.ndarray:
-    """``E exp(i omega x)`` for ``x ~ Beta(alpha, beta)``, i.e. ``1F1(alpha; alpha+beta; i omega)``.
-
-    ``alpha``, ``beta``: arrays of one batch shape; ``omega``: 1-D frequencies.  Returns a
-    complex array of shape ``(*batch, len(omega))``.  Accuracy ~ 1e-14 absolute for every
-    ``alpha, beta > 0`` (see the module docstring).
-    """
-    w = np.atleast_1d(np.asarray(omega, dtype=np.float64))
-    if w.ndim != 1 or not np.all(np.isfinite(w)):
-        raise ValueError("beta_characteristic_function: `omega` must be a finite 1-D array")
-    G = _chebyshev_size(np.max(np.abs(w)) if w.size else 0.0)
-    M = beta_chebyshev_moments(alpha, beta, G)
-    Kc, Ks = _chebyshev_cf_coefficients(w, G)
-    return M @ Kc + 1j * (M @ Ks)
-
-
 def characteristic_function(message: Family, omega) -> np.ndarray:
     """``E exp(i omega x)`` of every message in a batch at frequencies ``omega`` (1-D).
 
-    Returns complex ``(*batch, len(omega))``.  Gaussian, Gamma, Beta and Bernoulli (on
-    ``{-1, +1}``) are supported.
+    Returns complex ``(*batch, len(omega))``; each family gives its own
+    (``Family.characteristic_function``).
     """
     w = np.atleast_1d(np.asarray(omega, dtype=np.float64))
     if w.ndim != 1:
@@ -230,27 +116,13 @@ def characteristic_function(message: Family, omega) -> np.ndarray:
     if not isinstance(message, Family):
         raise ValueError(f"characteristic_function: `message` must be a kjit message, got {type(message).__name__}")
     message._require_proper("characteristic_function")
-    if isinstance(message, Gaussian):
-        m, v = message.mean()[..., None], message.var()[..., None]
-        return np.exp(-0.5 * v * w**2 + 1j * m * w)
-    if isinstance(message, Gamma):
-        a, t = message.shape_param[..., None], w / message.rate[..., None]
-        return np.exp(-0.5 * a * np.log1p(t * t) + 1j * a * np.arctan(t))
-    if isinstance(message, Beta):
-        return beta_characteristic_function(message.alpha, message.beta, w)
-    if isinstance(message, Bernoulli):
-        return np.cos(w) + 1j * (2.0 * message.p[..., None] - 1.0) * np.sin(w)
-    raise ValueError(f"characteristic_function: unsupported family {type(message).__name__}")
+    return message.characteristic_function(w)
 
 
 # =========================================================================== validation
 
 
-def _family_name(fam: type[Family]) -> str:
-    for name, cls in FAMILIES.items():
-        if cls is fam:
-            return name
-    raise ValueError(f"family {fam.__name__} is not registered in kjit.families.FAMILIES")
+_family_name = family_name
 
 
 def _check_families(families: Any) -> tuple[type[Family], ...]:
@@ -551,16 +423,14 @@ class TwoStageFeatures:
             "omega2": (om * om).astype(dt),
             "b": self.b_.astype(dt),
             "scale": dt.type(np.sqrt(2.0 / self.n_inner)),
-            "gauss_cols": [l for l, f in enumerate(self.families) if f is Gaussian],
-            "exact": self.treatment == "exact" and any(f is not Gaussian for f in self.families),
-            "beta": {},
+            "gauss_cols": [l for l, f in enumerate(self.families) if f.gaussian_cf],
+            "exact": self.treatment == "exact" and any(not f.gaussian_cf for f in self.families),
+            "plans": {},
         }
         if cache["exact"]:
             for l, f in enumerate(self.families):
-                if f is Beta:
-                    G = _chebyshev_size(float(np.max(np.abs(om[l]))))
-                    Kc, Ks = _chebyshev_cf_coefficients(om[l], G)
-                    cache["beta"][l] = (G, np.concatenate([Kc, Ks], axis=1).astype(dt))
+                if not f.gaussian_cf:
+                    cache["plans"][l] = f.cf_plan(om[l], dt)
             g = cache["gauss_cols"]
             cache["omega_g"] = np.ascontiguousarray(om[g]).astype(dt)
             cache["omega2_g"] = np.ascontiguousarray(om[g] * om[g]).astype(dt)
@@ -606,38 +476,23 @@ class TwoStageFeatures:
         return out
 
     def _exact_factors(self, msgs, A, phase, logmod, dt):
-        """Non-Gaussian components of the exact treatment.  Closed forms (Gamma) are added to
-        ``phase``/``logmod`` in place; the rest are multiplied into a complex factor, returned as
-        (real, imaginary) arrays, or (None, None) if there is none."""
-        k, D = phase.shape
+        """Non-Gaussian components of the exact treatment, each from its family's
+        ``cf_terms``: polar terms are added to ``phase``/``logmod`` in place; the rest are
+        multiplied into a complex factor, returned as (real, imaginary) arrays, or (None, None)
+        if there is none."""
         zr = zi = None
         for l, (m, f) in enumerate(zip(msgs, self.families)):
-            if f is Gaussian:
+            if f.gaussian_cf:
                 continue
-            w = A["omega"][l]
-            if f is Gamma:
-                a = m.shape_param.astype(dt)[:, None]
-                t = w[None, :] / m.rate.astype(dt)[:, None]
-                phase += a * np.arctan(t)
-                np.multiply(t, t, out=t)
-                np.log1p(t, out=t)
-                t *= a
-                t *= 0.5
-                logmod -= t
+            kind, x, y = m.cf_terms(A["omega"][l], A["plans"][l], dt)
+            if kind == "polar":
+                logmod += x
+                phase += y
                 continue
-            if f is Beta:
-                G, K = A["beta"][l]
-                CS = beta_chebyshev_moments(m.alpha, m.beta, G).astype(dt) @ K
-                re, im = CS[:, :D], CS[:, D:]
-            elif f is Bernoulli:
-                re = np.broadcast_to(np.cos(w), (k, D))
-                im = (2.0 * m.p.astype(dt) - 1.0)[:, None] * np.sin(w)[None, :]
-            else:  # pragma: no cover - families are validated
-                raise ValueError(f"unsupported family {f.__name__}")
             if zr is None:
-                zr, zi = np.array(re, dtype=dt), np.array(im, dtype=dt)
+                zr, zi = np.array(x, dtype=dt), np.array(y, dtype=dt)
             else:
-                zr, zi = zr * re - zi * im, zr * im + zi * re
+                zr, zi = zr * x - zi * y, zr * y + zi * x
         return zr, zi
 
     def _outer(self, phi: np.ndarray, dt: np.dtype) -> np.ndarray:

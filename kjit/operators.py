@@ -29,11 +29,16 @@ import numpy as np
 
 from .blr import BayesianLinearRegression
 from .factors import Factor, get_factor
-from .families import Family, Gaussian
+from .families import Family, family_name
 from .features import TwoStageFeatures
+from .protocols import Operator
 from .training import TrainingSet
 
-__all__ = ["KernelOperator"]
+__all__ = ["KernelOperator", "respect_factor_bounds", "sign_undetermined", "SIGN_Z"]
+
+# an outgoing message whose precision is within SIGN_Z predictive standard deviations of 0 has
+# an undetermined sign: a just-in-time operator consults its oracle for it (see sign_undetermined)
+SIGN_Z = 2.0
 
 DEFAULT_PRIOR_VARS = tuple(10.0 ** np.arange(-1.0, 5.5, 1.0))
 DEFAULT_NOISE_VARS = tuple(10.0 ** np.arange(-12.0, -0.5, 1.0))
@@ -83,7 +88,7 @@ def _log_evidence_grid_dual(psi: np.ndarray, Y: np.ndarray, prior_vars, noise_va
     return out, float(lam_n.max(initial=0.0))
 
 
-class KernelOperator:
+class KernelOperator(Operator):
     """Kernel-based message operator for one (factor, recipient) direction.
 
     Parameters
@@ -311,16 +316,10 @@ class KernelOperator:
         return c
 
     def _to_relative(self, coords, base):
-        rel = coords - base
-        if self.family is Gaussian:
-            rel[..., 0] = rel[..., 0] / np.exp(0.5 * base[..., 1])
-        return rel
+        return self.family.to_relative(coords, base)
 
     def _from_relative(self, rel, base):
-        out = rel + base
-        if self.family is Gaussian:
-            out[..., 0] = base[..., 0] + rel[..., 0] * np.exp(0.5 * base[..., 1])
-        return out
+        return self.family.from_relative(rel, base)
 
     def regression_targets(self, incoming: Mapping[str, Family], beliefs: Family) -> np.ndarray:
         """The coordinates the regression is fitted to (before standardisation), shape (n, k)."""
@@ -357,8 +356,12 @@ class KernelOperator:
         else:
             z = self.blr_.predict(psi, dtype=self.dtype)
         coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
+        base = self._base(inc)
         if self.target == "relative":
-            coords = self._from_relative(coords, self._base(inc))
+            coords = self._from_relative(coords, base)
+        j, lc = _spread_bounds(self.factor, self.to, {v: m.ravel() for v, m in inc.items()})
+        if lc is not None:  # the factor bounds the spread by the incoming message's
+            coords[:, j] = np.where(lc, np.minimum(coords[:, j], base[:, j]), coords[:, j])
         coords = coords.reshape(shape + (len(self.y_mean_),))
         if not return_var:
             return coords
@@ -366,14 +369,21 @@ class KernelOperator:
         var = var.reshape(shape + (len(self.y_mean_),))
         return (coords, var, psi) if return_features else (coords, var)
 
+    def _to_belief(self, coords, incoming) -> Family:
+        """Belief from predicted coordinates; rows clipped to the factor's bound get the
+        incoming message's spread parameter exactly (not exp(log v), which can be an ulp wider)."""
+        q = self.family.from_coords(coords)
+        inc, shape = self.factor.check_incoming(incoming, self.to)
+        flat = {v: m.ravel() for v, m in inc.items()}
+        return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(shape)
+
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
-        return self.family.from_coords(self.predict_coords(incoming, return_var=False))
+        return self._to_belief(self.predict_coords(incoming, return_var=False), incoming)
 
-    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+    def _recipient(self, to):
         self._check_to(to)
-        _, _, inc = self._messages(incoming)
-        return self.belief(incoming) / inc[self.to]
+        return self.to
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
         """Log predictive variance per output coordinate, shape (batch, k)."""
@@ -384,7 +394,7 @@ class KernelOperator:
         """Belief and log predictive variance (batch, k) in one feature computation."""
         self._check_to(to)
         coords, var = self.predict_coords(incoming, return_var=True)
-        return self.family.from_coords(coords), np.log(var)
+        return self._to_belief(coords, incoming), np.log(var)
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -444,6 +454,63 @@ class KernelOperator:
         if op.features_.n_outer != op.blr_.coef_.shape[0]:
             raise ValueError("operator state is inconsistent: feature size differs from regression size")
         return op
+
+
+def _spread_bounds(factor: Factor, to: str, inc: Mapping[str, Family]):
+    """(spread coordinate j, rows where the factor bounds it by incoming[to]) or (None, None)."""
+    j = factor.families[to].spread_coord
+    if j is None:
+        return None, None
+    lc = factor.log_concave(to, inc)
+    if lc is None:
+        return j, None
+    return j, np.broadcast_to(np.asarray(lc, dtype=bool), inc[to].shape)
+
+
+def respect_factor_bounds(factor: Factor, to: str, incoming: Mapping[str, Family], beliefs: Family):
+    """Beliefs moved onto the side of what the factor guarantees; returns ``(beliefs, clipped)``.
+
+    Where :meth:`Factor.log_concave` holds, a Gaussian belief is never wider than the incoming
+    message to ``to`` (Brascamp–Lieb), so the outgoing message's precision is ≥ 0.  A learned
+    prediction (or a Monte Carlo estimate) a hair wider than the cavity — the exact belief is
+    narrower by a relative 1e-4 when the cavity sits a few sd on the label's side — gives a
+    message of small *negative* precision that EP must skip, every iteration.  Such rows get
+    the incoming message's spread exactly (the message's precision is then exactly 0; the
+    shift is kept); every other row is returned bit for bit.  ``incoming``: flat batch,
+    validated.  ``clipped``: the rows changed.
+    """
+    j, lc = _spread_bounds(factor, to, incoming)
+    n = len(beliefs)
+    if lc is None or not lc.any():
+        return beliefs, np.zeros(n, dtype=bool)
+    # the spread parameter is exp(spread coordinate): compare parameters directly
+    p_q = np.asarray(beliefs.params[j], dtype=float)
+    p_c = np.asarray(incoming[to].params[j], dtype=float)
+    clipped = lc & (p_q > p_c)
+    if not clipped.any():
+        return beliefs, clipped
+    params = [np.array(p, dtype=float) for p in beliefs.params]
+    params[j] = np.where(clipped, p_c, p_q)
+    return type(beliefs)(*params), clipped
+
+
+def sign_undetermined(factor: Factor, to: str, incoming: Mapping[str, Family], coords: np.ndarray,
+                      var: np.ndarray, z: float = SIGN_Z) -> np.ndarray:
+    """Rows whose outgoing message (belief ÷ ``incoming[to]``) has a precision whose sign the
+    prediction does not determine: the belief's spread coordinate is within ``z`` predictive
+    standard deviations of the incoming message's, and the factor does not guarantee the
+    sign (:meth:`Factor.log_concave`).  EP consumes the message, not the belief: a belief KL
+    of 1e-5 can be an improper message (issue 19).  ``coords``/``var``: predicted belief
+    coordinates and their predictive variances, shape (n, k)."""
+    j, lc = _spread_bounds(factor, to, incoming)
+    n = coords.shape[0]
+    if j is None:
+        return np.zeros(n, dtype=bool)
+    d = coords[:, j] - incoming[to].to_coords()[:, j]
+    und = np.abs(d) <= z * np.sqrt(var[:, j])
+    if lc is not None:
+        und &= ~lc
+    return und
 
 
 def _with_dtype(feats: TwoStageFeatures, dtype) -> TwoStageFeatures:
@@ -547,7 +614,7 @@ _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is 
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
 
-class JITOperator:
+class JITOperator(Operator):
     """Just-in-time operator (SPEC §6): predict when confident, else ask the oracle and learn.
 
     Parameters
@@ -663,7 +730,10 @@ class JITOperator:
             raise LowESSError(np.asarray(positions)[exc.rows], exc.ess, exc.min_ess) from exc
         finally:
             self._counts["seconds_oracle"] += time.perf_counter() - t
-        return q
+        # a sampled (or round-off) answer on the wrong side of the factor's bound is moved onto
+        # it: strictly closer to the truth, and what is learned is what is returned
+        flat = {v: m.ravel() for v, m in incoming.items()}
+        return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(q.shape)
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -750,7 +820,7 @@ class JITOperator:
         coords, var, psi = self.operator.predict_coords(flat, return_var=True, return_features=True)
         logvar = np.log(var)
         self._counts["seconds_predict"] += time.perf_counter() - t
-        uncertain = np.any(logvar > self.threshold, axis=-1)
+        uncertain = self._uncertain(flat, coords, logvar)
         consulted = np.zeros(n, dtype=bool)
         answers = []  # (row indices, oracle beliefs)
         rounds = 0
@@ -791,12 +861,12 @@ class JITOperator:
                                                           return_var=True, return_features=True)
                 self._counts["seconds_predict"] += time.perf_counter() - t
                 coords[rest], logvar[rest], psi[rest] = c2, np.log(v2), p2
-                uncertain[rest] = np.any(logvar[rest] > self.threshold, axis=-1)
+                uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest])
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
         self.last_learned_groups_ = [offset + idx for idx, _ in answers]
-        q_hat = self.family.from_coords(coords)
+        q_hat = respect_factor_bounds(self.factor, self.to, flat, self.family.from_coords(coords))[0]
         if answers:
             # return the oracle's own message for consulted rows (not a coordinate round trip)
             params = [np.array(p) for p in q_hat.params]
@@ -805,6 +875,17 @@ class JITOperator:
                     p_all[idx] = p_or
             q_hat = self.family(*params)
         return q_hat, logvar, consulted
+
+    def _uncertain(self, flat, coords, logvar):
+        """Rows to consult: the belief's log predictive variance exceeds the threshold in some
+        coordinate, or the outgoing message's precision has an undetermined sign
+        (:func:`sign_undetermined`: what EP consumes is the message, not the belief)."""
+        # the sign test uses the epistemic part of the variance: consulting cannot resolve the
+        # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
+        op = self.operator
+        epistemic = np.maximum(np.exp(logvar) - op.noise_var_ * np.asarray(op.y_scale_) ** 2, 0.0)
+        return np.any(logvar > self.threshold, axis=-1) | sign_undetermined(
+            self.factor, self.to, flat, coords, epistemic)
 
     def _differs(self, flat, ref):
         """(n, c) booleans: does each row differ from the reference row in each coordinate of
@@ -871,10 +952,9 @@ class JITOperator:
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         return self.predict(incoming, to)[0]
 
-    def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+    def _recipient(self, to):
         self._check_to(to)
-        inc, _ = self.factor.check_incoming(incoming, self.to)
-        return self.belief(incoming) / inc[self.to]
+        return self.to
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -883,12 +963,12 @@ class JITOperator:
         configuration including its random generator state."""
         from .oracles import ImportanceSamplingOracle, QuadratureOracle
 
-        if isinstance(self.oracle, ImportanceSamplingOracle):
+        if isinstance(self.oracle, ImportanceSamplingOracle):  # noqa: SIM114
             o = self.oracle
             oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
                       "chunk": o.chunk, "rng_state": json.dumps(o._rng.bit_generator.state),
                       "reuse": o.reuse, "pool": json.dumps(o.pool_state()),
-                      "proposal": json.dumps({v: [type(m).__name__.lower(), m.to_dict()] for v, m in o.proposal.items()})}
+                      "proposal": json.dumps({v: [family_name(m), m.to_dict()] for v, m in o.proposal.items()})}
         elif isinstance(self.oracle, QuadratureOracle):
             oracle = {"kind": "quadrature"}
         else:

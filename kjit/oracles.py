@@ -6,13 +6,9 @@ same batch shape)::
     oracle.belief(incoming: dict[str, Family], to: str) -> Family   # q = proj[f · Π incoming]
     oracle.message(incoming, to) -> Family                          # q / incoming[to]
 
-:class:`QuadratureOracle` — deterministic, for the built-in factors whose tilted distribution
-is a 1-D integral (the "hand-crafted" operator).  The integrand exp(w(t)) is split at its
-stationary and inflection points into pieces on which w is monotone; each piece is cut again
-where w crosses fixed levels below its maximum (w_max − 0.1, 0.5, …, 50), so every panel spans a
-bounded change of the integrand whatever its scale; each panel gets a Gauss–Legendre rule.
-All of it is vectorised over the batch.  Probit-with-label-noise is a two-piece truncated
-Gaussian and is done in closed form.
+:class:`QuadratureOracle` — deterministic, for factors that carry exact rules (the "hand-crafted"
+operator): the rules live in each factor's module (:mod:`kjit.factors`), built from the
+level-panel quadrature of :mod:`kjit.quadrature` or in closed form; the oracle looks them up.
 
 :class:`ImportanceSamplingOracle` — for any sampleable factor (SPEC §3, paper eq. 4): draw
 x_in ~ proposal, x_out ~ f(· | x_in); weights w = Π_W m_{W→f}(x_W) / proposal(x_in),
@@ -27,42 +23,26 @@ from __future__ import annotations
 from typing import Mapping
 
 import numpy as np
-from scipy import special
 
-from .factors import CompoundGamma, Factor, Logistic, ProbitNoise
-from .families import Bernoulli, Beta, Family, Gamma, Gaussian
+from .errors import LowESSError, OracleError
+from .factors.base import Factor
+from .families import Family
+from .protocols import Operator
+from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
 
 __all__ = [
-    "logistic_tilted_rule",
     "two_piece_moments",
     "LOG_SQRT_2PI",
     "Oracle",
     "QuadratureOracle",
     "ImportanceSamplingOracle",
+    "MessageImportanceSampler",
     "LowESSError",
     "OracleError",
 ]
 
 
-class OracleError(RuntimeError):
-    """An oracle could not produce a trustworthy message."""
-
-
-class LowESSError(OracleError):
-    """Importance sampling produced too small an effective sample size for some rows."""
-
-    def __init__(self, rows, ess, min_ess):
-        self.rows = np.asarray(rows)
-        self.ess = np.asarray(ess)
-        self.min_ess = min_ess
-        super().__init__(
-            f"importance sampling failed for {self.rows.size} message(s): effective sample size "
-            f"{float(np.min(self.ess)):.3g} < min_ess={min_ess} (rows {self.rows[:10].tolist()}"
-            f"{'…' if self.rows.size > 10 else ''}); use a better proposal or more samples"
-        )
-
-
-class Oracle:
+class Oracle(Operator):
     """Common interface: subclasses implement ``_belief_stats`` (expected suff. stats)."""
 
     factor: Factor
@@ -76,419 +56,57 @@ class Oracle:
         flat, shape = self._prepare(incoming, to)
         return self._belief_flat(flat, to).reshape(shape)
 
-    def message(self, incoming: Mapping[str, Family], to: str) -> Family:
-        flat, shape = self._prepare(incoming, to)
-        q = self._belief_flat(flat, to)
-        return (q / flat[to]).reshape(shape)
-
     def _belief_flat(self, flat, to) -> Family:
         raise NotImplementedError
 
 
-# ====================================================================== 1-D quadrature
-_LEVELS = np.array([0.1, 0.5, 1.5, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0, 36.0, 50.0])
-_CUTOFF = 55.0  # below w_max − _CUTOFF the integrand is < 1.3e-24 of its peak: ignored
-_GL_N = 12
-_BISECT_LEVEL = 24  # level crossings to 2^-24 of their segment: panel ends need not be exact
-_GL_X, _GL_W = np.polynomial.legendre.leggauss(_GL_N)
-
-
-def _bisect(g, lo, hi, n_iter):
-    """Vectorised bisection for a sign change of g on [lo, hi] (g(lo) and g(hi) of opposite sign)."""
-    glo = g(lo)
-    for _ in range(n_iter):
-        mid = 0.5 * (lo + hi)
-        gm = g(mid)
-        same = np.sign(gm) == np.sign(glo)
-        lo = np.where(same, mid, lo)
-        glo = np.where(same, gm, glo)
-        hi = np.where(same, hi, mid)
-    return 0.5 * (lo + hi)
-
-
-def _panel_rule(logf, breaks, step):
-    """Nodes and normalised log-weights of the level-panel rule for exp(logf).
-
-    logf(t, rows=None): vectorised log integrand; with ``rows`` None, ``t`` has shape (B, ...)
-    and logf broadcasts its per-message parameters as (B, 1, ...); otherwise ``t`` is 1-D and
-    ``rows`` gives the message of each entry.  ``breaks`` (B, K): points that include every
-    stationary point of logf, so logf is monotone between consecutive sorted breaks and on
-    the two outer half-lines.  ``step`` (B,): a length scale for the outward search.
-
-    Returns ``(t, logw, log_z)``: nodes (B, N), log weights normalised to sum to one, and the
-    log integral.
-    """
-    breaks = np.sort(breaks, axis=1)
-    B, K = breaks.shape
-    fb = logf(breaks)
-    wmax = np.max(fb, axis=1)
-    # outer ends: walk outward (doubling) until logf < wmax − cutoff; logf is monotone there
-    ends = []
-    for side, edge in ((-1.0, breaks[:, 0]), (1.0, breaks[:, -1])):
-        d = np.maximum(step, 1e-300)
-        for _ in range(200):
-            val = logf((edge + side * d)[:, None])[:, 0]
-            more = val > wmax - _CUTOFF
-            if not more.any():
-                break
-            d = np.where(more, 2.0 * d, d)
-        ends.append(edge + side * d)
-    pts = np.concatenate([ends[0][:, None], breaks, ends[1][:, None]], axis=1)  # (B, K+2)
-    a, b = pts[:, :-1], pts[:, 1:]  # segments (B, S)
-    fa, fb_ = logf(a), logf(b)
-    target = wmax[:, None, None] - _LEVELS[None, None, :]  # (B, 1, L)
-    FA, FB = fa[..., None], fb_[..., None]
-    inside = (target - FA) * (target - FB) < 0  # level crossed strictly inside the segment
-    # bisection for logf(t) = target, only on the (row, segment, level) entries crossed
-    ib, is_, il = np.nonzero(inside)
-    lo, hi = a[ib, is_], b[ib, is_]
-    tgt = wmax[ib] - _LEVELS[il]
-    sign_lo = np.sign(fa[ib, is_] - tgt)
-    for _ in range(_BISECT_LEVEL):
-        mid = 0.5 * (lo + hi)
-        same = np.sign(logf(mid, ib) - tgt) == sign_lo
-        lo = np.where(same, mid, lo)
-        hi = np.where(same, hi, mid)
-    # panel end points: segment ends and crossings; rows padded with copies of their last point
-    count = np.bincount(ib, minlength=B)
-    width = K + 2 + int(count.max(initial=0))
-    allpts = np.repeat(pts[:, -1:], width, axis=1)
-    allpts[:, : K + 2] = pts
-    order = np.argsort(ib, kind="stable")
-    start = np.concatenate([[0], np.cumsum(count)[:-1]])
-    slot = np.arange(ib.size) - start[ib[order]]
-    allpts[ib[order], K + 2 + slot] = (0.5 * (lo + hi))[order]
-    allpts.sort(axis=1)
-    left, right = allpts[:, :-1], allpts[:, 1:]
-    half = 0.5 * (right - left)
-    centre = 0.5 * (right + left)
-    t = (centre[..., None] + half[..., None] * _GL_X).reshape(B, -1)
-    with np.errstate(divide="ignore"):
-        lw_rule = np.log(np.maximum(half, 0.0)[..., None] * _GL_W).reshape(B, -1)
-    with np.errstate(divide="ignore"):
-        lw = logf(t) + lw_rule
-    lw = np.where(np.isfinite(lw), lw, -np.inf)
-    m = np.max(lw, axis=1, keepdims=True)
-    s = np.sum(np.exp(lw - m), axis=1, keepdims=True)
-    log_z = (m + np.log(s))[:, 0]
-    return t, lw - log_z[:, None], log_z
-
-
-# the logistic's bends: fixed split points so no panel straddles the transition of σ
-_LOGISTIC_BENDS = np.array([-6.0, -3.0, -1.5, 0.0, 1.5, 3.0, 6.0])
-
-
-def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0):
-    """Panel rule for r(x) ∝ N(x; mu, v) · σ(x)^(α−1) σ(−x)^(β−1) (log normaliser included).
-
-    ``weight`` = +1 / −1 multiplies the integrand by softplus(−x) = −log σ(x) /
-    softplus(x) = −log σ(−x), so that E[log σ(±x)] is integrated with panels placed for its
-    own integrand: relative accuracy even when the statistic lives in the far tail.
-    """
-    mu, v, alpha, beta = (np.asarray(p, float) for p in (mu, v, alpha, beta))
-    am1, bm1 = alpha - 1.0, beta - 1.0
-
-    ab = am1 + bm1
-
-    def col(p, t, rows):
-        return p[rows] if rows is not None else p.reshape(p.shape + (1,) * (t.ndim - 1))
-
-    def logf0(t, rows=None):
-        m, vv, c, b1 = (col(p, t, rows) for p in (mu, v, ab, bm1))
-        # (α−1) log σ(t) + (β−1) log σ(−t) = −(α+β−2) softplus(−t) − (β−1) t
-        return -0.5 * (t - m) ** 2 / vv - c * np.logaddexp(0.0, -t) - b1 * t
-
-    def dlogf0(t):
-        return -(t - mu) / v + am1 * special.expit(-t) - bm1 * special.expit(t)
-
-    def log_softplus(t):  # log log(1 + e^t), stable in both tails
-        with np.errstate(divide="ignore"):  # the unused branch underflows for t ≪ 0
-            return np.where(t < -30.0, t, np.log(np.logaddexp(0.0, np.minimum(t, 700.0)) + (t > 700.0) * (t - 700.0)))
-
-    def dlog_softplus(t):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(t < -30.0, 1.0, special.expit(t) / np.logaddexp(0.0, t))
-
-    if weight:
-        def logf(t, rows=None):
-            return logf0(t, rows) + log_softplus(-weight * t)
-
-        def dlogf(t):
-            return dlogf0(t) - weight * dlog_softplus(-weight * t)
-    else:
-        logf, dlogf = logf0, dlogf0
-
-    # w'' = −1/v − (α+β−2) σ(t)σ(−t): concave unless α+β < 2 and v large; then w' has the
-    # inflection points ±t0 with σσ(−t0) = 1/(v (2−α−β)) and w at most three stationary points.
-    c = 2.0 - alpha - beta
-    with np.errstate(divide="ignore", invalid="ignore"):
-        k = 1.0 / (v * c)
-        nonconcave = (c > 0) & (k < 0.25)
-        root = np.sqrt(np.clip(1.0 - 4.0 * np.where(nonconcave, k, 0.0), 0.0, 1.0))
-        t0 = np.where(nonconcave, special.logit(0.5 * (1.0 + root)), 0.0)
-    M = np.abs(am1) + np.abs(bm1)
-    far_lo = mu - v * M - 1.0
-    far_hi = mu + v * M + 1.0
-    # stationary points: in (−∞, −t0], [−t0, t0], [t0, ∞) (one interval when concave)
-    g_m, g_p = dlogf(-t0), dlogf(t0)
-    r1 = _bisect(dlogf, far_lo, np.where(nonconcave, -t0, far_hi), 100)
-    r3 = _bisect(dlogf, np.where(nonconcave, t0, far_lo), far_hi, 100)
-    r2 = _bisect(dlogf, -t0, t0, 100)
-    has1 = ~nonconcave | (g_m < 0)
-    has3 = nonconcave & (g_p > 0)
-    has2 = nonconcave & (g_m < 0) & (g_p > 0)
-    anchor = np.where(has1, r1, np.where(has3, r3, r2))
-    r1 = np.where(has1, r1, anchor)
-    r2 = np.where(has2, r2, anchor)
-    r3 = np.where(has3, r3, anchor)
-    bends = np.broadcast_to(_LOGISTIC_BENDS, (anchor.size, _LOGISTIC_BENDS.size))
-    breaks = np.concatenate(
-        [np.stack([r1, r2, r3, np.where(nonconcave, -t0, anchor), np.where(nonconcave, t0, anchor)], axis=1), bends],
-        axis=1,
-    )
-    if weight:
-        # the weighted integrand's stationary points: a root of its derivative in each gap
-        # between the unweighted integrand's break points (the weight is log-concave and
-        # monotone, so this adds at most a few points)
-        pts = np.sort(np.concatenate([far_lo[:, None], breaks, far_hi[:, None]], axis=1), axis=1)
-        lo_, hi_ = pts[:, :-1], pts[:, 1:]
-        flat_lo, flat_hi = lo_.ravel(), hi_.ravel()
-        rep = lambda p: np.repeat(p, lo_.shape[1])  # noqa: E731
-        mu_r, v_r, am1_r, bm1_r = rep(mu), rep(v), rep(am1), rep(bm1)
-
-        def dg(t):
-            d0 = -(t - mu_r) / v_r + am1_r * special.expit(-t) - bm1_r * special.expit(t)
-            return d0 - weight * dlog_softplus(-weight * t)
-
-        has = (np.sign(dg(flat_lo)) != np.sign(dg(flat_hi))).reshape(lo_.shape)
-        roots = _bisect(dg, flat_lo, flat_hi, 200).reshape(lo_.shape)
-        breaks = np.concatenate([breaks, np.where(has, roots, anchor[:, None])], axis=1)
-    # curvature scale at the main mode for the outward search
-    curv = 1.0 / v + np.maximum(alpha + beta - 2.0, 0.0) * special.expit(anchor) * special.expit(-anchor)
-    step = np.minimum(1.0 / np.sqrt(curv), np.sqrt(v))
-    t, lw, log_z = _panel_rule(logf, breaks, step)
-    # normaliser of N(x; mu, v) Beta(σ(x); α, β)
-    log_z = log_z - 0.5 * np.log(2 * np.pi * v) - special.betaln(alpha, beta)
-    return t, lw, log_z
-
-
-def _compound_gamma_rule(factor: CompoundGamma, a, b):
-    """Panel rule in u = log τ for r(τ) ∝ p_cg(τ) · Gamma(τ; a, b) (Jacobian e^u included)."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    s1, r1, s2 = factor.s1, factor.r1, factor.s2
-    c1 = s2 + a - 1.0  # coefficient of u: τ^(s2−1) τ^(a−1) and the Jacobian dτ = τ du
-    if np.any(~(c1 > 0)):
-        raise OracleError(
-            "compound-gamma tilted distribution is improper: need s2 + shape - 1 > 0 "
-            "(τ^(s2+a-2) is not integrable at 0)"
-        )
-
-    def col(p, t, rows):
-        return p[rows] if rows is not None else p.reshape(p.shape + (1,) * (t.ndim - 1))
-
-    def logf(u, rows=None):
-        cc, bb = col(c1, u, rows), col(b, u, rows)
-        return cc * u - (s1 + s2) * np.logaddexp(np.log(r1), u) - bb * np.exp(u)
-
-    def dlogf(u):
-        return c1 - (s1 + s2) * special.expit(u - np.log(r1)) - b * np.exp(u)
-
-    u_hi = np.log(c1 / b) + 1.0
-    u_lo = np.log(c1 / ((s1 + s2) / r1 + b)) - 1.0
-    mode = _bisect(dlogf, u_lo, u_hi, 200)
-    curv = (s1 + s2) * special.expit(mode - np.log(r1)) * special.expit(np.log(r1) - mode) + b * np.exp(mode)
-    step = 1.0 / np.sqrt(curv)
-    t, lw, log_z = _panel_rule(logf, mode[:, None], step)
-    log_z = (
-        log_z
-        + special.gammaln(s1 + s2) - special.gammaln(s1) - special.gammaln(s2) + s1 * np.log(r1)
-        + a * np.log(b) - special.gammaln(a)
-    )
-    return t, lw, log_z
-
-
-def _weighted_mean_var(t, lw):
-    w = np.exp(lw)
-    mean = np.sum(w * t, axis=1)
-    var = np.sum(w * (t - mean[:, None]) ** 2, axis=1)
-    return mean, var
-
-
-LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
-
-
-def _lower_truncated_std(alpha, n_terms: int = 80):
-    """Mean λ and variance of N(0, 1) truncated to [α, ∞), accurate in the far tail.
-
-    For α < 5: λ = φ(α)/Φ(−α) and var = 1 − λ(λ − α) (mild cancellation).  For α ≥ 5 the
-    Mills-ratio continued fraction R = 1/(α + c), c = 1/(α + d), d = 2/(α + 3/(α + …)) gives
-    λ = α + c and var = c² (α d + d² − 1) with no cancellation (var ≈ 1/α² for large α); the
-    continued fraction is evaluated only on the tail entries.
-    """
-    alpha = np.asarray(alpha, float)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        lam = np.exp(-0.5 * alpha * alpha - LOG_SQRT_2PI - special.log_ndtr(-alpha))
-        var = 1.0 - lam * (lam - alpha)
-    tail = alpha >= 5.0
-    if np.any(tail):
-        a = alpha[tail]
-        t = np.zeros_like(a)
-        for k in range(n_terms, 1, -1):
-            t = k / (a + t)
-        c = 1.0 / (a + t)
-        lam = np.array(lam, dtype=float, copy=True)
-        var = np.array(var, dtype=float, copy=True)
-        lam[tail] = a + c
-        var[tail] = c * c * (a * t + t * t - 1.0)
-    return lam, np.maximum(var, 0.0)
-
-
-def two_piece_moments(mu, v, log_c_pos, log_c_neg):
-    """Tilted moments of ``N(f; mu, v) · [c₊ Θ(f) + c₋ Θ(−f)]`` (log weights; −inf allowed).
-
-    Returns ``(log Z, mean, var, π₊)`` with π₊ the tilted mass of ``f > 0``.  Each piece is a
-    truncated Gaussian; its moments come from :func:`_lower_truncated_std` (accurate in the far
-    tail).  Used by the probit oracle (weights ε + (1−2ε)p, ε + (1−2ε)(1−p)) and by power EP
-    (the weights to the power u).
-    """
-    mu, v, lcp, lcn = np.broadcast_arrays(*(np.asarray(a, dtype=float) for a in (mu, v, log_c_pos, log_c_neg)))
-    s = np.sqrt(v)
-    z = mu / s
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lp = lcp + special.log_ndtr(z)
-        ln = lcn + special.log_ndtr(-z)
-        log_z = np.logaddexp(lp, ln)
-        pi_pos = np.exp(lp - log_z)
-        pi_neg = np.exp(ln - log_z)
-    lam_p, tv_p = _lower_truncated_std(-z)
-    lam_n, tv_n = _lower_truncated_std(z)
-    m_pos = mu + s * lam_p
-    m_neg = mu - s * lam_n
-    with np.errstate(invalid="ignore"):
-        mean = np.where(pi_neg == 0, m_pos, np.where(pi_pos == 0, m_neg, pi_pos * m_pos + pi_neg * m_neg))
-        d_pos = np.where(pi_pos > 0, v * tv_p + (m_pos - mean) ** 2, 0.0)
-        d_neg = np.where(pi_neg > 0, v * tv_n + (m_neg - mean) ** 2, 0.0)
-        var = pi_pos * d_pos + pi_neg * d_neg
-    return log_z, mean, var, pi_pos
-
-
-def _probit_moments(mu, v, p, eps):
-    """Closed-form tilted moments for N(f; mu, v) · [ε + (1−2ε)(p Θ(f) + (1−p) Θ(−f))].
-
-    Returns (log Z, mean, var, P(y=+1 | tilted)).  The tilted distribution is a mixture of
-    the two truncations of the Gaussian at 0, weighted c₊Φ(z) and c₋Φ(−z).
-    """
-    c_pos = eps + (1 - 2 * eps) * p
-    c_neg = eps + (1 - 2 * eps) * (1 - p)
-    with np.errstate(divide="ignore"):
-        log_z, mean, var, _ = two_piece_moments(mu, v, np.log(c_pos), np.log(c_neg))
-    z = mu / np.sqrt(v)
-    # posterior on y: P(y=+1) ∝ p · (ε + (1−2ε)Φ(z)), in logs: a label certain a priori (p = 0
-    # or 1) against a Φ that underflows is not 0/0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        log_eps, log_1m2eps = np.log(eps), np.log1p(-2 * eps)
-        lp = np.log(p) + np.logaddexp(log_eps, log_1m2eps + special.log_ndtr(z))
-        ln = np.log1p(-p) + np.logaddexp(log_eps, log_1m2eps + special.log_ndtr(-z))
-        py = special.expit(lp - ln)
-    return log_z, mean, var, py
-
-
+# ====================================================================== exact rules
 class QuadratureOracle(Oracle):
-    """Deterministic oracle for the built-in factors (the hand-crafted baseline operator).
+    """Deterministic oracle from a factor's exact rules (the hand-crafted baseline operator).
 
-    Relative error ≤ 1e-8 on the moments over means in ±50, variances 1e-4..1e4,
-    Beta α, β in 0.5..1000 and Gamma shape 1e-2..1e4 (tested against brute-force grids).
-    ``log_partition(incoming)`` gives log ∫ f Π m (messages normalised) for EP's evidence.
+    The rules live with the factor (:mod:`kjit.factors`: one per recipient, tagged with
+    :func:`kjit.factors.rule`); this class only validates, flattens and reshapes.  For the
+    built-in factors: relative error ≤ 1e-8 on the moments over means in ±50, variances
+    1e-4..1e4, Beta α, β in 0.5..1000 and Gamma shape 1e-2..1e4 (tested against brute-force
+    grids).  ``log_partition(incoming)`` gives log ∫ f Π m (messages normalised) for EP's
+    evidence; ``power=u`` (power EP) where the factor's rule supports it.
     """
 
     def __init__(self, factor: Factor):
-        if not isinstance(factor, (Logistic, CompoundGamma, ProbitNoise)):
+        if not isinstance(factor, Factor) or not factor.exact_recipients:
             raise ValueError(
                 f"QuadratureOracle has no rule for factor {getattr(factor, 'name', factor)!r}; "
                 "use ImportanceSamplingOracle for user factors"
             )
         self.factor = factor
 
+    has_log_partition = True
+
     def __repr__(self):
         return f"QuadratureOracle({self.factor!r})"
 
-    def _tilted(self, flat, to):
-        f = self.factor
-        if isinstance(f, Logistic):
-            x, z = flat["x"], flat["z"]
-            t, lw, log_z = logistic_tilted_rule(x.mean(), x.var(), z.alpha, z.beta)
-            if to == "x":
-                mean, var = _weighted_mean_var(t, lw)
-                return Gaussian(mean, var), log_z
-            if to == "z":
-                # E[log σ(x)] = −∫ r softplus(−x) / Z, each integral with its own panels
-                args = (x.mean(), x.var(), z.alpha, z.beta)
-                lz_neg = logistic_tilted_rule(*args, weight=+1)[2]
-                lz_pos = logistic_tilted_rule(*args, weight=-1)[2]
-                ess = np.stack([-np.exp(lz_neg - log_z), -np.exp(lz_pos - log_z)], axis=-1)
-                if np.any(~(ess < 0)):
-                    bad = np.flatnonzero(~np.all(ess < 0, axis=1))
-                    raise OracleError(
-                        f"belief on z is numerically degenerate for rows {bad[:10].tolist()}: the tilted "
-                        "distribution sits within exp(-745) of z = 0 or 1, beyond double precision"
-                    )
-                try:
-                    return Beta.project(ess), log_z
-                except ValueError as exc:
-                    raise OracleError(f"belief on z cannot be represented: {exc}") from None
-            return None, log_z
-        if isinstance(f, CompoundGamma):
-            tau = flat["tau"]
-            u, lw, log_z = _compound_gamma_rule(f, tau.shape_param, tau.rate)
-            if to is None:
-                return None, log_z
-            w = np.exp(lw)
-            mx = np.max(u, axis=1, keepdims=True)
-            # E[τ] = Σ w e^u, computed with a shift for range safety
-            e_tau = np.exp(mx[:, 0]) * np.sum(w * np.exp(u - mx), axis=1)
-            e_log = np.sum(w * u, axis=1)
-            return Gamma.project(np.stack([e_tau, e_log], axis=-1)), log_z
-        # ProbitNoise
-        fm, y = flat["f"], flat["y"]
-        log_z, mean, var, py = _probit_moments(fm.mean(), fm.var(), y.p, f.eps)
-        if to == "f":
-            if np.any(~(var > 0)):
-                raise OracleError("probit tilted variance underflowed to 0 (cavity far in the tail)")
-            return Gaussian(mean, var), log_z
-        if to == "y":
-            return Bernoulli(py), log_z
-        return None, log_z
+    @property
+    def supports_power(self) -> bool:
+        return any(self.factor.supports_power(v) for v in self.factor.exact_recipients)
 
-    def _belief_flat(self, flat, to):
-        return self._tilted(flat, to)[0]
+    def _belief_flat(self, flat, to, power=1.0):
+        return self.factor.exact_belief(flat, to, power)
+
+    def belief(self, incoming: Mapping[str, Family], to: str, power: float = 1.0) -> Family:
+        flat, shape = self._prepare(incoming, to)
+        return self._belief_flat(flat, to, power).reshape(shape)
 
     def message(self, incoming: Mapping[str, Family], to: str) -> Family:
         flat, shape = self._prepare(incoming, to)
-        if isinstance(self.factor, ProbitNoise) and to == "y":
-            # the message to the label is the likelihood itself; computing it as q / m_y
-            # would give inf − inf for an observed label (p = 0 or 1)
-            fm, eps = flat["f"], self.factor.eps
-            z = fm.mean() / np.sqrt(fm.var())
-            like_pos = eps + (1 - 2 * eps) * special.ndtr(z)
-            like_neg = eps + (1 - 2 * eps) * special.ndtr(-z)
-            return Bernoulli(like_pos / (like_pos + like_neg)).reshape(shape)
-        return (self._belief_flat(flat, to) / flat[to]).reshape(shape)
+        return self.factor.exact_message(flat, to).reshape(shape)
 
-    def log_partition(self, incoming: Mapping[str, Family]) -> np.ndarray:
-        """log ∫ f(x) Π_W m_{W→f}(x_W) dx for normalised incoming messages."""
+    def log_partition(self, incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
+        """log ∫ f(x)^power Π_W m_{W→f}(x_W) dx for normalised incoming messages."""
         flat, shape = self._prepare(incoming, None)
-        return self._tilted(flat, None)[1].reshape(shape)
+        return self.factor.exact_log_partition(flat, power).reshape(shape)
 
 
 # ====================================================================== importance sampling
-_DEFAULT_PROPOSALS = {
-    Gaussian: lambda: Gaussian(0.0, 200.0),  # the KJIT paper's proposal on the logistic input
-    Beta: lambda: Beta(1.0, 1.0),
-    Gamma: lambda: Gamma(1.0, 0.1),
-    Bernoulli: lambda: Bernoulli(0.5),
-}
-
-
 _LOG_W_FLOOR = -350.0
 
 
@@ -534,7 +152,7 @@ class ImportanceSamplingOracle(Oracle):
         proposal = dict(proposal or {})
         for v in factor.inputs:
             if v not in proposal:
-                proposal[v] = _DEFAULT_PROPOSALS[factor.families[v]]()
+                proposal[v] = factor.families[v].default_proposal()
             if not isinstance(proposal[v], factor.families[v]) or proposal[v].shape != ():
                 raise ValueError(f"`proposal[{v!r}]` must be a scalar {factor.families[v].__name__} message")
         unknown = set(proposal) - set(factor.inputs)
@@ -629,7 +247,7 @@ class ImportanceSamplingOracle(Oracle):
         B = next(iter(flat.values())).size
         u_to = stats[to]  # (N, k)
         N = len(log_r)
-        centred = f.families[to] is Gaussian
+        centred = f.families[to].centred_estimate
         # log w = Σ_W η_W · u_W(x_W) − log r(x_in) (message normalisers cancel) is one matrix
         # product of the batch's natural parameters H (B, K+1) with the particles' statistics
         # U (K+1, N) = [u_W ..., −log r]; the weighted sums Σ w u_to are a second one (for a
@@ -683,8 +301,204 @@ class ImportanceSamplingOracle(Oracle):
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
         fam = self.factor.families[to]
-        if fam is Gaussian:
-            if np.any(~(ess_stats[:, 1] > 0)):
-                raise OracleError("importance-sampling variance estimate is not positive")
-            return Gaussian(ess_stats[:, 0], ess_stats[:, 1])
-        return fam.project(ess_stats)
+        if not np.all(fam.estimate_ok(ess_stats)):
+            raise OracleError(f"importance-sampling estimate does not make a {fam.__name__} message "
+                              "(e.g. a variance estimate that is not positive)")
+        return fam.from_estimate(ess_stats)
+
+
+# ====================================================================== per-message importance sampling
+class MessageImportanceSampler(Oracle):
+    """Importance sampling with a proposal of its own for every message, for any sampleable factor.
+
+    For row i of a batch the inputs are drawn from their own incoming messages, the output from
+    the factor given them, and the particle is weighted by the output's incoming message::
+
+        x_in ~ Π_W m_W[i] (W an input),   x_out ~ f(· | x_in),   w = m_out[i](x_out)
+
+    so the weights carry only the output's message, and a narrow input message costs nothing (the
+    paper's shared fixed proposal N(0, 200) — :class:`ImportanceSamplingOracle` — loses its ESS
+    there).  Self-normalised estimates of E[u(x_to)], projected onto the recipient's family.  A
+    factor without inputs (compound gamma) draws from the factor and weights by its one message.
+
+    The particle count adapts per message: rounds of ``n_initial``·``growth``^r fresh particles
+    (rows still unresolved only; a round's particles replace the previous round's, so the work is
+    within ``growth / (growth − 1)`` of the final round's) until the Monte Carlo standard error of
+    every projected coordinate is ≤ ``target_se`` and the ESS ≥ ``min_ess`` (or, with
+    ``target_ess``, the ESS reaches it), or ``max_samples`` is reached.  Standard errors are the
+    delta method's (the projection's Jacobian, by central differences, applied to the
+    self-normalised covariance Σ w̃² (u − ū)(u − ū)ᵀ) in the family's coordinates — log
+    parameters, and for a Gaussian the mean in units of the belief's standard deviation and the
+    log variance.  A row whose ESS stays under ``min_ess`` at the cap is a :class:`LowESSError`
+    naming the rows; one that met ``min_ess`` but not ``target_se`` is answered, and its standard
+    error is reported.
+
+    After each call: ``last_ess_`` (n,), ``last_se_`` (n, k), ``last_n_samples_`` (n,) — per
+    message of the flattened batch.  Work is vectorised over (particles × rows) in chunks of at
+    most ``chunk_elements`` particles.
+    """
+
+    has_log_partition = True
+
+    def __init__(self, factor: Factor, target_se: float = 1e-2, min_ess: float = 50.0, target_ess: float | None = None,
+                 n_initial: int = 2000, max_samples: int = 256_000, growth: int = 2,
+                 chunk_elements: int = 2_000_000, random_state=None):
+        if not (np.isfinite(target_se) and target_se > 0):
+            raise ValueError(f"`target_se` must be a positive number, got {target_se!r}")
+        if not (np.isfinite(min_ess) and min_ess >= 1):
+            raise ValueError(f"`min_ess` must be >= 1, got {min_ess!r}")
+        if target_ess is not None and not (np.isfinite(target_ess) and target_ess >= min_ess):
+            raise ValueError("`target_ess` must be None or a number >= min_ess")
+        if int(n_initial) < 10 or int(max_samples) < int(n_initial):
+            raise ValueError("need 10 <= n_initial <= max_samples")
+        if int(growth) < 2:
+            raise ValueError("`growth` must be an integer >= 2")
+        self.factor = factor
+        self.target_se = float(target_se)
+        self.min_ess = float(min_ess)
+        self.target_ess = None if target_ess is None else float(target_ess)
+        self.n_initial = int(n_initial)
+        self.max_samples = int(max_samples)
+        self.growth = int(growth)
+        self.chunk_elements = int(chunk_elements)
+        self.random_state = random_state
+        self._rng = np.random.default_rng(random_state)
+
+    def __repr__(self):
+        return (f"MessageImportanceSampler({self.factor!r}, target_se={self.target_se:g}, min_ess={self.min_ess:g}, "
+                f"max_samples={self.max_samples})")
+
+    # ------------------------------------------------------------------ one round
+    def _draw(self, flat, rows, n, to):
+        """Particles for ``rows`` (n each): (stats of ``to`` (n, R, k), log weights (n, R))."""
+        f = self.factor
+        R = rows.size
+        draws = {v: flat[v][rows].sample(n, self._rng).reshape(-1) for v in f.inputs}  # (n·R,), row fastest
+        x_out = np.asarray(f.sample(draws, n * R, self._rng), dtype=float).reshape(n * R)
+        draws[f.output] = x_out
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            lw = flat[f.output][rows].log_pdf(x_out.reshape(n, R))
+            u = f.suff_stats(to, draws).reshape(n, R, -1)
+        lw = np.where(np.isfinite(lw) & np.all(np.isfinite(u), axis=-1), lw, -np.inf)
+        return u, lw
+
+    def _round(self, flat, rows, n, to):
+        """Estimates for ``rows`` with n fresh particles each: (ess stats (R, k), covariance of
+        their estimator (R, k, k), ESS (R,), log mean weight (R,))."""
+        R = rows.size
+        per = max(1, self.chunk_elements // n)
+        k = None
+        out = []
+        for s in range(0, R, per):
+            sub = rows[s:s + per]
+            u, lw = self._draw(flat, sub, n, to)
+            m = np.max(lw, axis=0)
+            ok = np.isfinite(m)
+            w = np.exp(lw - np.where(ok, m, 0.0)[None, :])
+            w[:, ~ok] = 0.0
+            s0 = np.sum(w, axis=0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                wn = w / s0[None, :]
+                k_ = u.shape[-1]
+                mu = np.stack([np.sum(wn * u[..., a], axis=0) for a in range(k_)], axis=-1)
+                d = u - mu[None]
+                w2 = wn * wn
+                cov = np.empty((sub.size, k_, k_))
+                for a in range(k_):  # k is 1 or 2: explicit sums beat a general einsum here
+                    wd = w2 * d[..., a]
+                    for b in range(a, k_):
+                        cov[:, a, b] = cov[:, b, a] = np.sum(wd * d[..., b], axis=0)
+                ess = 1.0 / np.sum(w2, axis=0)
+                log_z = np.log(s0 / n) + m
+            ess = np.where(ok, ess, 0.0)
+            if self.factor.families[to].centred_estimate:
+                # (E x, E x²) with the variance computed centred: no loss of digits for |mean| ≫ sd
+                var = np.sum(wn * d[..., 0] ** 2, axis=0)
+                mu = np.stack([mu[:, 0], var + mu[:, 0] ** 2], axis=-1)
+            out.append((mu, cov, ess, log_z))
+            k = u.shape[-1]
+        cat = [np.concatenate([o[i] for o in out]) for i in range(4)]
+        return cat[0].reshape(R, k), cat[1].reshape(R, k, k), cat[2], cat[3]
+
+    def _coord_se(self, fam, ess_stats, cov):
+        """Standard errors of the projected coordinates (delta method, Jacobian by central differences)."""
+        R, k = ess_stats.shape
+        base = fam.project(ess_stats).to_coords()
+        J = np.empty((R, k, k))
+        sd = np.sqrt(np.maximum(np.einsum("rkk->rk", cov), 0.0))
+        for j in range(k):
+            h = np.maximum(1e-4 * sd[:, j], 1e-9 * np.maximum(np.abs(ess_stats[:, j]), 1e-300))
+            e = np.zeros(k)
+            e[j] = 1.0
+            try:
+                plus = fam.project(ess_stats + h[:, None] * e).to_coords()
+                minus = fam.project(ess_stats - h[:, None] * e).to_coords()
+                J[:, :, j] = (plus - minus) / (2 * h[:, None])
+            except ValueError:  # the perturbation left the family's domain: one-sided
+                plus = fam.project(ess_stats + h[:, None] * e).to_coords()
+                J[:, :, j] = (plus - base) / h[:, None]
+        var = np.einsum("rij,rjl,ril->ri", J, cov, J)
+        se = np.sqrt(np.maximum(var, 0.0))
+        j = fam.spread_coord
+        if j is not None:  # location coordinates in units of the belief's standard deviation
+            scale = np.exp(0.5 * base[:, j])
+            for c in range(k):
+                if c != j:
+                    se[:, c] = se[:, c] / scale
+        return base, se
+
+    # ------------------------------------------------------------------ estimate
+    def estimate(self, incoming: Mapping[str, Family], to: str):
+        """``(expected sufficient statistics (n, k), ESS (n,), coordinate SE (n, k), particles (n,),
+        log partition (n,))`` for the flattened batch; never raises on a low ESS."""
+        flat, _ = self._prepare(incoming, to)
+        return self._estimate_flat(flat, to)
+
+    def _estimate_flat(self, flat, to):
+        fam = self.factor.families[to]
+        B = next(iter(flat.values())).size
+        k = fam.n_stats
+        stats = np.full((B, k), np.nan)
+        se = np.full((B, k), np.inf)
+        ess = np.zeros(B)
+        n_used = np.zeros(B, dtype=np.int64)
+        log_z = np.full(B, -np.inf)
+        todo = np.arange(B)
+        n = self.n_initial
+        while todo.size:
+            mu, cov, e, lz = self._round(flat, todo, n, to)
+            stats[todo], ess[todo], n_used[todo], log_z[todo] = mu, e, n, lz
+            good = e >= self.min_ess
+            se_t = np.full((todo.size, k), np.inf)
+            if good.any():
+                try:
+                    _, se_t[good] = self._coord_se(fam, mu[good], cov[good])
+                except ValueError:
+                    pass  # a projection failed: these rows get more particles
+            se[todo] = se_t
+            if self.target_ess is not None:
+                done = e >= self.target_ess
+            else:
+                done = good & np.all(se_t <= self.target_se, axis=1)
+            if n >= self.max_samples:
+                break
+            todo = todo[~done]
+            n = min(n * self.growth, self.max_samples)
+        self.last_ess_, self.last_se_, self.last_n_samples_ = ess, se, n_used
+        return stats, ess, se, n_used, log_z
+
+    def _belief_flat(self, flat, to):
+        stats, ess, _, _, _ = self._estimate_flat(flat, to)
+        low = np.flatnonzero(~(ess >= self.min_ess))
+        if low.size:
+            raise LowESSError(low, ess[low], self.min_ess)
+        try:
+            return self.factor.families[to].project(stats)
+        except ValueError as exc:
+            raise OracleError(f"per-message importance sampling: the estimate cannot be projected: {exc}") from None
+
+    def log_partition(self, incoming: Mapping[str, Family]) -> np.ndarray:
+        """log ∫ f Π m (normalised messages) = log E_{x_in ~ Π m_in}[m_out(x_out)], estimated
+        with the particles of the output's recipient rule."""
+        flat, shape = self._prepare(incoming, None)
+        return self._estimate_flat(flat, self.factor.output)[4].reshape(shape)

@@ -20,15 +20,13 @@ import numpy as np
 from joblib import Parallel, delayed
 
 from . import __version__
-from .factors import Factor, get_factor
-from .families import FAMILIES, Bernoulli, Beta, Family, Gamma, Gaussian, family_by_name
+from .factors import Factor, get_factor, registered_factors
+from .families import Family, family_by_name, family_name
 from .oracles import ImportanceSamplingOracle, OracleError
 
-__all__ = ["TrainingSet", "make_training_set", "FORMAT_VERSION", "DEFAULT_DISTRIBUTIONS",
-           "logistic_incoming", "compound_gamma_incoming", "probit_incoming"]
+__all__ = ["TrainingSet", "make_training_set", "FORMAT_VERSION", "DEFAULT_DISTRIBUTIONS", "default_incoming"]
 
 FORMAT_VERSION = 1
-_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
 
 
 @dataclass
@@ -84,8 +82,8 @@ class TrainingSet:
         header = {
             "format": "kjit-training-set", "format_version": FORMAT_VERSION, "kjit_version": __version__,
             "factor": self.factor, "factor_params": self.factor_params, "to": self.to, "meta": self.meta,
-            "incoming": {v: _FAMILY_NAMES[type(m)] for v, m in self.incoming.items()},
-            "belief": _FAMILY_NAMES[type(self.beliefs)],
+            "incoming": {v: family_name(m) for v, m in self.incoming.items()},
+            "belief": family_name(self.beliefs),
         }
         for v, m in self.incoming.items():
             for name, p in zip(m.param_names, m.params):
@@ -125,16 +123,10 @@ def _oracle_chunk(oracle, incoming: Mapping[str, Family], to: str, drop_failures
     if isinstance(oracle, ImportanceSamplingOracle):
         stats, ess = oracle.estimate(incoming, to)
         ok = ess >= oracle.min_ess
-        if fam.__name__ == "Gaussian":
-            ok &= stats[:, 1] > 0
+        ok &= fam.estimate_ok(stats)
         if not drop_failures and not ok.all():
             raise OracleError(f"importance sampling failed on {int((~ok).sum())} message(s) (low ESS)")
-        stats = stats[ok]
-        if fam.__name__ == "Gaussian":
-            beliefs = fam(stats[:, 0], stats[:, 1])
-        else:
-            beliefs = fam.project(stats)
-        return beliefs, ok
+        return fam.from_estimate(stats[ok]), ok
     try:
         return oracle.belief(incoming, to), np.ones(n, dtype=bool)
     except OracleError:
@@ -264,37 +256,49 @@ def make_training_set(
 
 
 # ------------------------------------------------------------------ default incoming distributions
-# Training inputs for operators of the built-in factors when no recorded messages are given
-# (the service's default operators and `kjit train --inputs default`).  Chosen from the cavities
-# EP produces on the KJIT paper's UCI problems (logistic regression on banknote, transfusion,
-# fertility, ionosphere: cavity means in [−21, 11], 95 % within [−11, 6]; variances in
-# [0.03, 120], 90 % within [0.05, 27]); rows outside are what the just-in-time threshold sends
-# to the oracle.
-def _labels(n, rng):
-    y = rng.random(n) < 0.5
-    return y
+class _DefaultDistributions(Mapping):
+    """factor name → its default incoming-message distribution ``(n, rng) -> dict``, read from
+    the registry (each factor module declares its own: ``Factor.default_incoming``)."""
+
+    def _get(self, name):
+        try:
+            f = get_factor(name)
+        except (TypeError, ValueError):  # unknown, or a factory that needs parameters
+            return None
+        return f.default_incoming
+
+    def __getitem__(self, name):
+        d = self._get(name)
+        if d is None:
+            raise KeyError(name)
+        return d
+
+    def __iter__(self):
+        return (n for n in registered_factors() if self._get(n) is not None)
+
+    def __len__(self):
+        return sum(1 for _ in self)
 
 
-def _gaussian_default(n, rng):
-    return Gaussian(rng.uniform(-10.0, 10.0, n), 10.0 ** rng.uniform(-2.0, 1.5, n))
+DEFAULT_DISTRIBUTIONS: Mapping[str, Callable[[int, np.random.Generator], dict[str, Family]]] = _DefaultDistributions()
+"""Training inputs for operators of the registered factors when no recorded messages are given
+(the service's default operators and ``kjit train``): each factor's ``default_incoming``."""
 
 
-def logistic_incoming(n: int, rng: np.random.Generator) -> dict[str, Family]:
-    y = _labels(n, rng)
-    return {"x": _gaussian_default(n, rng), "z": Beta(np.where(y, 2.0, 1.0), np.where(y, 1.0, 2.0))}
+def default_incoming(factor: Factor):
+    """The factor's default incoming-message distribution, or ``ValueError`` if it has none."""
+    d = factor.default_incoming
+    if d is None:
+        raise ValueError(f"no default incoming distribution for factor {factor.name!r}; give per-parameter "
+                         "ranges or a training-set file")
+    return d
 
 
-def compound_gamma_incoming(n: int, rng: np.random.Generator) -> dict[str, Family]:
-    return {"tau": Gamma(10.0 ** rng.uniform(0.0, 1.5, n), 10.0 ** rng.uniform(-1.0, 1.0, n))}
+def __getattr__(name):
+    # the factors' default distributions (``logistic_incoming`` …) under their historical home
+    if name.endswith("_incoming"):
+        from . import factors
 
-
-def probit_incoming(n: int, rng: np.random.Generator) -> dict[str, Family]:
-    y = _labels(n, rng)
-    return {"f": _gaussian_default(n, rng), "y": Bernoulli(np.where(y, 1.0, 0.0))}
-
-
-DEFAULT_DISTRIBUTIONS: dict[str, Callable[[int, np.random.Generator], dict[str, Family]]] = {
-    "logistic": logistic_incoming,
-    "compound_gamma": compound_gamma_incoming,
-    "probit_noise": probit_incoming,
-}
+        if hasattr(factors, name):
+            return getattr(factors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

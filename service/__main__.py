@@ -4,4 +4,4 @@ import sys
 
 from .server import main
 
-sys.exit(main())
+sys.exit(main(prog="python -m service"))

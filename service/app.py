@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from kjit import __version__ as kjit_version
 
-from . import errors
+from . import errors, schemas
 from .jobs import JobManager
 from .metrics import Metrics
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -41,9 +41,29 @@ server has a token (`KJIT_TOKEN`).  Updates are on disk before the response is s
 """
 
 
+def _document_bodies(app: FastAPI) -> None:
+    """The request bodies parsed by service.validation (not by FastAPI) still get their schemas
+    in OpenAPI: register them as components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            comps = spec.setdefault("components", {}).setdefault("schemas", {})
+            for model in (schemas.MessagesRequest, schemas.ObservationsRequest, schemas.TrainRequest):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[model.__name__] = js
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the store is opened (and its operators loaded, in the background) at startup."""
     settings = settings if settings is not None else Settings.from_env()
+    settings.import_factors()  # --factors / KJIT_FACTORS: before any operator is loaded
     metrics = Metrics()
     store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, observer=metrics.observe_store,
                           shared=open_shared(settings.shared_store) if settings.shared_store else None,
@@ -68,8 +88,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.store = store
     app.state.metrics = metrics
+    app.state.oracle_slots = threading.BoundedSemaphore(settings.oracle_concurrency)
     errors.install(app)
     app.include_router(router)
+    _document_bodies(app)
     # added last = outermost: metrics, then authentication, then the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, token=settings.token)

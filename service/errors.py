@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kjit.families import FAMILIES
+
 log = logging.getLogger("kjit.service")
+
+#: most error items in one response (the first ones; ``error_count`` gives the total)
+MAX_ERRORS = 20
 
 
 class ApiError(Exception):
@@ -33,15 +39,23 @@ class ApiError(Exception):
         return e
 
 
+def _payload(items) -> dict:
+    items = list(items)
+    out = {"detail": items[:MAX_ERRORS]}
+    if len(items) > MAX_ERRORS:
+        out["error_count"] = len(items)
+    return out
+
+
 def error_body(items) -> bytes:
-    return json.dumps({"detail": items}, default=str).encode()
+    return json.dumps(_payload(items), default=str).encode()
 
 
 def error_response(status: int, items, headers=None) -> JSONResponse:
-    return JSONResponse({"detail": items}, status_code=status, headers=headers)
+    return JSONResponse(_payload(items), status_code=status, headers=headers)
 
 
-_FAMILY_TAGS = {"gaussian", "beta", "gamma", "bernoulli"}
+_FAMILY_TAGS = set(FAMILIES)  # the discriminator tags of message batches
 _SOURCE_TAGS = {"oracle", "file"}
 
 
@@ -59,14 +73,27 @@ def _strip_tags(loc: list) -> list:
     return out
 
 
-def _clean(err: dict) -> dict:
-    out = {"loc": _strip_tags([x if isinstance(x, (str, int)) else str(x) for x in err.get("loc", ())]),
-           "msg": err.get("msg", ""), "type": err.get("type", "invalid")}
+_BOUNDS = {"less_than_equal": ("le", "less than or equal to"), "greater_than_equal": ("ge", "greater than or equal to"),
+           "less_than": ("lt", "less than"), "greater_than": ("gt", "greater than")}
+
+
+def _clean(err: dict, prefix=()) -> dict:
+    loc = list(prefix) + [x if isinstance(x, (str, int)) else str(x) for x in err.get("loc", ())]
+    out = {"loc": _strip_tags(loc), "msg": err.get("msg", ""), "type": err.get("type", "invalid")}
+    ctx = err.get("ctx") or {}
     if out["type"] == "json_invalid":
-        ctx = err.get("ctx") or {}
+        out["loc"] = out["loc"] or ["body"]
         if ctx.get("error"):
             out["msg"] = f"malformed JSON: {ctx['error']}"
+    elif out["type"] in _BOUNDS:
+        key, words = _BOUNDS[out["type"]]
+        if isinstance(ctx.get(key), (int, float)):
+            out["msg"] = f"Input should be {words} {float(ctx[key]):g}"
     return out
+
+
+def clean_errors(errors, prefix=()) -> list[dict]:
+    return [_clean(e, prefix) for e in errors]
 
 
 async def api_error_handler(request: Request, exc: ApiError):
@@ -88,9 +115,17 @@ async def http_exception_handler(request: Request, exc: StarletteHTTPException):
     return error_response(exc.status_code, items, getattr(exc, "headers", None))
 
 
+def internal_error(what: str, exc: BaseException | None = None, status: int = 500, type_: str = "internal_error"):
+    """An ApiError for a server-side failure: the details go to the log, the client gets an id."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("%s (error_id %s)", what, error_id, exc_info=exc)
+    return ApiError(status, [], f"{what} (error_id {error_id}; details in the server log)", type_)
+
+
 async def unhandled_handler(request: Request, exc: Exception):
-    log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(500, [{"loc": [], "msg": f"internal error: {type(exc).__name__}: {exc}",
+    error_id = uuid.uuid4().hex[:12]
+    log.error("unhandled error in %s %s (error_id %s)", request.method, request.url.path, error_id, exc_info=exc)
+    return error_response(500, [{"loc": [], "msg": f"internal error (error_id {error_id}; details in the server log)",
                                  "type": "internal_error"}])
 
 

@@ -26,9 +26,20 @@ from .training import TrainSpec, train_operator
 log = logging.getLogger("kjit.service.jobs")
 
 
+class QueueFull(RuntimeError):
+    """Too many training jobs queued or running (``KJIT_MAX_QUEUED_JOBS``)."""
+
+
 def _plain(o):
     """JSON for numpy scalars and arrays in a job's result (anything else as text)."""
     return o.tolist() if hasattr(o, "tolist") else str(o)
+
+
+def scrub(text: str, root) -> str:
+    """``text`` with the store's absolute path replaced by ``<store>`` (no server paths in responses)."""
+    for p in {str(Path(root)), str(Path(root).resolve())}:
+        text = text.replace(p, "<store>")
+    return text
 
 
 def _now() -> str:
@@ -115,10 +126,14 @@ class JobManager:
         with self._lock:
             return {j.name for j in self.jobs.values() if j.status in ("queued", "running")}
 
-    def submit(self, name: str, spec: TrainSpec, request: dict) -> Job:
+    def submit(self, name: str, spec: TrainSpec, request: dict, max_pending: int | None = None) -> Job:
         with self._lock:
             if any(j.name == name and j.status in ("queued", "running") for j in self.jobs.values()):
                 raise Conflict(f"a training job for operator {name!r} is already queued or running")
+            pending = sum(j.status in ("queued", "running") for j in self.jobs.values())
+            if max_pending is not None and pending >= max_pending:
+                raise QueueFull(f"{pending} training jobs are queued or running, the limit of this server "
+                                f"(KJIT_MAX_QUEUED_JOBS); retry when one has finished")
             job = Job(name, spec, request)
             self.jobs[job.id] = job
         self._save(job)
@@ -160,9 +175,9 @@ class JobManager:
                 job.stage, job.done, job.total = "done", 1, 1
             status = "succeeded"
         except Exception as exc:
-            log.warning("training job %s (%s) failed: %s", job.id, job.name, exc)
+            log.warning("training job %s (%s) failed: %s", job.id, job.name, exc, exc_info=True)
             with job._lock:
-                job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+                job.status, job.error = "failed", scrub(f"{type(exc).__name__}: {exc}", self.store.root)
             status = "failed"
         with job._lock:
             job.finished = _now()

@@ -26,7 +26,8 @@ async def _send_error(send, status: int, items, headers=()) -> None:
 
 
 def is_mutating(method: str, path: str, query_string: bytes) -> bool:
-    """Requests that can change an operator or the store (these need the token)."""
+    """Requests that need the token: those that can change an operator or the store, and
+    ``mode=oracle`` (expensive)."""
     if method != "POST":
         return False
     parts = [p for p in path.split("/") if p]
@@ -37,7 +38,8 @@ def is_mutating(method: str, path: str, query_string: bytes) -> bool:
             return True
         if parts[3] == "messages":
             mode = parse_qs(query_string.decode("latin-1")).get("mode", ["jit"])[-1]
-            return mode == "jit"  # predict and oracle modes read only
+            # jit learns; oracle reads only but costs the server real CPU: both need the token
+            return mode in ("jit", "oracle")
     return False
 
 
@@ -85,7 +87,8 @@ class AuthMiddleware:
         if auth is None:
             return await _send_error(send, 401, [{
                 "loc": ["header", "authorization"], "type": "missing_token",
-                "msg": "this request changes server state and needs `Authorization: Bearer <token>`"}], challenge)
+                "msg": "this request changes server state or runs the oracle and needs "
+                       "`Authorization: Bearer <token>`"}], challenge)
         scheme, _, given = auth.partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
             return await _send_error(send, 401, [{

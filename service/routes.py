@@ -3,6 +3,9 @@ through the small dependencies below; request and response shapes are in :mod:`s
 
 from __future__ import annotations
 
+import json
+import threading
+from contextlib import contextmanager
 from typing import Annotated, Literal
 
 import numpy as np
@@ -15,11 +18,14 @@ from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
 
 from . import schemas
-from .errors import ApiError
+from .errors import ApiError, internal_error
 from .settings import Settings
 from .shared import SharedLogError
-from .store import Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, body_hash, family_name
-from .training import DEFAULT_DISTRIBUTIONS, TrainSpec, sampler_from_ranges
+from .store import (Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, Unprocessable,
+                    body_hash, family_name)
+from .jobs import QueueFull, scrub
+from .training import TrainSpec, sampler_from_ranges
+from .validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
 
 router = APIRouter()
 # documents the bearer token in OpenAPI; the check itself is AuthMiddleware (before the body is read)
@@ -30,6 +36,7 @@ ERRORS = {
     404: {"model": schemas.ErrorResponse, "description": "unknown operator"},
     413: {"model": schemas.ErrorResponse, "description": "request body too large"},
     422: {"model": schemas.ErrorResponse, "description": "invalid request; `loc` names the field"},
+    429: {"model": schemas.ErrorResponse, "description": "busy (oracle slots or training queue full); see Retry-After"},
     503: {"model": schemas.ErrorResponse, "description": "operator loading or update not persisted"},
 }
 
@@ -49,10 +56,44 @@ def get_entry(request: Request, name: Annotated[str, Path(description="operator 
     except NotFound as exc:
         raise ApiError(404, ["path", "name"], str(exc), "not_found") from None
     except NotReady as exc:
-        raise ApiError(503, ["path", "name"], str(exc), "not_ready", {"Retry-After": "1"}) from None
+        raise ApiError(503, ["path", "name"], scrub(str(exc), request.app.state.store.root), "not_ready",
+                       {"Retry-After": "1"}) from None
 
 
 Mode = Literal["predict", "jit", "oracle"]
+
+
+def _request_body(model) -> dict:
+    """OpenAPI: the body is parsed by :func:`service.validation.parse_body`, not by FastAPI
+    (bounded memory, strict numbers); the schema is registered in ``app.openapi``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+@contextmanager
+def oracle_slot(request: Request):
+    """One of ``KJIT_ORACLE_CONCURRENCY`` slots for oracle work; 429 after ``KJIT_ORACLE_WAIT`` s."""
+    sem: threading.Semaphore = request.app.state.oracle_slots
+    settings: Settings = request.app.state.settings
+    if not sem.acquire(timeout=settings.oracle_wait):
+        raise ApiError(429, [], f"the oracle is busy ({settings.oracle_concurrency} request(s) at a time, "
+                                f"KJIT_ORACLE_CONCURRENCY); retry later", "oracle_busy", {"Retry-After": "2"})
+    try:
+        yield
+    finally:
+        sem.release()
+
+
+def canonical_hash(req) -> str:
+    """Hash of the request's canonical JSON (sorted keys, floats as parsed): re-serialising the
+    same request gives the same Idempotency-Key fingerprint."""
+    text = json.dumps(req.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return body_hash(text.encode())
+
+
+def _row_errors(rows, where: list, what: str, type_: str) -> ApiError:
+    return ApiError.many(422, [{"loc": where + [int(i)], "type": type_, "msg": f"row {int(i)}: {what}"}
+                               for i in rows])
 
 
 # ------------------------------------------------------------------------------ conversion
@@ -148,6 +189,11 @@ def _json(payload, status: int = 200, headers=None) -> Response:
                     media_type="application/json", headers=headers)
 
 
+def _failed(store: OperatorStore) -> dict:
+    """Why operators failed, without the server's paths (the full text is in the log)."""
+    return {k: scrub(v, store.root) for k, v in dict(store.failed).items()}
+
+
 # ------------------------------------------------------------------------------ health
 @router.get("/health", tags=["health"], summary="liveness: the process answers")
 def health():
@@ -159,7 +205,9 @@ def health():
 def ready(store: Annotated[OperatorStore, Depends(get_store)]):
     waiting = store.loading | store.retry
     body = {"ready": store.loaded and not store.failed and not waiting, "operators": store.names(),
-            "loading": sorted(waiting), "failed": dict(store.failed)}
+            "loading": sorted(waiting), "failed": _failed(store)}
+    if store.missing_factors:  # operator → the factor it needs that this server does not have
+        body["missing_factors"] = dict(store.missing_factors)
     return _json(body, 200 if body["ready"] else 503)
 
 
@@ -172,7 +220,7 @@ def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
         if e is not None:
             with e.lock.read():
                 ops.append(e.summary())
-    return {"operators": ops, "loading": sorted(store.loading), "failed": dict(store.failed),
+    return {"operators": ops, "loading": sorted(store.loading), "failed": _failed(store),
             "factors": list(registered_factors())}
 
 
@@ -180,44 +228,67 @@ def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
             summary="an operator: factor, direction, families, feature sizes, hyperparameters, counters, version")
 def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annotated[Settings, Depends(get_settings)]):
     d = entry.detail()
-    d["limits"] = {"max_batch": settings.max_batch, "max_body_bytes": settings.max_body_bytes}
+    d["limits"] = {"max_batch": settings.max_batch, "max_body_bytes": settings.max_body_bytes,
+                   "max_oracle_batch": settings.max_oracle_batch}
     return _json(d)
 
 
 @router.post(
     "/v1/operators/{name}/messages", tags=["messages"], response_model=schemas.MessagesResponse, responses=ERRORS,
-    dependencies=[Depends(bearer)],
+    dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.MessagesRequest),
     summary="outgoing messages and beliefs for a batch of incoming messages",
     description=(
         "`mode=predict`: the learned operator answers every row (never the oracle; read-only).\n\n"
         "`mode=jit` (default): rows whose log predictive variance exceeds the operator's threshold in any "
         "coordinate go to the oracle, whose answers are returned and learned (durably, before the response; "
         "needs the token when one is configured).\n\n"
-        "`mode=oracle`: the oracle answers every row; nothing is learned.\n\n"
+        "`mode=oracle`: the oracle answers every row; nothing is learned (needs the token when one is "
+        "configured; at most KJIT_MAX_ORACLE_BATCH rows, KJIT_ORACLE_CONCURRENCY requests at a time).\n\n"
         "`beliefs` are the projected beliefs q; `messages` are q / incoming[to], whose natural parameters are "
         "always given (an outgoing message can be improper; then its parameters are not a distribution and "
         "`is_proper` is false)."),
 )
 def messages(
-    req: schemas.MessagesRequest,
     request: Request,
     entry: Annotated[Entry, Depends(get_entry)],
     settings: Annotated[Settings, Depends(get_settings)],
+    req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
     mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
 ):
     store = request.app.state.store
     metrics = request.app.state.metrics
     _check_to(entry, store, req.to)
     inc = to_families(entry.jit.factor, req.incoming, settings.max_batch)
+    n_rows = len(next(iter(inc.values())))
+    if mode == "oracle" and n_rows > settings.max_oracle_batch:
+        v = entry.jit.factor.variables[0]
+        raise ApiError(422, ["body", "incoming", v, entry.jit.factor.families[v].param_names[0]],
+                       f"batch of {n_rows} messages exceeds the limit of {settings.max_oracle_batch} per "
+                       f"mode=oracle request (KJIT_MAX_ORACLE_BATCH); split it", "too_long")
     try:
-        q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
+        if mode == "oracle":
+            with oracle_slot(request):
+                q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
+        else:
+            q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
     except OracleFailure as exc:
         raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
+    except Unprocessable as exc:
+        rows = bad_feature_rows(entry.jit.operator, inc)
+        if rows:
+            raise _row_errors(rows, ["body", "incoming"], "the operator cannot evaluate these messages (their "
+                              "random features are not finite numbers)", "not_computable") from None
+        raise ApiError(422, ["body", "incoming"], f"these messages cannot be answered: {exc}", "not_computable") from None
     except PersistError as exc:
         if exc.unknown:
             raise ApiError(503, [], f"{exc}; the oracle's answers may or may not have been learned",
                            "outcome_unknown") from None
         raise ApiError(503, [], f"{exc}; nothing was learned", "not_persisted") from None
+    if mode != "jit":  # (read-only modes; a jit answer was learned already, and is finite: from_coords checks)
+        rows = bad_output_rows(q, logvar)
+        if rows:
+            raise _row_errors(rows, ["body", "incoming"], "the answer for these messages is not a finite belief",
+                              "not_computable")
     msg = q / inc[entry.jit.to]
     n = len(q)
     n_cons = int(np.count_nonzero(consulted))
@@ -233,6 +304,8 @@ def messages(
     payload = {
         "operator": entry.name, "to": entry.jit.to, "mode": mode, "version": version, "n": n, "n_consulted": n_cons,
         "coords": list(entry.jit.family.coord_names),
+        # the factor's projection convention (a factor parameter where it offers a choice)
+        "projection": str(entry.jit.factor.params().get("projection", "kl")),
         "beliefs": columns(q), "messages": out_msgs,
         "log_var": None if logvar is None else _cols(logvar),
         "consulted": np.asarray(consulted).tolist(),
@@ -243,16 +316,16 @@ def messages(
 @router.post(
     "/v1/operators/{name}/observations", tags=["messages"], response_model=schemas.ObservationsResponse,
     responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}},
-    dependencies=[Depends(bearer)],
+    dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.ObservationsRequest),
     summary="add (incoming, belief) pairs computed elsewhere (online update, durable before the response)",
     description=("Send an `Idempotency-Key` header (any unique string, e.g. a UUID) to make retries safe: a request "
                  "whose key was seen before adds nothing and returns the first response with `duplicate: true`."),
 )
 def observations(
-    req: schemas.ObservationsRequest,
     request: Request,
     entry: Annotated[Entry, Depends(get_entry)],
     settings: Annotated[Settings, Depends(get_settings)],
+    req: Annotated[schemas.ObservationsRequest, Depends(body_dependency(schemas.ObservationsRequest))],
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
 ):
     factor = entry.jit.factor
@@ -276,9 +349,20 @@ def observations(
     if errs:
         raise ApiError.many(422, errs)
     beliefs = fam(*cols)
-    raw = getattr(request.state, "raw_body", None) or b""
+    jit = entry.jit
+    rows = bad_feature_rows(jit.operator, inc)
+    if rows:
+        raise _row_errors(rows, ["body", "incoming"], "the operator cannot evaluate these messages (their random "
+                          "features are not finite numbers)", "not_computable")
+    bad = implausible_rows(jit, inc, beliefs, settings.observation_max_z, settings.observation_max_kl,
+                           slot=lambda: oracle_slot(request))
+    if bad:
+        raise ApiError.many(422, [{"loc": ["body", "beliefs", i], "type": "implausible_belief",
+                                   "msg": f"row {i}: not a belief the factor can produce from these incoming "
+                                          f"messages: {why}"} for i, why in bad])
     try:
-        version, accepted, dup = entry.observe(inc, beliefs, idempotency_key, body_hash(raw) if idempotency_key else None)
+        version, accepted, dup = entry.observe(inc, beliefs, idempotency_key,
+                                               canonical_hash(req) if idempotency_key else None)
     except Conflict as exc:
         raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
     except PersistError as exc:
@@ -286,9 +370,10 @@ def observations(
             raise ApiError(503, [], f"{exc}; retry with the same Idempotency-Key to apply it exactly once",
                            "outcome_unknown") from None
         raise ApiError(503, [], f"{exc}; nothing was added", "not_persisted") from None
+    except Unprocessable as exc:  # the operator was rebuilt from the store: nothing was added
+        raise ApiError(422, ["body"], f"these observations cannot be learned: {exc}", "not_computable") from None
     except Exception as exc:  # the operator was rebuilt from the store: nothing was added
-        raise ApiError(500, [], f"the update failed and was rolled back: {type(exc).__name__}: {exc}",
-                       "update_failed") from None
+        raise internal_error("the update failed and was rolled back", exc, type_="update_failed") from None
     metrics = request.app.state.metrics
     if not dup:
         metrics.updates.labels(entry.name, "observations").inc(accepted)
@@ -317,7 +402,8 @@ def merge(entry: Annotated[Entry, Depends(get_entry)]):
     except SharedLogError as exc:
         raise ApiError(503, [], f"the shared store is unavailable: {exc}", "shared_store_unavailable") from None
     except ValueError as exc:
-        raise ApiError(500, [], str(exc), "shared_log_damaged") from None
+        raise internal_error("the shared log could not be applied; the operator is reported failed", exc, 503,
+                             "shared_log_damaged") from None
     return _json({"operator": entry.name, "merged": merged, "version": entry.version, "shared_length": length})
 
 
@@ -345,7 +431,7 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     if src.kind == "oracle":
         spec.n = src.n
         if src.distribution == "default":
-            if factor.name not in DEFAULT_DISTRIBUTIONS:
+            if factor.default_incoming is None:
                 raise ApiError(422, ["body", "source", "distribution"],
                                f"no default distribution for factor {factor.name!r}; give per-parameter ranges",
                                "value_error")
@@ -365,27 +451,42 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
             raise ApiError(422, ["body", "source", "path"], f"{src.path!r} is outside the training-set directory",
                            "value_error")
         if not p.is_file():
-            raise ApiError(422, ["body", "source", "path"], f"no training-set file {src.path!r} in {base}",
-                           "value_error")
+            raise ApiError(422, ["body", "source", "path"], f"no training-set file {src.path!r} in the store's "
+                                                            f"training-set directory", "value_error")
         spec.training_set = str(p)
     return spec
 
 
 @router.post("/v1/operators", tags=["training"], status_code=202, response_model=schemas.Job,
              responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "the name is taken"}},
-             dependencies=[Depends(bearer)],
+             dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.TrainRequest),
              summary="train a new operator in the background (poll the job in the Location header)")
-def create_operator(req: schemas.TrainRequest, request: Request,
-                    settings: Annotated[Settings, Depends(get_settings)]):
+def create_operator(request: Request, settings: Annotated[Settings, Depends(get_settings)],
+                    req: Annotated[schemas.TrainRequest, Depends(body_dependency(schemas.TrainRequest))]):
     store: OperatorStore = request.app.state.store
     jobs = request.app.state.jobs
+    errs = []
+    n = getattr(req.source, "n", None)
+    for loc, value, limit, env in ((["body", "source", "n"], n, settings.max_train_n, "KJIT_MAX_TRAIN_N"),
+                                   (["body", "n_inner"], req.n_inner, settings.max_n_inner, "KJIT_MAX_N_INNER"),
+                                   (["body", "n_outer"], req.n_outer, settings.max_n_outer, "KJIT_MAX_N_OUTER"),
+                                   (["body", "source", "n_samples"],
+                                    req.source.n_samples if req.source.oracle == "importance_sampling" else None,
+                                    settings.max_n_samples, "KJIT_MAX_N_SAMPLES")):
+        if value is not None and value > limit:
+            errs.append({"loc": loc, "type": "too_large",
+                         "msg": f"{value} exceeds this server's limit of {limit} ({env})"})
+    if errs:
+        raise ApiError.many(422, errs)
     if store.exists(req.name):
         raise ApiError(409, ["body", "name"], f"an operator named {req.name!r} already exists", "name_taken")
     spec = _spec_from_request(req, settings)
     try:
-        job = jobs.submit(req.name, spec, req.model_dump())
+        job = jobs.submit(req.name, spec, req.model_dump(), max_pending=settings.max_queued_jobs)
     except Conflict as exc:
         raise ApiError(409, ["body", "name"], str(exc), "name_taken") from None
+    except QueueFull as exc:
+        raise ApiError(429, [], str(exc), "queue_full", {"Retry-After": "30"}) from None
     return _json(job.as_dict(), 202, {"Location": f"/v1/jobs/{job.id}"})
 
 

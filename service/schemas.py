@@ -10,53 +10,72 @@ Message batches travel column-wise, one object per variable, like ``Family.to_di
 Numbers must be finite: JSON has no NaN or infinity; the tokens ``NaN``, ``Infinity`` and
 ``-Infinity`` that some encoders emit anyway, and literals that overflow a double (``1e400``),
 are rejected with 422 and the path of the offending number (``allow_inf_nan=False``).
-Parameters must be valid: variances, α, β, shapes and rates > 0, Bernoulli p in [0, 1].
+Numbers are strict: a string (``"1.5"``) or a boolean where a number is expected is a 422.
+Parameters must be valid and within the range the math can carry (:data:`PARAM_MAX`,
+:data:`POSITIVE_MIN`): message parameters at most ``1e100`` in magnitude, variances, α, β,
+shapes and rates in ``[1e-100, 1e100]``, Bernoulli p in [0, 1].  Lists stop at their first
+invalid element (``fail_fast``), so a long list of bad numbers costs one error, not one each.
+The batch models are generated from the family registry (each family's ``json_columns``: a
+column is ``"finite"`` (a bounded real), ``"positive"`` or ``"probability"``), so a new family
+travels over HTTP with no edit here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-NonEmpty = dict(min_length=1)
+from kjit.families import FAMILIES
+
+#: largest magnitude of a message parameter: squares and products of two parameters stay finite
+PARAM_MAX = 1e100
+#: smallest positive parameter (variance, α, β, shape, rate): its reciprocal stays below PARAM_MAX
+POSITIVE_MIN = 1e-100
+
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Param = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-PARAM_MAX, le=PARAM_MAX)]
+
+
+def _not_tiny(x: float) -> float:
+    if x < POSITIVE_MIN:
+        raise ValueError(f"a positive parameter must be at least {POSITIVE_MIN:g}, got {x:g}")
+    return x
+
+
+Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=PARAM_MAX), AfterValidator(_not_tiny)]
+Probability = Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)]
+NonEmpty = dict(min_length=1, fail_fast=True)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no "1.5" strings or booleans where numbers are expected (merged into subclasses' configs)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class GaussianBatch(_Strict):
-    """N(mean, var) messages."""
-    family: Literal["gaussian"]
-    mean: list[Finite] = Field(**NonEmpty)
-    var: list[Positive] = Field(**NonEmpty)
+# a family's json_columns kinds → the column's element type
+_CONSTRAINTS = {"finite": Param, "positive": Positive, "probability": Probability}
 
 
-class BetaBatch(_Strict):
-    """Beta(alpha, beta) messages."""
-    family: Literal["beta"]
-    alpha: list[Positive] = Field(**NonEmpty)
-    beta: list[Positive] = Field(**NonEmpty)
+def _batch_model(name: str, fam) -> type[BaseModel]:
+    """The request model of one family's message batch, from its ``json_columns``."""
+    if not fam.json_columns:
+        raise ValueError(f"family {fam.__name__} declares no json_columns: it cannot travel over HTTP")
+    fields: dict[str, Any] = {"family": (Literal[name], ...)}
+    for col, kind in fam.json_columns.items():
+        fields[col] = (list[_CONSTRAINTS[kind]], Field(**NonEmpty))
+    doc = (fam.__doc__ or fam.__name__).strip().splitlines()[0]
+    return create_model(f"{fam.__name__}Batch", __base__=_Strict, __doc__=f"{doc} (message batch)", **fields)
 
 
-class GammaBatch(_Strict):
-    """Gamma(shape, rate) messages."""
-    family: Literal["gamma"]
-    shape: list[Positive] = Field(**NonEmpty)
-    rate: list[Positive] = Field(**NonEmpty)
+def message_batch_models() -> dict[str, type[BaseModel]]:
+    """Family name → request model, for every family in :data:`kjit.families.FAMILIES`."""
+    return {name: _batch_model(name, fam) for name, fam in FAMILIES.items()}
 
 
-class BernoulliBatch(_Strict):
-    """Bernoulli messages on y in {-1, +1}, p = P(y = +1); p = 0 or 1 is an observation."""
-    family: Literal["bernoulli"]
-    p: list[Probability] = Field(**NonEmpty)
-
-
-MessageBatch = Annotated[Union[GaussianBatch, BetaBatch, GammaBatch, BernoulliBatch], Field(discriminator="family")]
+_BATCH_MODELS = message_batch_models()
+globals().update({m.__name__: m for m in _BATCH_MODELS.values()})  # GaussianBatch, BetaBatch, …
+MessageBatch = Annotated[Union[tuple(_BATCH_MODELS.values())], Field(discriminator="family")]
 
 _EXAMPLE_INCOMING = {
     "x": {"family": "gaussian", "mean": [0.0, 2.0], "var": [1.0, 0.5]},
@@ -102,6 +121,10 @@ class MessagesResponse(BaseModel):
     n: int
     n_consulted: int
     coords: list[str] = Field(description="regression coordinates of the recipient family, the columns of log_var")
+    projection: Literal["kl", "moments"] = Field(
+        "kl", description="how the beliefs were projected: `kl` (match the family's expected sufficient statistics; "
+                          "for a Gaussian, mean and variance) or `moments` (mean and variance; Infer.NET's convention "
+                          "for Gamma beliefs of e.g. GammaFromShapeAndRate) — the factor's `projection` parameter")
     beliefs: FamilyColumns
     messages: OutgoingMessages
     log_var: list[list[float | None]] | None = Field(
@@ -191,4 +214,5 @@ class ErrorItem(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    detail: list[ErrorItem]
+    detail: list[ErrorItem] = Field(description="the first errors (at most 20)")
+    error_count: int | None = Field(None, description="how many errors there were, when more than those listed")

@@ -1,6 +1,7 @@
 """``kjit serve``: train missing default operators (first start), then run the service.
 
-First start: each default operator named in ``Settings.default_operators`` that is not in
+First start: each default operator named in ``Settings.default_operators`` (by default each
+registered factor's ``served`` recipients, :func:`service.training.served_defaults`) that is not in
 the store is trained from the quadrature oracle on pairs drawn from its documented incoming
 distribution (:mod:`service.training`; ``default_n_train`` pairs, D_in = ``default_n_inner``,
 D_out = ``default_n_outer``), with a progress bar, and written to the store together with its
@@ -10,6 +11,7 @@ load them in well under a second.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import threading
@@ -18,17 +20,19 @@ import time
 from .settings import Settings
 from .shared import open_shared
 from .store import Conflict, OperatorStore
-from .training import DEFAULT_SPECS, TrainSpec, train_operator
+from .training import TrainSpec, default_specs, served_defaults, train_operator
 
 __all__ = ["ensure_defaults", "serve", "main"]
 
 
 def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -> list[str]:
     """Train the default operators missing from the store; returns the names trained."""
-    names = list(settings.default_operators)
-    unknown = [n for n in names if n not in DEFAULT_SPECS]
+    settings.import_factors()
+    specs = default_specs()
+    names = list(served_defaults() if settings.default_operators is None else settings.default_operators)
+    unknown = [n for n in names if n not in specs]
     if unknown:
-        raise ValueError(f"unknown default operator(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_SPECS)}")
+        raise ValueError(f"unknown default operator(s) {', '.join(unknown)}; known: {', '.join(specs)}")
     shared = open_shared(settings.shared_store) if settings.shared_store else None
     store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, shared=shared, merge_interval=0)
     store.open()
@@ -43,7 +47,7 @@ def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -
               f"into {settings.store} ({settings.default_n_train} pairs each, D_in={settings.default_n_inner}, "
               f"D_out={settings.default_n_outer}); later starts load them from the store.", file=out, flush=True)
         for name in missing:
-            factor, to = DEFAULT_SPECS[name]
+            factor, to = specs[name]
             spec = TrainSpec(factor=factor, to=to, n=settings.default_n_train, n_inner=settings.default_n_inner,
                              n_outer=settings.default_n_outer, random_state=settings.seed, n_jobs=-1)
             t0 = time.perf_counter()
@@ -100,7 +104,7 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
 
     from .app import create_app
 
-    if train_defaults and settings.default_operators:
+    if train_defaults and settings.default_operators != ():
         ensure_defaults(settings)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -129,11 +133,49 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
     return 0
 
 
-def main(argv=None) -> int:
-    """``python -m service``: like ``kjit serve`` with the environment's settings."""
-    from kjit.cli import main as kjit_main
+def build_parser(prog: str = "kjit serve") -> argparse.ArgumentParser:
+    """The options of ``kjit serve`` / ``python -m service`` (they default to the ``KJIT_*`` variables)."""
+    s = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the message-operator service.  On first start the default operators (each factor's "
+                    "default served directions: logistic to x and to z, compound gamma to tau) are trained from "
+                    "the quadrature oracle and cached in the store; later starts load them.  Options default to "
+                    "the KJIT_* environment variables (see service/settings.py); the bearer token is read from "
+                    "KJIT_TOKEN only.")
+    s.add_argument("--host", default=None, help="address to bind (KJIT_HOST, default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port, 0 for any free one (KJIT_PORT, default 8000)")
+    s.add_argument("--store", default=None, help="store directory (KJIT_STORE, default ~/.local/share/kjit/store)")
+    s.add_argument("--n-train", type=int, default=None,
+                   help="training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default 2000)")
+    s.add_argument("--no-defaults", action="store_true", help="serve the store as it is; train nothing")
+    s.add_argument("--factors", default=None, metavar="MODULE[,MODULE]",
+                   help="modules that define factors (imported at start: their factors can be trained, "
+                        "persisted, reloaded and served; KJIT_FACTORS). Installed packages' kjit.factors "
+                        "entry points are found without this")
+    s.add_argument("--shared-store", default=None,
+                   help="run as a replica: the update log shared with the other replicas — a directory or "
+                        "redis://host:port/db (KJIT_SHARED_STORE; see service/shared.py)")
+    s.add_argument("--log-level", default=None, help="uvicorn log level (KJIT_LOG_LEVEL, default info)")
+    return s
 
-    return kjit_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+def main(argv=None, prog: str = "kjit serve") -> int:
+    """``kjit serve [options]`` and ``python -m service [options]``: parse, then :func:`serve`.
+
+    ``kjit serve`` reaches this through the ``kjit.commands`` entry point, so kjit never imports
+    the service and the service's options live here, beside the code that reads them.
+    """
+    args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
+    overrides = {"host": args.host, "port": args.port, "store": args.store, "log_level": args.log_level,
+                 "default_n_train": args.n_train, "shared_store": args.shared_store, "factors": args.factors}
+    if args.no_defaults:
+        overrides["default_operators"] = ()
+    try:
+        settings = Settings.from_env(**overrides)
+        return serve(settings, train_defaults=settings.default_operators != ())
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 logging.getLogger("kjit.service").setLevel(logging.INFO)

@@ -7,16 +7,20 @@ variable                   meaning                                     default
 ``KJIT_PORT``              port (0: any free port)                     ``8000``
 ``KJIT_STORE``             operator store directory                    ``$XDG_DATA_HOME/kjit/store``
                                                                        (``~/.local/share/kjit/store``)
-``KJIT_TOKEN``             bearer token for mutating requests;         unset (no authentication)
-                           unset or empty: none required
+``KJIT_TOKEN``             bearer token for mutating requests and      unset (no authentication)
+                           ``mode=oracle``; unset or empty: none
 ``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
 ``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
 ``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
-``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         ``logistic-x,logistic-z,``
-                           missing (comma-separated; ``none``)         ``compound_gamma-tau``
-``KJIT_DEFAULT_N_TRAIN``   training pairs of a default operator        ``2000``
-``KJIT_DEFAULT_N_INNER``   D_in of a default operator                  ``300``
-``KJIT_DEFAULT_N_OUTER``   D_out of a default operator                 ``500``
+``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         every registered factor's
+                           missing (comma-separated; ``none``)         served recipients (built-ins:
+                                                                       ``logistic-x,logistic-z,``
+                                                                       ``compound_gamma-tau``)
+``KJIT_FACTORS``            modules that define (register) factors,     unset (built-ins and the
+                           imported at start (comma-separated)          ``kjit.factors`` entry points)
+``KJIT_DEFAULT_N_TRAIN``   training pairs of a default operator        ``4000``
+``KJIT_DEFAULT_N_INNER``   D_in of a default operator                  ``500``
+``KJIT_DEFAULT_N_OUTER``   D_out of a default operator                 ``1000``
 ``KJIT_SEED``              seed of default training                    ``0``
 ``KJIT_N_JOBS``            joblib workers of oracle runs in jobs       ``1``
 ``KJIT_JOB_WORKERS``       training jobs run at once                   ``1``
@@ -26,6 +30,23 @@ variable                   meaning                                     default
                            ``redis://host:port/db`` (service/shared.py)
 ``KJIT_MERGE_INTERVAL``    seconds between a replica's merges of the   ``1.0``
                            others' updates (0: only on request)
+``KJIT_MAX_QUEUED_JOBS``   training jobs queued or running at once     ``4``
+                           (429 with Retry-After beyond)
+``KJIT_MAX_TRAIN_N``       largest ``n`` of a training job             ``20000``
+``KJIT_MAX_N_INNER``       largest ``n_inner`` (D_in) of a job         ``1000``
+``KJIT_MAX_N_OUTER``       largest ``n_outer`` (D_out) of a job        ``2000``
+``KJIT_MAX_N_SAMPLES``     largest importance-sampling ``n_samples``   ``500000``
+                           of a job (memory ~ 16 x n_samples x 8 B x
+                           a few arrays: +166 MB measured at 500 000)
+``KJIT_MAX_ORACLE_BATCH``  most rows of one ``mode=oracle`` request    ``2000``
+``KJIT_ORACLE_CONCURRENCY`` oracle-mode requests and observation        ``1``
+                           spot checks running at once
+``KJIT_ORACLE_WAIT``       seconds a request waits for an oracle slot  ``10``
+                           (429 with Retry-After after that)
+``KJIT_OBSERVATION_MAX_Z`` observations: largest standardised           ``6``
+                           regression coordinate accepted unchecked
+``KJIT_OBSERVATION_MAX_KL`` observations beyond it: largest KL (nats)   ``0.5``
+                           from the oracle's belief accepted
 =========================  ==========================================  ===========================
 
 A training job's ``{"kind": "file"}`` source names a file relative to ``<store>/training-sets``.
@@ -37,9 +58,11 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+import math
+
 __all__ = ["Settings", "DEFAULT_OPERATORS"]
 
-DEFAULT_OPERATORS = ("logistic-x", "logistic-z", "compound_gamma-tau")
+DEFAULT_OPERATORS = None  # None: each registered factor's served recipients (service.training.served_defaults)
 
 
 def _default_store() -> Path:
@@ -56,31 +79,61 @@ class Settings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_batch: int = 10_000
     snapshot_every: int = 500
-    default_operators: tuple[str, ...] = DEFAULT_OPERATORS
-    default_n_train: int = 2000
-    default_n_inner: int = 300
-    default_n_outer: int = 500
+    default_operators: tuple[str, ...] | None = DEFAULT_OPERATORS
+    factors: tuple[str, ...] = ()
+    # 4000 pairs at D 500/1000 (was 2000 at 300/500): EP through the served JIT operator then stays
+    # within 0.02 posterior sd of quadrature-EP on banknote (0.14 before: the smaller operator's
+    # noise floor, a relative 2e-3 per message, adds up over EP's messages) — benchmarks/ep_learned.py
+    default_n_train: int = 4000
+    default_n_inner: int = 500
+    default_n_outer: int = 1000
     seed: int = 0
     n_jobs: int = 1
     job_workers: int = 1
     log_level: str = "info"
     shared_store: str | None = None
     merge_interval: float = 1.0
+    max_queued_jobs: int = 4
+    max_train_n: int = 20_000
+    max_n_inner: int = 1000
+    max_n_outer: int = 2000
+    max_n_samples: int = 500_000
+    max_oracle_batch: int = 2000
+    oracle_concurrency: int = 1
+    oracle_wait: float = 10.0
+    observation_max_z: float = 6.0
+    observation_max_kl: float = 0.5
 
     def __post_init__(self):
         object.__setattr__(self, "store", Path(self.store).expanduser())
+        if isinstance(self.factors, str):
+            object.__setattr__(self, "factors", tuple(m.strip() for m in self.factors.split(",") if m.strip()))
+        else:
+            object.__setattr__(self, "factors", tuple(self.factors))
         if self.token is not None and self.token == "":
             object.__setattr__(self, "token", None)
         for name in ("max_body_bytes", "max_batch", "snapshot_every", "default_n_train",
-                     "default_n_inner", "default_n_outer", "job_workers"):
+                     "default_n_inner", "default_n_outer", "job_workers", "max_queued_jobs", "max_train_n",
+                     "max_n_inner", "max_n_outer", "max_n_samples", "max_oracle_batch", "oracle_concurrency"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"setting `{name}` must be >= 1, got {getattr(self, name)!r}")
         if self.shared_store is not None and self.shared_store == "":
             object.__setattr__(self, "shared_store", None)
+        for name in ("oracle_wait", "observation_max_z", "observation_max_kl"):
+            if not (float(getattr(self, name)) >= 0 and math.isfinite(float(getattr(self, name)))):
+                raise ValueError(f"setting `{name}` must be a finite number >= 0, got {getattr(self, name)!r}")
         if not (float(self.merge_interval) >= 0):
             raise ValueError(f"setting `merge_interval` must be >= 0 seconds, got {self.merge_interval!r}")
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"setting `port` must lie in [0, 65535], got {self.port!r}")
+
+    def import_factors(self) -> None:
+        """Import the modules named by ``factors`` (they register their factors); ``ValueError``
+        naming a module that cannot be imported.  Entry-point plugins need nothing: the registry
+        loads them on first use."""
+        from kjit.factors import import_factor_modules
+
+        import_factor_modules(self.factors)
 
     @property
     def training_dir(self) -> Path:
@@ -103,11 +156,13 @@ class Settings:
                 if f.name == "default_operators":
                     names = [s.strip() for s in raw.split(",") if s.strip()]
                     kw[f.name] = () if names in ([], ["none"]) else tuple(names)
+                elif f.name == "factors":
+                    kw[f.name] = tuple(s.strip() for s in raw.split(",") if s.strip())
                 elif f.name in ("host", "log_level"):
                     kw[f.name] = raw
                 elif f.name in ("token", "shared_store"):
                     kw[f.name] = raw or None
-                elif f.name == "merge_interval":
+                elif f.name in ("merge_interval", "oracle_wait", "observation_max_z", "observation_max_kl"):
                     kw[f.name] = float(raw)
                 elif f.name == "store":
                     kw[f.name] = Path(raw)

@@ -54,6 +54,7 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 from .files import append_durably, fsync_dir, record_ok
+from .names import check_name
 
 log = logging.getLogger("kjit.service.shared")
 
@@ -101,12 +102,7 @@ def open_shared(url: str) -> SharedLog:
     raise ValueError(f"shared store {url!r}: unknown scheme {parsed.scheme!r} (use a directory or redis://)")
 
 
-def _check_name(name: str) -> str:
-    from .store import NAME_RE
-
-    if not NAME_RE.match(name):
-        raise ValueError(f"invalid operator name {name!r}")
-    return name
+_check_name = check_name
 
 
 # ------------------------------------------------------------------------------ directory

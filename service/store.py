@@ -63,14 +63,18 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from kjit import __version__ as kjit_version
-from kjit.families import FAMILIES, Family
+from kjit.factors import UnknownFactorError
+from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
 from kjit.persistence import dumps_state, loads_state
 
 from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
 from .locks import RWLock
+from .names import NAME_RE
 from .shared import SharedLog, SharedLogError
+from .schemas import PARAM_MAX
+from .validation import NUMERIC_ERRORS
 
 log = logging.getLogger("kjit.service.store")
 
@@ -82,22 +86,14 @@ __all__ = [
     "Conflict",
     "PersistError",
     "OracleFailure",
+    "Unprocessable",
     "NAME_RE",
     "family_name",
 ]
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
 MAX_IDEMPOTENCY_KEYS = 10_000
-_FAMILY_NAMES = {cls: name for name, cls in FAMILIES.items()}
-
-
-def family_name(cls_or_msg) -> str:
-    cls = cls_or_msg if isinstance(cls_or_msg, type) else type(cls_or_msg)
-    return _FAMILY_NAMES[cls]
-
-
 class NotFound(LookupError):
     pass
 
@@ -120,6 +116,10 @@ class PersistError(RuntimeError):
 
 class OracleFailure(RuntimeError):
     pass
+
+
+class Unprocessable(ValueError):
+    """The input is valid but the numerics cannot carry it (nothing was changed)."""
 
 
 def _params_json(m: Family) -> dict[str, list]:
@@ -203,6 +203,27 @@ class Entry:
             log.info("operator %s: replayed %d update record(s) to version %d", self.name, n_replayed, self.version)
         if self.shared is not None:
             self._join_shared(svc.get("shared_base"), _sha256(snap_bytes), n_replayed)
+        self._self_test()
+
+    def _self_test(self) -> None:
+        """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
+        failed): predict a fixed batch from the factor's default distribution, if it has one."""
+        sampler = self.jit.factor.default_incoming
+        if sampler is None:
+            return
+        incoming = sampler(16, np.random.default_rng(0))
+        try:
+            with np.errstate(all="ignore"):
+                q, logvar = self.jit.operator.predict(incoming)
+                ok = np.isfinite(q.to_coords()).all() and np.isfinite(logvar).all()
+                big = max(float(np.max(np.abs(p))) for p in q.params)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the operator cannot predict
+            raise ValueError(f"the operator cannot predict ordinary messages ({type(exc).__name__}: {exc})") from None
+        if not ok:
+            raise ValueError("the operator cannot predict ordinary messages: its predictions are not finite")
+        if big > PARAM_MAX:
+            raise ValueError(f"the operator cannot predict ordinary messages: its beliefs have parameters of "
+                             f"{big:.3g}, beyond the range requests may carry ({PARAM_MAX:g})")
 
     def _load_state(self, blob: bytes, source: str) -> dict:
         """Set the operator and the service's bookkeeping from a snapshot; returns its service dict."""
@@ -498,8 +519,13 @@ class Entry:
 
     def _recover(self, why: str) -> None:
         log.error("operator %s: %s; rebuilding it from the store", self.name, why)
+        # the JIT counters in memory count the requests that succeeded; those on disk only
+        # reach the last snapshot or jit record: keep the former
+        counters = self.jit.raw_counters() if self.jit is not None else None
         try:
             self.load()
+            if counters is not None:
+                self.jit.set_counters(counters)
         except Exception:  # pragma: no cover - disk unusable
             log.exception("operator %s: could not be rebuilt", self.name)
             self.store._fail(self.name, f"could not be rebuilt after: {why}")
@@ -516,6 +542,8 @@ class Entry:
             raise
         except Exception as exc:
             self._recover(f"an update failed half-way ({type(exc).__name__}: {exc})")
+            if isinstance(exc, NUMERIC_ERRORS):
+                raise Unprocessable(str(exc)) from exc
             raise
         self._account(rec, len(rec["beliefs"][next(iter(rec["beliefs"]))]))
         if self.n_log_records >= self.store.snapshot_every:
@@ -553,7 +581,10 @@ class Entry:
         n = len(next(iter(incoming.values())))
         if mode == "predict":
             with self.lock.read():
-                q, logvar = self.jit.operator.predict(incoming)
+                try:
+                    q, logvar = self.jit.operator.predict(incoming)
+                except NUMERIC_ERRORS as exc:
+                    raise Unprocessable(str(exc)) from None
                 version = self.version
             return q, logvar, np.zeros(n, dtype=bool), version, 0
         if mode == "oracle":
@@ -562,7 +593,7 @@ class Entry:
             with ctx:
                 try:
                     q = self.jit.oracle.belief(incoming, self.jit.to)
-                except OracleError as exc:
+                except (OracleError, *NUMERIC_ERRORS) as exc:
                     raise OracleFailure(str(exc)) from None
                 version = self.version
             return q, None, np.ones(n, dtype=bool), version, 0
@@ -578,6 +609,8 @@ class Entry:
                 q, logvar, consulted = jit.predict(incoming, jit.to)
             except OracleError as exc:
                 raise OracleFailure(str(exc)) from None
+            except NUMERIC_ERRORS as exc:  # JITOperator.predict is atomic: nothing learned or counted
+                raise Unprocessable(str(exc)) from None
             except Exception as exc:
                 self._recover(f"a just-in-time request failed ({type(exc).__name__}: {exc})")
                 raise
@@ -620,6 +653,8 @@ class Entry:
                     q, logvar, consulted = jit.predict(incoming, jit.to, revertible=True)
                 except OracleError as exc:  # nothing was learned or counted
                     raise OracleFailure(str(exc)) from None
+                except NUMERIC_ERRORS as exc:
+                    raise Unprocessable(str(exc)) from None
                 rec, n_learned = self._jit_record(incoming, q)
                 if rec is None:
                     return q, logvar, consulted, self.version, 0
@@ -744,6 +779,7 @@ class OperatorStore:
         self._observer = observer
         self.entries: dict[str, Entry] = {}
         self.failed: dict[str, str] = {}
+        self.missing_factors: dict[str, str] = {}  # operator → the factor it needs that is not registered
         self.loading: set[str] = set()
         self.loaded = False
         self._lock = threading.Lock()
@@ -828,6 +864,15 @@ class OperatorStore:
             log.warning("operator %s: %s; loading it again at the next merge or request", name, exc)
             with self._lock:
                 self.retry.add(name)
+                self.loading.discard(name)
+            return
+        except UnknownFactorError as exc:  # the factor's package or module is not available here
+            why = (f"factor {exc.name!r} is not available: install the package that provides it (entry point "
+                   f"group kjit.factors) or name its module with --factors / KJIT_FACTORS ({exc})")
+            log.error("operator %s could not be loaded: %s", name, why)
+            with self._lock:
+                self.failed[name] = why
+                self.missing_factors[name] = exc.name
                 self.loading.discard(name)
             return
         except Exception as exc:
@@ -1029,6 +1074,7 @@ class OperatorStore:
         with self._lock:
             self.entries[name] = entry
             self.failed.pop(name, None)
+            self.missing_factors.pop(name, None)
         return entry
 
 

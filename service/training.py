@@ -3,24 +3,15 @@
 Default incoming-message distributions
 --------------------------------------
 Training pairs for the default operators (and for jobs that ask for ``"distribution":
-"default"``) are drawn from distributions meant to cover what EP sends in practice.  They were
-chosen from the cavities EP actually produces on the UCI problems of the KJIT paper (logistic
-regression on banknote, blood transfusion, fertility, ionosphere: cavity means in [−21, 11],
-95 % within [−11, 6]; cavity variances in [0.03, 120], 90 % within [0.05, 27]) and then narrowed
-where a 2000-pair operator with D_in = 300, D_out = 500 could not fit the whole range (held-out
-mean KL grew from 2e-2 to 4e-2 when the variance range was widened to 10^2.5; rows outside
-the range are what the just-in-time threshold sends to the oracle).
-
-``logistic`` (both directions)
-    x-message N(μ, v): μ ~ U(−10, 10), log10 v ~ U(−2, 1.5) (v from 0.01 to 31.6);
-    z-message: the observed-label message Beta(2, 1) (y = 1) or Beta(1, 2) (y = 0), each with
-    probability ½ — in logistic regression z is always observed.  (Mixing in latent-z Beta
-    messages with α, β in [0.5, 10] made the x-operator 50× worse on the label messages.)
-``compound_gamma`` → tau
-    tau-message Gamma(a, b): log10 a ~ U(0, 1.5) (a from 1 to 31.6, the shape of a
-    likelihood message from 0 to 60 Gaussian observations), log10 b ~ U(−1, 1).
-``probit_noise``
-    f-message as the logistic x-message; y-message the observed label Bernoulli(0 or 1).
+"default"``) are drawn from each factor's own default distribution (``Factor.default_incoming``,
+documented in the factor's module, e.g. :func:`kjit.factors.logistic.logistic_incoming`), meant
+to cover what EP sends in practice.  For the built-ins they were chosen from the cavities EP
+actually produces on the UCI problems of the KJIT paper (logistic regression on banknote, blood
+transfusion, fertility, ionosphere: cavity means in [−21, 11], 95 % within [−11, 6]; cavity
+variances in [0.03, 120], 90 % within [0.05, 27]) and then narrowed where a 2000-pair operator
+with D_in = 300, D_out = 500 could not fit the whole range (held-out mean KL grew from 2e-2 to
+4e-2 when the variance range was widened to 10^2.5; rows outside the range are what the
+just-in-time threshold sends to the oracle).
 
 A request may instead give an explicit distribution: for each variable of the factor and
 each parameter of its family, ``{"low": a, "high": b, "scale": "linear" | "log"}`` (uniform
@@ -32,8 +23,8 @@ Unless a request gives one, the just-in-time threshold is calibrated with
 :func:`kjit.operators.calibrate_threshold` on held-out oracle pairs (a quarter as many as the
 training pairs, at least 200, drawn from the same distribution): the largest log predictive
 variance at which the confident predictions still have a mean KL[q ‖ q̂] ≤ 1e-3.  If no
-threshold meets that target, the paper's value for the factor is used (−8.95 logistic, −6
-compound gamma, −8.5 otherwise).
+threshold meets that target, the factor's ``default_threshold`` is used (the paper's value:
+−8.95 logistic, −6 compound gamma), else −8.5.
 """
 
 from __future__ import annotations
@@ -45,26 +36,24 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from kjit.factors import Factor, get_factor
-from kjit.families import Bernoulli, Beta, Family, Gamma, Gaussian
+from kjit.factors import Factor, get_factor, registered_factors
+from kjit.families import Family
 from kjit.operators import JITOperator, KernelOperator, calibrate_threshold
 from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
-from kjit.training import (  # noqa: F401  (re-exported: the service's documented defaults)
-    DEFAULT_DISTRIBUTIONS, TrainingSet, compound_gamma_incoming, logistic_incoming, make_training_set,
-    probit_incoming,
-)
+from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
 __all__ = [
     "DEFAULT_DISTRIBUTIONS",
-    "DEFAULT_SPECS",
+    "default_specs",
+    "served_defaults",
     "TrainSpec",
     "sampler_from_ranges",
     "train_operator",
-    "PAPER_THRESHOLDS",
+    "FALLBACK_THRESHOLD",
 ]
 
 TARGET_KL = 1e-3
-PAPER_THRESHOLDS = {"logistic": -8.95, "compound_gamma": -6.0}
+FALLBACK_THRESHOLD = -8.5  # when calibration finds none and the factor declares no default_threshold
 # Hyperparameter grids of the default operators: a subset of KernelOperator's defaults that
 # keeps first-start training near a minute on two cores (the searches on the default
 # distributions selected inner factor 0.25 and width factors 1/8 .. 2).
@@ -165,12 +154,7 @@ class TrainSpec:
         if isinstance(self.distribution, str):
             if self.distribution != "default":
                 raise ValueError(f"unknown distribution {self.distribution!r} (use 'default' or ranges)")
-            if factor.name not in DEFAULT_DISTRIBUTIONS:
-                raise ValueError(
-                    f"no default incoming distribution for factor {factor.name!r}; give per-parameter "
-                    f"ranges or a training-set file"
-                )
-            return DEFAULT_DISTRIBUTIONS[factor.name]
+            return default_incoming(factor)
         return sampler_from_ranges(factor, self.distribution)
 
     def describe(self) -> dict:
@@ -255,8 +239,12 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
             info["held_out_mean_kl"] = float(np.mean(held_out.beliefs.kl(q_hat)))
         how = f"calibrated: mean KL <= {TARGET_KL:g} on held-out pairs"
         if not np.isfinite(threshold):
-            threshold = PAPER_THRESHOLDS.get(factor.name, -8.5)
-            how = "paper value (no threshold met the calibration target)"
+            if factor.default_threshold is not None:
+                threshold = float(factor.default_threshold)
+                how = "the factor's default (paper value; no threshold met the calibration target)"
+            else:
+                threshold = FALLBACK_THRESHOLD
+                how = "generic fallback (no threshold met the calibration target)"
     jit = JITOperator(op, oracle, threshold=threshold, initial_batch=spec.initial_batch)
     info.update({"threshold": float(threshold), "threshold_source": how,
                  "train_seconds": time.perf_counter() - t0, "hyperparameters": _jsonable(op.hyperparameters())})
@@ -269,9 +257,31 @@ def _jsonable(d):
     return json.loads(json.dumps(d, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
 
 
-DEFAULT_SPECS = {
-    "logistic-x": ("logistic", "x"),
-    "logistic-z": ("logistic", "z"),
-    "compound_gamma-tau": ("compound_gamma", "tau"),
-    "probit_noise-f": ("probit_noise", "f"),
-}
+def default_specs() -> dict[str, tuple[str, str]]:
+    """Operators the server can train by default, ``"<factor>-<to>" → (factor, to)``: every
+    direction with an exact rule of a registered factor (built with default parameters) that
+    declares a default incoming distribution.  Read from the registry, so plugins count."""
+    out = {}
+    for name in registered_factors():
+        try:
+            f = get_factor(name)
+        except (TypeError, ValueError):  # a factory that needs parameters
+            continue
+        if f.default_incoming is None:
+            continue
+        for to in f.exact_recipients:
+            out[f"{name}-{to}"] = (name, to)
+    return out
+
+
+def served_defaults() -> tuple[str, ...]:
+    """The operators served by default: each registered factor's ``served`` recipients."""
+    specs = default_specs()
+    out = []
+    for name in registered_factors():
+        try:
+            f = get_factor(name)
+        except (TypeError, ValueError):
+            continue
+        out += [f"{name}-{to}" for to in f.served if f"{name}-{to}" in specs]
+    return tuple(out)

@@ -205,3 +205,19 @@ def test_ep_on_banknote_jit_remote_equals_jit_local(live, pristine_store):
     np.testing.assert_allclose(m_remote.posterior_.cov, m_local.posterior_.cov, rtol=1e-12, atol=1e-14)
     assert counters["consultations"] == local.counters()["consultations"] > 0
     assert counters["n_train"] == local.counters()["n_train"]
+
+
+def test_oracle_mode_is_split_at_the_servers_oracle_batch_limit(store_dir):
+    """The server caps oracle work per request (max_oracle_batch); the client splits to it, and
+    oracle mode sends the token (it needs one when the server has one)."""
+    from service.testing import ThreadedServer
+
+    with ThreadedServer(settings_for(store_dir, token=TOKEN, max_oracle_batch=5)) as srv:
+        inc = probe("logistic", 12, seed=3)
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="oracle") as op:
+            q = op.belief(inc)
+        np.testing.assert_array_equal(q.mean(), QuadratureOracle(op.factor).belief(inc, "x").mean())
+        with RemoteOperator(srv.url, "logistic-x", mode="oracle") as anon:
+            with pytest.raises(RemoteOperatorError) as ei:
+                anon.belief(inc)
+            assert ei.value.status == 401

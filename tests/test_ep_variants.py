@@ -27,7 +27,7 @@ from kjit.ep import (
 )
 from kjit.factors import Logistic, ProbitNoise
 from kjit.families import Bernoulli, Beta, Gaussian
-from kjit.oracles import QuadratureOracle
+from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
 
 from test_ep_helpers import GaussianLikelihoodOperator, logistic_problem
 
@@ -212,8 +212,10 @@ def test_power_ep_on_logistic_regression_runs_and_differs_from_ep():
 
 def test_power_ep_refused_for_operators_without_power():
     X, y = logistic_problem(5, 2, seed=0)
+    # (the quadrature oracle has power EP since the factor's rule moved beside the factor:
+    # an importance-sampling oracle has none)
     with pytest.raises(ValueError, match="power EP"):
-        BayesianLogisticRegression(QuadratureOracle(Logistic()), power=0.5).fit(X, y)
+        BayesianLogisticRegression(ImportanceSamplingOracle(Logistic(), n_samples=1000), power=0.5).fit(X, y)
     with pytest.raises(ValueError, match="power"):
         BayesianLogisticRegression(LogisticOperator(), power=0.0).fit(X, y)
     with pytest.raises(ValueError, match="projection_kl"):
@@ -344,3 +346,21 @@ def test_laplace_operator_rejects_non_smooth_factors_and_flags_bad_modes():
     q = op.belief({"x": Gaussian(np.zeros(3), np.array([1.0, 100.0, 1e4])), "z": Beta(np.full(3, 0.2), np.full(3, 0.2))}, "x")
     v = q.var()
     assert np.all((v > 0) | np.isnan(v))
+
+
+def test_quadrature_oracle_power_ep_is_the_factors_rule():
+    """The power rule lives with the factor: the oracle and the EP operator give the same fit."""
+    X, y = logistic_problem(20, 2, seed=1)
+    a = BayesianLogisticRegression(QuadratureOracle(Logistic()), tol=1e-9, power=0.5).fit(X, y)
+    b = BayesianLogisticRegression(LogisticOperator(), tol=1e-9, power=0.5).fit(X, y)
+    np.testing.assert_allclose(a.coef_, b.coef_, rtol=1e-9, atol=1e-12)
+    p = ProbitNoise(0.1)
+    inc = {"f": Gaussian(np.array([-1.0, 0.5, 3.0]), np.array([0.5, 2.0, 1.0])), "y": Bernoulli(np.array([1.0, 0.0, 0.3]))}
+    q1 = QuadratureOracle(p).belief(inc, "f", power=0.7)
+    q2 = ProbitNoiseOperator(0.1).belief(inc, "f", power=0.7)
+    np.testing.assert_allclose(q1.mean(), q2.mean(), rtol=1e-12)
+    np.testing.assert_allclose(q1.var(), q2.var(), rtol=1e-12)
+    np.testing.assert_allclose(QuadratureOracle(p).log_partition(inc, power=0.7),
+                               ProbitNoiseOperator(0.1).log_partition(inc, power=0.7), rtol=1e-12)
+    with pytest.raises(ValueError, match="power EP is not supported for factor 'probit_noise' to 'y'"):
+        QuadratureOracle(p).belief(inc, "y", power=0.7)

@@ -875,3 +875,13 @@ def test_malformed_ess_raise(fam):
 def test_unattainable_ess_raise(fam, ess):
     with pytest.raises(ValueError, match="ess"):
         fam.project(ess)
+
+
+def test_log_normalizer_against_quadrature():
+    """log ∫ exp(η·u(x)) dx (the family's log partition with its base measure) by adaptive quadrature."""
+    from scipy import integrate
+
+    for m, (lo, hi) in ((Gaussian(1.3, 0.7), (-30, 30)), (Gamma(2.5, 3.0), (0, 60)), (Beta(2.0, 0.7), (0, 1))):
+        eta = m.natural().ravel()
+        val = integrate.quad(lambda x: np.exp(type(m).suff_stats(np.array([x]))[0] @ eta), lo, hi, limit=200)[0]
+        assert float(m.log_normalizer()) == pytest.approx(np.log(val), rel=1e-10, abs=1e-10)

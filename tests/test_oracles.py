@@ -1021,7 +1021,7 @@ def test_probit_label_posterior_without_0_over_0():
 
     from scipy import special
 
-    from kjit.oracles import _probit_moments
+    from kjit.factors.probit_noise import _probit_moments
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from test_service_fixtures import pristine_store, settings_for  # noqa: F401 - fixtures
@@ -40,9 +41,20 @@ def test_readme_opens_with_the_two_setup_commands():
 def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # noqa: F811 - fixture
     import shutil
 
+    from service.store import OperatorStore
+    from service.training import TrainSpec, train_operator
+
     store = tmp_path / "store"
     shutil.copytree(pristine_store, store)
     (store / ".lock").unlink(missing_ok=True)
+    # the served-model example asks for exp-x (served by default by `kjit serve`): a small one here
+    s = OperatorStore(store)
+    s.open()
+    try:
+        jit, _, info = train_operator(TrainSpec("exp", "x", n=300, n_inner=50, n_outer=100, threshold=-6.0, random_state=0))
+        s.create("exp-x", jit, {"training": info, "threshold": jit.threshold})
+    finally:
+        s.close()
     with ThreadedServer(settings_for(store, token=None)) as srv:
         monkeypatch.setenv("KJIT_URL", srv.url)
         ns: dict = {}
@@ -51,6 +63,7 @@ def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # no
     assert ns["belief"].shape == (2,) and ns["log_var"].shape == (2, 2)
     assert ns["model"].test_error(ns["data"].X_test, ns["data"].y_test) < 0.1
     assert ns["q"].shape == ()
+    assert ns["poisson"].converged_ and np.all(np.isfinite(ns["poisson"].coef_))
     assert "test error" in capsys.readouterr().out
 
 

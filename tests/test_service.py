@@ -443,12 +443,15 @@ def test_bad_input_is_rejected_naming_the_field_and_changes_nothing(app_client, 
     assert app_client.get("/v1/jobs").json() == {"jobs": []}
 
 
-def test_read_only_modes_need_no_token_but_jit_does(app_client):
-    for mode in ("predict", "oracle"):
-        r = app_client.post(f"/v1/operators/logistic-x/messages?mode={mode}", json=_good_x())
-        assert r.status_code == 200, r.text
+def test_predict_needs_no_token_but_jit_and_oracle_do(app_client):
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json=_good_x())
+    assert r.status_code == 200, r.text
     assert app_client.post("/v1/operators/logistic-x/messages", json=_good_x()).status_code == 401  # default: jit
     assert app_client.post("/v1/operators/logistic-x/messages", json=_good_x(), headers=AUTH).status_code == 200
+    # the oracle learns nothing but costs the server real CPU: token holders only
+    assert app_client.post("/v1/operators/logistic-x/messages?mode=oracle", json=_good_x()).status_code == 401
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=oracle", json=_good_x(), headers=AUTH)
+    assert r.status_code == 200, r.text
 
 
 def test_improper_outgoing_message_is_flagged_not_clipped(app_client):
@@ -469,7 +472,7 @@ def test_oracle_failure_is_a_4xx_and_changes_nothing(app_client):
     b = {"to": "z", "incoming": {"x": {"family": "gaussian", "mean": [-2000.0], "var": [1e-4]},
                                  "z": {"family": "beta", "alpha": [2.0], "beta": [1.0]}}}
     before = _state(app_client, "logistic-z")
-    r = app_client.post("/v1/operators/logistic-z/messages?mode=oracle", json=b)
+    r = app_client.post("/v1/operators/logistic-z/messages?mode=oracle", json=b, headers=AUTH)
     assert r.status_code == 422 and r.json()["detail"][0]["type"] == "oracle_failed", r.text
     r = app_client.post("/v1/operators/logistic-z/messages?mode=jit", json=b, headers=AUTH)
     if r.status_code == 200:  # the learned operator was confident here: then it did not need the oracle

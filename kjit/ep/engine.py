@@ -113,6 +113,7 @@ paper's ``R = ‖α_t − α_{t−1}‖ < 1e-3`` on the GP representer weights
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -121,6 +122,7 @@ from scipy import linalg
 from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
+from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
 __all__ = [
     "GaussianPosterior",
@@ -128,9 +130,29 @@ __all__ = [
     "EPResult",
     "LinearEP",
     "SKIP_REASONS",
+    "ON_UNCERTAIN",
+    "UncertainAnswerError",
+    "UncertainAnswerWarning",
 ]
 
 SKIP_REASONS = ("cavity", "operator_error", "invalid", "negative", "not_pd")
+
+# what the engine does with an answer whose log predictive variance exceeds the operator's
+# threshold: use it and warn at the end of the run (counted per iteration in n_uncertain), raise
+# UncertainAnswerError, or replace it by the oracle's answer
+ON_UNCERTAIN = ("warn", "raise", "oracle")
+
+
+class UncertainAnswerWarning(UserWarning):
+    """EP used answers above the operator's uncertainty threshold (``on_uncertain="warn"``)."""
+
+
+class UncertainAnswerError(RuntimeError):
+    """An operator's answer was above its uncertainty threshold and ``on_uncertain="raise"``."""
+
+    def __init__(self, message, rows=None):
+        super().__init__(message)
+        self.uncertain_rows = rows
 
 _SCHEDULES = ("parallel", "sequential")
 
@@ -164,6 +186,9 @@ class IterationRecord:
     max_change_raw: float = 0.0  # largest unscaled |Δh| or |Δλ| applied
     step_scale: float = 1.0    # parallel: extra step shrinkage needed to keep Σ positive definite
     errors: list[str] = field(default_factory=list)  # operator exception messages (first few)
+    n_uncertain: int = 0       # answers used whose log predictive variance exceeded the threshold
+    n_oracle: int = 0          # uncertain answers replaced by the oracle (on_uncertain="oracle")
+    n_zeroed: int = 0          # negative message precisions within the answer's error of 0, used as 0
     n_relaxed: int = 0         # relaxed EP: sites updated with a relaxation b > 0
     mean_relaxation: float = 0.0  # relaxed EP: mean of b · v_cavity over the relaxed sites
     _relax_count: int = field(default=0, repr=False, compare=False)
@@ -181,6 +206,9 @@ class IterationRecord:
             "operator_seconds": self.operator_seconds,
             "step_scale": self.step_scale,
             "errors": list(self.errors),
+            "n_uncertain": self.n_uncertain,
+            "n_oracle": self.n_oracle,
+            "n_zeroed": self.n_zeroed,
             "n_relaxed": self.n_relaxed,
             "mean_relaxation": self.mean_relaxation,
         }
@@ -206,6 +234,18 @@ class EPResult:
     seconds: float
     operator_calls: int
     schedule: str
+    outcome: str = "converged"   # "converged", "max_iter" or "diverged" (status says more)
+    diverged_at: int | None = None  # the iteration whose update was refused as divergent
+
+    @property
+    def n_uncertain(self) -> int:
+        """Answers used above the operator's uncertainty threshold, over all iterations."""
+        return int(sum(r.n_uncertain for r in self.history))
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Skipped updates by reason, summed over all iterations."""
+        return {k: int(sum(r.skipped.get(k, 0) for r in self.history)) for k in SKIP_REASONS}
 
     @property
     def mean(self) -> np.ndarray:
@@ -228,8 +268,12 @@ class EPResult:
         """JSON-ready summary (no arrays)."""
         return {
             "converged": self.converged,
+            "outcome": self.outcome,
+            "diverged_at": self.diverged_at,
             "iterations": self.iterations,
             "status": self.status,
+            "n_uncertain": self.n_uncertain,
+            "skipped": self.skipped,
             "seconds": self.seconds,
             "operator_calls": self.operator_calls,
             "n_skipped": self.n_skipped,
@@ -263,10 +307,33 @@ def _posterior_from_sites(A, prior_prec, h, lam):
         return None
     if not np.all(np.diag(L) > 0):
         return None
-    mean = linalg.cho_solve((L, True), b, check_finite=False)
-    Linv = linalg.solve_triangular(L, np.eye(P.shape[0]), lower=True, check_finite=False)
-    cov = Linv.T @ Linv
+    with np.errstate(all="ignore"):
+        mean = linalg.cho_solve((L, True), b, check_finite=False)
+        Linv = linalg.solve_triangular(L, np.eye(P.shape[0]), lower=True, check_finite=False)
+        cov = Linv.T @ Linv
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(cov))):
+        return None  # a finite precision can still give an overflowing mean (sites ~1e306)
     return _PosteriorState(mean, cov, L)
+
+
+def _divergence(h, lam, state, v0, limit):
+    """Why an iteration's result is divergent, or None: non-finite sites or posterior, or a site
+    precision above ``limit`` times the prior precision of its predictor (no single factor of a
+    finite model carries that much information: such sites grow without bound until the
+    posterior overflows)."""
+    if state is None:
+        return "the posterior precision is not positive definite"
+    if not (np.all(np.isfinite(h)) and np.all(np.isfinite(lam))):
+        return "non-finite site parameters"
+    if not (np.all(np.isfinite(state.mean)) and np.all(np.isfinite(state.cov))):
+        return "non-finite posterior"
+    with np.errstate(all="ignore"):
+        scaled = np.abs(lam) * v0
+    if np.any(scaled > limit):
+        i = int(np.argmax(scaled))
+        return (f"site {i}'s precision is {scaled[i]:.3g} times its predictor's prior precision "
+                f"(divergence_limit {limit:g})")
+    return None
 
 
 def _marginals(A, state):
@@ -381,6 +448,26 @@ class LinearEP:
         Number of log-spaced grid values of ``b · v_¬`` in the relaxed-EP line search (≥ 3).
     stop_rule:
         Optional ``(record, mean, cov) -> bool`` replacing the ``tol`` test (see module docstring).
+    on_uncertain:
+        What to do with an answer whose log predictive variance (the operator's ``predict``:
+        KernelOperator, JITOperator, RemoteOperator) exceeds the threshold in some coordinate:
+        ``"warn"`` (default: use it, count it per iteration in ``n_uncertain``, say so in
+        ``status`` and warn once with :class:`UncertainAnswerWarning`), ``"raise"``
+        (:class:`UncertainAnswerError`) or ``"oracle"`` (ask ``oracle`` for those rows instead).
+    uncertainty_threshold:
+        The threshold; default the operator's own ``threshold`` (JIT and served operators have
+        one; without either nothing is counted).
+    oracle:
+        For ``on_uncertain="oracle"``; default the operator's own ``oracle`` (JITOperator; a
+        RemoteOperator's is the server's ``mode=oracle``).
+    divergence_limit:
+        An iteration that makes a site's precision exceed this many times the prior precision of
+        its predictor, or any site or the posterior non-finite, is divergent: the run stops with
+        the last finite state and ``outcome="diverged"`` (status says the iteration and cause).
+    answer_rtol, sign_z:
+        A belief wider than the cavity by a relative ``≤ sign_z · sd + answer_rtol`` (``sd``: the
+        answer's predictive standard deviation of log v, when reported) is used as a message of
+        precision 0 instead of being skipped as negative (see ``_propose``).
     """
 
     def __init__(
@@ -399,8 +486,20 @@ class LinearEP:
         relax_c: float | None = None,
         relax_grid: int = 49,
         stop_rule: Callable | None = None,
+        on_uncertain: str = "warn",
+        uncertainty_threshold: float | None = None,
+        oracle=None,
+        divergence_limit: float = 1e12,
+        answer_rtol: float = 1e-8,
+        sign_z: float = 2.0,
     ):
         self.operator = operator
+        self.on_uncertain = on_uncertain
+        self.uncertainty_threshold = uncertainty_threshold
+        self.oracle = oracle
+        self.divergence_limit = divergence_limit
+        self.answer_rtol = answer_rtol
+        self.sign_z = sign_z
         self.site_var = site_var
         self.prior_var = prior_var
         self.damping = damping
@@ -417,8 +516,8 @@ class LinearEP:
 
     # ------------------------------------------------------------------ validation
     def _check_options(self, d):
-        if not hasattr(self.operator, "belief"):
-            raise ValueError("`operator` must have a `belief(incoming, to)` method")
+        if not is_operator(self.operator):
+            raise ValueError("`operator` must have a `belief(incoming, to)` method (kjit.protocols.MessageOperator)")
         if not isinstance(self.site_var, str) or not self.site_var:
             raise ValueError("`site_var` must be a non-empty string")
         pv = np.asarray(self.prior_var, dtype=float)
@@ -440,7 +539,7 @@ class LinearEP:
             raise ValueError(f"`power` must be a finite number > 0, got {self.power!r}") from None
         if not (np.isfinite(u) and u > 0):
             raise ValueError(f"`power` must be a finite number > 0, got {self.power!r}")
-        if u != 1.0 and not getattr(self.operator, "supports_power", False):
+        if u != 1.0 and not supports_power(self.operator):
             raise ValueError(
                 f"power EP (power={u:g}) needs an operator for the factor to the power u: "
                 "operator.belief(incoming, to, power=u) with operator.supports_power = True "
@@ -451,7 +550,7 @@ class LinearEP:
             c = self.relax_c
             if not (isinstance(c, (int, float, np.floating, np.integer)) and np.isfinite(c) and c > 0):
                 raise ValueError(f"`relax_c` must be None or a finite number > 0, got {c!r}")
-            if not hasattr(self.operator, "projection_kl"):
+            if not has_projection_kl(self.operator):
                 raise ValueError(
                     "relaxed EP needs operator.projection_kl(incoming, to) = KL(tilted ‖ proj tilted) "
                     f"for its line search; {type(self.operator).__name__} has none "
@@ -461,14 +560,84 @@ class LinearEP:
                 raise ValueError(f"`relax_grid` must be an integer >= 3, got {self.relax_grid!r}")
         if self.stop_rule is not None and not callable(self.stop_rule):
             raise ValueError("`stop_rule` must be None or a callable (record, mean, cov) -> bool")
+        if self.on_uncertain not in ON_UNCERTAIN:
+            raise ValueError(f"`on_uncertain` must be one of {ON_UNCERTAIN}, got {self.on_uncertain!r}")
+        thr = self.uncertainty_threshold
+        if thr is not None and not (isinstance(thr, (int, float, np.floating, np.integer)) and np.isfinite(thr)):
+            raise ValueError(f"`uncertainty_threshold` must be None or a finite number, got {thr!r}")
+        if self.on_uncertain == "oracle" and self._oracle() is None:
+            raise ValueError(
+                'on_uncertain="oracle" needs an oracle: pass `oracle=` (e.g. a QuadratureOracle) or use an '
+                f"operator that carries one (JITOperator, RemoteOperator); {type(self.operator).__name__} has none"
+            )
+        for name in ("divergence_limit", "answer_rtol", "sign_z"):
+            val = getattr(self, name)
+            if not (isinstance(val, (int, float, np.floating, np.integer)) and np.isfinite(val) and val > 0):
+                raise ValueError(f"`{name}` must be a finite number > 0, got {val!r}")
         return np.broadcast_to(1.0 / pv, (d,)).astype(float)
 
     # ------------------------------------------------------------------ operator call
-    def _ask(self, cav_m, cav_v, observed, idx, skipped, errors):
+    def _oracle(self):
+        return self.oracle if self.oracle is not None else getattr(self.operator, "oracle", None)
+
+    def _threshold(self):
+        if self.uncertainty_threshold is not None:
+            return float(self.uncertainty_threshold)
+        thr = getattr(self.operator, "threshold", None)
+        try:
+            return None if thr is None else float(thr)
+        except (TypeError, ValueError):
+            return None
+
+    def _query(self, incoming, rec):
+        """The operator's beliefs for one batch, with the spread coordinate's log predictive
+        variance where the operator reports one (``predict``), NaN elsewhere; answers above the
+        uncertainty threshold are counted and handled by ``on_uncertain``."""
+        n = len(next(iter(incoming.values())))
+        logvar_spread = np.full(n, np.nan)
+        if self.power != 1.0:
+            return self.operator.belief(incoming, self.site_var, power=float(self.power)), logvar_spread
+        if not reports_uncertainty(self.operator):
+            return self.operator.belief(incoming, self.site_var), logvar_spread
+        out = self.operator.predict(incoming, self.site_var)
+        q, logvar = out[0], np.asarray(out[1], dtype=float)
+        consulted = np.asarray(out[2], dtype=bool).reshape(n) if len(out) > 2 else np.zeros(n, dtype=bool)
+        if logvar.ndim != 2 or logvar.shape[0] != n:
+            return q, logvar_spread
+        j = Gaussian.spread_coord
+        logvar_spread = np.where(consulted, np.nan, logvar[:, j])
+        thr = self._threshold()
+        if thr is None:
+            return q, logvar_spread
+        with np.errstate(invalid="ignore"):
+            unc = ~consulted & np.any(logvar > thr, axis=-1)
+        if not unc.any():
+            return q, logvar_spread
+        if self.on_uncertain == "raise":
+            raise UncertainAnswerError(
+                f"{int(unc.sum())} answer(s) of {type(self.operator).__name__} have a log predictive variance "
+                f"above its threshold {thr:g} (rows {np.flatnonzero(unc)[:10].tolist()} of the batch); "
+                'on_uncertain="raise"', rows=np.flatnonzero(unc))
+        if self.on_uncertain == "oracle":
+            rows = np.flatnonzero(unc)
+            sub = {k: m[rows] for k, m in incoming.items()}
+            q_or = self._oracle().belief(sub, self.site_var)
+            mean, var = np.array(q.mean(), dtype=float), np.array(q.var(), dtype=float)
+            mean[rows], var[rows] = q_or.mean(), q_or.var()
+            q = Gaussian._unchecked(mean, var)
+            logvar_spread[rows] = np.nan
+            rec.n_oracle += rows.size
+            return q, logvar_spread
+        rec.n_uncertain += int(unc.sum())  # "warn" / "use": used as they are, and counted
+        return q, logvar_spread
+
+    def _ask(self, cav_m, cav_v, observed, idx, skipped, errors, rec=None):
         """Beliefs for the sites ``idx`` with cavities ``(cav_m, cav_v)`` (already indexed by
-        ``idx``); returns (mean, var, ok) arrays of length ``len(idx)``."""
+        ``idx``); returns (mean, var, ok, sd of log var) arrays of length ``len(idx)``."""
+        rec = rec if rec is not None else self._new_record()
         k = len(idx)
         qm, qv = np.zeros(k), np.ones(k)
+        sd = np.full(k, np.nan)
         ok = np.zeros(k, dtype=bool)
         live = np.arange(k)  # positions (within idx) still to be answered
         for _attempt in range(4):
@@ -476,11 +645,10 @@ class LinearEP:
             incoming.update(_index(observed, idx[live]))
             try:
                 with np.errstate(all="ignore"):
-                    if self.power == 1.0:
-                        q = self.operator.belief(incoming, self.site_var)
-                    else:
-                        q = self.operator.belief(incoming, self.site_var, power=float(self.power))
+                    q, lv = self._query(incoming, rec)
                 break
+            except UncertainAnswerError:
+                raise
             except Exception as exc:  # an operator failure must not end the run: skip and report
                 if len(errors) < 5:
                     errors.append(f"{type(exc).__name__}: {exc}")
@@ -493,12 +661,12 @@ class LinearEP:
                     rows = None
                 if rows is None or rows.size == 0 or rows.size >= live.size or rows.min() < 0 or rows.max() >= live.size:
                     skipped["operator_error"] += live.size
-                    return qm, qv, ok
+                    return qm, qv, ok, sd
                 skipped["operator_error"] += rows.size
                 live = np.delete(live, rows)
         else:
             skipped["operator_error"] += live.size
-            return qm, qv, ok
+            return qm, qv, ok, sd
         k_live = live.size
         if not isinstance(q, Gaussian) or q.shape != (k_live,):
             skipped["operator_error"] += k_live
@@ -507,14 +675,15 @@ class LinearEP:
                     f"operator returned {type(q).__name__} of shape {getattr(q, 'shape', None)}, "
                     f"expected Gaussian of shape ({k_live},)"
                 )
-            return qm, qv, ok
+            return qm, qv, ok, sd
         m_live, v_live = np.asarray(q.mean(), float), np.asarray(q.var(), float)
         good = np.isfinite(m_live) & np.isfinite(v_live) & (v_live > 0)
         skipped["invalid"] += int(k_live - np.count_nonzero(good))
         qm[live] = np.where(good, m_live, 0.0)
         qv[live] = np.where(good, v_live, 1.0)
         ok[live] = good
-        return qm, qv, ok
+        sd[live] = np.exp(0.5 * lv)
+        return qm, qv, ok, sd
 
     # ------------------------------------------------------------------ relaxed EP
     def _relax_objective(self, cm, cv, ms, s_rel, rows, observed, idx):
@@ -586,8 +755,24 @@ class LinearEP:
             rec.mean_relaxation = tot / rec._relax_count
         return mr, vr, s_best
 
-    def _propose(self, cm, cv, qm, qv, h_old, lam_old, ok, skipped):
-        """Damped new sites and the mask of acceptable ones (before the PD check)."""
+    def _propose(self, cm, cv, qm, qv, h_old, lam_old, ok, skipped, sd=None, rec=None):
+        """Damped new sites and the mask of acceptable ones (before the PD check).
+
+        A belief wider than the cavity by less than its own error — ``0 < log(v_q / v_cav) ≤
+        sign_z · sd``, ``sd`` the answer's predictive standard deviation of log v_q, or
+        ``answer_rtol`` for answers that report none (oracles: their relative accuracy) — is
+        a message whose precision is indistinguishable from 0: it is used with precision 0
+        (``v_q = v_cav``, the shift kept) instead of being skipped as negative every iteration.
+        """
+        sd = np.full(qv.shape, np.nan) if sd is None else sd
+        with np.errstate(all="ignore"):
+            tol = self.sign_z * np.where(np.isfinite(sd), sd, 0.0) + self.answer_rtol
+            d = np.log(qv) - np.log(cv)
+            zero = ok & (d > 0) & (d <= tol)
+        if zero.any():
+            qv = np.where(zero, cv, qv)
+            if rec is not None:
+                rec.n_zeroed += int(np.count_nonzero(zero))
         with np.errstate(all="ignore"):
             lam_p = 1.0 / qv - 1.0 / cv
             h_p = qm / qv - cm / cv
@@ -637,16 +822,25 @@ class LinearEP:
 
         history: list[IterationRecord] = []
         converged = False
+        diverged = None  # (iteration, cause)
         calls = 0
         t_start = time.perf_counter()
         step = self._parallel_iteration if self.schedule == "parallel" else self._sequential_sweep
+        # prior marginal variance of each predictor: the unit in which a site precision is
+        # judged divergent (λ_i · a_iᵀΣ0a_i > divergence_limit)
+        v0 = np.einsum("ij,j,ij->i", A, 1.0 / prior_prec, A)
         for it in range(1, int(self.max_iter) + 1):
             t0 = time.perf_counter()
-            h, lam, state, rec = step(A, prior_prec, observed, h, lam, state)
+            h_new, lam_new, state_new, rec = step(A, prior_prec, observed, h, lam, state)
             rec.iteration = it
             rec.seconds = time.perf_counter() - t0
             history.append(rec)
             calls += rec.operator_calls
+            cause = _divergence(h_new, lam_new, state_new, v0, self.divergence_limit)
+            if cause is not None:  # keep the last finite state and stop
+                diverged = (it, cause)
+                break
+            h, lam, state = h_new, lam_new, state_new
             if self.callback is not None:
                 self.callback(rec, state.mean.copy(), state.cov.copy())
             if rec.n_skipped == 0:
@@ -659,7 +853,10 @@ class LinearEP:
                     break
         iterations = len(history)
         last = history[-1]
-        if converged and self.stop_rule is not None:
+        if diverged is not None:
+            status = (f"diverged at iteration {diverged[0]}: {diverged[1]}; the posterior is the last finite "
+                      f"state (after iteration {diverged[0] - 1})")
+        elif converged and self.stop_rule is not None:
             status = f"converged after {iterations} iteration(s) (stop_rule satisfied; max site change {last.max_change:.3g})"
         elif converged:
             status = f"converged after {iterations} iteration(s) (max site change {last.max_change:.3g} < tol {self.tol:g})"
@@ -669,9 +866,18 @@ class LinearEP:
                 f"(last max site change {last.max_change:.3g}, tol {self.tol:g}, "
                 f"{last.n_skipped} update(s) skipped in the last iteration)"
             )
+        n_unc = int(sum(r.n_uncertain for r in history))
+        if n_unc:
+            msg = (f"{n_unc} answer(s) above the operator's uncertainty threshold "
+                   f"({self._threshold():g}) were used")
+            status += f"; {msg}"
+            warnings.warn(f"EP with {type(self.operator).__name__}: {msg} (on_uncertain='warn'; pass "
+                          "on_uncertain='oracle' to replace them or 'raise' to stop)", UncertainAnswerWarning,
+                          stacklevel=3)
         log_z, note = self._log_evidence(A, prior_prec, observed, h, lam, state)
         if log_z is not None and not converged:
             note += "; EP did not converge, so this is the estimate at the last iterate"
+        outcome = "diverged" if diverged is not None else ("converged" if converged else "max_iter")
         return EPResult(
             posterior=GaussianPosterior(state.mean, state.cov),
             site_shift=h,
@@ -685,6 +891,8 @@ class LinearEP:
             seconds=time.perf_counter() - t_start,
             operator_calls=calls,
             schedule=self.schedule,
+            outcome=outcome,
+            diverged_at=None if diverged is None else diverged[0],
         )
 
     # ------------------------------------------------------------------ schedules
@@ -704,17 +912,18 @@ class LinearEP:
         idx = np.flatnonzero(ok)
         qm = np.zeros_like(m)
         qv = np.ones_like(m)
+        sd = np.full_like(m, np.nan)
         if idx.size:
             t0 = time.perf_counter()
             if self.relax_c is not None:
                 cm, cv = cm.copy(), cv.copy()
                 cm[idx], cv[idx], _ = self._relax(cm[idx], cv[idx], h[idx], lam[idx], observed, idx, rec)
-            qm_i, qv_i, ok_i = self._ask(cm[idx], cv[idx], observed, idx, skipped, rec.errors)
+            qm_i, qv_i, ok_i, sd_i = self._ask(cm[idx], cv[idx], observed, idx, skipped, rec.errors, rec)
             rec.operator_seconds += time.perf_counter() - t0
             rec.operator_calls += 1
-            qm[idx], qv[idx] = qm_i, qv_i
+            qm[idx], qv[idx], sd[idx] = qm_i, qv_i, sd_i
             ok[idx] = ok_i
-        h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h, lam, ok, skipped)
+        h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h, lam, ok, skipped, sd, rec)
         # each update alone must keep the posterior positive definite: 1 + Δλ v > 0
         with np.errstate(invalid="ignore"):
             single = 1.0 + (lam_n - lam) * v > 0
@@ -767,12 +976,12 @@ class LinearEP:
             t0 = time.perf_counter()
             if self.relax_c is not None:
                 cm, cv, _ = self._relax(cm, cv, h[i : i + 1], lam[i : i + 1], observed, np.array([i]), rec)
-            qm, qv, ok = self._ask(cm, cv, observed, np.array([i]), skipped, rec.errors)
+            qm, qv, ok, sd = self._ask(cm, cv, observed, np.array([i]), skipped, rec.errors, rec)
             rec.operator_seconds += time.perf_counter() - t0
             rec.operator_calls += 1
             if not ok[0]:
                 continue
-            h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h[i : i + 1], lam[i : i + 1], ok, skipped)
+            h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h[i : i + 1], lam[i : i + 1], ok, skipped, sd, rec)
             if not ok[0]:
                 continue
             dlam = float(lam_n[0] - lam[i])
@@ -823,7 +1032,7 @@ class LinearEP:
     def _log_evidence(self, A, prior_prec, observed, h, lam, state):
         if not self.compute_evidence:
             return None, "not computed (compute_evidence=False)"
-        if not hasattr(self.operator, "log_partition"):
+        if not has_log_partition(self.operator):
             return None, "operator has no log_partition"
         u = float(self.power)
         m, v = _marginals(A, state)

@@ -25,6 +25,10 @@ __all__ = [
     "BayesianLogisticRegression",
     "ProbitClassifier",
     "CompoundGammaPrecision",
+    "PoissonRegression",
+    "normal_mean_precision",
+    "poisson_gamma",
+    "rank_one",
     "expected_sigmoid",
     "logistic_gauss_hermite",
 ]
@@ -110,8 +114,14 @@ class _LinearEPModel:
         compute_evidence: bool = True,
         power: float = 1.0,
         relax_c: float | None = None,
+        on_uncertain: str = "warn",
+        oracle=None,
+        uncertainty_threshold: float | None = None,
     ):
         self.operator = operator
+        self.on_uncertain = on_uncertain
+        self.oracle = oracle
+        self.uncertainty_threshold = uncertainty_threshold
         self.prior_var = prior_var
         self.damping = damping
         self.max_iter = max_iter
@@ -135,6 +145,9 @@ class _LinearEPModel:
             compute_evidence=self.compute_evidence,
             power=self.power,
             relax_c=self.relax_c,
+            on_uncertain=self.on_uncertain,
+            oracle=self.oracle,
+            uncertainty_threshold=self.uncertainty_threshold,
         )
 
     def _observed(self, y):  # pragma: no cover - overridden
@@ -143,10 +156,13 @@ class _LinearEPModel:
     def _log_evidence_correction(self, y) -> float:
         return 0.0
 
+    def _check_y(self, y, n):
+        return _check_y01(y, n)
+
     def fit(self, X, y, init_sites=None):
         """Run EP on ``(X, y)``; returns ``self`` with ``posterior_``, ``result_``, ``coef_``."""
         X = _check_X(X)
-        y = _check_y01(y, X.shape[0])
+        y = self._check_y(y, X.shape[0])
         result: EPResult = self._engine().run(X, self._observed(y), init_sites=init_sites)
         self.result_ = result
         self.posterior_ = result.posterior
@@ -204,10 +220,12 @@ class BayesianLogisticRegression(_LinearEPModel):
     def __init__(self, operator, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = False,
                  compute_evidence: bool = True, n_quad: int = 64, power: float = 1.0,
-                 relax_c: float | None = None):
+                 relax_c: float | None = None, on_uncertain: str = "warn", oracle=None,
+                 uncertainty_threshold: float | None = None):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
-                         compute_evidence=compute_evidence, power=power, relax_c=relax_c)
+                         compute_evidence=compute_evidence, power=power, relax_c=relax_c,
+                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
         self.n_quad = n_quad
 
     def _observed(self, y):
@@ -250,10 +268,12 @@ class ProbitClassifier(_LinearEPModel):
 
     def __init__(self, operator, eps=None, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = True,
-                 compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None):
+                 compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None,
+                 on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
-                         compute_evidence=compute_evidence, power=power, relax_c=relax_c)
+                         compute_evidence=compute_evidence, power=power, relax_c=relax_c,
+                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
         self.eps = eps
 
     def _resolve_eps(self) -> float:
@@ -357,3 +377,123 @@ class CompoundGammaPrecision:
         if not hasattr(self, "posterior_"):
             raise RuntimeError("not fitted: call fit(x) or fit_many(xs) first")
         return self.posterior_.mean()
+
+
+# ====================================================================== models on other factors
+def _check_counts(y, n):
+    y = np.asarray(y)
+    if y.shape != (n,):
+        raise ValueError(f"`y` must have shape ({n},), got {y.shape}")
+    yf = np.asarray(y, dtype=float)
+    if not np.all(np.isfinite(yf) & (yf >= 0) & (yf == np.round(yf))):
+        raise ValueError("`y` must contain non-negative integer counts")
+    return yf
+
+
+class PoissonRegression(_LinearEPModel):
+    """Poisson regression with a log link by EP: ``w ~ N(0, prior_var I)``, ``x_i = a_iᵀw``,
+    ``y_i = e^{x_i}`` (the ``exp`` factor), and the count ``k_i ~ Poisson(y_i)`` entering as the
+    message ``Gamma(k_i + 1, 1)`` to ``y_i`` (``Poisson(k | y) ∝ y^k e^{−y}``).
+
+    ``operator`` answers ``belief({'x': Gaussian, 'y': Gamma}, 'x')``; default the ``exp``
+    factor's exact rule (``QuadratureOracle(get_factor("exp"))``).
+    """
+
+    _site_var = "x"
+
+    def __init__(self, operator=None, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
+                 tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
+                 on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None):
+        super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
+                         schedule=schedule, allow_negative_sites=False, compute_evidence=compute_evidence,
+                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
+
+    def _engine(self) -> LinearEP:
+        if self.operator is None:
+            from ..factors import get_factor
+            from ..oracles import QuadratureOracle
+
+            self.operator = QuadratureOracle(get_factor("exp"))
+        return super()._engine()
+
+    def _observed(self, y):
+        return {"y": Gamma(np.asarray(y, float) + 1.0, np.ones(len(y)))}
+
+    def _log_evidence_correction(self, y):
+        return -float(np.sum(special.gammaln(np.asarray(y, float) + 1.0)))  # Gamma(k+1, 1) vs Poisson(k | y)
+
+    def _check_y(self, y, n):
+        return _check_counts(y, n)
+
+    def predict(self, X) -> np.ndarray:
+        """Posterior predictive mean of the count, ``E[e^x] = exp(m + v/2)``."""
+        m, v = self.predictive_marginals(X)
+        return np.exp(m + 0.5 * v)
+
+    def predictive_log_likelihood(self, X, y, n_nodes: int = 64) -> np.ndarray:
+        """log ∫ Poisson(y_i | e^x) N(x; m_i, v_i) dx per row (Gauss–Hermite, ``n_nodes`` nodes)."""
+        m, v = self.predictive_marginals(X)
+        y = _check_counts(y, len(m))
+        t, w = np.polynomial.hermite_e.hermegauss(int(n_nodes))
+        x = m[:, None] + np.sqrt(v)[:, None] * t[None, :]
+        lp = y[:, None] * x - np.exp(x) - special.gammaln(y + 1.0)[:, None]
+        return special.logsumexp(lp, b=w[None, :] / np.sqrt(2 * np.pi), axis=1)
+
+
+def normal_mean_precision(x, prior_mean=None, prior_precision=None, obs_var: float = 1e-10):
+    """Factor graph of Gaussian data with unknown mean and precision: ``m ~ prior_mean``,
+    ``tau ~ prior_precision``, ``x_i ~ N(m, 1/tau)`` (the ``gaussian`` factor, one per datum; an
+    observed x_i enters as the message ``N(x_i, obs_var)``).  Variables ``"m"`` and ``"tau"``."""
+    from ..families import Gaussian
+    from .graph import FactorGraph
+
+    x = np.asarray(x, dtype=float).ravel()
+    if x.size < 1 or not np.all(np.isfinite(x)):
+        raise ValueError("`x` must be a non-empty array of finite numbers")
+    g = FactorGraph()
+    g.add_variable("m", prior_mean if prior_mean is not None else Gaussian(0.0, 100.0))
+    g.add_variable("tau", prior_precision if prior_precision is not None else Gamma(1.0, 1.0))
+    for xi in x:
+        g.add_factor("gaussian", {"m": "m", "tau": "tau", "x": Gaussian(float(xi), obs_var)})
+    return g
+
+
+def poisson_gamma(counts, shape: float = 1.0, prior_rate=None):
+    """Factor graph of a Poisson–Gamma hierarchy with a random rate: ``r ~ prior_rate``,
+    ``λ_i ~ Gamma(shape, rate=r)`` (the ``gamma_rate`` factor), ``k_i ~ Poisson(λ_i)`` entering
+    as the message ``Gamma(k_i + 1, 1)`` on ``λ_i`` (its prior in the graph).  Variables ``"r"``
+    and ``"lam0"``, ``"lam1"``, …"""
+    from .graph import FactorGraph
+
+    k = _check_counts(counts, np.asarray(counts).size)
+    g = FactorGraph()
+    g.add_variable("r", prior_rate if prior_rate is not None else Gamma(1.0, 1.0))
+    for i, ki in enumerate(k):
+        g.add_variable(f"lam{i}", Gamma(ki + 1.0, 1.0))
+        g.add_factor("gamma_rate", {"r": "r", "x": f"lam{i}"}, shape=shape)
+    return g
+
+
+def rank_one(Y, noise_var: float, prior_u=None, prior_v=None, mask=None):
+    """Factor graph of a rank-one factorisation ``Y_ij ≈ u_i v_j``: ``u_i ~ prior_u``,
+    ``v_j ~ prior_v``, ``z_ij = u_i · v_j`` (the ``product`` factor) observed with Gaussian noise:
+    the message ``N(Y_ij, noise_var)`` to ``z_ij``.  Entries with ``mask`` False are missing.
+    Variables ``"u0"``, …, ``"v0"``, …  (Give one of the priors a non-zero mean: the likelihood is
+    symmetric under (u, v) → (−u, −v).)"""
+    from ..families import Gaussian
+    from .graph import FactorGraph
+
+    Y = np.asarray(Y, dtype=float)
+    if Y.ndim != 2 or Y.size == 0:
+        raise ValueError(f"`Y` must be a non-empty 2-D array, got shape {Y.shape}")
+    mask = np.isfinite(Y) if mask is None else np.asarray(mask, bool) & np.isfinite(Y)
+    if not (np.isfinite(noise_var) and noise_var > 0):
+        raise ValueError("`noise_var` must be a positive number")
+    g = FactorGraph()
+    for i in range(Y.shape[0]):
+        g.add_variable(f"u{i}", prior_u if prior_u is not None else Gaussian(0.0, 1.0))
+    for j in range(Y.shape[1]):
+        g.add_variable(f"v{j}", prior_v if prior_v is not None else Gaussian(1.0, 1.0))
+    for i, j in zip(*np.nonzero(mask)):
+        g.add_factor("product", {"x": f"u{i}", "y": f"v{j}", "z": Gaussian(float(Y[i, j]), float(noise_var))})
+    return g

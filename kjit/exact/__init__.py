@@ -21,9 +21,9 @@ and the metadata ``NAME``, ``INPUTS``, ``OUTPUT``, ``FAMILIES``, ``PARAMS`` (def
 | ``exp``        | x (Gaussian) → y = e^x (Gamma) | —           | no (deterministic) |
 
 Every rule reduces to one-dimensional integrals (the other variables integrated in closed
-form given one of them) done by the level-panel Gauss–Legendre rule of :mod:`kjit.oracles`.
+form given one of them) done by the level-panel Gauss–Legendre rule of :mod:`kjit.quadrature`.
 Bad input is a ``ValueError`` naming the variable; a row whose integral cannot be computed in
-double precision is a :class:`kjit.oracles.OracleError` naming the rows.
+double precision is a :class:`kjit.errors.OracleError` (re-exported by :mod:`kjit.oracles`) naming the rows.
 """
 
 from . import exp, gamma_rate, gaussian, product

@@ -1,6 +1,6 @@
 """Shared pieces of the exact rules: input checks, stationary-point search, belief projections.
 
-The quadrature engine itself is :func:`kjit.oracles._panel_rule` (level panels between the
+The quadrature engine itself is :func:`kjit.quadrature.panel_rule` (level panels between the
 integrand's stationary points, Gauss–Legendre per panel, vectorised over the batch); this module
 only prepares what it needs (the break points and a length scale) and turns its nodes and
 weights into beliefs.
@@ -12,8 +12,9 @@ from typing import Mapping
 
 import numpy as np
 
+from ..errors import OracleError
 from ..families import Gamma, Gaussian
-from ..oracles import OracleError, _bisect, _panel_rule
+from ..quadrature import bisect as _bisect, panel_rule as _panel_rule
 
 PROJECTIONS = ("kl", "moments")
 

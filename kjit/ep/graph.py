@@ -1,0 +1,422 @@
+"""Fully factorised EP on a factor graph of any registered factors (issue 15, the engine).
+
+A :class:`FactorGraph` holds variables (each with a family and a proper prior message) and
+factors from the registry whose variables are *bound* either to a graph variable or to a fixed
+message (an observation, e.g. a count entering as a Gamma message, or a label as a Beta
+message).  :class:`GraphEP` runs fully factorised EP on it: the posterior of each variable is
+its prior times one *site* per (factor, bound variable), all in the family's natural
+parameters, and one update of the site of factor j on variable v is
+
+    cavity  = posterior_v / site_{j,v}               (for every variable of factor j)
+    q       = operator.belief({cavities, fixed messages}, to=v)      (proj[f_j · Π cavities])
+    site'   = q / cavity_v,     site ← site + (1 − damping) (site' − site)
+
+Where each message comes from is the user's to say, per (factor name, recipient):
+``operators={("gaussian", "tau"): jit, ("product", "z"): remote, ...}``; the default is the
+factor's exact rule (``QuadratureOracle``).  Anything with ``belief(incoming, to)`` works: a
+rule, an oracle, a learned/JIT operator, a ``RemoteOperator``.
+
+Schedules.  ``"parallel"``: every site update of an iteration is computed from one state; the
+factors of one *group* (same factor, same parameters, same operator, same binding pattern) are
+asked in **one batched call per recipient**, so a remote operator gets one request per group
+and recipient per sweep; the updates are applied together.  ``"sequential"``: factor by factor,
+each update applied at once (batch size one).
+
+Accounting, as in :class:`~kjit.ep.LinearEP`: an update is skipped (never clipped) when a
+cavity is improper (``cavity``), the operator raised or gave a wrong answer (``operator_error``;
+an exception with ``rows`` skips only those rows), the belief is improper or non-finite
+(``invalid``), or it would make a variable's posterior improper (``improper``; in a parallel
+iteration every update of that variable in the iteration is rejected).  Convergence: the largest
+change of any variable's posterior in its family's coordinates — location in posterior standard
+deviations, log spread, log parameters — is below ``tol`` with nothing skipped.  Divergence: a
+non-finite site or posterior stops the run with the last finite state and ``outcome="diverged"``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..factors import Factor, get_factor
+from ..families import Family
+
+__all__ = ["FactorGraph", "GraphEP", "GraphResult", "GRAPH_SKIP_REASONS"]
+
+GRAPH_SKIP_REASONS = ("cavity", "operator_error", "invalid", "improper")
+
+
+def _scalar(msg: Family, what: str) -> Family:
+    if not isinstance(msg, Family):
+        raise ValueError(f"{what} must be a kjit Family message, got {type(msg).__name__}")
+    if msg.shape not in ((), (1,)):
+        raise ValueError(f"{what} must be a single message (shape ()), got shape {msg.shape}")
+    msg = msg.reshape(())
+    if not bool(msg.is_proper):
+        raise ValueError(f"{what} must be a proper distribution")
+    return msg
+
+
+class FactorGraph:
+    """Variables with priors, and factors from the registry with their variables bound."""
+
+    def __init__(self):
+        self.variables: dict[str, tuple[type[Family], Family]] = {}
+        self.factors: list[tuple[Factor, dict[str, Any]]] = []
+
+    def add_variable(self, name: str, prior: Family) -> str:
+        """A variable of ``prior``'s family, with ``prior`` (a proper message) as its prior."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("a variable name must be a non-empty string")
+        if name in self.variables:
+            raise ValueError(f"variable {name!r} already exists")
+        prior = _scalar(prior, f"the prior of variable {name!r}")
+        self.variables[name] = (type(prior), prior)
+        return name
+
+    def add_factor(self, factor: Factor | str, bind: Mapping[str, str | Family], **params) -> int:
+        """Add ``factor`` (an instance or a registered name built with ``params``) with each of its
+        variables bound to a graph variable (by name) or to a fixed message.  Returns its index."""
+        f = get_factor(factor, **params) if isinstance(factor, str) else factor
+        if not isinstance(f, Factor):
+            raise ValueError(f"`factor` must be a Factor or a registered name, got {factor!r}")
+        unknown = [v for v in bind if v not in f.variables]
+        missing = [v for v in f.variables if v not in bind]
+        if unknown or missing:
+            raise ValueError(f"factor {f.name!r} has variables {', '.join(f.variables)}; "
+                             f"unknown in `bind`: {unknown}, missing: {missing}")
+        out: dict[str, Any] = {}
+        seen: set[str] = set()
+        for fv in f.variables:
+            b = bind[fv]
+            fam = f.families[fv]
+            if isinstance(b, str):
+                if b not in self.variables:
+                    raise ValueError(f"factor {f.name!r}: `{fv}` is bound to unknown variable {b!r}")
+                if self.variables[b][0] is not fam:
+                    raise ValueError(f"factor {f.name!r}: `{fv}` needs a {fam.__name__} variable, "
+                                     f"{b!r} is {self.variables[b][0].__name__}")
+                if b in seen:
+                    raise ValueError(f"factor {f.name!r}: variable {b!r} is bound twice (fully factorised "
+                                     "EP needs distinct variables per factor)")
+                seen.add(b)
+                out[fv] = b
+            else:
+                msg = _scalar(b, f"factor {f.name!r}: the fixed message of `{fv}`")
+                if not isinstance(msg, fam):
+                    raise ValueError(f"factor {f.name!r}: `{fv}` needs a {fam.__name__} message")
+                out[fv] = msg
+        if not seen:
+            raise ValueError(f"factor {f.name!r} is bound to no graph variable")
+        self.factors.append((f, out))
+        return len(self.factors) - 1
+
+
+@dataclass
+class GraphIteration:
+    iteration: int
+    max_change: float
+    seconds: float
+    n_updated: int
+    n_skipped: int
+    skipped: dict[str, int]
+    operator_calls: int
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GraphResult:
+    beliefs: dict[str, Family]
+    converged: bool
+    outcome: str          # "converged", "max_iter" or "diverged"
+    iterations: int
+    status: str
+    history: list[GraphIteration]
+    seconds: float
+    operator_calls: int
+    log_evidence: float | None = None
+    log_evidence_note: str = ""
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return {k: int(sum(r.skipped[k] for r in self.history)) for k in GRAPH_SKIP_REASONS}
+
+
+def _change(old: Family, new: Family) -> float:
+    """Largest change between two beliefs of one family, scale-free (see the module docstring)."""
+    d = np.abs(np.asarray(new.to_coords(), float) - np.asarray(old.to_coords(), float)).reshape(-1)
+    j = type(new).spread_coord
+    if j is not None:
+        scale = np.exp(0.5 * float(np.asarray(new.to_coords()).reshape(-1)[j]))
+        d = np.array([x / scale if i != j else x for i, x in enumerate(d)])
+    return float(np.max(d))
+
+
+class GraphEP:
+    """Fully factorised EP on a :class:`FactorGraph` (see the module docstring).
+
+    Parameters
+    ----------
+    graph : the factor graph.
+    operators : ``{(factor name, recipient): operator}``; missing entries use
+        ``QuadratureOracle(factor)`` (the factor's exact rule).  An operator answers
+        ``belief(incoming, to)`` for a batch.
+    damping : fraction of the old site kept, in [0, 1).
+    max_iter, tol : iteration cap and convergence tolerance (module docstring).
+    schedule : ``"parallel"`` (default) or ``"sequential"``.
+    compute_evidence : after the run, the EP log evidence (``GraphResult.log_evidence``) where every
+        operator has a ``log_partition``.
+    """
+
+    def __init__(self, graph: FactorGraph, operators: Mapping | None = None, damping: float = 0.0,
+                 max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True):
+        if not isinstance(graph, FactorGraph):
+            raise ValueError("`graph` must be a FactorGraph")
+        if not (0.0 <= damping < 1.0):
+            raise ValueError(f"`damping` must lie in [0, 1), got {damping!r}")
+        if schedule not in ("parallel", "sequential"):
+            raise ValueError(f"`schedule` must be 'parallel' or 'sequential', got {schedule!r}")
+        if int(max_iter) < 1 or not (tol >= 0):
+            raise ValueError("`max_iter` must be >= 1 and `tol` >= 0")
+        self.graph = graph
+        self.operators = dict(operators or {})
+        self.damping = float(damping)
+        self.max_iter = int(max_iter)
+        self.tol = float(tol)
+        self.schedule = schedule
+        self.compute_evidence = bool(compute_evidence)
+        self._default_ops: dict = {}
+
+    # ------------------------------------------------------------------ operators and groups
+    def _operator(self, factor: Factor, to: str):
+        key = (factor.name, to)
+        if key in self.operators:
+            return self.operators[key]
+        pkey = (factor.name, json.dumps(factor.params(), sort_keys=True))
+        if pkey not in self._default_ops:
+            from ..oracles import QuadratureOracle
+
+            try:
+                self._default_ops[pkey] = QuadratureOracle(factor)
+            except ValueError as exc:
+                raise ValueError(f"no operator given for ({factor.name!r}, {to!r}) and the factor has no exact rule: "
+                                 f"{exc}") from None
+        return self._default_ops[pkey]
+
+    def _groups(self, idx):
+        """Factors ``idx`` grouped by (factor name and parameters, binding pattern)."""
+        groups: dict = {}
+        for j in idx:
+            f, bind = self.graph.factors[j]
+            pattern = tuple((fv, isinstance(b, str)) for fv, b in bind.items())
+            key = (f.name, json.dumps(f.params(), sort_keys=True), pattern)
+            groups.setdefault(key, []).append(j)
+        return list(groups.values())
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> GraphResult:
+        g = self.graph
+        if not g.factors:
+            raise ValueError("the graph has no factors")
+        names = list(g.variables)
+        prior_nat = {v: np.asarray(g.variables[v][1].natural(), float).reshape(-1) for v in names}
+        # sites: (factor index, factor variable) -> natural parameters (zeros: a flat message)
+        sites = {(j, fv): np.zeros_like(prior_nat[b]) for j, (f, bind) in enumerate(g.factors)
+                 for fv, b in bind.items() if isinstance(b, str)}
+        post = self._posteriors(prior_nat, sites)
+        history: list[GraphIteration] = []
+        converged, diverged, calls = False, None, 0
+        t_start = time.perf_counter()
+        for it in range(1, self.max_iter + 1):
+            t0 = time.perf_counter()
+            rec = GraphIteration(it, 0.0, 0.0, 0, 0, dict.fromkeys(GRAPH_SKIP_REASONS, 0), 0)
+            beliefs_old = self._beliefs(post)
+            if self.schedule == "parallel":
+                new_sites = self._sweep(range(len(g.factors)), post, sites, rec)
+                sites, post = self._apply(prior_nat, sites, new_sites, rec)
+            else:
+                for j in range(len(g.factors)):
+                    new_sites = self._sweep([j], post, sites, rec)
+                    sites, post = self._apply(prior_nat, sites, new_sites, rec)
+            rec.seconds = time.perf_counter() - t0
+            calls += rec.operator_calls
+            history.append(rec)
+            if not all(np.all(np.isfinite(post[v])) for v in names):
+                diverged = (it, "a non-finite posterior")
+                break
+            beliefs = self._beliefs(post)
+            rec.max_change = max(_change(beliefs_old[v], beliefs[v]) for v in names)
+            rec.n_skipped = int(sum(rec.skipped.values()))
+            if rec.n_skipped == 0 and rec.max_change < self.tol:
+                converged = True
+                break
+        if diverged is not None:
+            post = self._last_post
+        n = len(history)
+        if diverged is not None:
+            outcome, status = "diverged", f"diverged at iteration {diverged[0]}: {diverged[1]}; the beliefs are the last finite state"
+        elif converged:
+            outcome, status = "converged", f"converged after {n} iteration(s) (max change {history[-1].max_change:.3g} < tol {self.tol:g})"
+        else:
+            outcome, status = "max_iter", (f"stopped at max_iter={self.max_iter} without convergence (last max change "
+                                           f"{history[-1].max_change:.3g}, {history[-1].n_skipped} update(s) skipped)")
+        log_z, note = self._log_evidence(prior_nat, sites, post) if self.compute_evidence else (None, "not computed")
+        if log_z is not None and not converged:
+            note += "; EP did not converge, so this is the estimate at the last iterate"
+        return GraphResult(self._beliefs(post), converged, outcome, n, status, history,
+                           time.perf_counter() - t_start, calls, log_z, note)
+
+    def _log_evidence(self, prior_nat, sites, post):
+        """The EP estimate of log ∫ Π priors Π factors (messages normalised), Minka's formula for a
+        fully factorised approximation: with A(η) = log ∫ exp(η·u) (``Family.log_normalizer``),
+
+            log Z = Σ_v [A(post_v) − A(prior_v)] + Σ_j [log Z_j − Σ_{v∈j} (A(post_v) − A(cavity_{j,v}))]
+
+        where Z_j = ∫ f_j Π cavities (``operator.log_partition`` at the final cavities, fixed
+        messages included).  None (with the reason) when an operator has no log partition or a
+        final cavity is improper."""
+        from ..protocols import has_log_partition
+
+        g = self.graph
+
+        def A(v, nat):
+            fam = g.variables[v][0]
+            m = fam.from_natural(nat)
+            return float(fam(*[np.asarray(p, float) for p in m.params]).log_normalizer())
+
+        try:
+            total = sum(A(v, post[v]) - A(v, prior_nat[v]) for v in post)
+            for members in self._groups(range(len(g.factors))):
+                f, bind0 = g.factors[members[0]]
+                bound = [fv for fv, b in bind0.items() if isinstance(b, str)]
+                op = self._operator(f, bound[0])
+                if not has_log_partition(op):
+                    return None, f"the operator of ({f.name!r}, {bound[0]!r}) has no log_partition"
+                incoming = {}
+                for fv, b in bind0.items():
+                    if isinstance(b, str):
+                        nat = np.stack([post[g.factors[j][1][fv]] - sites[(j, fv)] for j in members])
+                        m = f.families[fv].from_natural(nat)
+                        if not np.all(m.is_proper):
+                            return None, f"a final cavity of factor {f.name!r} on {fv!r} is improper"
+                        incoming[fv] = type(m)(*[np.asarray(p, float) for p in m.params])
+                        for j, row in zip(members, nat):
+                            v = g.factors[j][1][fv]
+                            total -= A(v, post[v]) - A(v, row)
+                    else:
+                        incoming[fv] = type(b).concatenate([g.factors[j][1][fv].reshape((1,)) for j in members])
+                with np.errstate(all="ignore"):
+                    log_zj = np.asarray(op.log_partition(incoming), dtype=float)
+                if log_zj.shape != (len(members),) or not np.all(np.isfinite(log_zj)):
+                    return None, f"log_partition of {f.name!r} returned non-finite values or a wrong shape"
+                total += float(np.sum(log_zj))
+        except (ValueError, NotImplementedError, ArithmeticError) as exc:
+            return None, f"not computable: {type(exc).__name__}: {exc}"
+        if not np.isfinite(total):
+            return None, "log evidence is not finite"
+        return float(total), "EP estimate (fully factorised; tilted normalisers from log_partition at the final cavities)"
+
+    def _posteriors(self, prior_nat, sites):
+        post = {v: p.copy() for v, p in prior_nat.items()}
+        for (j, fv), s in sites.items():
+            post[self.graph.factors[j][1][fv]] += s
+        return post
+
+    def _beliefs(self, post):
+        return {v: self.graph.variables[v][0].from_natural(post[v]) for v in post}
+
+    def _sweep(self, idx, post, sites, rec):
+        """Proposed sites for the factors ``idx`` from the state ``(post, sites)``: {(j, fv): natural}."""
+        g = self.graph
+        proposals = {}
+        for members in self._groups(idx):
+            f, bind0 = g.factors[members[0]]
+            bound = [fv for fv, b in bind0.items() if isinstance(b, str)]
+            # cavities of every bound variable, and their propriety
+            cav = {}
+            ok = np.ones(len(members), dtype=bool)
+            for fv in bound:
+                fam = f.families[fv]
+                nat = np.stack([post[g.factors[j][1][fv]] - sites[(j, fv)] for j in members])
+                with np.errstate(all="ignore"):
+                    m = fam.from_natural(nat)
+                    good = np.asarray(m.is_proper, bool) & np.all(np.isfinite(nat), axis=1)
+                cav[fv] = (nat, m)
+                ok &= good
+            rec.skipped["cavity"] += int(np.count_nonzero(~ok)) * len(bound)
+            rows = np.flatnonzero(ok)
+            if rows.size == 0:
+                continue
+            incoming = {}
+            for fv, b in bind0.items():
+                if isinstance(b, str):
+                    nat = cav[fv][0][rows]
+                    incoming[fv] = f.families[fv].from_natural(nat)
+                    # a proper cavity from natural parameters: rebuild from its own parameters so
+                    # operators see ordinary (validated) messages
+                    incoming[fv] = type(incoming[fv])(*[np.asarray(p, float) for p in incoming[fv].params])
+                else:
+                    incoming[fv] = type(b).concatenate([g.factors[j][1][fv].reshape((1,)) for j in np.asarray(members)[rows]])
+            for to in bound:
+                op = self._operator(f, to)
+                live = np.arange(rows.size)
+                q = None
+                for _attempt in range(3):
+                    sub = {k: m[live] for k, m in incoming.items()}
+                    rec.operator_calls += 1
+                    try:
+                        with np.errstate(all="ignore"):
+                            q = op.belief(sub, to)
+                        break
+                    except Exception as exc:  # skip and report, as LinearEP does
+                        if len(rec.errors) < 5:
+                            rec.errors.append(f"{f.name}→{to}: {type(exc).__name__}: {exc}")
+                        bad = getattr(exc, "rows", None)
+                        bad = None if bad is None else np.unique(np.asarray(bad, int).ravel())
+                        if bad is None or bad.size == 0 or bad.size >= live.size or bad.min() < 0 or bad.max() >= live.size:
+                            rec.skipped["operator_error"] += live.size
+                            q = None
+                            break
+                        rec.skipped["operator_error"] += bad.size
+                        live = np.delete(live, bad)
+                if q is None:
+                    continue
+                fam = f.families[to]
+                if not isinstance(q, fam) or q.shape != (live.size,):
+                    rec.skipped["operator_error"] += live.size
+                    if len(rec.errors) < 5:
+                        rec.errors.append(f"{f.name}→{to}: the operator returned {type(q).__name__} of shape "
+                                          f"{getattr(q, 'shape', None)}, expected {fam.__name__} of shape ({live.size},)")
+                    continue
+                with np.errstate(all="ignore"):
+                    qn = np.asarray(q.natural(), float).reshape(live.size, -1)
+                    good = np.asarray(q.is_proper, bool) & np.all(np.isfinite(qn), axis=1)
+                rec.skipped["invalid"] += int(np.count_nonzero(~good))
+                for r, qrow, gd in zip(live, qn, good):
+                    if gd:
+                        j = members[rows[r]]
+                        proposals[(j, to)] = qrow - cav[to][0][rows[r]]
+        return proposals
+
+    def _apply(self, prior_nat, sites, proposals, rec):
+        """Damped updates; a variable whose posterior would be improper keeps its old sites."""
+        g = self.graph
+        self._last_post = self._posteriors(prior_nat, sites)
+        new = dict(sites)
+        step = 1.0 - self.damping
+        for key, s in proposals.items():
+            new[key] = sites[key] + step * (s - sites[key])
+        post = self._posteriors(prior_nat, new)
+        for v, nat in post.items():
+            with np.errstate(all="ignore"):
+                ok = bool(np.all(np.isfinite(nat))) and bool(g.variables[v][0].from_natural(nat).is_proper)
+            if not ok:
+                keys = [k for k in proposals if g.factors[k[0]][1][k[1]] == v]
+                rec.skipped["improper"] += len(keys)
+                for k in keys:
+                    new[k] = sites[k]
+        rec.n_updated += sum(1 for k in proposals if new[k] is not sites[k])
+        return new, self._posteriors(prior_nat, new)

@@ -1,0 +1,45 @@
+"""Errors shared by the oracles and the factors' exact rules."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["OracleError", "LowESSError", "gaussian_or_error"]
+
+
+class OracleError(RuntimeError):
+    """An oracle could not produce a trustworthy message.  ``rows``: the failing positions of
+    the batch when known (the EP engine then skips exactly those and asks again for the rest)."""
+
+    def __init__(self, message: str = "", rows=None):
+        super().__init__(message)
+        if rows is not None:
+            self.rows = np.asarray(rows, dtype=int).ravel()
+
+
+def gaussian_or_error(mean, var, what: str):
+    """``Gaussian(mean, var)``, or an OracleError naming the rows whose moments are not a
+    distribution (underflowed variance, overflowed mean) instead of a bare ValueError for the batch."""
+    from .families import Gaussian
+
+    bad = ~(np.isfinite(mean) & np.isfinite(var) & (var > 0))
+    if np.any(bad):
+        rows = np.flatnonzero(bad)
+        raise OracleError(
+            f"{what}: the tilted moments of rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} are not a "
+            "distribution in double precision (variance underflowed to 0 or a moment overflowed)", rows=rows)
+    return Gaussian(mean, var)
+
+
+class LowESSError(OracleError):
+    """Importance sampling produced too small an effective sample size for some rows."""
+
+    def __init__(self, rows, ess, min_ess):
+        self.rows = np.asarray(rows)
+        self.ess = np.asarray(ess)
+        self.min_ess = min_ess
+        super().__init__(
+            f"importance sampling failed for {self.rows.size} message(s): effective sample size "
+            f"{float(np.min(self.ess)):.3g} < min_ess={min_ess} (rows {self.rows[:10].tolist()}"
+            f"{'…' if self.rows.size > 10 else ''}); use a better proposal or more samples"
+        )

@@ -1,0 +1,511 @@
+"""Factors, their exact rules, and the registry that finds them.
+
+A factor is declared once, in its own module, with everything specific to it beside it (the
+layout of ReactiveMP's ``@node`` + ``@rule`` files and Infer.NET's one ``*Op`` class per factor):
+
+* the factor: ``name``, ``inputs`` → ``output``, the message ``families`` of its variables and a
+  sampler (SPEC §2: "any factor that can be sampled" — all the learned path needs);
+* its exact rules, one per recipient (methods tagged with :func:`rule`, with ``power`` where the
+  powered factor stays tractable), an optional ``log_partition`` (:func:`partition`) and
+  optional direct messages (:func:`message_rule`) — :class:`kjit.oracles.QuadratureOracle` looks
+  them up here; there is no central switch;
+* its defaults for serving: ``default_incoming(n, rng)`` (the incoming-message distribution
+  training draws from when none is given), ``default_threshold`` (the JIT threshold used when
+  calibration finds none) and ``served`` (the recipients the service trains by default).
+
+Exact rules receive *flat* batches: ``incoming`` maps every variable to a validated message
+batch of shape ``(B,)``; a belief rule returns a message of shape ``(B,)``, a partition rule an
+array ``(B,)``.  A vectorised exact module with ``belief(to, incoming, **params)`` and
+``log_partition(incoming, **params)`` plugs in with :func:`exact_rules`.
+
+Registry
+--------
+:func:`register_factor` / :func:`get_factor` / :func:`registered_factors`.  The built-in factor
+modules register themselves when :mod:`kjit.factors` imports them (every module of the package
+is imported, so a new built-in is one new file).  Third-party factors are found
+
+* through the entry-point group ``kjit.factors`` of installed packages (loaded on first use of
+  the registry: an entry point may name a Factor subclass, a factory, an instance, or a module
+  that registers its factors on import), and
+* through modules named explicitly: :func:`import_factor_modules` (``kjit serve --factors
+  MODULE[,MODULE]`` / ``KJIT_FACTORS``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import types
+from typing import Any, Callable, ClassVar, Iterable, Mapping
+
+import numpy as np
+
+from ..families import Family
+
+__all__ = [
+    "Factor",
+    "SampledFactor",
+    "rule",
+    "partition",
+    "message_rule",
+    "exact_rules",
+    "register_factor",
+    "get_factor",
+    "registered_factors",
+    "import_factor_modules",
+    "load_entry_points",
+    "ENTRY_POINT_GROUP",
+    "UnknownFactorError",
+]
+
+log = logging.getLogger("kjit.factors")
+
+ENTRY_POINT_GROUP = "kjit.factors"
+
+
+class UnknownFactorError(ValueError):
+    """No factor of this name is registered (a ``ValueError``; ``.name`` is the name asked for)."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        super().__init__(message)
+
+
+# ============================================================================ rules
+def rule(*recipients: str, power: bool = False):
+    """Tag a method ``(self, incoming, to, power) -> Family`` as the exact belief rule for
+    ``recipients``; ``power=True`` if it computes the tilted distribution of ``f**power``."""
+    if not recipients:
+        raise ValueError("rule() needs at least one recipient variable")
+
+    def deco(fn):
+        fn._kjit_rule = ("belief", tuple(recipients), bool(power))
+        return fn
+
+    return deco
+
+
+def partition(power: bool = False):
+    """Tag a method ``(self, incoming, power) -> ndarray`` as the exact log partition
+    ``log ∫ f^power Π_W m_W`` (normalised messages)."""
+
+    def deco(fn):
+        fn._kjit_rule = ("partition", (None,), bool(power))
+        return fn
+
+    return deco
+
+
+def message_rule(*recipients: str):
+    """Tag a method ``(self, incoming, to) -> Family`` that computes the outgoing message to
+    ``recipients`` directly (when ``belief / incoming[to]`` is ill-posed, e.g. an observed
+    label)."""
+
+    def deco(fn):
+        fn._kjit_rule = ("message", tuple(recipients), False)
+        return fn
+
+    return deco
+
+
+def exact_rules(module, recipients: Iterable[str], power: bool = False):
+    """Belief and partition rules from a vectorised exact module.
+
+    ``module.belief(to, incoming, [projection=...,] [power=u,] **params) -> Family`` and
+    optionally ``module.log_partition(incoming, [power=u,] **params) -> ndarray``, with
+    ``params`` the factor's :meth:`Factor.params` — except ``projection`` (a belief-only option,
+    e.g. a Gamma belief by KL or by moments), which only the belief rule receives.  In the
+    factor's class body::
+
+        _belief, _log_partition = exact_rules(kjit.exact.product, ("x", "y", "z"))
+    """
+    recipients = tuple(recipients)
+
+    def belief(self, incoming, to, power_=1.0):
+        kw = self.params()
+        if power:
+            kw["power"] = power_
+        return module.belief(to, incoming, **kw)
+
+    belief._kjit_rule = ("belief", recipients, bool(power))
+    if not hasattr(module, "log_partition"):
+        return belief, None
+
+    def log_partition(self, incoming, power_=1.0):
+        kw = self.params()
+        kw.pop("projection", None)
+        if power:
+            kw["power"] = power_
+        return module.log_partition(incoming, **kw)
+
+    log_partition._kjit_rule = ("partition", (None,), bool(power))
+    return belief, log_partition
+
+
+# ============================================================================ Factor
+class Factor:
+    """A directed factor: ``inputs`` (possibly none) → one ``output`` variable.
+
+    Subclasses set ``name``, ``inputs``, ``output``, ``families`` and implement
+    :meth:`sample`; they may add exact rules (:func:`rule`), a default incoming distribution
+    (:meth:`default_incoming`), a default JIT threshold and default served recipients.
+    """
+
+    name: str = "factor"
+    inputs: tuple[str, ...] = ()
+    output: str = ""
+    families: Mapping[str, type[Family]] = {}
+    #: JIT threshold (log predictive variance) used when calibration finds none; None: the
+    #: trainer's generic fallback.
+    default_threshold: ClassVar[float | None] = None
+    #: recipients whose operators the service trains and serves by default (``<name>-<to>``).
+    served: ClassVar[tuple[str, ...]] = ()
+    #: ``default_incoming(n, rng) -> dict`` of message batches, or None when the factor has no
+    #: documented default distribution (training then needs ranges or recorded messages).
+    default_incoming: ClassVar[Callable | None] = None
+    #: why power EP is not available for this factor (shown when it is asked for)
+    no_power_reason: ClassVar[str | None] = None
+
+    # rule tables, filled per class by __init_subclass__ from the tagged methods
+    _belief_rules: ClassVar[dict[str, tuple[str, bool]]] = {}
+    _message_rules: ClassVar[dict[str, str]] = {}
+    _partition_rule: ClassVar[tuple[str, bool] | None] = None
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        beliefs = dict(cls._belief_rules)
+        messages = dict(cls._message_rules)
+        part = cls._partition_rule
+        for attr, value in vars(cls).items():
+            tag = getattr(value, "_kjit_rule", None)
+            if tag is None:
+                continue
+            kind, recipients, power = tag
+            if kind == "belief":
+                for r in recipients:
+                    beliefs[r] = (attr, power)
+            elif kind == "message":
+                for r in recipients:
+                    messages[r] = attr
+            else:
+                part = (attr, power)
+        cls._belief_rules, cls._message_rules, cls._partition_rule = beliefs, messages, part
+
+    @property
+    def variables(self) -> tuple[str, ...]:
+        """All variables, inputs first then the output: the order of feature maps."""
+        return tuple(self.inputs) + (self.output,)
+
+    def sample(self, inputs: Mapping[str, np.ndarray], size: int, rng: np.random.Generator) -> np.ndarray:
+        """Draw the output given arrays of inputs (each of shape ``(size,)``)."""
+        raise NotImplementedError
+
+    def suff_stats(self, var: str, draws: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Sufficient statistics of ``var`` at the drawn values, shape ``(size, n_stats)``."""
+        return self.families[var].suff_stats(draws[var])
+
+    def params(self) -> dict:
+        """Constructor parameters (JSON-ready), so a factor can be rebuilt by name."""
+        return {}
+
+    def log_concave(self, to: str, incoming: Mapping[str, Family]) -> np.ndarray | None:
+        """Rows (of the flat batch ``incoming``) where the factor, with the other variables'
+        incoming messages integrated out, is log-concave in ``to`` — or None where unknown.
+
+        For a Gaussian recipient this is a guarantee on the answer (Brascamp–Lieb: a Gaussian
+        times a log-concave function has variance at most the Gaussian's), so the projected
+        belief is never wider than ``incoming[to]`` and the outgoing message never has a
+        negative precision.  Operators use it to keep learned or sampled answers on the right
+        side of that bound (see :func:`kjit.operators.respect_factor_bounds`).
+        """
+        return None
+
+    def log_density(self, *args, **kw):  # pragma: no cover - optional
+        raise NotImplementedError(f"factor {self.name!r} has no log density")
+
+    def laplace_log_density(self):
+        """The object Laplace propagation needs (``site_var``, ``derivatives(x, observed)``), or
+        ``ValueError`` saying why this factor has none (the default: none is known)."""
+        raise ValueError(
+            f"no log density is known for factor {self.name!r}: pass an object with "
+            "site_var and derivatives(x, observed) -> (log f, d/dx, d²/dx²)"
+        )
+
+    # -------------------------------------------------------------- exact rules
+    @property
+    def exact_recipients(self) -> tuple[str, ...]:
+        """Recipients with an exact rule, in variable order."""
+        return tuple(v for v in self.variables if v in self._belief_rules)
+
+    def has_exact(self, to: str) -> bool:
+        return to in self._belief_rules
+
+    def supports_power(self, to: str | None = None) -> bool:
+        """Whether the exact rule for ``to`` (None: the partition rule) handles ``power`` ≠ 1."""
+        if to is None:
+            return self._partition_rule is not None and self._partition_rule[1]
+        r = self._belief_rules.get(to)
+        return r is not None and r[1]
+
+    def _power(self, power, to, what):
+        u = float(power)
+        if u == 1.0:
+            return u
+        if not (np.isfinite(u) and u > 0):
+            raise ValueError(f"`power` must be a finite number > 0, got {power!r}")
+        supported = self.supports_power(to) if what == "belief" else self.supports_power(None)
+        if not supported:
+            target = f"to {to!r}" if what == "belief" else "for the log partition"
+            why = self.no_power_reason or "its exact rule does not compute the tilted distribution of f^power"
+            raise ValueError(f"power EP is not supported for factor {self.name!r} {target}: {why}")
+        return u
+
+    def exact_belief(self, incoming: Mapping[str, Family], to: str, power: float = 1.0) -> Family:
+        """The exact projected belief on ``to`` for flat validated batches (see the module doc)."""
+        r = self._belief_rules.get(to)
+        if r is None:
+            raise ValueError(f"factor {self.name!r} has no exact rule for recipient {to!r} "
+                             f"(it has: {', '.join(self.exact_recipients) or 'none'})")
+        u = self._power(power, to, "belief")
+        return getattr(self, r[0])(incoming, to, u)
+
+    def exact_message(self, incoming: Mapping[str, Family], to: str) -> Family:
+        """The exact outgoing message to ``to``: a direct rule if the factor has one, else
+        ``belief / incoming[to]``."""
+        name = self._message_rules.get(to)
+        if name is not None:
+            return getattr(self, name)(incoming, to)
+        return self.exact_belief(incoming, to) / incoming[to]
+
+    def exact_log_partition(self, incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
+        if self._partition_rule is None:
+            raise ValueError(f"factor {self.name!r} has no exact log-partition rule")
+        u = self._power(power, None, "partition")
+        return getattr(self, self._partition_rule[0])(incoming, u)
+
+    # -------------------------------------------------------------- validation helpers
+    def check_to(self, to: str) -> str:
+        if to not in self.variables:
+            raise ValueError(
+                f"unknown recipient variable `to`={to!r} for factor {self.name!r}; "
+                f"its variables are {', '.join(self.variables)}"
+            )
+        return to
+
+    def check_incoming(self, incoming: Mapping[str, Family], to: str | None = None):
+        """Validate a dict of incoming messages; return it with a common batch shape.
+
+        Every variable of the factor needs a message of its family; batch shapes must be
+        equal (a scalar message broadcasts).  Raises ``ValueError`` naming the problem.
+        """
+        if to is not None:
+            self.check_to(to)
+        if not isinstance(incoming, Mapping):
+            raise ValueError("`incoming` must be a mapping from variable name to message")
+        unknown = [k for k in incoming if k not in self.variables]
+        if unknown:
+            raise ValueError(
+                f"unknown variable(s) {', '.join(map(repr, unknown))} in `incoming` for factor "
+                f"{self.name!r}; its variables are {', '.join(self.variables)}"
+            )
+        missing = [v for v in self.variables if v not in incoming]
+        if missing:
+            raise ValueError(
+                f"`incoming` lacks message(s) for {', '.join(map(repr, missing))} (factor {self.name!r})"
+            )
+        for v in self.variables:
+            fam = self.families[v]
+            if not isinstance(incoming[v], fam):
+                raise ValueError(
+                    f"`incoming[{v!r}]` must be a {fam.__name__} message, got {type(incoming[v]).__name__}"
+                )
+            if not np.all(incoming[v].is_proper):
+                raise ValueError(f"`incoming[{v!r}]` contains improper messages")
+        shapes = {v: incoming[v].shape for v in self.variables}
+        nonscalar = {s for s in shapes.values() if s != ()}
+        if len(nonscalar) > 1:
+            desc = ", ".join(f"{v}{s}" for v, s in shapes.items())
+            raise ValueError(f"mismatched batch shapes in `incoming`: {desc}")
+        shape = nonscalar.pop() if nonscalar else ()
+        return {v: incoming[v].broadcast_to(shape) for v in self.variables}, shape
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+
+class SampledFactor(Factor):
+    """A user factor from a sampler: ``sampler(inputs: dict[str, ndarray], rng) -> output``.
+
+    Example — a product factor z = x·y::
+
+        prod = SampledFactor("my_product", inputs={"x": Gaussian, "y": Gaussian},
+                             output=("z", Gaussian),
+                             sampler=lambda v, rng: v["x"] * v["y"])
+        register_factor(prod)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        inputs: Mapping[str, type[Family]],
+        output: tuple[str, type[Family]],
+        sampler: Callable[[Mapping[str, np.ndarray], np.random.Generator], np.ndarray],
+    ):
+        if not name or not isinstance(name, str):
+            raise ValueError("`name` must be a non-empty string")
+        out_name, out_family = output
+        for v, fam in list(inputs.items()) + [(out_name, out_family)]:
+            if not (isinstance(fam, type) and issubclass(fam, Family)):
+                raise ValueError(f"family of variable {v!r} must be a kjit Family class, got {fam!r}")
+        if out_name in inputs:
+            raise ValueError(f"output variable {out_name!r} is also an input")
+        self.name = name
+        self.inputs = tuple(inputs)
+        self.output = out_name
+        self.families = {**dict(inputs), out_name: out_family}
+        self._sampler = sampler
+
+    def sample(self, inputs, size, rng):
+        out = np.asarray(self._sampler({k: inputs[k] for k in self.inputs}, rng), dtype=float)
+        if out.shape != (size,):
+            raise ValueError(f"sampler of factor {self.name!r} returned shape {out.shape}, expected ({size},)")
+        return out
+
+
+# ============================================================================ registry
+_REGISTRY: dict[str, Callable[..., Factor]] = {}
+_LOCK = threading.RLock()
+_ENTRY_POINTS_LOADED = False
+_PLUGIN_ERRORS: dict[str, str] = {}  # entry point or module → why it could not be loaded
+
+
+def register_factor(factor: Factor | Callable[..., Factor], name: str | None = None, replace: bool = False) -> None:
+    """Register a factor instance (or a factory of them, e.g. a Factor subclass) under ``name``.
+
+    Registering the very same object again under its name is a no-op (a module imported twice,
+    or a plugin that registers itself and is also named by its entry point).
+    """
+    if isinstance(factor, Factor):
+        inst = factor
+        factory = lambda **kw: inst  # noqa: E731 - a fixed instance
+        factory._kjit_instance = inst
+        name = name or inst.name
+    elif callable(factor):
+        factory = factor
+        name = name or getattr(factor, "name", None)
+    else:
+        raise ValueError("`factor` must be a Factor or a callable returning one")
+    if not name or not isinstance(name, str):
+        raise ValueError("`name` is required to register this factor")
+    with _LOCK:
+        old = _REGISTRY.get(name)
+        if old is not None and not replace:
+            if old is factory or getattr(old, "_kjit_instance", None) is factor:
+                return
+            raise ValueError(f"a factor named {name!r} is already registered (pass replace=True)")
+        _REGISTRY[name] = factory
+
+
+def load_entry_points(force: bool = False) -> list[str]:
+    """Load the ``kjit.factors`` entry points of installed packages (once; ``force`` again).
+
+    Each entry point may name a Factor subclass or factory (registered under its ``name``
+    attribute, else the entry point's name), a Factor instance, or a module whose import
+    registers its factors.  A plugin that fails to load is logged and remembered (the error of
+    :func:`get_factor` for a missing name reports it), never fatal.  Returns the entry points
+    loaded by this call.
+    """
+    global _ENTRY_POINTS_LOADED
+    with _LOCK:
+        if _ENTRY_POINTS_LOADED and not force:
+            return []
+        _ENTRY_POINTS_LOADED = True
+        from importlib.metadata import entry_points
+
+        loaded = []
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                obj = ep.load()
+                if not isinstance(obj, types.ModuleType):
+                    nm = getattr(obj, "name", None) if not isinstance(obj, Factor) else obj.name
+                    if not isinstance(nm, str) or not nm or (isinstance(obj, type) and nm == Factor.name):
+                        nm = ep.name
+                    register_factor(obj, name=nm)
+                loaded.append(ep.name)
+                _PLUGIN_ERRORS.pop(f"entry point {ep.name}", None)
+            except Exception as exc:  # a broken plugin must not take kjit down
+                _PLUGIN_ERRORS[f"entry point {ep.name}"] = f"{type(exc).__name__}: {exc}"
+                log.warning("kjit.factors entry point %r (%s) failed to load: %s", ep.name, ep.value, exc)
+        return loaded
+
+
+def import_factor_modules(modules: str | Iterable[str]) -> list[str]:
+    """Import the modules that define (and register) factors: ``"pkg.mod,other.mod"`` or a list.
+
+    Raises ``ValueError`` naming a module that cannot be imported (a server asked to serve a
+    factor it cannot find should not start).  Returns the module names imported.
+    """
+    if isinstance(modules, str):
+        modules = [m.strip() for m in modules.split(",")]
+    names = [m for m in modules if m]
+    for m in names:
+        try:
+            importlib.import_module(m)
+        except Exception as exc:
+            raise ValueError(f"factor module {m!r} could not be imported: {type(exc).__name__}: {exc}") from None
+    return names
+
+
+def get_factor(name: str, **params) -> Factor:
+    """Build the registered factor ``name`` with constructor ``params``."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        load_entry_points()
+        factory = _REGISTRY.get(name)
+    if factory is None:
+        msg = f"unknown factor {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+        if _PLUGIN_ERRORS:
+            msg += "; plugins that failed to load: " + "; ".join(f"{k} ({v})" for k, v in _PLUGIN_ERRORS.items())
+        raise UnknownFactorError(name, msg)
+    return factory(**params)
+
+
+def registered_factors() -> tuple[str, ...]:
+    load_entry_points()
+    return tuple(sorted(_REGISTRY))
+
+
+def _exported(module) -> dict[str, Any]:
+    names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+    return {n: getattr(module, n) for n in names}
+
+
+# ============================================================================ helpers for rule code
+def check_power(power) -> float:
+    """``power`` as a float, or ``ValueError`` unless it is finite and > 0."""
+    u = float(power)
+    if not (np.isfinite(u) and u > 0):
+        raise ValueError(f"`power` must be a finite number > 0, got {power!r}")
+    return u
+
+
+def broadcast_messages(incoming: Mapping[str, Family], names) -> tuple[tuple[int, ...], list[Family]]:
+    """The messages ``incoming[n]`` for ``names`` broadcast to one batch shape: ``(shape, list)``."""
+    missing = [n for n in names if n not in incoming]
+    if missing:
+        raise ValueError(f"incoming messages missing for {missing}")
+    shape = np.broadcast_shapes(*(incoming[n].shape for n in names))
+    return shape, [incoming[n].broadcast_to(shape) if incoming[n].shape != shape else incoming[n] for n in names]
+
+
+PROJECTIONS = ("kl", "moments")
+
+
+def check_projection(projection) -> str:
+    """A Gamma (non-Gaussian) belief's projection: ``"kl"`` (match E[x], E[log x]; the default) or
+    ``"moments"`` (match mean and variance, Infer.NET's convention for some factors)."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"`projection` must be one of {', '.join(map(repr, PROJECTIONS))}, got {projection!r}")
+    return projection

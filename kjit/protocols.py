@@ -1,0 +1,124 @@
+"""The message-operator protocol: what the EP engine, the models and the service need of an operator.
+
+Every operator — learned (:class:`kjit.operators.KernelOperator`, :class:`~kjit.operators.JITOperator`),
+oracle (:mod:`kjit.oracles`), hand-crafted (:class:`kjit.factors.logistic.LogisticOperator`, …),
+remote (:class:`kjit.client.RemoteOperator`) or a user's own — answers batches::
+
+    belief(incoming: dict[str, Family], to) -> Family        # q = proj[f · Π incoming], required
+    message(incoming, to) -> Family                          # q / incoming[to] (Operator's default)
+    log_partition(incoming[, power]) -> ndarray              # log ∫ f^power Π m, optional
+    supports_power: bool                                     # belief/log_partition take power=u, optional
+    projection_kl(incoming, to[, power]) -> ndarray          # KL(tilted ‖ proj tilted), optional (relaxed EP)
+    predict(incoming, to) -> (belief, log_var[, consulted])  # with its uncertainty, optional (see below)
+    threshold: float                                         # the log variance above which it is uncertain, optional
+    oracle                                                   # an operator to ask instead where uncertain, optional
+
+:class:`Operator` is the base the kjit operators share: ``message = belief / incoming[to]``
+written once, and the optional members' defaults (no power, no log partition, no projection KL).
+The engine asks through :func:`supports_power`, :func:`has_log_partition` and
+:func:`has_projection_kl`, which read those optional members for any object with a ``belief``
+method — a user's operator need not inherit from :class:`Operator` (the EP engine calls
+``belief``, or ``predict`` where :func:`reports_uncertainty`; :func:`outgoing_message` gives any
+operator's message).
+
+An operator *reports uncertainty* when its class defines ``predict`` (KernelOperator,
+JITOperator, RemoteOperator): the engine then asks ``predict`` and gets the log predictive
+variance of each answer (and, for a JIT operator, which rows its oracle answered).  A wrapper
+that forwards attributes through ``__getattr__`` (a recorder, a tap counting calls) does not
+count: the engine keeps calling its ``belief``, so what it records stays what EP asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+
+from .families import Family
+
+__all__ = [
+    "MessageOperator",
+    "Operator",
+    "is_operator",
+    "outgoing_message",
+    "supports_power",
+    "has_log_partition",
+    "has_projection_kl",
+    "reports_uncertainty",
+]
+
+
+@runtime_checkable
+class MessageOperator(Protocol):
+    """The required part of the protocol (see the module docstring for the optional members)."""
+
+    def belief(self, incoming: Mapping[str, Family], to: Any) -> Family: ...
+
+
+class Operator:
+    """Base of kjit's operators: the protocol's defaults and the one ``message``."""
+
+    #: belief/log_partition accept ``power=u`` (power EP)
+    supports_power: ClassVar[bool] = False
+    #: log_partition is implemented
+    has_log_partition: ClassVar[bool] = False
+    #: projection_kl is implemented (relaxed EP)
+    has_projection_kl: ClassVar[bool] = False
+
+    def belief(self, incoming: Mapping[str, Family], to=None) -> Family:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def message(self, incoming: Mapping[str, Family], to=None) -> Family:
+        """``belief(incoming, to) / incoming[to]``: the outgoing message (may be improper)."""
+        return _belief_over_incoming(self, incoming, to, self._recipient(to))
+
+    def _recipient(self, to):
+        """The recipient a call addresses (operators for one direction default it)."""
+        return to
+
+    def log_partition(self, incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} has no log_partition")
+
+
+def is_operator(op) -> bool:
+    return isinstance(op, MessageOperator)
+
+
+def outgoing_message(op, incoming: Mapping[str, Family], to) -> Family:
+    """``op.message`` if the operator has one, else ``belief / incoming[to]``."""
+    fn = getattr(op, "message", None)
+    if callable(fn):
+        return fn(incoming, to)
+    return _belief_over_incoming(op, incoming, to, to)
+
+
+def _belief_over_incoming(op, incoming, to, recipient) -> Family:
+    """The one ``message = belief / incoming[to]`` (natural parameters subtract; may be improper)."""
+    return op.belief(incoming, to) / incoming[recipient]
+
+
+def supports_power(op) -> bool:
+    return bool(getattr(op, "supports_power", False))
+
+
+def has_log_partition(op) -> bool:
+    flag = getattr(op, "has_log_partition", None)
+    if isinstance(flag, bool):
+        return flag
+    return callable(getattr(op, "log_partition", None))
+
+
+def has_projection_kl(op) -> bool:
+    flag = getattr(op, "has_projection_kl", None)
+    if isinstance(flag, bool):
+        return flag
+    return callable(getattr(op, "projection_kl", None))
+
+
+def reports_uncertainty(op) -> bool:
+    """Does ``op``'s class define ``predict(incoming, to) -> (belief, log_var[, consulted])``
+    (see the module docstring; an explicit class flag ``reports_uncertainty`` overrides)."""
+    flag = getattr(type(op), "reports_uncertainty", None)
+    if isinstance(flag, bool):
+        return flag
+    return callable(getattr(type(op), "predict", None))

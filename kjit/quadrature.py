@@ -1,0 +1,180 @@
+"""Numerical building blocks of the exact (quadrature / closed-form) rules of the factors.
+
+Nothing here knows a factor: the factor modules (:mod:`kjit.factors`) build their rules from
+
+* :func:`panel_rule` — the level-panel Gauss–Legendre rule for a 1-D integrand exp(w(t)): split
+  at the integrand's stationary and inflection points into pieces on which w is monotone, each
+  cut again where w crosses fixed levels below its maximum (w_max − 0.1, 0.5, …, 50), so every
+  panel spans a bounded change of the integrand whatever its scale; vectorised over the batch;
+* :func:`bisect` — vectorised bisection;
+* :func:`weighted_mean_var` — moments from a normalised rule;
+* :func:`two_piece_moments` — tilted moments of a Gaussian times a two-piece step (truncated
+  Gaussians accurate in the far tail).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import special
+
+__all__ = ["panel_rule", "bisect", "weighted_mean_var", "two_piece_moments", "lower_truncated_std",
+           "LOG_SQRT_2PI", "gaussian_kl"]
+
+_LEVELS = np.array([0.1, 0.5, 1.5, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0, 36.0, 50.0])
+_CUTOFF = 55.0  # below w_max − _CUTOFF the integrand is < 1.3e-24 of its peak: ignored
+_GL_N = 12
+_BISECT_LEVEL = 24  # level crossings to 2^-24 of their segment: panel ends need not be exact
+_GL_X, _GL_W = np.polynomial.legendre.leggauss(_GL_N)
+
+
+def bisect(g, lo, hi, n_iter):
+    """Vectorised bisection for a sign change of g on [lo, hi] (g(lo) and g(hi) of opposite sign)."""
+    glo = g(lo)
+    for _ in range(n_iter):
+        mid = 0.5 * (lo + hi)
+        gm = g(mid)
+        same = np.sign(gm) == np.sign(glo)
+        lo = np.where(same, mid, lo)
+        glo = np.where(same, gm, glo)
+        hi = np.where(same, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+def panel_rule(logf, breaks, step):
+    """Nodes and normalised log-weights of the level-panel rule for exp(logf).
+
+    logf(t, rows=None): vectorised log integrand; with ``rows`` None, ``t`` has shape (B, ...)
+    and logf broadcasts its per-message parameters as (B, 1, ...); otherwise ``t`` is 1-D and
+    ``rows`` gives the message of each entry.  ``breaks`` (B, K): points that include every
+    stationary point of logf, so logf is monotone between consecutive sorted breaks and on
+    the two outer half-lines.  ``step`` (B,): a length scale for the outward search.
+
+    Returns ``(t, logw, log_z)``: nodes (B, N), log weights normalised to sum to one, and the
+    log integral.
+    """
+    breaks = np.sort(breaks, axis=1)
+    B, K = breaks.shape
+    fb = logf(breaks)
+    wmax = np.max(fb, axis=1)
+    # outer ends: walk outward (doubling) until logf < wmax − cutoff; logf is monotone there
+    ends = []
+    for side, edge in ((-1.0, breaks[:, 0]), (1.0, breaks[:, -1])):
+        d = np.maximum(step, 1e-300)
+        for _ in range(200):
+            val = logf((edge + side * d)[:, None])[:, 0]
+            more = val > wmax - _CUTOFF
+            if not more.any():
+                break
+            d = np.where(more, 2.0 * d, d)
+        ends.append(edge + side * d)
+    pts = np.concatenate([ends[0][:, None], breaks, ends[1][:, None]], axis=1)  # (B, K+2)
+    a, b = pts[:, :-1], pts[:, 1:]  # segments (B, S)
+    fa, fb_ = logf(a), logf(b)
+    target = wmax[:, None, None] - _LEVELS[None, None, :]  # (B, 1, L)
+    FA, FB = fa[..., None], fb_[..., None]
+    inside = (target - FA) * (target - FB) < 0  # level crossed strictly inside the segment
+    # bisection for logf(t) = target, only on the (row, segment, level) entries crossed
+    ib, is_, il = np.nonzero(inside)
+    lo, hi = a[ib, is_], b[ib, is_]
+    tgt = wmax[ib] - _LEVELS[il]
+    sign_lo = np.sign(fa[ib, is_] - tgt)
+    for _ in range(_BISECT_LEVEL):
+        mid = 0.5 * (lo + hi)
+        same = np.sign(logf(mid, ib) - tgt) == sign_lo
+        lo = np.where(same, mid, lo)
+        hi = np.where(same, hi, mid)
+    # panel end points: segment ends and crossings; rows padded with copies of their last point
+    count = np.bincount(ib, minlength=B)
+    width = K + 2 + int(count.max(initial=0))
+    allpts = np.repeat(pts[:, -1:], width, axis=1)
+    allpts[:, : K + 2] = pts
+    order = np.argsort(ib, kind="stable")
+    start = np.concatenate([[0], np.cumsum(count)[:-1]])
+    slot = np.arange(ib.size) - start[ib[order]]
+    allpts[ib[order], K + 2 + slot] = (0.5 * (lo + hi))[order]
+    allpts.sort(axis=1)
+    left, right = allpts[:, :-1], allpts[:, 1:]
+    half = 0.5 * (right - left)
+    centre = 0.5 * (right + left)
+    t = (centre[..., None] + half[..., None] * _GL_X).reshape(B, -1)
+    with np.errstate(divide="ignore"):
+        lw_rule = np.log(np.maximum(half, 0.0)[..., None] * _GL_W).reshape(B, -1)
+    with np.errstate(divide="ignore"):
+        lw = logf(t) + lw_rule
+    lw = np.where(np.isfinite(lw), lw, -np.inf)
+    m = np.max(lw, axis=1, keepdims=True)
+    s = np.sum(np.exp(lw - m), axis=1, keepdims=True)
+    log_z = (m + np.log(s))[:, 0]
+    return t, lw - log_z[:, None], log_z
+
+
+# the logistic's bends: fixed split points so no panel straddles the transition of σ
+def weighted_mean_var(t, lw):
+    w = np.exp(lw)
+    mean = np.sum(w * t, axis=1)
+    var = np.sum(w * (t - mean[:, None]) ** 2, axis=1)
+    return mean, var
+
+
+LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
+
+
+def lower_truncated_std(alpha, n_terms: int = 80):
+    """Mean λ and variance of N(0, 1) truncated to [α, ∞), accurate in the far tail.
+
+    For α < 5: λ = φ(α)/Φ(−α) and var = 1 − λ(λ − α) (mild cancellation).  For α ≥ 5 the
+    Mills-ratio continued fraction R = 1/(α + c), c = 1/(α + d), d = 2/(α + 3/(α + …)) gives
+    λ = α + c and var = c² (α d + d² − 1) with no cancellation (var ≈ 1/α² for large α); the
+    continued fraction is evaluated only on the tail entries.
+    """
+    alpha = np.asarray(alpha, float)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        lam = np.exp(-0.5 * alpha * alpha - LOG_SQRT_2PI - special.log_ndtr(-alpha))
+        var = 1.0 - lam * (lam - alpha)
+    tail = alpha >= 5.0
+    if np.any(tail):
+        a = alpha[tail]
+        t = np.zeros_like(a)
+        for k in range(n_terms, 1, -1):
+            t = k / (a + t)
+        c = 1.0 / (a + t)
+        lam = np.array(lam, dtype=float, copy=True)
+        var = np.array(var, dtype=float, copy=True)
+        lam[tail] = a + c
+        var[tail] = c * c * (a * t + t * t - 1.0)
+    return lam, np.maximum(var, 0.0)
+
+
+def two_piece_moments(mu, v, log_c_pos, log_c_neg):
+    """Tilted moments of ``N(f; mu, v) · [c₊ Θ(f) + c₋ Θ(−f)]`` (log weights; −inf allowed).
+
+    Returns ``(log Z, mean, var, π₊)`` with π₊ the tilted mass of ``f > 0``.  Each piece is a
+    truncated Gaussian; its moments come from :func:`lower_truncated_std` (accurate in the far
+    tail).  Used by the probit oracle (weights ε + (1−2ε)p, ε + (1−2ε)(1−p)) and by power EP
+    (the weights to the power u).
+    """
+    mu, v, lcp, lcn = np.broadcast_arrays(*(np.asarray(a, dtype=float) for a in (mu, v, log_c_pos, log_c_neg)))
+    s = np.sqrt(v)
+    z = mu / s
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lp = lcp + special.log_ndtr(z)
+        ln = lcn + special.log_ndtr(-z)
+        log_z = np.logaddexp(lp, ln)
+        pi_pos = np.exp(lp - log_z)
+        pi_neg = np.exp(ln - log_z)
+    lam_p, tv_p = lower_truncated_std(-z)
+    lam_n, tv_n = lower_truncated_std(z)
+    m_pos = mu + s * lam_p
+    m_neg = mu - s * lam_n
+    with np.errstate(invalid="ignore"):
+        mean = np.where(pi_neg == 0, m_pos, np.where(pi_pos == 0, m_neg, pi_pos * m_pos + pi_neg * m_neg))
+        d_pos = np.where(pi_pos > 0, v * tv_p + (m_pos - mean) ** 2, 0.0)
+        d_neg = np.where(pi_neg > 0, v * tv_n + (m_neg - mean) ** 2, 0.0)
+        var = pi_pos * d_pos + pi_neg * d_neg
+    return log_z, mean, var, pi_pos
+
+
+def gaussian_kl(m1, v1, m2, v2):
+    """KL(N(m1, v1) ‖ N(m2, v2)), elementwise."""
+    r = v1 / v2
+    return 0.5 * (r - 1.0 - np.log(r) + (m1 - m2) ** 2 / v2)

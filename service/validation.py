@@ -1,0 +1,156 @@
+"""Validation beyond types: request bodies parsed within bounded memory, numbers the math can
+carry, and observations that are plausible data (service/README.md, "Hostile input").
+
+* :func:`parse_body` — the JSON body of a request, validated straight from its bytes by
+  pydantic-core (strict numbers, lists that stop at their first bad element), after a cheap
+  guard on how many values it holds: a body with more commas than the largest valid request
+  could need, or more than :data:`MAX_KEYS` colons, is refused before anything is parsed, so a
+  16 MiB body of bad numbers costs a byte count, not a parse tree.
+* :func:`bad_feature_rows`, :func:`bad_output_rows` — rows whose random features or predicted
+  belief are not finite (a message the operator cannot evaluate): 422 naming the rows.
+* :func:`implausible_rows` — the observation rule: a belief is accepted if its standardised
+  regression coordinates (what the operator regresses: relative coordinates, centred and
+  scaled by the training targets' mean and spread) lie within ``max_z`` of 0 — the training
+  targets of the default operators lie within about 5 — or, failing that, if a deterministic
+  oracle for the factor gives, for the row's incoming messages, a belief within ``max_kl``
+  nats (KL[oracle ‖ observed]) of it.  Anything else (an oracle that cannot answer included)
+  is rejected, and the whole request with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+from fastapi import Request
+
+from kjit.families import Family
+from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
+
+from .errors import ApiError, clean_errors
+
+__all__ = ["parse_body", "bad_feature_rows", "bad_output_rows", "implausible_rows", "MAX_VALUES_PER_ROW",
+           "NUMERIC_ERRORS"]
+
+M = TypeVar("M", bound=BaseModel)
+
+#: generous bound on the numbers one message row of a valid request needs (all incoming
+#: parameters plus the belief's): the comma guard allows ``max_batch`` rows of this many
+MAX_VALUES_PER_ROW = 16
+#: most object keys (colons) in a body: a valid request has a few dozen; each unknown key
+#: would otherwise cost pydantic an error object
+MAX_KEYS = 1000
+#: slack for the fixed part of a body (keys, family names, a training request's ranges)
+_FIXED_VALUES = 1000
+
+#: what numerical code raises on input it cannot carry (kjit validates with ValueError)
+NUMERIC_ERRORS = (ValueError, ArithmeticError, np.linalg.LinAlgError)
+
+
+def parse_body(model: type[M], request: Request, max_batch: int) -> M:
+    """Validate the raw request body as ``model``; 422 with bounded, located errors."""
+    raw = getattr(request.state, "raw_body", None)
+    if raw is None:  # pragma: no cover - BodyLimitMiddleware always sets it
+        raw = b""
+    limit = max_batch * MAX_VALUES_PER_ROW + _FIXED_VALUES
+    n_commas = raw.count(b",")
+    if n_commas > limit:
+        raise ApiError(422, ["body"], f"the body holds more than {limit} values (the largest valid request, "
+                                      f"{max_batch} rows, needs fewer); split it", "too_many_values")
+    n_keys = raw.count(b":")
+    if n_keys > MAX_KEYS:
+        raise ApiError(422, ["body"], f"the body holds more than {MAX_KEYS} object keys (a valid request has a few "
+                                      f"dozen)", "too_many_keys")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ApiError.many(422, clean_errors(exc.errors(include_url=False, include_input=False), ["body"]))
+
+
+def body_dependency(model: type[M]) -> Callable[[Request], M]:
+    """A (sync: parsed in the thread pool, never on the event loop) FastAPI dependency."""
+
+    def dep(request: Request) -> M:
+        return parse_body(model, request, request.app.state.settings.max_batch)
+
+    dep.__name__ = f"parse_{model.__name__}"
+    return dep
+
+
+def _row_finite(a: np.ndarray, n: int) -> np.ndarray:
+    a = np.asarray(a, dtype=float).reshape(n, -1)
+    return np.isfinite(a).all(axis=1)
+
+
+def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
+    """Rows whose random features are not finite (e.g. moments that overflow)."""
+    factor = operator.factor
+    inc, shape = factor.check_incoming(incoming, operator.to)
+    n = int(np.prod(shape, dtype=int))
+    try:
+        with np.errstate(all="ignore"):
+            psi = operator.features_.transform(tuple(inc[v].ravel() for v in factor.variables))
+    except NUMERIC_ERRORS:  # cannot tell the rows apart: none of them can be evaluated
+        return list(range(n))
+    return np.flatnonzero(~_row_finite(psi, n)).tolist()
+
+
+def bad_output_rows(q: Family, logvar) -> list[int]:
+    """Rows whose belief coordinates or log variance are not finite."""
+    n = q.size
+    with np.errstate(all="ignore"):
+        ok = _row_finite(q.to_coords(), n)
+        if logvar is not None:
+            ok &= _row_finite(logvar, n)
+    return np.flatnonzero(~ok).tolist()
+
+
+def spot_oracle(jit) -> Any:
+    """A deterministic oracle for the factor that shares no state with the served one."""
+    if isinstance(jit.oracle, ImportanceSamplingOracle):
+        try:
+            return QuadratureOracle(jit.factor)
+        except ValueError:
+            return copy.deepcopy(jit.oracle)  # a user factor: a private copy of its sampler
+    return jit.oracle
+
+
+def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: float,
+                     max_kl: float, slot: Callable[[], ContextManager] | None = None) -> list[tuple[int, str]]:
+    """``(row, why)`` for the observations the rule in the module docstring rejects; ``slot``:
+    a context manager held while the oracle checks the rows beyond ``max_z``."""
+    op = jit.operator
+    n = len(beliefs)
+    with np.errstate(all="ignore"):
+        try:
+            Y = op.regression_targets(incoming, beliefs)
+        except NUMERIC_ERRORS as exc:
+            return [(0, f"the beliefs cannot be regressed: {exc}")]
+        Z = (np.asarray(Y, float).reshape(n, -1) - op.y_mean_) / op.y_scale_
+    finite = np.isfinite(Z).all(axis=1)
+    bad = [(int(i), "its regression coordinates are not finite numbers") for i in np.flatnonzero(~finite)]
+    far = np.flatnonzero(finite & (np.abs(np.where(np.isfinite(Z), Z, 0.0)).max(axis=1) > max_z))
+    if far.size:
+        sub = {v: m.ravel()[far] for v, m in incoming.items()}
+        obs = beliefs.ravel()[far]
+        try:
+            with (slot() if slot is not None else nullcontext()), np.errstate(all="ignore"):
+                ref = spot_oracle(jit).belief(sub, jit.to)
+                kl = np.asarray(ref.kl(obs), float).ravel()
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the oracle cannot vouch for these rows
+            kl = np.full(far.size, np.inf)
+            why = f"the oracle cannot check it ({type(exc).__name__})"
+        else:
+            why = None
+        for j, i in enumerate(far):
+            if not (kl[j] <= max_kl):
+                zmax = float(np.max(np.abs(Z[i])))
+                bad.append((int(i), why or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
+                                           f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
+                                           f"away (> {max_kl:g})"))
+    return sorted(bad)

@@ -1,0 +1,364 @@
+"""Hostile and extreme input (issue 21): finite extremes are 422s naming the field and change
+nothing (JIT counters included); observations are validated as data (no poisoning); error
+reports are bounded; numbers are strict; idempotency keys compare canonical JSON; responses
+carry no server paths or exception text; resources are bounded (oracle batch, job sizes,
+job queue); an operator that cannot predict is reported failed by /ready."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from kjit.families import Beta, Gaussian
+from kjit.oracles import QuadratureOracle
+from service import create_app
+from service.files import encode_record
+from service.validation import MAX_VALUES_PER_ROW
+
+from test_service_fixtures import (  # noqa: F401 - fixtures
+    TOKEN,
+    app_client,
+    pristine_store,
+    settings_for,
+    store_dir,
+    wait_ready,
+)
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def good_x(n=3):
+    return {"to": "x", "incoming": {
+        "x": {"family": "gaussian", "mean": [0.0, 2.0, -1.0][:n], "var": [1.0, 0.5, 2.0][:n]},
+        "z": {"family": "beta", "alpha": [2.0, 1.0, 2.0][:n], "beta": [1.0, 2.0, 1.0][:n]}}}
+
+
+def state(c, name="logistic-x"):
+    d = c.get(f"/v1/operators/{name}").json()
+    p = c.post(f"/v1/operators/{name}/messages?mode=predict", json=good_x()).json()
+    return ({k: d[k] for k in ("version", "n_train", "counters", "updates", "threshold")},
+            p["beliefs"], p["log_var"])
+
+
+def extreme(mean, var=1.0):
+    return {"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [mean], "var": [var]},
+                                    "z": {"family": "beta", "alpha": [2.0], "beta": [1.0]}}}
+
+
+def locs(r):
+    return [tuple(d["loc"]) for d in r.json()["detail"]]
+
+
+# ------------------------------------------------------------------------------ finite extremes
+@pytest.mark.parametrize("mode", ["predict", "jit", "oracle"])
+def test_the_issue_s_1e308_mean_is_a_422_naming_it_in_every_mode(app_client, mode):
+    app_client.post("/v1/operators/logistic-x/messages?mode=jit", json=good_x(), headers=AUTH)  # counters > 0
+    before = state(app_client)
+    assert before[0]["counters"]["calls"] > 0
+    r = app_client.post(f"/v1/operators/logistic-x/messages?mode={mode}", json=extreme(1e308), headers=AUTH)
+    assert r.status_code == 422, r.text
+    assert locs(r) == [("body", "incoming", "x", "mean", 0)]
+    assert "1e+100" in r.json()["detail"][0]["msg"]
+    assert state(app_client) == before
+    assert app_client.get("/health").status_code == 200  # the connection and the server are fine
+
+
+@pytest.mark.parametrize("name,body", [
+    # the logistic oracle's OracleError, and the compound-gamma oracle's ValueError (Gamma.project on
+    # moments that overflow): within the documented range, but more than the oracle can carry
+    ("logistic-x", extreme(1e100, 1.0)),
+    ("compound_gamma-tau", {"to": "tau", "incoming": {"tau": {"family": "gamma", "shape": [1e-6], "rate": [1.0]}}}),
+])
+def test_an_oracle_that_cannot_carry_finite_input_is_a_422_and_jit_keeps_its_counters(app_client, name, body):
+    # such a ValueError used to be a 500, and the jit request's recovery reset the counters
+    ok = {"logistic-x": good_x(),
+          "compound_gamma-tau": {"to": "tau", "incoming": {"tau": {"family": "gamma", "shape": [2.0], "rate": [1.0]}}}}
+    app_client.post(f"/v1/operators/{name}/messages?mode=jit", json=ok[name], headers=AUTH)  # counters > 0
+
+    def snap():
+        d = app_client.get(f"/v1/operators/{name}").json()
+        p = app_client.post(f"/v1/operators/{name}/messages?mode=predict", json=ok[name]).json()
+        return {k: d[k] for k in ("version", "n_train", "counters", "updates")}, p["beliefs"]
+    before = snap()
+    assert before[0]["counters"]["calls"] > 0
+    for mode in ("oracle", "jit"):
+        r = app_client.post(f"/v1/operators/{name}/messages?mode={mode}", json=body, headers=AUTH)
+        # (jit: the operator is uncertain this far out, so it consults the oracle, which fails)
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["type"] in ("oracle_failed", "not_computable")
+        assert r.json()["detail"][0]["loc"][:2] == ["body", "incoming"]
+        assert "Traceback" not in r.text
+    assert snap() == before
+
+
+@pytest.mark.parametrize("field,value", [("var", 1e-101), ("var", 1e101), ("alpha", 1e101), ("alpha", 1e-300)])
+def test_parameters_outside_the_documented_range_are_422s(app_client, field, value):
+    b = good_x(1)
+    v = "x" if field == "var" else "z"
+    b["incoming"][v][field] = [value]
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json=b)
+    assert r.status_code == 422 and locs(r) == [("body", "incoming", v, field, 0)], r.text
+
+
+# ------------------------------------------------------------------------------ poisoning
+def _obs(incoming, beliefs):
+    return {"incoming": incoming, "beliefs": beliefs}
+
+
+def test_the_issue_s_poisoned_observation_is_rejected_naming_the_row(app_client):
+    before = state(app_client)
+    inc = good_x()["incoming"]
+    for big, loc in ((1e300, ("body", "beliefs", "mean", 1)),  # beyond the documented range
+                     (1e90, ("body", "beliefs", 1))):  # in range, but no factor produces it
+        beliefs = {"family": "gaussian", "mean": [0.4, big, 0.1], "var": [0.8, 0.8, 0.9]}
+        r = app_client.post("/v1/operators/logistic-x/observations", json=_obs(inc, beliefs), headers=AUTH)
+        assert r.status_code == 422, r.text
+        assert locs(r) == [loc]
+    assert state(app_client) == before
+
+
+def test_a_moderately_wrong_belief_is_rejected_and_the_oracle_s_own_is_accepted(app_client):
+    inc = {"x": {"family": "gaussian", "mean": [0.0], "var": [1.0]},
+           "z": {"family": "beta", "alpha": [2.0], "beta": [1.0]}}
+    before = state(app_client)
+    # 40 prior standard deviations away: no logistic factor produces this from N(0, 1)
+    r = app_client.post("/v1/operators/logistic-x/observations",
+                        json=_obs(inc, {"family": "gaussian", "mean": [40.0], "var": [0.5]}), headers=AUTH)
+    assert r.status_code == 422 and locs(r) == [("body", "beliefs", 0)], r.text
+    assert "implausible" in r.text
+    assert state(app_client) == before
+    # an honest but unusual observation (a very broad incoming message, outside the training
+    # distribution: its relative coordinates are far out) passes the oracle check
+    from kjit.factors import Logistic
+    x, z = Gaussian([3.0], [3e3]), Beta([1.0], [2.0])
+    q = QuadratureOracle(Logistic()).belief({"x": x, "z": z}, "x")
+    inc = {"x": {"family": "gaussian", **x.to_dict()}, "z": {"family": "beta", **z.to_dict()}}
+    r = app_client.post("/v1/operators/logistic-x/observations",
+                        json=_obs(inc, {"family": "gaussian", **q.to_dict()}), headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == before[0]["version"] + 1
+
+
+@pytest.mark.parametrize("name,factor,to", [("logistic-x", "logistic", "x"), ("logistic-z", "logistic", "z"),
+                                            ("compound_gamma-tau", "compound_gamma", "tau")])
+def test_plausible_observations_still_learn(app_client, name, factor, to):
+    from kjit.factors import get_factor
+    from test_service_fixtures import probe
+    inc = probe(factor, 200, seed=5)  # the training distribution: every honest row is accepted
+    q = QuadratureOracle(get_factor(factor)).belief(inc, to)
+    body = _obs({v: {"family": type(m).__name__.lower(), **m.to_dict()} for v, m in inc.items()},
+                {"family": type(q).__name__.lower(), **q.to_dict()})
+    r = app_client.post(f"/v1/operators/{name}/observations", json=body, headers=AUTH)
+    assert r.status_code == 200 and r.json()["accepted"] == 200, r.text
+
+
+# ------------------------------------------------------------------------------ bodies and numbers
+@pytest.mark.parametrize("raw,loc0", [
+    (b'{"to": "x", "incoming": {"x": {"family": "gaussian", "mean": ["1.5"], "var": [1.0]}, '
+     b'"z": {"family": "beta", "alpha": [2.0], "beta": [1.0]}}}', ("body", "incoming", "x", "mean", 0)),
+    (b'{"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [true], "var": [1.0]}, '
+     b'"z": {"family": "beta", "alpha": [2.0], "beta": [1.0]}}}', ("body", "incoming", "x", "mean", 0)),
+    (b'{"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [' + b"9" * 5000 + b'], "var": [1.0]}}}',
+     ("body",)),
+    (b"\xff\xfe{}", ("body",)),
+    (b"[" * 100_000, ("body",)),
+])
+def test_strict_numbers_and_unparseable_bodies_are_422s_with_a_loc(app_client, raw, loc0):
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", content=raw,
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert locs(r)[0][:len(loc0)] == loc0
+
+
+def test_error_reports_are_bounded(app_client):
+    inc = {f"v{i}": {"family": "gaussian", "mean": [0.0], "var": [-1.0]} for i in range(50)}
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json={"to": "x", "incoming": inc})
+    assert r.status_code == 422
+    d = r.json()
+    assert len(d["detail"]) == 20 and d["error_count"] >= 50
+
+
+def test_a_long_list_of_bad_numbers_costs_one_error(app_client):
+    b = good_x(1)
+    b["incoming"]["x"]["mean"] = ["x"] * 5000
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json=b)
+    assert r.status_code == 422
+    assert locs(r) == [("body", "incoming", "x", "mean", 0)] and len(r.content) < 2000
+
+
+def test_a_body_with_more_values_than_any_valid_request_is_refused_unparsed(app_client):
+    n = 500 * MAX_VALUES_PER_ROW + 1001  # settings_for: max_batch 500
+    raw = b'{"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [' + b'"a",' * n + b'0]}}}'
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", content=raw,
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "too_many_values"
+
+
+def test_idempotency_compares_the_canonical_json(app_client):
+    from kjit.factors import Logistic
+    from test_service_fixtures import probe
+    inc = probe("logistic", 3, seed=9)
+    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    body = _obs({v: {"family": type(m).__name__.lower(), **m.to_dict()} for v, m in inc.items()},
+                {"family": "gaussian", **q.to_dict()})
+    h = {**AUTH, "Idempotency-Key": "k-1", "Content-Type": "application/json"}
+    r1 = app_client.post("/v1/operators/logistic-x/observations", content=json.dumps(body).encode(), headers=h)
+    assert r1.status_code == 200 and not r1.json()["duplicate"]
+    # the same JSON, re-serialised: other key order, whitespace, 1 for 1.0
+    text = json.dumps(dict(reversed(list(body.items()))), indent=2)
+    r2 = app_client.post("/v1/operators/logistic-x/observations", content=text.encode(), headers=h)
+    assert r2.status_code == 200 and r2.json()["duplicate"] and r2.json()["version"] == r1.json()["version"]
+    body["beliefs"]["mean"][0] += 1e-3
+    r3 = app_client.post("/v1/operators/logistic-x/observations", json=body, headers=h)
+    assert r3.status_code == 409
+
+
+# ------------------------------------------------------------------------------ resources
+def test_oracle_mode_has_a_batch_limit(store_dir):
+    with TestClient(create_app(settings_for(store_dir, max_oracle_batch=5))) as c:
+        wait_ready(c)
+        b = good_x(1)
+        for v in b["incoming"].values():
+            for p in list(v)[1:]:
+                v[p] = v[p] * 6
+        r = c.post("/v1/operators/logistic-x/messages?mode=oracle", json=b, headers=AUTH)
+        assert r.status_code == 422 and r.json()["detail"][0]["type"] == "too_long"
+        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=b).status_code == 200
+
+
+def test_busy_oracle_slots_answer_429_with_retry_after(store_dir):
+    app = create_app(settings_for(store_dir, oracle_wait=0.0))
+    with TestClient(app) as c:
+        wait_ready(c)
+        assert app.state.oracle_slots.acquire(timeout=1)  # someone else's oracle request
+        try:
+            r = c.post("/v1/operators/logistic-x/messages?mode=oracle", json=good_x(), headers=AUTH)
+            assert r.status_code == 429 and "Retry-After" in r.headers
+        finally:
+            app.state.oracle_slots.release()
+        assert c.post("/v1/operators/logistic-x/messages?mode=oracle", json=good_x(), headers=AUTH).status_code == 200
+
+
+def _job(name, **kw):
+    return {"name": name, "factor": "logistic", "to": "x", "source": {"kind": "oracle", "n": 40},
+            "n_inner": 10, "n_outer": 20, "threshold": 0.0, "initial_batch": 20, **kw}
+
+
+def test_training_limits_and_queue_cap(store_dir):
+    app = create_app(settings_for(store_dir, max_queued_jobs=1, max_train_n=1000, max_n_outer=300))
+    with TestClient(app) as c:
+        wait_ready(c)
+        r = c.post("/v1/operators", json=_job("big", source={"kind": "oracle", "n": 5000}, n_outer=500),
+                   headers=AUTH)
+        assert r.status_code == 422
+        assert set(locs(r)) == {("body", "source", "n"), ("body", "n_outer")}
+        r = c.post("/v1/operators", json=_job("is", source={"kind": "oracle", "n": 40, "oracle": "importance_sampling",
+                                                           "n_samples": 5_000_000}), headers=AUTH)
+        assert r.status_code == 422 and locs(r) == [("body", "source", "n_samples")]
+        r = c.post("/v1/operators", json=_job("missing", source={"kind": "file", "path": "nope.npz"}), headers=AUTH)
+        assert r.status_code == 422 and str(store_dir) not in r.text and "training-sets" not in r.text
+        jobs = app.state.jobs
+        gate = __import__("threading").Event()
+        orig = jobs._run
+        jobs._run = lambda job: (gate.wait(30), orig(job))  # hold the first job in the queue
+        try:
+            assert c.post("/v1/operators", json=_job("one"), headers=AUTH).status_code == 202
+            r = c.post("/v1/operators", json=_job("two"), headers=AUTH)
+            assert r.status_code == 429 and r.headers["Retry-After"]
+        finally:
+            gate.set()
+
+
+# ------------------------------------------------------------------------------ /ready
+def test_an_operator_that_cannot_predict_is_reported_failed(store_dir):
+    # a log record the old server accepted (belief mean 1e307): replayed, every prediction overflows
+    path = store_dir / "operators" / "logistic-x"
+    rec = {"seq": 1, "kind": "observe", "time": 0.0,
+           "incoming": {"x": {"mean": [0.0], "var": [1.0]}, "z": {"alpha": [2.0], "beta": [1.0]}},
+           "beliefs": {"mean": [1e307], "var": [0.8]}}
+    with open(path / "log-00000000.jsonl", "ab") as fh:
+        fh.write(encode_record(rec))
+    with TestClient(create_app(settings_for(store_dir))) as c:
+        for _ in range(200):
+            r = c.get("/ready")
+            if not r.json()["loading"]:
+                break
+            __import__("time").sleep(0.05)
+        assert r.status_code == 503
+        assert "logistic-x" in r.json()["failed"], r.text
+        assert "cannot predict" in r.json()["failed"]["logistic-x"] or "not finite" in r.json()["failed"]["logistic-x"]
+        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=good_x()).status_code == 503
+
+
+def test_openapi_documents_the_request_bodies_parsed_outside_fastapi(app_client):
+    spec = app_client.get("/openapi.json").json()
+    for path, model in (("/v1/operators/{name}/messages", "MessagesRequest"),
+                        ("/v1/operators/{name}/observations", "ObservationsRequest"),
+                        ("/v1/operators", "TrainRequest")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}"
+        assert model in spec["components"]["schemas"]
+    # every reference resolves
+    text = json.dumps(spec)
+    import re
+    for name in set(re.findall(r'#/components/schemas/([A-Za-z0-9_]+)', text)):
+        assert name in spec["components"]["schemas"], name
+
+
+def test_health_answers_while_a_large_invalid_body_is_parsed(store_dir):
+    import threading
+    import time
+
+    import httpx
+    from service.testing import ThreadedServer
+
+    with ThreadedServer(settings_for(store_dir, max_body_bytes=16 * 2**20, max_batch=10_000)) as srv:
+        body = b'{"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [' + b'"a",' * 4_000_000 + b'0]}}}'
+        worst = []
+        done = threading.Event()
+
+        def poll():
+            with httpx.Client(base_url=srv.url, timeout=30) as c:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    assert c.get("/health").status_code == 200
+                    worst.append(time.perf_counter() - t)
+        t = threading.Thread(target=poll)
+        t.start()
+        try:
+            r = httpx.post(srv.url + "/v1/operators/logistic-x/messages?mode=predict", content=body,
+                           headers={"Content-Type": "application/json"}, timeout=60)
+        finally:
+            done.set()
+            t.join()
+        assert r.status_code == 422 and len(r.content) < 2000
+        assert r.json()["detail"][0]["type"] == "too_many_values"
+        assert worst  # /health was answered while the request was in flight
+
+
+def test_a_body_with_thousands_of_keys_is_refused_unparsed(app_client):
+    raw = ("{" + ",".join(f'"k{i}": {i}' for i in range(5000)) + "}").encode()
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", content=raw,
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"] == [
+        {"loc": ["body"], "type": "too_many_keys", "msg": r.json()["detail"][0]["msg"]}]
+
+
+def test_the_limits_are_kjit_environment_settings():
+    from service.settings import Settings
+
+    s = Settings.from_env({"KJIT_MAX_QUEUED_JOBS": "2", "KJIT_MAX_TRAIN_N": "500", "KJIT_MAX_N_INNER": "50",
+                           "KJIT_MAX_N_OUTER": "80", "KJIT_MAX_N_SAMPLES": "1000", "KJIT_MAX_ORACLE_BATCH": "7",
+                           "KJIT_ORACLE_CONCURRENCY": "3", "KJIT_ORACLE_WAIT": "0.5", "KJIT_OBSERVATION_MAX_Z": "4",
+                           "KJIT_OBSERVATION_MAX_KL": "0.1"})
+    assert (s.max_queued_jobs, s.max_train_n, s.max_n_inner, s.max_n_outer, s.max_n_samples, s.max_oracle_batch,
+            s.oracle_concurrency, s.oracle_wait, s.observation_max_z, s.observation_max_kl) == (
+        2, 500, 50, 80, 1000, 7, 3, 0.5, 4.0, 0.1)
+    for key, bad in (("KJIT_MAX_QUEUED_JOBS", "0"), ("KJIT_ORACLE_WAIT", "-1"), ("KJIT_OBSERVATION_MAX_KL", "nan"),
+                     ("KJIT_MAX_ORACLE_BATCH", "x")):
+        with pytest.raises(ValueError):
+            Settings.from_env({key: bad})

@@ -1,0 +1,230 @@
+"""Factors from outside kjit (issue 13): a tiny third-party package, written to a temporary
+directory, is found through the ``kjit.factors`` entry point (a ``*.dist-info`` with
+``entry_points.txt`` on ``sys.path``, as an installed package would have) or named as a module
+(``--factors`` / ``KJIT_FACTORS``); the server trains, persists, reloads and serves it with no
+edit to kjit; a stored operator whose factor is not available is reported by ``/ready``.
+
+The plugin factor is ``y = x + c`` with Gaussian messages on x and y: its exact rule is closed
+form (the tilted distribution of x is N(m_x, v_x) · N(x + c; m_y, v_y), a Gaussian), so the
+served answers are checked against an independent formula.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import httpx
+import numpy as np
+import pytest
+
+from kjit import factors as F
+from kjit.families import Gaussian
+from kjit.oracles import QuadratureOracle
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
+
+PLUGIN = textwrap.dedent('''
+    """A third-party factor package: y = x + c, Gaussian messages."""
+    import numpy as np
+
+    from kjit.factors import Factor, register_factor, rule
+    from kjit.families import Gaussian
+
+    __all__ = ["Shift"]
+
+
+    class Shift(Factor):
+        name = "{name}"
+        inputs = ("x",)
+        output = "y"
+        families = {{"x": Gaussian, "y": Gaussian}}
+        served = ("x",)
+        default_threshold = -9.0
+
+        def __init__(self, c: float = 1.5):
+            self.c = float(c)
+
+        def params(self):
+            return {{"c": self.c}}
+
+        def sample(self, inputs, size, rng):
+            return inputs["x"] + self.c
+
+        @staticmethod
+        def default_incoming(n, rng):
+            return {{"x": Gaussian(rng.uniform(-3, 3, n), 10 ** rng.uniform(-0.5, 0.5, n)),
+                     "y": Gaussian(rng.uniform(-3, 3, n), 10 ** rng.uniform(-0.5, 0.5, n))}}
+
+        @rule("x", "y")
+        def _belief(self, incoming, to, power):
+            x, y = incoming["x"], incoming["y"]
+            # the other variable's message moved onto this one: y = x + c
+            if to == "x":
+                other_m, other_v, own = y.mean() - self.c, y.var(), x
+            else:
+                other_m, other_v, own = x.mean() + self.c, x.var(), y
+            prec = 1.0 / own.var() + 1.0 / other_v
+            return Gaussian((own.mean() / own.var() + other_m / other_v) / prec, 1.0 / prec)
+    {register}
+''')
+
+
+def _shift_reference(mx, vx, my, vy, c):
+    """Belief on x of N(x; mx, vx) N(x + c; my, vy), by the product of Gaussians (x-space)."""
+    v = 1.0 / (1.0 / vx + 1.0 / vy)
+    return v * (mx / vx + (my - c) / vy), v
+
+
+def _write_plugin(root, module, name, entry_point: bool):
+    pkg = root / module
+    pkg.mkdir(parents=True)
+    register = "" if entry_point else "\nregister_factor(Shift)\n"
+    (pkg / "__init__.py").write_text(PLUGIN.format(name=name, register=register))
+    if entry_point:
+        dist = root / f"{module}-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(f"[kjit.factors]\n{name} = {module}:Shift\n")
+
+
+@pytest.fixture
+def clean_registry():
+    saved = dict(F._REGISTRY)
+    path = list(sys.path)
+    mods = set(sys.modules)
+    yield
+    F._REGISTRY.clear()
+    F._REGISTRY.update(saved)
+    sys.path[:] = path
+    for m in set(sys.modules) - mods:
+        if m.startswith("kjit_test_plugin"):
+            del sys.modules[m]
+    importlib.invalidate_caches()
+    F.load_entry_points(force=True)  # forget the temporary distribution's entry points
+
+
+def test_entry_point_plugin_is_found_without_importing_it(tmp_path, clean_registry):
+    F.load_entry_points()  # the process has read the entry points before the package appears
+    _write_plugin(tmp_path, "kjit_test_plugin_ep", "test_plugin_shift", entry_point=True)
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    assert "kjit_test_plugin_ep" not in sys.modules
+    with pytest.raises(ValueError, match="unknown factor 'test_plugin_shift'"):
+        F.get_factor("test_plugin_shift")  # read once per process, like an installed package's
+    F.load_entry_points(force=True)  # a package installed while the process runs
+    assert "test_plugin_shift" in F.registered_factors()
+    f = F.get_factor("test_plugin_shift", c=0.5)
+    assert type(f).__module__ == "kjit_test_plugin_ep" and f.params() == {"c": 0.5}
+    inc = {"x": Gaussian(np.array([0.0, 2.0]), np.array([1.0, 0.5])),
+           "y": Gaussian(np.array([1.0, -1.0]), np.array([2.0, 0.25]))}
+    q = QuadratureOracle(f).belief(inc, "x")
+    m, v = _shift_reference(inc["x"].mean(), inc["x"].var(), inc["y"].mean(), inc["y"].var(), 0.5)
+    np.testing.assert_allclose(q.mean(), m, rtol=1e-14)
+    np.testing.assert_allclose(q.var(), v, rtol=1e-14)
+    # the service's generic defaults see it: trainable and served by default
+    from service.training import default_specs, served_defaults
+
+    assert default_specs()["test_plugin_shift-x"] == ("test_plugin_shift", "x")
+    assert "test_plugin_shift-x" in served_defaults()
+
+
+def test_broken_entry_point_is_reported_not_fatal(tmp_path, clean_registry):
+    dist = tmp_path / "kjit_test_plugin_broken-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kjit_test_plugin_broken\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[kjit.factors]\nbroken = kjit_test_plugin_broken_missing:Nope\n")
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    F.load_entry_points(force=True)
+    assert "logistic" in F.registered_factors()
+    with pytest.raises(ValueError, match="plugins that failed to load: entry point broken"):
+        F.get_factor("broken")
+
+
+def test_factor_module_that_cannot_be_imported_is_a_clear_error():
+    with pytest.raises(ValueError, match="factor module 'kjit_no_such_module' could not be imported"):
+        F.import_factor_modules("kjit_no_such_module")
+
+
+def test_server_trains_persists_reloads_and_serves_a_factor_given_by_module(tmp_path, clean_registry):
+    """KJIT_FACTORS names the plugin module; the server trains its served default, persists it,
+    loads it again on the next start and answers requests; without the module, /ready names
+    the missing factor instead of crashing."""
+    from service.settings import Settings
+    from service.testing import SubprocessServer, ThreadedServer
+
+    plugins = tmp_path / "plugins"
+    _write_plugin(plugins, "kjit_test_plugin_mod", "test_plugin_shift_mod", entry_point=False)
+    store = tmp_path / "store"
+    import os
+
+    env = {"KJIT_FACTORS": "kjit_test_plugin_mod", "KJIT_DEFAULT_OPERATORS": "test_plugin_shift_mod-x",
+           "KJIT_DEFAULT_N_TRAIN": "150", "KJIT_DEFAULT_N_INNER": "30", "KJIT_DEFAULT_N_OUTER": "50",
+           "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
+    rng = np.random.default_rng(3)
+    mx, vx = rng.uniform(-2, 2, 5), 10 ** rng.uniform(-0.3, 0.3, 5)
+    my, vy = rng.uniform(-2, 2, 5), 10 ** rng.uniform(-0.3, 0.3, 5)
+    body = {"to": "x", "incoming": {"x": {"family": "gaussian", "mean": mx.tolist(), "var": vx.tolist()},
+                                    "y": {"family": "gaussian", "mean": my.tolist(), "var": vy.tolist()}}}
+    ref_m, ref_v = _shift_reference(mx, vx, my, vy, 1.5)
+    answers = []
+    for start in ("first", "reload"):
+        srv = SubprocessServer(store, env=env, train_defaults=True).start(timeout=300)
+        try:
+            out = "".join(srv.output)
+            assert ("first start" in out) == (start == "first"), out
+            with httpx.Client(base_url=srv.url) as c:
+                names = [o["name"] for o in c.get("/v1/operators").json()["operators"]]
+                assert names == ["test_plugin_shift_mod-x"]
+                r = c.post("/v1/operators/test_plugin_shift_mod-x/messages", params={"mode": "oracle"}, json=body)
+                assert r.status_code == 200, r.text
+                got = r.json()["beliefs"]
+                np.testing.assert_allclose(got["mean"], ref_m, rtol=1e-12)
+                np.testing.assert_allclose(got["var"], ref_v, rtol=1e-12)
+                r = c.post("/v1/operators/test_plugin_shift_mod-x/messages", params={"mode": "predict"}, json=body)
+                assert r.status_code == 200, r.text
+                answers.append(r.json()["beliefs"])
+                # a wrong family for the plugin's variable is a 422 naming it
+                bad = {"to": "x", "incoming": {**body["incoming"], "y": {"family": "gamma", "shape": [1.0] * 5,
+                                                                          "rate": [1.0] * 5}}}
+                r = c.post("/v1/operators/test_plugin_shift_mod-x/messages", params={"mode": "predict"}, json=bad)
+                assert r.status_code == 422 and r.json()["detail"][0]["loc"][-2:] == ["y", "family"]
+        finally:
+            srv.stop()
+    # the reloaded operator is the persisted one: the same predictions
+    assert answers[0] == answers[1]
+    assert (store / "training-sets" / "test_plugin_shift_mod-x.npz").exists()
+
+    # without the module (this process never imported it), the stored operator cannot be built
+    assert "test_plugin_shift_mod" not in F.registered_factors()
+    with ThreadedServer(Settings(store=store, default_operators=())).start(ready=False) as srv:
+        import time
+
+        t_end = time.monotonic() + 60
+        while True:
+            r = httpx.get(srv.url + "/ready")
+            if r.json()["loading"] == [] and r.json()["failed"] or time.monotonic() > t_end:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503
+        ready = r.json()
+        assert ready["missing_factors"] == {"test_plugin_shift_mod-x": "test_plugin_shift_mod"}
+        why = ready["failed"]["test_plugin_shift_mod-x"]
+        assert "factor 'test_plugin_shift_mod' is not available" in why and "KJIT_FACTORS" in why
+        assert httpx.get(srv.url + "/health").status_code == 200  # the server itself runs
+        r = httpx.post(srv.url + "/v1/operators/test_plugin_shift_mod-x/messages", json=body)
+        assert r.status_code == 503 and "test_plugin_shift_mod" in r.text
+
+
+def test_factors_option_and_environment_variable():
+    from service.server import build_parser
+    from service.settings import Settings
+
+    args = build_parser().parse_args(["--factors", "pkg.a, pkg.b"])
+    assert Settings.from_env({}, factors=args.factors).factors == ("pkg.a", "pkg.b")
+    assert Settings.from_env({"KJIT_FACTORS": "pkg.c,"}).factors == ("pkg.c",)
+    assert Settings.from_env({}).factors == ()
+    with pytest.raises(ValueError, match="factor module 'kjit_no_such_module' could not be imported"):
+        Settings(factors=("kjit_no_such_module",)).import_factors()

@@ -1,0 +1,101 @@
+"""The multi-input factors through the service (issue 13, part 2): bad input to their operators is
+a 422 naming the variable and the field, and nothing is learned from it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service import create_app
+from service.store import OperatorStore
+from service.training import TrainSpec, train_operator
+
+from test_service_fixtures import TOKEN, pristine_store, settings_for, wait_ready  # noqa: F401 - fixtures
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def new_factor_store(pristine_store, tmp_path_factory):  # noqa: F811 - fixture
+    root = tmp_path_factory.mktemp("newfactors") / "store"
+    shutil.copytree(pristine_store, root)
+    (root / ".lock").unlink(missing_ok=True)
+    s = OperatorStore(root)
+    s.open()
+    try:
+        for factor, to in (("gaussian", "tau"), ("exp", "x")):
+            jit, _, info = train_operator(TrainSpec(factor, to, n=200, n_inner=40, n_outer=80, threshold=-6.0,
+                                                    random_state=0))
+            s.create(f"{factor}-{to}", jit, {"training": info, "threshold": jit.threshold})
+    finally:
+        s.close()
+    return root
+
+
+@pytest.fixture
+def client(new_factor_store, tmp_path):
+    dst = tmp_path / "store"
+    shutil.copytree(new_factor_store, dst)
+    (dst / ".lock").unlink(missing_ok=True)
+    with TestClient(create_app(settings_for(dst))) as c:
+        wait_ready(c)
+        yield c
+
+
+GOOD = {"m": {"family": "gaussian", "mean": [0.5], "var": [1.0]},
+        "tau": {"family": "gamma", "shape": [2.0], "rate": [1.0]},
+        "x": {"family": "gaussian", "mean": [1.0], "var": [0.5]}}
+
+
+def _body(**change):
+    inc = {k: dict(v) for k, v in GOOD.items()}
+    for var, (field, value) in change.items():
+        inc[var][field] = value
+    return {"to": "tau", "incoming": inc}
+
+
+@pytest.mark.parametrize("change,loc", [
+    ({"tau": ("shape", [0.0])}, ("body", "incoming", "tau")),        # Gamma shape <= 0
+    ({"tau": ("rate", [-1.0])}, ("body", "incoming", "tau")),        # Gamma rate < 0
+    ({"m": ("var", [-2.0])}, ("body", "incoming", "m")),             # improper Gaussian
+    ({"x": ("mean", ["nan"])}, ("body", "incoming", "x")),           # not a number (strict numbers)
+])
+def test_bad_input_to_a_new_factor_is_a_422_naming_the_variable(client, change, loc):
+    def snap():
+        d = client.get("/v1/operators/gaussian-tau").json()
+        return {k: d[k] for k in ("version", "n_train", "counters")}
+    before = snap()
+    for mode in ("predict", "oracle", "jit"):
+        r = client.post(f"/v1/operators/gaussian-tau/messages?mode={mode}", json=_body(**change), headers=AUTH)
+        assert r.status_code == 422, (mode, r.text)
+        assert tuple(r.json()["detail"][0]["loc"][:3]) == loc, r.json()
+    r = client.post("/v1/operators/gaussian-tau/observations", headers=AUTH,
+                    json={"incoming": _body(**change)["incoming"], "beliefs": {"family": "gamma", "shape": [2.0], "rate": [1.0]}})
+    assert r.status_code == 422, r.text
+    assert snap() == before
+
+
+def test_wrong_family_and_missing_variable_are_422s(client):
+    bad = _body()
+    bad["incoming"]["tau"] = {"family": "gaussian", "mean": [1.0], "var": [1.0]}
+    r = client.post("/v1/operators/gaussian-tau/messages?mode=predict", json=bad)
+    assert r.status_code == 422, r.text
+    assert "tau" in r.json()["detail"][0]["loc"] or "tau" in r.json()["detail"][0]["msg"], r.json()
+    missing = _body()
+    del missing["incoming"]["m"]
+    r = client.post("/v1/operators/gaussian-tau/messages?mode=predict", json=missing)
+    assert r.status_code == 422, r.text
+    d = r.json()["detail"][0]
+    assert "m" in d["loc"] or "'m'" in d["msg"], d
+
+
+def test_good_input_is_answered_in_every_mode(client):
+    for mode in ("predict", "oracle", "jit"):
+        r = client.post(f"/v1/operators/gaussian-tau/messages?mode={mode}", json=_body(), headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json()["beliefs"]["shape"][0] > 0 and r.json()["projection"] == "kl"
+    r = client.post("/v1/operators/exp-x/messages?mode=oracle", headers=AUTH,
+                    json={"to": "x", "incoming": {"x": GOOD["x"], "y": {"family": "gamma", "shape": [3.0], "rate": [1.0]}}})
+    assert r.status_code == 200, r.text
