@@ -54,6 +54,15 @@ PRODUCT_CASES = [
     (0.0, 1e4, 1.0, 1.0, 50.0, 0.01),        # very broad x, z pinned
     (3.0, 1.0, -2.0, 0.5, -6.0, 1e-4),
     (-1.0, 0.3, 0.0, 1e-6, 2.0, 4.0),        # y centred at 0 and narrow
+    # z pins x·y: the mode in x is 137 message-sds away and 1e-6 wide (its eigenvalue candidate is
+    # a root to a few ulps, with no sign change of the derivative between neighbouring candidates)
+    (-71.168077, 0.267166, -92.602331, 5.835669e-09, -65.138699, 2.854301e-09),
+    (0.0, 8.510313e-05, -69.722766, 0.000393, 70.17345, 1.20962e-08),
+    (0.0, 1643.368064, -93.920435, 4.207354e-06, 3.54203, 5.474675e-06),
+    # z contradicts both narrow inputs: the tilted mode is a compromise 42 sds from y's message
+    (2.223845, 3.805854e-06, 11.214668, 9.51317e-05, -1.024772, 1.54934e-06),
+    (-2.602098, 1.745142e-07, 14.385335, 9.611835e-06, 10.786842, 9.527347e-07),  # mode beyond both peaks
+    (0.0, 0.000216, 0.0, 5.65336e-08, -11.489999, 1.331671e-05),  # x y = −11.5 from two inputs at 0: ±21.8
 ]
 
 
@@ -70,17 +79,17 @@ def test_product_against_other_reduction(case):
 
 
 def test_product_batch_matches_rows_and_shape():
-    cases = np.array(PRODUCT_CASES).T
+    cases = np.array(PRODUCT_CASES[:12]).T
     inc = {"x": Gaussian(cases[0], cases[1]), "y": Gaussian(cases[2], cases[3]), "z": Gaussian(cases[4], cases[5])}
-    inc2 = {k: v.reshape(2, 5) for k, v in inc.items()}
+    inc2 = {k: v.reshape(3, 4) for k, v in inc.items()}
     for to in "xyz":
         q = product.belief(to, inc2)
-        assert q.shape == (2, 5)
-        for i, row in enumerate(PRODUCT_CASES):
+        assert q.shape == (3, 4)
+        for i, row in enumerate(PRODUCT_CASES[:12]):
             one = product.belief(to, {k: Gaussian(row[2 * j], row[2 * j + 1]) for j, k in enumerate("xyz")})
             # equal to rounding (the geometric panels depend on the batch's widest row)
             assert rel_gaussian(q.reshape(-1)[i], float(one.mean()), float(one.var())) <= 1e-12
-    assert product.log_partition(inc2).shape == (2, 5)
+    assert product.log_partition(inc2).shape == (3, 4)
     # a scalar message broadcasts against a batch
     q = product.belief("z", {"x": Gaussian(np.zeros(3), 1.0), "y": Gaussian(1.0, 1.0), "z": Gaussian(0.0, 1.0)})
     assert q.shape == (3,)
@@ -97,6 +106,9 @@ GAUSSIAN_CASES = [
     (0.0, 100.0, 0.5, 1e-3, 0.0, 1.0, 1.0),     # broad m, broad tau
     (0.0, 1.0, 5.0, 1.0, 30.0, 1.0, 1.0),       # data far from the prior precision: bimodal in tau
     (1.0, 0.01, 0.1, 10.0, -1.0, 0.01, 1.0),
+    (7.813793, 0.085445, 2325.259916, 9.441593, -9.28621, 1.108487e-07, 1.0),  # m, x 57 noise sds apart
+    (12.008909, 3.84023e-05, 34976.885144, 233.599329, -11.319658, 0.144061, 1.0),
+    (0.0, 1.178928e-08, 2.590133, 23.312267, 0.0, 2.033704e-08, 1.0),  # S tiny: the mode's bracket ~1e-9 wide
     (0.0, 1.0, 2.0, 2.0, 1.0, 1.0, 0.5),        # power EP
     (0.0, 1.0, 0.3, 0.5, 5.0, 0.1, 2.0),
 ]
@@ -176,8 +188,9 @@ def test_gamma_rate_infer_net_case():
 def test_gamma_rate_improper_tilted_is_an_oracle_error_naming_rows():
     # c = shape − 1 + a_x = 0.3 − 1 + 0.5 < 0: x^(c−1) is not integrable at 0
     inc = {"r": Gamma(np.ones(3), 1.0), "x": Gamma(np.array([2.0, 0.5, 2.0]), 1.0)}
-    with pytest.raises(OracleError, match=r"rows \[1\]"):
+    with pytest.raises(OracleError, match=r"rows \[1\]") as err:
         gamma_rate.belief("r", inc, shape=0.3)
+    assert err.value.rows.tolist() == [1]
     with pytest.raises(OracleError, match="improper"):
         gamma_rate.log_partition(inc, shape=0.3)
 
@@ -207,6 +220,17 @@ def test_exp_against_quad_vec(case, projection):
     qy = exp.belief("y", inc, projection=projection)
     assert rel_gamma(qy, ref["y"]) <= TOL, (qy, ref["y"])
     assert abs(float(exp.log_partition(inc)) - lz) <= TOL * max(1.0, abs(lz))
+
+
+def test_exp_gamma_belief_beyond_double_range_is_an_oracle_error_naming_rows():
+    # x ~ N(−15, 5540) with y shape 0.04: the tilted x sits near −5300, so E[y] ≈ e^{−5300}
+    inc = {"x": Gaussian(np.array([0.0, -15.23571]), np.array([1.0, 5540.510672])),
+           "y": Gamma(np.array([2.0, 0.043635]), np.array([1.0, 41.393732]))}
+    qx = exp.belief("x", inc)
+    assert qx.mean()[1] < -5000 and np.all(qx.var() > 0)
+    for projection in ("kl", "moments"):
+        with pytest.raises(OracleError, match=r"rows \[1\]"):
+            exp.belief("y", inc, projection=projection)
 
 
 # ------------------------------------------------------------------------------ Monte Carlo, samplers
@@ -336,6 +360,16 @@ def test_bad_input_is_a_value_error_naming_the_variable(mod, inc):
     shaped[other] = inc[other].broadcast_to((2,))
     with pytest.raises(ValueError, match="do not broadcast"):
         mod.belief(mod.OUTPUT, shaped)
+
+
+@pytest.mark.parametrize("mod,inc", ALL, ids=[m.NAME for m, _ in ALL])
+def test_empty_batch(mod, inc):
+    first = next(iter(mod.FAMILIES))
+    empty = {**inc, first: inc[first].broadcast_to((0, 2))}
+    for to, fam in mod.FAMILIES.items():
+        q = mod.belief(to, empty)
+        assert isinstance(q, fam) and q.shape == (0, 2)
+    assert mod.log_partition(empty).shape == (0, 2)
 
 
 def test_gamma_rate_shape_parameter_is_validated():

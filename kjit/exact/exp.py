@@ -34,9 +34,11 @@ from ._common import (
     check_sample_inputs,
     check_to,
     col,
+    empty_belief,
     gamma_belief,
     gaussian_belief,
     gaussian_from_nodes,
+    is_empty,
     log_concave_mode,
     rule,
 )
@@ -97,6 +99,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     check_projection(projection)
     _no_power(power)
     flat, shape = check_incoming(NAME, FAMILIES, incoming)
+    if is_empty(shape):
+        return empty_belief(FAMILIES[to], shape)
     m, v, a, b = _params(flat)
     t, lw, lz0 = _rule(m, v, a, b)
     if to == "x":
@@ -109,6 +113,8 @@ def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndar
     """log ∫ N(x; m, v) Gamma(e^x; a, b) dx (normalised incoming messages)."""
     _no_power(power)
     flat, shape = check_incoming(NAME, FAMILIES, incoming)
+    if is_empty(shape):
+        return np.zeros(shape)
     m, v, a, b = _params(flat)
     lz = _rule(m, v, a, b)[2]
     lz = lz - 0.5 * np.log(2.0 * np.pi * v) + a * np.log(b) - special.gammaln(a)

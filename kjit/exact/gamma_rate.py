@@ -36,7 +36,9 @@ from ._common import (
     check_sample_inputs,
     check_to,
     col,
+    empty_belief,
     gamma_belief,
+    is_empty,
     log_concave_mode,
     raise_bad_rows,
     rule,
@@ -99,6 +101,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     check_to(NAME, tuple(FAMILIES), to)
     check_projection(projection)
     s, alpha, flat, bshape, (ar, br, ax, bx, c) = _setup(incoming, shape, power)
+    if is_empty(bshape):
+        return empty_belief(Gamma, bshape)
     if to == "r":
         A, B, C, K = ar + alpha * s, br, c, bx
     else:
@@ -110,6 +114,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
 def log_partition(incoming: Mapping[str, Family], power: float = 1.0, shape: float = 1.0) -> np.ndarray:
     """log ∫∫ Gamma(x; shape, r)^power Gamma(r; a_r, b_r) Gamma(x; a_x, b_x) dr dx."""
     s, alpha, flat, bshape, (ar, br, ax, bx, c) = _setup(incoming, shape, power)
+    if is_empty(bshape):
+        return np.zeros(bshape)
     lz = _rule(ar + alpha * s, br, c, bx, alpha)[2]
     lz = (
         lz + ar * np.log(br) + ax * np.log(bx) + special.gammaln(c)

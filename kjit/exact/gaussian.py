@@ -42,9 +42,11 @@ from ._common import (
     check_sample_inputs,
     check_to,
     col,
+    empty_belief,
     gamma_belief,
     gaussian_belief,
     gaussian_mixture,
+    is_empty,
     rule,
     stationary_points,
 )
@@ -101,9 +103,12 @@ def _rule(ap, b, S, D, alpha):
     re = xi.real
     with np.errstate(divide="ignore", invalid="ignore"):
         cand = np.where((re > 0) & ok[:, None], np.log(np.where(re > 0, re, 1.0)) - np.log(p)[:, None], np.nan)
-    hi = np.log((ap + 0.5) / b)
-    lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha)
-    roots = stationary_points(dlogf, cand, lo, hi)
+    # the derivative is < 0 above τ = (a'+½)/b and > 0 below (a'+½)/(b + p/2 + Dα/2); the margin
+    # of 1 keeps the end signs clear of rounding when the two bounds nearly coincide (S tiny)
+    hi = np.log((ap + 0.5) / b) + 1.0
+    lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha) - 1.0
+    real = np.abs(xi.imag) <= 1e-6 * np.abs(xi)  # real eigenvalues are stationary points themselves
+    roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     # step: the local scale at the highest stationary point
     with np.errstate(invalid="ignore"):
         vals = np.where(np.isfinite(roots), logf(np.where(np.isfinite(roots), roots, lo[:, None])), -np.inf)
@@ -137,6 +142,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     check_to(NAME, tuple(FAMILIES), to)
     check_projection(projection)
     alpha, flat, shape, (mm, vm, a, b, mx, vx, S, D, ap) = _setup(incoming, power)
+    if is_empty(shape):
+        return empty_belief(FAMILIES[to], shape)
     u, lw, lz0 = _rule(ap, b, S, D, alpha)
     if to == "tau":
         return gamma_belief(NAME, u, lw, lambda k: _rule(ap + k, b, S, D, alpha)[2] - lz0, projection).reshape(shape)
@@ -159,6 +166,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
 def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
     """log ∫ N(x; m, 1/τ)^power N(m; m_m, v_m) Gamma(τ; a, b) N(x; m_x, v_x) dm dτ dx."""
     alpha, flat, shape, (mm, vm, a, b, mx, vx, S, D, ap) = _setup(incoming, power)
+    if is_empty(shape):
+        return np.zeros(shape)
     lz = _rule(ap, b, S, D, alpha)[2]
     lz = (
         lz + a * np.log(b) - special.gammaln(a)

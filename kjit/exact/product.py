@@ -17,7 +17,7 @@ and a spike at 0 when m_z ≈ 0 and v_z is small): its derivative times v_x V(x)
 
     −(x − m_x) V² − v_x v_y x V − v_x (x m_y − m_z)(m_y v_z + m_z v_y x),
 
-whose real roots (companion-matrix eigenvalues, refined by bisection on the derivative's sign
+whose real roots (companion-matrix eigenvalues, kept as they are and refined by bisection on the derivative's sign
 changes) are all of w's stationary points; only those within the region where
 N(x; m_x, v_x) (2π v_z)^{−1/2} — an upper bound of w — exceeds e^{−60} of w's largest found
 value can matter.  The panel rule is cut at these points, at ±σ, ±3σ, ±6σ, ±12σ about each
@@ -44,9 +44,11 @@ from ._common import (
     check_sample_inputs,
     check_to,
     col,
+    empty_belief,
     gaussian_belief,
     gaussian_from_nodes,
     gaussian_mixture,
+    is_empty,
     rule,
     stationary_points,
 )
@@ -112,11 +114,13 @@ def _rule(m1, v1, m2, v2, mz, vz):
     cand = np.where(ok[:, None], roots_c.real * lam[:, None], np.nan)
     # the region where w can matter: N(t; m1, v1) (2π v_z)^{-1/2} >= e^{-60} max w
     probe = np.concatenate([m1[:, None], np.where(np.isfinite(cand), cand, m1[:, None])], axis=1)
-    fstar = np.max(logf(probe) - 0.5 * np.log(v1)[:, None], axis=1)  # log w + ½ log 4π²... below
+    fstar = np.max(logf(probe) - 0.5 * np.log(v1)[:, None], axis=1)  # = max log w + log 2π at the probes
     q = np.maximum(-np.log(v1) * 0.5 - 0.5 * np.log(vz) - fstar + 60.0, 60.0)
     half = np.sqrt(2.0 * v1 * q)
     lo, hi = m1 - half, m1 + half
-    roots = stationary_points(dlogf, cand, lo, hi)
+    # real eigenvalues are stationary points themselves (P = dlogf · v_x V² with V > 0)
+    real = np.abs(roots_c.imag) <= 1e-6 * np.abs(roots_c)
+    roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     finite = np.isfinite(roots)
     if not finite.any(axis=1).all():  # cannot happen for a proper w (it has a maximum); keep m1
         roots[~finite.any(axis=1), 0] = m1[~finite.any(axis=1)]
@@ -161,6 +165,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     check_to(NAME, tuple(FAMILIES), to)
     check_projection(projection)
     flat, shape = _setup(incoming, power)
+    if is_empty(shape):
+        return empty_belief(Gaussian, shape)
     over = "y" if to == "y" else "x"
     m1, v1, m2, v2, mz, vz = _args(flat, over)
     t, lw, _ = _rule(m1, v1, m2, v2, mz, vz)
@@ -182,6 +188,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
 def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
     """log ∫ N(x; m_x, v_x) N(y; m_y, v_y) N(x y; m_z, v_z) dx dy."""
     flat, shape = _setup(incoming, power)
+    if is_empty(shape):
+        return np.zeros(shape)
     m1, v1, m2, v2, mz, vz = _args(flat, "x")
     lz = _rule(m1, v1, m2, v2, mz, vz)[2] - 0.5 * np.log(v1) - _LOG_2PI
     return lz.reshape(shape)

@@ -1,9 +1,10 @@
 """Independent reference computations for the exact rules (validation and benchmarks only).
 
 Each belief is recomputed through a *different reduction* of the same tilted integral and a
-*different engine*: scipy's adaptive Gauss–Kronrod ``quad_vec`` (epsrel 1e-13, all moments of a
-pass in one vector integral; variances in a centred second pass; Gamma statistics in units of a
-centre so that log E[v] − E[log v] is formed without cancellation).  Slow (≈0.05–0.5 s a
+*different engine*: scipy's adaptive Gauss–Kronrod ``quad_vec`` (epsrel 1e-12, or 1e-15·|log w|
+where the integrand's own rounding is coarser; all moments of a pass in one vector integral;
+the peak located by a brute-force scan; variances in a centred second pass; Gamma statistics in
+units of a centre so that log E[v] − E[log v] is formed without cancellation).  Slow (≈0.05–0.5 s a
 message) and scalar: for tests and ``benchmarks/factors.py``, never for serving.
 
 * product: the rules integrate over x (beliefs on x, z) / y (belief on y); the reference
@@ -35,8 +36,14 @@ __all__ = ["reference", "rel_error"]
 # ---------------------------------------------------------------- engine
 def qvec(logw, funcs, lo, hi, points):
     """log ∫ e^{logw} and E[g] for g in funcs, by quad_vec (one adaptive vector integral)."""
+    # a brute-force scan finds the peak even where no given point is near it; points around it
+    grid = np.linspace(lo, hi, 100_001)
+    with np.errstate(all="ignore"):
+        vals = np.where(np.isfinite(logw(grid)), logw(grid), -np.inf)
+    tm, h = grid[np.argmax(vals)], (hi - lo) / 100_000
+    points = list(points) + [tm + s * h * k for k in (0.25, 0.5, 1, 2, 4, 16, 64, 256, 1024) for s in (-1, 1)]
     pts = sorted({float(p) for p in points if lo < p < hi})
-    L = max(logw(p) for p in pts + [0.5 * (lo + hi)] if np.isfinite(logw(p)))
+    L = max([logw(p) for p in pts + [0.5 * (lo + hi)] if np.isfinite(logw(p))] + [float(np.max(vals))])
 
     def f(t):
         with np.errstate(all="ignore"):
@@ -44,7 +51,10 @@ def qvec(logw, funcs, lo, hi, points):
             vals = [1.0] + [g(t) for g in funcs]
         return np.array([w * v if w > 0 else 0.0 for v in vals])
 
-    r, _ = integrate.quad_vec(f, lo, hi, points=pts or None, epsabs=0, epsrel=1e-13, norm="max", limit=20000)
+    # the integrand's values carry rounding noise ~1e-16 |logw| (relative): asking for more than
+    # that only subdivides to the limit
+    epsrel = max(1e-12, 1e-15 * abs(L))
+    r, _ = integrate.quad_vec(f, lo, hi, points=pts or None, epsabs=0, epsrel=epsrel, norm="max", limit=2000)
     return np.log(r[0]) + L, r[1:] / r[0]
 
 
@@ -84,6 +94,23 @@ def product_reference(mx, vx, my, vy, mz, vz):
         sd, sc = np.sqrt(v_int), np.sqrt(vz / v_other)
         pts = around(m_int, sd) + [s * sc * 4.0**k for k in range(-2, 45) for s in (-1, 1)]
         lo, hi = m_int - 45 * sd, m_int + 45 * sd
+        if m_other != 0.0:  # where t m_other ≈ m_z: the factor's own peak (can be far narrower than sd)
+            t0 = mz / m_other
+            s0 = np.sqrt(vz + t0 * t0 * v_other) / abs(m_other)
+            pts += around(t0, s0)
+            lo, hi = min(lo, t0 - 45 * s0), max(hi, t0 + 45 * s0)
+        # the mode can lie outside both peaks (the other input moves too, along z = x y): a
+        # log-spaced scan out to 1e7 sds finds it; the range covers it and the tails beyond
+        dist = sd * 10.0 ** np.linspace(-4, 7, 40_001)
+        scan = np.concatenate([m_int - dist, m_int + dist])
+        with np.errstate(all="ignore"):
+            vals = logw(scan)
+        vals = np.where(np.isfinite(vals), vals, -np.inf)
+        n = dist.size  # the best on each side of m_int (w can be bimodal, e.g. x y = z ≠ 0, both at 0)
+        t_lo, t_hi = scan[np.argmax(vals[:n])], scan[n + np.argmax(vals[n:])]
+        for t_star, gap in ((t_lo, abs(t_lo - m_int)), (t_hi, abs(t_hi - m_int))):
+            pts += around(t_star, gap * 1e-3)
+        lo, hi = min(lo, t_lo) - 20 * sd, max(hi, t_hi) + 20 * sd
         return logw, [p for p in pts if lo < p < hi], lo, hi
 
     logw, pts, lo, hi = over(mx, vx, my, vy)  # integral over y
@@ -112,7 +139,9 @@ def gaussian_reference(mm, vm, a, b, mx, vx, alpha, projection="kl"):
 
     sd, sc = np.sqrt(S), np.sqrt(b / A / alpha)
     pts = around(delta, sd) + around(0.0, sc, ks=(0, 0.3, 1, 3, 10, 30, 100, 1e3, 1e4))
-    lo, hi = delta - 45 * sd, delta + 45 * sd
+    # the hull of the two peaks (Δ and 0), widened: a compromise mode lies between
+    lo = min(delta - 45 * sd, -45 * sc) - 10 * sd
+    hi = max(delta + 45 * sd, 45 * sc) + 10 * sd
     dig = special.digamma(A) - np.log(A)
 
     def cond(d):  # τ0 = A / b;  τ/τ0 | d has mean 1/(1+ρ), ρ = αd²/(2b)
