@@ -187,7 +187,7 @@ def jit_poisson_gamma(args):
     data = [rng.poisson(rng.gamma(2.0, 1 / float(10 ** rng.uniform(-0.7, 0.3)), 25)) for _ in range(args.problems)]
     sampler = MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed)
     jits = {to: JITOperator(None, MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed + i),
-                            to=to, initial_batch=200, threshold=args.threshold)
+                            to=to, initial_batch=200, threshold=args.threshold, uncertainty=args.uncertainty)
             for i, to in enumerate(("r", "x"))}
     exact = QuadratureOracle(f)
     rows, gaps = [], []
@@ -243,6 +243,8 @@ def main(argv=None):
     ap.add_argument("--target-se", type=float, default=3e-2)
     # above the oracle's own noise: a target standard error of 3e-2 is a log variance of ~ −7
     ap.add_argument("--threshold", type=float, default=-5.5)
+    ap.add_argument("--uncertainty", choices=("predictive", "epistemic"), default="predictive",
+                    help="what the JIT threshold is applied to (JITOperator(uncertainty=...))")
     ap.add_argument("--max-iter", type=int, default=50)
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--no-jit", action="store_true")
