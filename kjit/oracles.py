@@ -412,9 +412,18 @@ class MessageImportanceSampler(Oracle):
                 log_z = np.log(s0 / n) + m
             ess = np.where(ok, ess, 0.0)
             if self.factor.families[to].centred_estimate:
-                # (E x, E x²) with the variance computed centred: no loss of digits for |mean| ≫ sd
-                var = np.sum(wn * d[..., 0] ** 2, axis=0)
-                mu = np.stack([mu[:, 0], var + mu[:, 0] ** 2], axis=-1)
+                # (E x, var) with the variance computed centred, and the covariance of that
+                # estimator (influence functions x − ū and (x − ū)² − var): rebuilding E x² =
+                # var + ū² and projecting would cancel ~log10(ū²/var) digits (|mean| ≫ sd)
+                with np.errstate(invalid="ignore"):
+                    d0 = d[..., 0]
+                    var = np.sum(wn * d0 ** 2, axis=0)
+                    dc = np.stack([d0, d0 ** 2 - var[None]], axis=-1)
+                    for a in range(k_):
+                        wd = w2 * dc[..., a]
+                        for b in range(a, k_):
+                            cov[:, a, b] = cov[:, b, a] = np.sum(wd * dc[..., b], axis=0)
+                mu = np.stack([mu[:, 0], var], axis=-1)
             out.append((mu, cov, ess, log_z))
             k = u.shape[-1]
         cat = [np.concatenate([o[i] for o in out]) for i in range(4)]
@@ -423,7 +432,9 @@ class MessageImportanceSampler(Oracle):
     def _coord_se(self, fam, ess_stats, cov):
         """Standard errors of the projected coordinates (delta method, Jacobian by central differences)."""
         R, k = ess_stats.shape
-        base = fam.project(ess_stats).to_coords()
+        # centred families' stats are (mean, variance): their own from_estimate projects them
+        project = fam.from_estimate if fam.centred_estimate else fam.project
+        base = project(ess_stats).to_coords()
         J = np.empty((R, k, k))
         sd = np.sqrt(np.maximum(np.einsum("rkk->rk", cov), 0.0))
         for j in range(k):
@@ -431,11 +442,11 @@ class MessageImportanceSampler(Oracle):
             e = np.zeros(k)
             e[j] = 1.0
             try:
-                plus = fam.project(ess_stats + h[:, None] * e).to_coords()
-                minus = fam.project(ess_stats - h[:, None] * e).to_coords()
+                plus = project(ess_stats + h[:, None] * e).to_coords()
+                minus = project(ess_stats - h[:, None] * e).to_coords()
                 J[:, :, j] = (plus - minus) / (2 * h[:, None])
             except ValueError:  # the perturbation left the family's domain: one-sided
-                plus = fam.project(ess_stats + h[:, None] * e).to_coords()
+                plus = project(ess_stats + h[:, None] * e).to_coords()
                 J[:, :, j] = (plus - base) / h[:, None]
         var = np.einsum("rij,rjl,ril->ri", J, cov, J)
         se = np.sqrt(np.maximum(var, 0.0))
@@ -452,9 +463,13 @@ class MessageImportanceSampler(Oracle):
         """``(expected sufficient statistics (n, k), ESS (n,), coordinate SE (n, k), particles (n,),
         log partition (n,))`` for the flattened batch; never raises on a low ESS."""
         flat, _ = self._prepare(incoming, to)
-        return self._estimate_flat(flat, to)
+        stats, *rest = self._estimate_flat(flat, to)
+        if self.factor.families[to].centred_estimate:  # (mean, variance) → (E x, E x²)
+            stats = np.stack([stats[:, 0], stats[:, 1] + stats[:, 0] ** 2], axis=-1)
+        return (stats, *rest)
 
     def _estimate_flat(self, flat, to):
+        """As :meth:`estimate`, but a centred family's stats are (mean, centred variance)."""
         fam = self.factor.families[to]
         B = next(iter(flat.values())).size
         k = fam.n_stats
@@ -492,8 +507,13 @@ class MessageImportanceSampler(Oracle):
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
+        fam = self.factor.families[to]
         try:
-            return self.factor.families[to].project(stats)
+            if fam.centred_estimate:  # stats are (mean, centred variance)
+                if not np.all(fam.estimate_ok(stats)):
+                    raise ValueError("a variance estimate that is not positive")
+                return fam.from_estimate(stats)
+            return fam.project(stats)
         except ValueError as exc:
             raise OracleError(f"per-message importance sampling: the estimate cannot be projected: {exc}") from None
 

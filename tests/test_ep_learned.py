@@ -21,7 +21,7 @@ from scipy import special
 from kjit.ep import BayesianLogisticRegression, LinearEP
 from kjit.ep.engine import UncertainAnswerError, UncertainAnswerWarning, _posterior_from_sites
 from kjit.factors import Logistic, ProbitNoise
-from kjit.families import Beta, Gaussian
+from kjit.families import Bernoulli, Beta, Gaussian
 from kjit.operators import KernelOperator, JITOperator, respect_factor_bounds, sign_undetermined
 from kjit.factors.logistic import logistic_laplace_limit
 from kjit.oracles import OracleError, QuadratureOracle
@@ -48,7 +48,7 @@ def test_log_concavity_of_the_builtin_factors():
     inc = {"x": Gaussian(np.zeros(5), np.ones(5)), "z": z}
     np.testing.assert_array_equal(Logistic().log_concave("x", inc), [True, True, False, False, True])
     assert Logistic().log_concave("z", inc) is None
-    assert ProbitNoise(0.0).log_concave("f", {"f": Gaussian(np.zeros(3), 1.0)}).all()
+    assert ProbitNoise(0.0).log_concave("f", {"f": Gaussian(np.zeros(3), 1.0), "y": Bernoulli(np.array([0.0, 1.0, 1.0]))}).all()
     assert ProbitNoise(0.1).log_concave("f", {"f": Gaussian(np.zeros(3), 1.0)}) is None
 
 

@@ -621,7 +621,18 @@ class LinearEP:
         if self.on_uncertain == "oracle":
             rows = np.flatnonzero(unc)
             sub = {k: m[rows] for k, m in incoming.items()}
-            q_or = self._oracle().belief(sub, self.site_var)
+            try:
+                q_or = self._oracle().belief(sub, self.site_var)
+            except Exception as exc:
+                # rows an error names are positions in the sub-batch: map them to the batch's
+                # (``_ask`` skips those and asks again)
+                r = getattr(exc, "rows", None)
+                if r is not None:
+                    try:
+                        exc.rows = rows[np.asarray(r, dtype=int).ravel()]
+                    except (TypeError, ValueError, IndexError):
+                        exc.rows = None
+                raise
             mean, var = np.array(q.mean(), dtype=float), np.array(q.var(), dtype=float)
             mean[rows], var[rows] = q_or.mean(), q_or.var()
             q = Gaussian._unchecked(mean, var)

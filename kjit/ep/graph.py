@@ -241,6 +241,13 @@ class GraphEP:
         g = self.graph
         if not g.factors:
             raise ValueError("the graph has no factors")
+        # a key that matches no (factor, bound variable) of the graph would be silently unused
+        # (a typo runs the exact rule instead of the operator given)
+        known = {(f.name, fv) for f, bind in g.factors for fv, b in bind.items() if isinstance(b, str)}
+        unknown = [k for k in self.operators if k not in known]
+        if unknown:
+            raise ValueError(f"`operators` has key(s) {unknown} that match no (factor name, recipient) of the graph; "
+                             f"its recipients are {sorted(known)}")
         for f, bind in g.factors:  # every (factor, recipient) has an operator (and power where asked)
             for fv, b in bind.items():
                 if isinstance(b, str):

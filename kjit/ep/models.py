@@ -419,8 +419,8 @@ class PoissonRegression(_LinearEPModel):
     def _observed(self, y):
         return {"y": Gamma(np.asarray(y, float) + 1.0, np.ones(len(y)))}
 
-    def _log_evidence_correction(self, y):
-        return -float(np.sum(special.gammaln(np.asarray(y, float) + 1.0)))  # Gamma(k+1, 1) vs Poisson(k | y)
+    # no log-evidence correction: the normalised message Gamma(y; k+1, 1) = y^k e^{−y} / Γ(k+1)
+    # *is* Poisson(k | y) (Γ(k+1) = k!)
 
     def _check_y(self, y, n):
         return _check_counts(y, n)

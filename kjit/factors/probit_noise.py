@@ -65,11 +65,14 @@ class ProbitNoise(Factor):
         raise ValueError(_NOT_SMOOTH)
 
     def log_concave(self, to, incoming):
-        # Θ(y f) is the indicator of a half-line (log-concave); with label noise ε > 0 the
-        # factor is a two-level step, which is not
+        # Θ(y f) is the indicator of a half-line (log-concave) for a known label (p ∈ {0, 1});
+        # with label noise ε > 0, or a soft label message 0 < p < 1, the factor integrated
+        # against the label is a two-level step p Θ(f) + (1 − p) Θ(−f), which is not (its
+        # belief can be several times wider than the cavity)
         if to != "f" or self.eps > 0.0:
             return None
-        return np.ones(incoming["f"].shape, dtype=bool)
+        p = np.asarray(incoming["y"].p, dtype=float)
+        return np.broadcast_to((p == 0.0) | (p == 1.0), incoming["f"].shape)
 
     def sample(self, inputs, size, rng):
         y = np.where(inputs["f"] >= 0, 1.0, -1.0)
