@@ -236,3 +236,20 @@ def test_power_ep_is_refused_with_the_reason_where_the_factor_has_no_power():
         GraphEP(g, power=0.5).run()
     with pytest.raises(ValueError, match="power"):
         GraphEP(g, power=-1.0)
+
+
+class _Exploding:
+    """Beliefs ever narrower and further out: the sites grow without bound."""
+
+    def belief(self, incoming, to):
+        c = incoming[to]
+        return Gaussian(c.mean() + 1e3 * np.sqrt(c.var()) + 1.0, c.var() * 1e-6)
+
+
+def test_a_diverging_graph_stops_with_the_last_finite_state():
+    res = GraphEP(_logistic_graph(np.array([1, 0, 1, 1])), operators={("logistic", "x"): _Exploding()},
+                  max_iter=100).run()
+    assert res.outcome == "diverged" and not res.converged
+    assert res.status.startswith("diverged at iteration")
+    q = res.beliefs["w"]
+    assert np.all(np.isfinite(q.natural())) and bool(q.is_proper)

@@ -169,6 +169,8 @@ class GraphEP:
     schedule : ``"parallel"`` (default) or ``"sequential"``.
     compute_evidence : after the run, the EP log evidence (``GraphResult.log_evidence``) where every
         operator has a ``log_partition`` (EP only, not power EP).
+    divergence_limit : a site whose natural parameters exceed this many times (1 + the largest
+        prior natural parameter of its variable) stops the run as diverged, with the last state.
     power : power EP's u > 0 (1 = EP): the cavity removes the fraction u of each site, the operator
         answers for f^u (``belief(incoming, to, power=u)``; operators must have ``supports_power``:
         the exact rules of logistic, probit_noise, gaussian, gamma_rate do, product and exp refuse
@@ -177,7 +179,7 @@ class GraphEP:
 
     def __init__(self, graph: FactorGraph, operators: Mapping | None = None, damping: float = 0.0,
                  max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
-                 power: float = 1.0):
+                 power: float = 1.0, divergence_limit: float = 1e12):
         if not isinstance(graph, FactorGraph):
             raise ValueError("`graph` must be a FactorGraph")
         if not (0.0 <= damping < 1.0):
@@ -196,6 +198,9 @@ class GraphEP:
         if not (isinstance(power, (int, float, np.floating, np.integer)) and np.isfinite(power) and power > 0):
             raise ValueError(f"`power` must be a finite number > 0, got {power!r}")
         self.power = float(power)
+        if not (np.isfinite(divergence_limit) and divergence_limit > 0):
+            raise ValueError(f"`divergence_limit` must be a positive number, got {divergence_limit!r}")
+        self.divergence_limit = float(divergence_limit)
         self._default_ops: dict = {}
 
     # ------------------------------------------------------------------ operators and groups
@@ -261,8 +266,11 @@ class GraphEP:
         history: list[GraphIteration] = []
         converged, diverged, calls = False, None, 0
         t_start = time.perf_counter()
+        # a site larger than divergence_limit × (1 + its variable's prior natural parameters) is divergent
+        scale = {v: 1.0 + np.max(np.abs(p)) for v, p in prior_nat.items()}
         for it in range(1, self.max_iter + 1):
             t0 = time.perf_counter()
+            prev = (sites, post)
             rec = GraphIteration(it, 0.0, 0.0, 0, 0, dict.fromkeys(GRAPH_SKIP_REASONS, 0), 0)
             beliefs_old = self._beliefs(post)
             if self.schedule == "parallel":
@@ -275,8 +283,18 @@ class GraphEP:
             rec.seconds = time.perf_counter() - t0
             calls += rec.operator_calls
             history.append(rec)
-            if not all(np.all(np.isfinite(post[v])) for v in names):
-                diverged = (it, "a non-finite posterior")
+            cause = None
+            for (j, fv), site in sites.items():
+                v = g.factors[j][1][fv]
+                if not np.all(np.isfinite(site)) or np.max(np.abs(site)) > self.divergence_limit * scale[v]:
+                    cause = (f"the site of factor {j} ({g.factors[j][0].name}) on {v!r} grew beyond "
+                             f"divergence_limit={self.divergence_limit:g} times the prior's scale")
+                    break
+            if cause is None and not all(np.all(np.isfinite(post[v])) for v in names):
+                cause = "a non-finite posterior"
+            if cause is not None:  # keep the last finite state
+                diverged = (it, cause)
+                sites, post = prev
                 break
             beliefs = self._beliefs(post)
             rec.max_change = max(_change(beliefs_old[v], beliefs[v]) for v in names)
@@ -284,8 +302,6 @@ class GraphEP:
             if rec.n_skipped == 0 and rec.max_change < self.tol:
                 converged = True
                 break
-        if diverged is not None:
-            post = self._last_post
         n = len(history)
         if diverged is not None:
             outcome, status = "diverged", f"diverged at iteration {diverged[0]}: {diverged[1]}; the beliefs are the last finite state"
@@ -440,7 +456,6 @@ class GraphEP:
     def _apply(self, prior_nat, sites, proposals, rec):
         """Damped updates; a variable whose posterior would be improper keeps its old sites."""
         g = self.graph
-        self._last_post = self._posteriors(prior_nat, sites)
         new = dict(sites)
         step = 1.0 - self.damping
         for key, s in proposals.items():
