@@ -423,8 +423,9 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     spec = TrainSpec(factor=req.factor, to=req.to, factor_params=dict(req.factor_params), n_inner=req.n_inner,
                      n_outer=req.n_outer, threshold=req.threshold, initial_batch=req.initial_batch,
                      random_state=req.random_state, oracle=src.oracle, n_samples=src.n_samples,
-                     n_jobs=settings.n_jobs)
+                     target_se=src.target_se, n_jobs=settings.n_jobs)
     try:
+        spec.oracle = spec.resolved_oracle(factor)  # "auto" → the kind chosen, recorded with the operator
         spec.build_oracle(factor)
     except ValueError as exc:
         raise ApiError(422, ["body", "source", "oracle"], str(exc), "value_error") from None
@@ -471,7 +472,8 @@ def create_operator(request: Request, settings: Annotated[Settings, Depends(get_
                                    (["body", "n_inner"], req.n_inner, settings.max_n_inner, "KJIT_MAX_N_INNER"),
                                    (["body", "n_outer"], req.n_outer, settings.max_n_outer, "KJIT_MAX_N_OUTER"),
                                    (["body", "source", "n_samples"],
-                                    req.source.n_samples if req.source.oracle == "importance_sampling" else None,
+                                    req.source.n_samples if req.source.oracle in ("importance_sampling",
+                                                                                  "message_sampler", "auto") else None,
                                     settings.max_n_samples, "KJIT_MAX_N_SAMPLES")):
         if value is not None and value > limit:
             errs.append({"loc": loc, "type": "too_large",

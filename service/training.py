@@ -39,7 +39,7 @@ import numpy as np
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
 from kjit.operators import JITOperator, KernelOperator, calibrate_threshold
-from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
+from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
 __all__ = [
@@ -134,8 +134,9 @@ class TrainSpec:
     n: int | None = None                       # oracle run of n pairs
     distribution: str | Mapping = "default"    # "default" or per-parameter ranges
     training_set: str | None = None            # path of a TrainingSet .npz (already resolved)
-    oracle: str = "quadrature"                 # or "importance_sampling"
-    n_samples: int = 100_000                   # importance-sampling particles
+    oracle: str = "quadrature"                 # or "importance_sampling", "message_sampler", "auto"
+    n_samples: int = 100_000                   # importance-sampling particles (message_sampler: the cap per message)
+    target_se: float = 1e-2                    # message_sampler: standard error to reach per coordinate
     inner_factors: tuple = DEFAULT_INNER_FACTORS
     width_factors: tuple = DEFAULT_WIDTH_FACTORS
     n_jobs: int = 1
@@ -143,10 +144,27 @@ class TrainSpec:
     def build_factor(self) -> Factor:
         return get_factor(self.factor, **dict(self.factor_params))
 
+    def resolved_oracle(self, factor: Factor) -> str:
+        """``"auto"``: the factor's exact rule for the recipient if it has one, else the per-message
+        importance sampler (any sampleable factor)."""
+        if self.oracle == "auto":
+            return "quadrature" if factor.has_exact(self.to) else "message_sampler"
+        return self.oracle
+
     def build_oracle(self, factor: Factor):
-        if self.oracle == "quadrature":
+        kind = self.resolved_oracle(factor)
+        if kind == "message_sampler":
+            n_initial = min(2000, int(self.n_samples))
+            return MessageImportanceSampler(factor, target_se=self.target_se, n_initial=n_initial,
+                                            max_samples=max(int(self.n_samples), n_initial),
+                                            random_state=self.random_state)
+        if kind == "quadrature":
+            if not factor.has_exact(self.to):
+                raise ValueError(f"factor {factor.name!r} has no exact rule for {self.to!r} (it has: "
+                                 f"{', '.join(factor.exact_recipients) or 'none'}); use oracle 'message_sampler' "
+                                 f"or 'auto'")
             return QuadratureOracle(factor)
-        if self.oracle == "importance_sampling":
+        if kind == "importance_sampling":
             return ImportanceSamplingOracle(factor, n_samples=self.n_samples, random_state=self.random_state)
         raise ValueError(f"unknown oracle {self.oracle!r}")
 
