@@ -3,7 +3,8 @@
 (oracle ``auto`` → the per-message importance sampler), listed with its variables and families,
 served, and still served after a restart — with no edit to kjit.
 
-The factor is ``z = x·y + ε``, ε ~ N(0, s²), Gaussian messages.  The served oracle's beliefs are
+The factor is the repository's example plugin (``plugins/user_factors.py``, the directory
+docker-compose.yml mounts): ``z = x·y + ε``, ε ~ N(0, s²), Gaussian messages.  The served oracle's beliefs are
 checked against an independent large-sample estimate computed here (10^6 draws of x, y from
 their messages, z from the factor, weighted by z's message; its own standard error is ~1e-3 of
 the belief's sd, far inside the sampler's target_se = 1e-2).
@@ -12,8 +13,9 @@ the belief's sd, far inside the sampler's target_se = 1e-2).
 from __future__ import annotations
 
 import os
-import textwrap
+import re
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -21,18 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
 
-NOISE = 0.3
-PLUGIN = textwrap.dedent(f'''
-    """A user's factor: z = x*y + noise (no exact rule; only a sampler)."""
-    from kjit.factors import SampledFactor, register_factor
-    from kjit.families import Gaussian
-
-    NOISE = {NOISE}
-    noisy_product = SampledFactor(
-        "user_noisy_product", inputs={{"x": Gaussian, "y": Gaussian}}, output=("z", Gaussian),
-        sampler=lambda v, rng: v["x"] * v["y"] + NOISE * rng.standard_normal(v["x"].shape))
-    register_factor(noisy_product)
-''')
+PLUGINS = Path(__file__).resolve().parents[1] / "plugins"  # the example docker-compose.yml mounts
+NOISE = 0.3  # plugins/user_factors.py's
 
 RANGES = {"x": {"mean": {"low": -2, "high": 2}, "var": {"low": 0.1, "high": 2, "scale": "log"}},
           "y": {"mean": {"low": -2, "high": 2}, "var": {"low": 0.1, "high": 2, "scale": "log"}},
@@ -74,30 +66,30 @@ def _body(mx, vx, my, vy, mz, vz):
 def test_plugin_factor_without_exact_rule_is_trained_served_and_survives_restart(tmp_path):
     from service.testing import SubprocessServer
 
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    (plugins / "kjit_user_noisy_product.py").write_text(PLUGIN)
+    assert float(re.search(r"^NOISE = (.*)$", (PLUGINS / "user_factors.py").read_text(), re.M).group(1)) == NOISE
     store = tmp_path / "store"
-    env = {"KJIT_FACTORS": "kjit_user_noisy_product",
-           "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])}
+    env = {"KJIT_FACTORS": "user_factors",
+           "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
     rng = np.random.default_rng(11)
     k = 4
     probe = (rng.uniform(-1.5, 1.5, k), 10 ** rng.uniform(-0.7, 0.2, k), rng.uniform(-1.5, 1.5, k),
              10 ** rng.uniform(-0.7, 0.2, k), rng.uniform(-2, 2, k), 10 ** rng.uniform(0, 0.6, k))
     body = _body(*probe)
     ref_m, ref_v = _reference_belief_z(*probe)
-    train = {"name": "noisy-product-z", "factor": "user_noisy_product", "to": "z", "n_inner": 100, "n_outer": 200,
+    train = {"name": "noisy-product-z", "factor": "noisy_product", "to": "z", "n_inner": 100, "n_outer": 200,
              "threshold": -2.0, "source": {"kind": "oracle", "n": 1500, "distribution": RANGES}}
     predicted = []
     srv = SubprocessServer(store, env=env).start(timeout=120)
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            assert "user_noisy_product" in c.get("/v1/operators").json()["factors"]
+            assert "noisy_product" in c.get("/v1/operators").json()["factors"]
             # bad requests: 4xx naming the field, nothing queued
             bad = [({**train, "factor": "no_such_factor"}, ["body", "factor"]),
                    ({**train, "to": "w"}, ["body", "to"]),
                    ({**train, "source": {**train["source"], "oracle": "quadrature"}}, ["body", "source", "oracle"]),
-                   ({**train, "source": {"kind": "oracle", "n": 300}}, ["body", "source", "distribution"]),
+                   ({**train, "source": {**train["source"], "distribution": {**RANGES, "x": {
+                       "mean": {"low": -1, "high": 1}, "sd": {"low": 0.1, "high": 1}}}}},
+                    ["body", "source", "distribution", "x", "sd"]),
                    ({**train, "source": {**train["source"], "distribution": {**RANGES, "z": {
                        "mean": {"low": -3, "high": 3}, "var": {"low": -1, "high": 5}}}}},
                     ["body", "source", "distribution", "z"])]
@@ -114,7 +106,7 @@ def test_plugin_factor_without_exact_rule_is_trained_served_and_survives_restart
             assert job["request"]["source"]["oracle"] == "auto"
             listed = {o["name"]: o for o in c.get("/v1/operators").json()["operators"]}
             op = listed["noisy-product-z"]
-            assert op["factor"] == "user_noisy_product" and op["to"] == "z" and op["inputs"] == ["x", "y"]
+            assert op["factor"] == "noisy_product" and op["to"] == "z" and op["inputs"] == ["x", "y"]
             assert op["families"] == {"x": "gaussian", "y": "gaussian", "z": "gaussian"}
             detail = c.get("/v1/operators/noisy-product-z").json()
             assert detail["oracle"] == {"kind": "message_sampler"}
