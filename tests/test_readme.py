@@ -65,6 +65,11 @@ def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # no
     assert ns["q"].shape == ()
     assert ns["poisson"].converged_ and np.all(np.isfinite(ns["poisson"].coef_))
     assert "test error" in capsys.readouterr().out
+    # "Your own factor, served": the user's sampled factor, trained by POST /v1/operators, answers
+    info = ns["noisy_z"].info()
+    assert info["factor"] == "my_noisy_product" and info["oracle"] == {"kind": "message_sampler"}
+    assert info["families"] == {"x": "gaussian", "y": "gaussian", "z": "gaussian"}
+    assert ns["q_z"].shape == () and np.isfinite(ns["q_z"].mean()) and ns["q_z"].var() > 0
 
 
 def test_curl_block_is_a_valid_request(pristine_store, tmp_path):  # noqa: F811 - fixture
