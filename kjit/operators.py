@@ -961,9 +961,11 @@ class JITOperator(Operator):
         """Everything needed to continue exactly where this operator stopped: the learned
         operator (or the pending initial batch), counters, threshold, and the oracle's
         configuration including its random generator state."""
-        from .oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+        from .oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 
-        if isinstance(self.oracle, MessageImportanceSampler):
+        if isinstance(self.oracle, ClientOracle):
+            oracle = {"kind": "client"}
+        elif isinstance(self.oracle, MessageImportanceSampler):
             o = self.oracle
             oracle = {"kind": "message_sampler", "target_se": o.target_se, "min_ess": o.min_ess,
                       "target_ess": json.dumps(o.target_ess), "n_initial": o.n_initial,
@@ -1001,7 +1003,7 @@ class JITOperator(Operator):
     @classmethod
     def from_state_dict(cls, state: Mapping) -> "JITOperator":
         from .families import family_by_name
-        from .oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+        from .oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 
         try:
             p = state["params"]
@@ -1017,6 +1019,8 @@ class JITOperator(Operator):
                 oracle._rng.bit_generator.state = json.loads(o["rng_state"])
                 if "pool" in o:  # mid-way through a reused particle draw: the same particles again
                     oracle.set_pool_state(json.loads(o["pool"]))
+            elif o["kind"] == "client":
+                oracle = ClientOracle(factor)
             elif o["kind"] == "message_sampler":
                 oracle = MessageImportanceSampler(
                     factor, target_se=float(o["target_se"]), min_ess=float(o["min_ess"]),

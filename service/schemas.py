@@ -182,6 +182,17 @@ class FileSource(_Strict):
     target_se: float = Field(1e-2, gt=0, le=1, allow_inf_nan=False, strict=True)
 
 
+class ClientSource(_Strict):
+    """A factor the server has no code for: its variables and families, and the first batch of pairs
+    its clients' oracle computed.  The operator's oracle stays on the clients (they send its
+    answers as observations); the server never runs it."""
+    kind: Literal["client"]
+    variables: dict[str, str] = Field(description="variable name (an identifier) → message family name")
+    output: str = Field(description="the factor's output variable (one of `variables`)")
+    incoming: dict[str, MessageBatch] = Field(description="the initial pairs' incoming messages, per variable")
+    beliefs: MessageBatch = Field(description="the initial pairs' beliefs on `to`, computed by the client's oracle")
+
+
 class TrainRequest(_Strict):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
         "name": "my-logistic-x", "factor": "logistic", "to": "x",
@@ -190,7 +201,7 @@ class TrainRequest(_Strict):
     factor: str
     factor_params: dict[str, Finite] = Field(default_factory=dict)
     to: str
-    source: Annotated[Union[OracleSource, FileSource], Field(discriminator="kind")]
+    source: Annotated[Union[OracleSource, FileSource, ClientSource], Field(discriminator="kind")]
     n_inner: int = Field(300, ge=1, le=5000)
     n_outer: int = Field(500, ge=2, le=5000)
     threshold: Finite | None = Field(None, description="JIT threshold; null: calibrated on held-out pairs")

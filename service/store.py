@@ -66,7 +66,8 @@ from kjit import __version__ as kjit_version
 from kjit.factors import UnknownFactorError
 from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
-from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, OracleError, QuadratureOracle
+from kjit.oracles import (ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, OracleError,
+                          QuadratureOracle)
 from kjit.persistence import dumps_state, loads_state
 
 from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
@@ -1081,6 +1082,8 @@ class OperatorStore:
 
 def oracle_kind(oracle) -> str:
     """The name a request uses for this oracle (``source.oracle`` of ``POST /v1/operators``)."""
+    if isinstance(oracle, ClientOracle):
+        return "client"
     if isinstance(oracle, MessageImportanceSampler):
         return "message_sampler"
     if isinstance(oracle, ImportanceSamplingOracle):

@@ -39,7 +39,7 @@ import numpy as np
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
 from kjit.operators import JITOperator, KernelOperator, calibrate_threshold
-from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+from kjit.oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
 __all__ = [
@@ -134,6 +134,7 @@ class TrainSpec:
     n: int | None = None                       # oracle run of n pairs
     distribution: str | Mapping = "default"    # "default" or per-parameter ranges
     training_set: str | None = None            # path of a TrainingSet .npz (already resolved)
+    pairs: TrainingSet | None = None           # pairs sent with the request (oracle "client")
     oracle: str = "quadrature"                 # or "importance_sampling", "message_sampler", "auto"
     n_samples: int = 100_000                   # importance-sampling particles (message_sampler: the cap per message)
     target_se: float = 1e-2                    # message_sampler: standard error to reach per coordinate
@@ -153,6 +154,8 @@ class TrainSpec:
 
     def build_oracle(self, factor: Factor):
         kind = self.resolved_oracle(factor)
+        if kind == "client":
+            return ClientOracle(factor)
         if kind == "message_sampler":
             n_initial = min(2000, int(self.n_samples))
             return MessageImportanceSampler(factor, target_se=self.target_se, n_initial=n_initial,
@@ -177,6 +180,7 @@ class TrainSpec:
 
     def describe(self) -> dict:
         src = ({"kind": "file", "path": self.training_set} if self.training_set is not None else
+               {"kind": "client", "n": len(self.pairs), "oracle": "client"} if self.pairs is not None else
                {"kind": "oracle", "n": self.n, "oracle": self.oracle,
                 "distribution": self.distribution if isinstance(self.distribution, str) else dict(self.distribution)})
         return {"factor": self.factor, "factor_params": dict(self.factor_params), "to": self.to,
@@ -216,8 +220,8 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
     factor.check_to(spec.to)
     oracle = spec.build_oracle(factor)
     held_out = None
-    if spec.training_set is not None:
-        ts = TrainingSet.load(spec.training_set)
+    if spec.training_set is not None or spec.pairs is not None:
+        ts = TrainingSet.load(spec.training_set) if spec.pairs is None else spec.pairs
         if ts.factor != factor.name or ts.to != spec.to:
             raise ValueError(f"the training set is for {ts.factor}→{ts.to}, not {factor.name}→{spec.to}")
         if ts.factor_params != factor.params():
