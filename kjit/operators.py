@@ -644,6 +644,13 @@ class JITOperator(Operator):
         held-out pairs are then learned online.
     to : recipient variable (taken from ``operator`` when given).
     operator_kwargs : constructor arguments for the KernelOperator built after the initial batch.
+    uncertainty : what the threshold is applied to.  "predictive" (default): the BLR's predictive
+        variance ψᵀΣψ + σ_y² (the paper's rule).  "epistemic": ψᵀΣψ alone, the part that learning
+        reduces — for a noisy oracle (importance sampling) the evidence sets σ_y² near the oracle's
+        own error, and a threshold below that floor would consult every row forever (measured on
+        the Poisson–Gamma JIT experiment of benchmarks/ep_models.py); a row then counts as known
+        once the operator has seen enough like it, and its answer is as good as the oracle's.
+        ``predict`` returns the log variance the rule used.
     selection : which uncertain rows of a request go to the oracle.  "greedy" (default): a few,
         picked by :func:`greedy_consultations` (most uncertain first) so that after learning
         them every row of the request is under the
@@ -660,7 +667,10 @@ class JITOperator(Operator):
 
     def __init__(self, operator: KernelOperator | None, oracle, threshold: float = -8.5,
                  initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
-                 target_kl: float | None = None, selection: str = "greedy"):
+                 target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive"):
+        if uncertainty not in ("predictive", "epistemic"):
+            raise ValueError(f"`uncertainty` must be 'predictive' or 'epistemic', got {uncertainty!r}")
+        self.uncertainty = uncertainty
         if selection not in ("greedy", "all"):
             raise ValueError(f"`selection` must be 'greedy' or 'all', got {selection!r}")
         self.selection = selection
@@ -818,7 +828,7 @@ class JITOperator(Operator):
         n = next(iter(flat.values())).size
         t = time.perf_counter()
         coords, var, psi = self.operator.predict_coords(flat, return_var=True, return_features=True)
-        logvar = np.log(var)
+        logvar = self._decision_logvar(var)
         self._counts["seconds_predict"] += time.perf_counter() - t
         uncertain = self._uncertain(flat, coords, logvar)
         consulted = np.zeros(n, dtype=bool)
@@ -830,7 +840,9 @@ class JITOperator(Operator):
                 op = self.operator
                 # latent-variance limit equivalent to the threshold on the largest coordinate;
                 # 0.99: a margin for the float32 prediction path
-                limit = 0.99 * np.exp(self.threshold) / np.max(op.y_scale_) ** 2 - op.noise_var_
+                limit = 0.99 * np.exp(self.threshold) / np.max(op.y_scale_) ** 2
+                if self.uncertainty == "predictive":
+                    limit -= op.noise_var_
                 t = time.perf_counter()
                 pick = greedy_consultations(psi[rows], op.blr_.Sigma_, op.noise_var_, limit)
                 self._counts["seconds_predict"] += time.perf_counter() - t
@@ -860,7 +872,7 @@ class JITOperator(Operator):
                 c2, v2, p2 = self.operator.predict_coords({v: m[rest] for v, m in flat.items()},
                                                           return_var=True, return_features=True)
                 self._counts["seconds_predict"] += time.perf_counter() - t
-                coords[rest], logvar[rest], psi[rest] = c2, np.log(v2), p2
+                coords[rest], logvar[rest], psi[rest] = c2, self._decision_logvar(v2), p2
                 uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest])
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
@@ -876,6 +888,14 @@ class JITOperator(Operator):
             q_hat = self.family(*params)
         return q_hat, logvar, consulted
 
+    def _decision_logvar(self, var):
+        """log of the variance the threshold is applied to (see ``uncertainty``)."""
+        if self.uncertainty == "predictive":
+            return np.log(var)
+        op = self.operator
+        with np.errstate(divide="ignore"):
+            return np.log(np.maximum(var - op.noise_var_ * np.asarray(op.y_scale_) ** 2, 0.0))
+
     def _uncertain(self, flat, coords, logvar):
         """Rows to consult: the belief's log predictive variance exceeds the threshold in some
         coordinate, or the outgoing message's precision has an undetermined sign
@@ -883,7 +903,9 @@ class JITOperator(Operator):
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         op = self.operator
-        epistemic = np.maximum(np.exp(logvar) - op.noise_var_ * np.asarray(op.y_scale_) ** 2, 0.0)
+        epistemic = np.exp(logvar)
+        if self.uncertainty == "predictive":
+            epistemic = np.maximum(epistemic - op.noise_var_ * np.asarray(op.y_scale_) ** 2, 0.0)
         return np.any(logvar > self.threshold, axis=-1) | sign_undetermined(
             self.factor, self.to, flat, coords, epistemic)
 
@@ -984,7 +1006,7 @@ class JITOperator(Operator):
         state = {
             "params": {"factor": self.factor.name, "factor_params": json.dumps(self.factor.params()),
                        "to": self.to, "threshold": self.threshold, "initial_batch": self.initial_batch,
-                       "target_kl": self.target_kl, "selection": self.selection,
+                       "target_kl": self.target_kl, "selection": self.selection, "uncertainty": self.uncertainty,
                        "operator_kwargs": json.dumps(self.operator_kwargs)},
             "counters": dict(self._counts),
             "oracle": oracle,
@@ -1033,7 +1055,7 @@ class JITOperator(Operator):
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
             jit = cls(operator, oracle, threshold=float(p["threshold"]), initial_batch=int(p["initial_batch"]),
                       to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]), target_kl=p.get("target_kl"),
-                      selection=p.get("selection", "all"))
+                      selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"))
             for k, v in state["counters"].items():
                 jit._counts[k] = type(jit._counts.get(k, 0.0))(v)
             if "pending" in state:

@@ -211,3 +211,28 @@ def test_log_evidence_is_none_with_a_reason_when_an_operator_has_none():
 
     res = GraphEP(_logistic_graph(np.array([1, 0, 1])), operators={("logistic", "x"): NoPartition()}).run()
     assert res.log_evidence is None and "no log_partition" in res.log_evidence_note
+
+
+@pytest.mark.parametrize("schedule", ["parallel", "sequential"])
+def test_power_ep_on_a_one_weight_graph_equals_linear_ep(schedule):
+    y = np.random.default_rng(3).integers(0, 2, 15)
+    res = GraphEP(_logistic_graph(y), tol=1e-11, schedule=schedule, power=0.5).run()
+    ref = LinearEP(QuadratureOracle(Logistic()), tol=1e-11, schedule=schedule, power=0.5).run(
+        np.ones((15, 1)), {"z": Beta(np.where(y == 1, 2.0, 1.0), np.where(y == 1, 1.0, 2.0))})
+    assert res.converged and res.log_evidence is None
+    assert res.beliefs["w"].mean() == pytest.approx(ref.mean[0], rel=1e-9)
+    assert res.beliefs["w"].var() == pytest.approx(ref.cov[0, 0], rel=1e-9)
+    # and it differs from EP (the test can fail)
+    ep = GraphEP(_logistic_graph(y), tol=1e-11, schedule=schedule).run()
+    assert abs(ep.beliefs["w"].var() - res.beliefs["w"].var()) > 1e-6
+
+
+def test_power_ep_is_refused_with_the_reason_where_the_factor_has_no_power():
+    g = FactorGraph()
+    g.add_variable("u", Gaussian(0.0, 1.0))
+    g.add_variable("v", Gaussian(1.0, 1.0))
+    g.add_factor("product", {"x": "u", "y": "v", "z": Gaussian(1.0, 0.1)})
+    with pytest.raises(ValueError, match="power EP.*not a density"):
+        GraphEP(g, power=0.5).run()
+    with pytest.raises(ValueError, match="power"):
+        GraphEP(g, power=-1.0)

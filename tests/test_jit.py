@@ -653,3 +653,28 @@ def test_learned_groups_are_positions_in_the_request(oracle):
     np.testing.assert_array_equal(np.sort(learned), np.flatnonzero(consulted[start:]) + start)
     _, _, c2 = jit.predict(inside(10, rng))  # reset per request
     assert sum(len(g) for g in jit.last_learned_groups_) == c2.sum()
+
+
+def test_epistemic_uncertainty_stops_consulting_where_the_noise_floor_is_above_the_threshold():
+    """A noisy-oracle operator (σ_y² fixed at 1e-2) with the threshold below its noise floor: the
+    predictive rule consults the same rows on every request forever; the epistemic rule stops once
+    it has learned them (its variance there falls as 1/n), and says so in its log variance."""
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import logistic_incoming, make_training_set
+
+    f = Logistic()
+    pairs = make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=200, random_state=0)
+    inc = logistic_incoming(10, np.random.default_rng(5))
+    counts = {}
+    for mode in ("predictive", "epistemic"):
+        op = KernelOperator(f, "x", n_inner=30, n_outer=60, noise_vars=(1e-2,), random_state=0).fit(pairs)
+        floor = float(np.log(op.noise_var_ * np.max(op.y_scale_) ** 2))
+        jit = JITOperator(op, QuadratureOracle(f), threshold=floor - 1.0, uncertainty=mode)
+        counts[mode] = [int(jit.predict(inc)[2].sum()) for _ in range(8)]
+    assert all(c == 10 for c in counts["predictive"])
+    assert counts["epistemic"][-1] == 0 and counts["epistemic"][0] > 0
+    jit2 = JITOperator.from_state_dict(jit.state_dict())
+    assert jit2.uncertainty == "epistemic"
+    with pytest.raises(ValueError, match="uncertainty"):
+        JITOperator(op, QuadratureOracle(f), uncertainty="both")

@@ -168,11 +168,16 @@ class GraphEP:
     max_iter, tol : iteration cap and convergence tolerance (module docstring).
     schedule : ``"parallel"`` (default) or ``"sequential"``.
     compute_evidence : after the run, the EP log evidence (``GraphResult.log_evidence``) where every
-        operator has a ``log_partition``.
+        operator has a ``log_partition`` (EP only, not power EP).
+    power : power EP's u > 0 (1 = EP): the cavity removes the fraction u of each site, the operator
+        answers for f^u (``belief(incoming, to, power=u)``; operators must have ``supports_power``:
+        the exact rules of logistic, probit_noise, gaussian, gamma_rate do, product and exp refuse
+        with the reason), and the new site is (q / cavity)^(1/u).
     """
 
     def __init__(self, graph: FactorGraph, operators: Mapping | None = None, damping: float = 0.0,
-                 max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True):
+                 max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
+                 power: float = 1.0):
         if not isinstance(graph, FactorGraph):
             raise ValueError("`graph` must be a FactorGraph")
         if not (0.0 <= damping < 1.0):
@@ -188,10 +193,25 @@ class GraphEP:
         self.tol = float(tol)
         self.schedule = schedule
         self.compute_evidence = bool(compute_evidence)
+        if not (isinstance(power, (int, float, np.floating, np.integer)) and np.isfinite(power) and power > 0):
+            raise ValueError(f"`power` must be a finite number > 0, got {power!r}")
+        self.power = float(power)
         self._default_ops: dict = {}
 
     # ------------------------------------------------------------------ operators and groups
     def _operator(self, factor: Factor, to: str):
+        op = self._operator_for(factor, to)
+        if self.power != 1.0:
+            from ..protocols import supports_power
+
+            if not supports_power(op):
+                reason = getattr(factor, "no_power_reason", None)
+                raise ValueError(f"power EP (power={self.power:g}) needs an operator for ({factor.name!r}, {to!r}) "
+                                 f"that answers for f^u; {type(op).__name__} has none"
+                                 + (f" ({factor.name}: {reason})" if reason else ""))
+        return op
+
+    def _operator_for(self, factor: Factor, to: str):
         key = (factor.name, to)
         if key in self.operators:
             return self.operators[key]
@@ -221,6 +241,10 @@ class GraphEP:
         g = self.graph
         if not g.factors:
             raise ValueError("the graph has no factors")
+        for f, bind in g.factors:  # every (factor, recipient) has an operator (and power where asked)
+            for fv, b in bind.items():
+                if isinstance(b, str):
+                    self._operator(f, fv)
         names = list(g.variables)
         prior_nat = {v: np.asarray(g.variables[v][1].natural(), float).reshape(-1) for v in names}
         # sites: (factor index, factor variable) -> natural parameters (zeros: a flat message)
@@ -263,7 +287,12 @@ class GraphEP:
         else:
             outcome, status = "max_iter", (f"stopped at max_iter={self.max_iter} without convergence (last max change "
                                            f"{history[-1].max_change:.3g}, {history[-1].n_skipped} update(s) skipped)")
-        log_z, note = self._log_evidence(prior_nat, sites, post) if self.compute_evidence else (None, "not computed")
+        if not self.compute_evidence:
+            log_z, note = None, "not computed"
+        elif self.power != 1.0:
+            log_z, note = None, "not computed for power EP"
+        else:
+            log_z, note = self._log_evidence(prior_nat, sites, post)
         if log_z is not None and not converged:
             note += "; EP did not converge, so this is the estimate at the last iterate"
         return GraphResult(self._beliefs(post), converged, outcome, n, status, history,
@@ -340,7 +369,7 @@ class GraphEP:
             ok = np.ones(len(members), dtype=bool)
             for fv in bound:
                 fam = f.families[fv]
-                nat = np.stack([post[g.factors[j][1][fv]] - sites[(j, fv)] for j in members])
+                nat = np.stack([post[g.factors[j][1][fv]] - self.power * sites[(j, fv)] for j in members])
                 with np.errstate(all="ignore"):
                     m = fam.from_natural(nat)
                     good = np.asarray(m.is_proper, bool) & np.all(np.isfinite(nat), axis=1)
@@ -369,7 +398,7 @@ class GraphEP:
                     rec.operator_calls += 1
                     try:
                         with np.errstate(all="ignore"):
-                            q = op.belief(sub, to)
+                            q = op.belief(sub, to) if self.power == 1.0 else op.belief(sub, to, power=self.power)
                         break
                     except Exception as exc:  # skip and report, as LinearEP does
                         if len(rec.errors) < 5:
@@ -398,7 +427,7 @@ class GraphEP:
                 for r, qrow, gd in zip(live, qn, good):
                     if gd:
                         j = members[rows[r]]
-                        proposals[(j, to)] = qrow - cav[to][0][rows[r]]
+                        proposals[(j, to)] = (qrow - cav[to][0][rows[r]]) / self.power
         return proposals
 
     def _apply(self, prior_nat, sites, proposals, rec):
