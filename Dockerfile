@@ -7,6 +7,9 @@
 # Configuration is by KJIT_* environment variables (service/settings.py): KJIT_STORE (default here
 # /data/store, on the volume), KJIT_PORT, KJIT_TOKEN, KJIT_DEFAULT_OPERATORS, KJIT_DEFAULT_N_TRAIN, ...
 # Replicas: KJIT_SHARED_STORE=redis://host:6379/0 (the Redis client is in the image; service/README.md).
+# Your own factors: mount a directory of plugin modules at /plugins (on the image's PYTHONPATH) and name
+# them in KJIT_FACTORS, e.g. `-v ./plugins:/plugins:ro -e KJIT_FACTORS=user_factors` (docker-compose.yml);
+# POST /v1/operators then trains their operators (README: "Your own factor, served").
 # On first start the default operators are trained into the store (a few minutes at the default sizes);
 # later starts load them (--init lets a stop signal interrupt that training).  Arguments replace the
 # command: `docker run ... kjit demo`.  Builds and runs on the reference base are checked by
@@ -49,12 +52,13 @@ RUN set -eu; \
 FROM ${BASE}
 RUN set -eu; \
     useradd --system --uid 10001 --user-group --home-dir /home/kjit --create-home --shell /usr/sbin/nologin kjit; \
-    mkdir -p /data/store; \
+    mkdir -p /data/store /plugins; \
     chown -R kjit:kjit /data
 COPY --from=build /opt/kjit /opt/kjit
 ENV PATH=/opt/kjit/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONPATH=/plugins \
     KJIT_STORE=/data/store \
     KJIT_PORT=8000
 USER kjit

@@ -130,11 +130,23 @@ class RemoteOperator:
     timeout : seconds for each request (connect: at most 5 s).
     retries : extra attempts after a connection error on idempotent calls.
     backoff : first wait between attempts in seconds (doubles each time).
+    oracle : a local oracle (``belief(incoming, to)``, e.g. a
+        :class:`~kjit.oracles.MessageImportanceSampler` of your own factor) for a served operator whose
+        oracle runs on its clients (created with ``source.kind = "client"``): the just-in-time loop
+        runs across the wire — the server answers ``mode=predict`` with beliefs and log variances,
+        rows above its threshold are answered here by ``oracle``, used, and sent back as
+        observations (with an ``Idempotency-Key``: a retry is counted once).  ``consultations_``
+        counts the rows answered here.
     """
 
     def __init__(self, url: str, name: str, token: str | None = None, mode: str = "jit", timeout: float = 60.0,
-                 retries: int = 3, backoff: float = 0.1, client=None):
+                 retries: int = 3, backoff: float = 0.1, client=None, oracle=None):
         import httpx
+
+        if oracle is not None and not callable(getattr(oracle, "belief", None)):
+            raise ValueError("`oracle` must have a belief(incoming, to) method")
+        self.local_oracle = oracle
+        self.consultations_ = 0
 
         if mode not in _MODES:
             raise ValueError(f"`mode` must be one of {', '.join(_MODES)}, got {mode!r}")
@@ -244,6 +256,13 @@ class RemoteOperator:
         if self._factor is None:
             i = self.info()
             self._factor = get_factor(i["factor"], **i.get("factor_params", {}))
+            if self.local_oracle is not None:
+                mine = self.local_oracle.factor
+                theirs = {v: family_name(f) for v, f in self._factor.families.items()}
+                if {v: family_name(f) for v, f in mine.families.items()} != theirs:
+                    raise ValueError(f"the oracle's factor {mine.name!r} has variables and families "
+                                     f"{ {v: family_name(f) for v, f in mine.families.items()} }, operator "
+                                     f"{self.name!r} {theirs}")
         return self._factor
 
     @property
@@ -264,7 +283,10 @@ class RemoteOperator:
     @property
     def oracle(self) -> "RemoteOperator":
         """The same served operator in ``oracle`` mode (sharing this client's connection): what the
-        EP engine asks for uncertain answers with ``on_uncertain="oracle"``."""
+        EP engine asks for uncertain answers with ``on_uncertain="oracle"`` — or the local oracle
+        when one was given."""
+        if self.local_oracle is not None:
+            return self.local_oracle
         if self.mode == "oracle":
             return self
         view = copy.copy(self)
@@ -334,23 +356,54 @@ class RemoteOperator:
         self.last_consulted_ = int(consulted.sum())
         return beliefs, natural, logvar, consulted, shape, flat
 
+    def _answer(self, incoming):
+        """``_call`` in this operator's mode, or with a local oracle the just-in-time loop across
+        the wire (see the class docstring)."""
+        if self.local_oracle is None:
+            return self._call(incoming, self.mode)
+        q, natural, logvar, consulted, shape, flat = self._call(incoming, "predict")
+        thr = self.threshold
+        uncertain = np.any(logvar > thr, axis=1) if thr is not None else np.zeros(len(q), dtype=bool)
+        if uncertain.any():
+            rows = np.flatnonzero(uncertain)
+            sub = {v: m[rows] for v, m in flat.items()}
+            q_or = self.local_oracle.belief(sub, self.to)
+            fam = self.family
+            if not isinstance(q_or, fam) or q_or.shape != (rows.size,):
+                raise ValueError(f"the oracle must answer {rows.size} {fam.__name__} beliefs, got "
+                                 f"{type(q_or).__name__} of shape {getattr(q_or, 'shape', None)}")
+            bad = ~(np.asarray(q_or.is_proper, bool) & np.all([np.isfinite(p) for p in q_or.params], axis=0))
+            if bad.any():
+                raise ValueError(f"the oracle's beliefs are improper or not finite in row(s) "
+                                 f"{rows[bad].tolist()} of the batch: nothing was sent")
+            params = [np.array(p, dtype=float) for p in q.params]
+            for p, new in zip(params, q_or.params):
+                p[rows] = new
+            q = fam(*params)
+            natural = (q / flat[self.to]).natural().reshape(len(q), -1)
+            self.observe(sub, q_or)  # durable on the server when this returns; retried once-only
+            consulted = uncertain
+            self.consultations_ += int(rows.size)
+        self.last_consulted_ = int(uncertain.sum())
+        return q, natural, logvar, consulted, shape, flat
+
     def predict(self, incoming: Mapping[str, Family], to: str | None = None):
         """``(belief, log predictive variance (…, k), consulted mask)`` like ``JITOperator.predict``
         (log variance is NaN where the server was asked in ``oracle`` mode)."""
         self._check_to(to)
-        q, _, logvar, consulted, shape, _ = self._call(incoming, self.mode)
+        q, _, logvar, consulted, shape, _ = self._answer(incoming)
         return q.reshape(shape), logvar.reshape(shape + (logvar.shape[-1],)), consulted.reshape(shape)
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
-        q, _, _, _, shape, _ = self._call(incoming, self.mode)
+        q, _, _, _, shape, _ = self._answer(incoming)
         return q.reshape(shape)
 
     def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         """Outgoing messages q / incoming[to], rebuilt from the server's natural parameters (exact;
         may be improper: check ``is_proper``)."""
         self._check_to(to)
-        _, natural, _, _, shape, _ = self._call(incoming, self.mode)
+        _, natural, _, _, shape, _ = self._answer(incoming)
         return self.family.from_natural(natural).reshape(shape)
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:

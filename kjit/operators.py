@@ -983,9 +983,17 @@ class JITOperator(Operator):
         """Everything needed to continue exactly where this operator stopped: the learned
         operator (or the pending initial batch), counters, threshold, and the oracle's
         configuration including its random generator state."""
-        from .oracles import ImportanceSamplingOracle, QuadratureOracle
+        from .oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 
-        if isinstance(self.oracle, ImportanceSamplingOracle):  # noqa: SIM114
+        if isinstance(self.oracle, ClientOracle):
+            oracle = {"kind": "client"}
+        elif isinstance(self.oracle, MessageImportanceSampler):
+            o = self.oracle
+            oracle = {"kind": "message_sampler", "target_se": o.target_se, "min_ess": o.min_ess,
+                      "target_ess": json.dumps(o.target_ess), "n_initial": o.n_initial,
+                      "max_samples": o.max_samples, "growth": o.growth, "chunk_elements": o.chunk_elements,
+                      "rng_state": json.dumps(o._rng.bit_generator.state)}
+        elif isinstance(self.oracle, ImportanceSamplingOracle):  # noqa: SIM114
             o = self.oracle
             oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
                       "chunk": o.chunk, "rng_state": json.dumps(o._rng.bit_generator.state),
@@ -1017,7 +1025,7 @@ class JITOperator(Operator):
     @classmethod
     def from_state_dict(cls, state: Mapping) -> "JITOperator":
         from .families import family_by_name
-        from .oracles import ImportanceSamplingOracle, QuadratureOracle
+        from .oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 
         try:
             p = state["params"]
@@ -1033,6 +1041,15 @@ class JITOperator(Operator):
                 oracle._rng.bit_generator.state = json.loads(o["rng_state"])
                 if "pool" in o:  # mid-way through a reused particle draw: the same particles again
                     oracle.set_pool_state(json.loads(o["pool"]))
+            elif o["kind"] == "client":
+                oracle = ClientOracle(factor)
+            elif o["kind"] == "message_sampler":
+                oracle = MessageImportanceSampler(
+                    factor, target_se=float(o["target_se"]), min_ess=float(o["min_ess"]),
+                    target_ess=json.loads(o["target_ess"]), n_initial=int(o["n_initial"]),
+                    max_samples=int(o["max_samples"]), growth=int(o["growth"]),
+                    chunk_elements=int(o["chunk_elements"]))
+                oracle._rng.bit_generator.state = json.loads(o["rng_state"])
             else:
                 raise ValueError(f"unknown oracle kind {o['kind']!r}")
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None

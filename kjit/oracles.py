@@ -37,6 +37,7 @@ __all__ = [
     "QuadratureOracle",
     "ImportanceSamplingOracle",
     "MessageImportanceSampler",
+    "ClientOracle",
     "LowESSError",
     "OracleError",
 ]
@@ -522,3 +523,23 @@ class MessageImportanceSampler(Oracle):
         with the particles of the output's recipient rule."""
         flat, shape = self._prepare(incoming, None)
         return self._estimate_flat(flat, self.factor.output)[4].reshape(shape)
+
+
+# ====================================================================== oracle elsewhere
+class ClientOracle(Oracle):
+    """The oracle of an operator whose oracle runs on its clients (a served operator of a factor
+    the server has no code for, :class:`kjit.factors.declared.DeclaredFactor`): asking it is an
+    :class:`OracleError` saying so.  The operator learns from the pairs its clients send."""
+
+    has_log_partition = False
+
+    def __init__(self, factor: Factor):
+        self.factor = factor
+
+    def __repr__(self):
+        return f"ClientOracle({self.factor!r})"
+
+    def _belief_flat(self, flat, to):
+        label = getattr(self.factor, "label", self.factor.name)
+        raise OracleError(f"the oracle of factor {label!r} runs on its clients, not here: ask for predictions "
+                          f"(mode=predict) and send the oracle's answers as observations")

@@ -16,6 +16,8 @@ from fastapi.security import HTTPBearer
 from kjit import __version__ as kjit_version
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
+from kjit.oracles import ClientOracle
+from kjit.training import TrainingSet
 
 from . import schemas
 from .errors import ApiError, internal_error
@@ -257,6 +259,10 @@ def messages(
 ):
     store = request.app.state.store
     metrics = request.app.state.metrics
+    if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
+        raise ApiError(422, ["query", "mode"], f"operator {entry.name!r} has no oracle on the server (its clients run "
+                                               f"it): use mode=predict and send the oracle's answers to "
+                                               f"/v1/operators/{entry.name}/observations", "no_server_oracle")
     _check_to(entry, store, req.to)
     inc = to_families(entry.jit.factor, req.incoming, settings.max_batch)
     n_rows = len(next(iter(inc.values())))
@@ -408,7 +414,52 @@ def merge(entry: Annotated[Entry, Depends(get_entry)]):
 
 
 # ------------------------------------------------------------------------------ training jobs
+def _beliefs_from(batch, fam, n: int, loc: list) -> Family:
+    """A request's belief batch of family ``fam`` for ``n`` rows; 422 naming the field."""
+    want = family_name(fam)
+    if batch.family != want:
+        raise ApiError(422, loc + ["family"], f"beliefs on this recipient are {want} messages, got {batch.family!r}",
+                       "wrong_family")
+    cols = [getattr(batch, p) for p in fam.param_names]
+    errs = [{"loc": loc + [p], "type": "length_mismatch", "msg": f"{len(c)} values for {n} rows of incoming messages"}
+            for p, c in zip(fam.param_names, cols) if len(c) != n]
+    if errs:
+        raise ApiError.many(422, errs)
+    try:
+        return fam(*cols)
+    except ValueError as exc:
+        raise ApiError(422, loc, str(exc), "value_error") from None
+
+
+def _client_spec(req: schemas.TrainRequest, settings: Settings) -> TrainSpec:
+    """``source.kind == "client"``: a factor known by its variables and families (no code here)."""
+    src = req.source
+    if req.factor_params:
+        raise ApiError(422, ["body", "factor_params"], "a factor declared by its variables takes no parameters",
+                       "value_error")
+    try:
+        factor = get_factor("declared", label=req.factor, variables=dict(src.variables), output=src.output)
+    except ValueError as exc:
+        path = str(exc).split(":", 1)[0].split(".")
+        loc = ["body", "factor"] if path == ["label"] else ["body", "source", *path]
+        raise ApiError(422, loc, str(exc), "value_error") from None
+    if req.to not in factor.variables:
+        raise ApiError(422, ["body", "to"], f"unknown recipient {req.to!r}; the variables are "
+                                            f"{', '.join(factor.variables)}", "unknown_recipient")
+    inc = to_families(factor, src.incoming, settings.max_batch, loc=("body", "source", "incoming"))
+    n = len(next(iter(inc.values())))
+    if n < 4:
+        raise ApiError(422, ["body", "source", "beliefs"], f"{n} initial pairs; at least 4 are needed", "too_short")
+    beliefs = _beliefs_from(src.beliefs, factor.families[req.to], n, ["body", "source", "beliefs"])
+    pairs = TrainingSet(factor.name, req.to, inc, beliefs, factor.params())
+    return TrainSpec(factor="declared", to=req.to, factor_params=factor.params(), n_inner=req.n_inner,
+                     n_outer=req.n_outer, threshold=req.threshold, initial_batch=req.initial_batch,
+                     random_state=req.random_state, oracle="client", pairs=pairs, n_jobs=settings.n_jobs)
+
+
 def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSpec:
+    if req.source.kind == "client":
+        return _client_spec(req, settings)
     try:
         factor = get_factor(req.factor, **req.factor_params)
     except ValueError as exc:
@@ -423,8 +474,9 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     spec = TrainSpec(factor=req.factor, to=req.to, factor_params=dict(req.factor_params), n_inner=req.n_inner,
                      n_outer=req.n_outer, threshold=req.threshold, initial_batch=req.initial_batch,
                      random_state=req.random_state, oracle=src.oracle, n_samples=src.n_samples,
-                     n_jobs=settings.n_jobs)
+                     target_se=src.target_se, n_jobs=settings.n_jobs)
     try:
+        spec.oracle = spec.resolved_oracle(factor)  # "auto" → the kind chosen, recorded with the operator
         spec.build_oracle(factor)
     except ValueError as exc:
         raise ApiError(422, ["body", "source", "oracle"], str(exc), "value_error") from None
@@ -471,7 +523,9 @@ def create_operator(request: Request, settings: Annotated[Settings, Depends(get_
                                    (["body", "n_inner"], req.n_inner, settings.max_n_inner, "KJIT_MAX_N_INNER"),
                                    (["body", "n_outer"], req.n_outer, settings.max_n_outer, "KJIT_MAX_N_OUTER"),
                                    (["body", "source", "n_samples"],
-                                    req.source.n_samples if req.source.oracle == "importance_sampling" else None,
+                                    getattr(req.source, "n_samples", None)
+                                    if getattr(req.source, "oracle", None) in ("importance_sampling",
+                                                                               "message_sampler", "auto") else None,
                                     settings.max_n_samples, "KJIT_MAX_N_SAMPLES")):
         if value is not None and value > limit:
             errs.append({"loc": loc, "type": "too_large",
@@ -482,7 +536,11 @@ def create_operator(request: Request, settings: Annotated[Settings, Depends(get_
         raise ApiError(409, ["body", "name"], f"an operator named {req.name!r} already exists", "name_taken")
     spec = _spec_from_request(req, settings)
     try:
-        job = jobs.submit(req.name, spec, req.model_dump(), max_pending=settings.max_queued_jobs)
+        record = req.model_dump()
+        if spec.pairs is not None:  # the job record keeps the pairs' count, not the pairs
+            record["source"] = {k: v for k, v in record["source"].items() if k not in ("incoming", "beliefs")}
+            record["source"]["n_pairs"] = len(spec.pairs)
+        job = jobs.submit(req.name, spec, record, max_pending=settings.max_queued_jobs)
     except Conflict as exc:
         raise ApiError(409, ["body", "name"], str(exc), "name_taken") from None
     except QueueFull as exc:

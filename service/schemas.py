@@ -154,21 +154,43 @@ class ParamRange(_Strict):
     scale: Literal["linear", "log"] = "linear"
 
 
+OracleKind = Literal["auto", "quadrature", "importance_sampling", "message_sampler"]
+ORACLE_DOC = ("the operator's oracle (training pairs and just-in-time fallback): `auto` (default) — the factor's "
+              "exact rule for the recipient if it has one (`quadrature`), else `message_sampler` (per-message "
+              "importance sampling; any sampleable factor, plugins included); `importance_sampling`: one shared "
+              "proposal (the paper's)")
+
+
 class OracleSource(_Strict):
     kind: Literal["oracle"]
     n: int = Field(ge=4, le=200_000, description="training pairs to draw and answer with the oracle")
     distribution: Literal["default"] | dict[str, dict[str, ParamRange]] = Field(
         "default", description="'default' (documented per factor) or, per variable and parameter, a range")
-    oracle: Literal["quadrature", "importance_sampling"] = "quadrature"
-    n_samples: int = Field(100_000, ge=100, le=5_000_000, description="importance-sampling particles")
+    oracle: OracleKind = Field("auto", description=ORACLE_DOC)
+    n_samples: int = Field(100_000, ge=100, le=5_000_000, description="importance-sampling particles "
+                           "(message_sampler: the most particles spent on one message)")
+    target_se: float = Field(1e-2, gt=0, le=1, allow_inf_nan=False, strict=True,
+                             description="message_sampler: Monte Carlo standard error to reach per coordinate")
 
 
 class FileSource(_Strict):
     kind: Literal["file"]
     path: str = Field(description="training-set .npz (kjit.training.TrainingSet.save), relative to "
                                   "<store>/training-sets")
-    oracle: Literal["quadrature", "importance_sampling"] = "quadrature"
+    oracle: OracleKind = Field("auto", description=ORACLE_DOC)
     n_samples: int = Field(100_000, ge=100, le=5_000_000)
+    target_se: float = Field(1e-2, gt=0, le=1, allow_inf_nan=False, strict=True)
+
+
+class ClientSource(_Strict):
+    """A factor the server has no code for: its variables and families, and the first batch of pairs
+    its clients' oracle computed.  The operator's oracle stays on the clients (they send its
+    answers as observations); the server never runs it."""
+    kind: Literal["client"]
+    variables: dict[str, str] = Field(description="variable name (an identifier) → message family name")
+    output: str = Field(description="the factor's output variable (one of `variables`)")
+    incoming: dict[str, MessageBatch] = Field(description="the initial pairs' incoming messages, per variable")
+    beliefs: MessageBatch = Field(description="the initial pairs' beliefs on `to`, computed by the client's oracle")
 
 
 class TrainRequest(_Strict):
@@ -179,7 +201,7 @@ class TrainRequest(_Strict):
     factor: str
     factor_params: dict[str, Finite] = Field(default_factory=dict)
     to: str
-    source: Annotated[Union[OracleSource, FileSource], Field(discriminator="kind")]
+    source: Annotated[Union[OracleSource, FileSource, ClientSource], Field(discriminator="kind")]
     n_inner: int = Field(300, ge=1, le=5000)
     n_outer: int = Field(500, ge=2, le=5000)
     threshold: Finite | None = Field(None, description="JIT threshold; null: calibrated on held-out pairs")

@@ -66,7 +66,8 @@ from kjit import __version__ as kjit_version
 from kjit.factors import UnknownFactorError
 from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
-from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
+from kjit.oracles import (ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, OracleError,
+                          QuadratureOracle)
 from kjit.persistence import dumps_state, loads_state
 
 from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
@@ -589,7 +590,8 @@ class Entry:
             return q, logvar, np.zeros(n, dtype=bool), version, 0
         if mode == "oracle":
             # the importance sampler draws from a generator that is part of the state
-            ctx = self.lock.write() if isinstance(jit.oracle, ImportanceSamplingOracle) else self.lock.read()
+            ctx = (self.lock.write() if isinstance(jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler))
+                   else self.lock.read())
             with ctx:
                 try:
                     q = self.jit.oracle.belief(incoming, self.jit.to)
@@ -746,7 +748,7 @@ class Entry:
                 "features": {"n_inner": op.n_inner, "n_outer": op.n_outer, "treatment": op.treatment, "target": op.target},
                 "hyperparameters": json.loads(json.dumps(op.hyperparameters(), default=lambda o: o.tolist())),
                 "threshold": jit.threshold,
-                "oracle": {"kind": "importance_sampling" if isinstance(jit.oracle, ImportanceSamplingOracle) else "quadrature"},
+                "oracle": {"kind": oracle_kind(jit.oracle)},
                 "counters": jit.counters(),
                 "updates": {"version": self.version, "observed_pairs": self.observed_pairs,
                             "learned_pairs": self.learned_pairs, "log_generation": self.gen,
@@ -1076,6 +1078,17 @@ class OperatorStore:
             self.failed.pop(name, None)
             self.missing_factors.pop(name, None)
         return entry
+
+
+def oracle_kind(oracle) -> str:
+    """The name a request uses for this oracle (``source.oracle`` of ``POST /v1/operators``)."""
+    if isinstance(oracle, ClientOracle):
+        return "client"
+    if isinstance(oracle, MessageImportanceSampler):
+        return "message_sampler"
+    if isinstance(oracle, ImportanceSamplingOracle):
+        return "importance_sampling"
+    return "quadrature"
 
 
 def _counters_changed(entry: Entry) -> bool:

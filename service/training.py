@@ -39,7 +39,7 @@ import numpy as np
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
 from kjit.operators import JITOperator, KernelOperator, calibrate_threshold
-from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
+from kjit.oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
 __all__ = [
@@ -134,8 +134,10 @@ class TrainSpec:
     n: int | None = None                       # oracle run of n pairs
     distribution: str | Mapping = "default"    # "default" or per-parameter ranges
     training_set: str | None = None            # path of a TrainingSet .npz (already resolved)
-    oracle: str = "quadrature"                 # or "importance_sampling"
-    n_samples: int = 100_000                   # importance-sampling particles
+    pairs: TrainingSet | None = None           # pairs sent with the request (oracle "client")
+    oracle: str = "quadrature"                 # or "importance_sampling", "message_sampler", "auto"
+    n_samples: int = 100_000                   # importance-sampling particles (message_sampler: the cap per message)
+    target_se: float = 1e-2                    # message_sampler: standard error to reach per coordinate
     inner_factors: tuple = DEFAULT_INNER_FACTORS
     width_factors: tuple = DEFAULT_WIDTH_FACTORS
     n_jobs: int = 1
@@ -143,10 +145,29 @@ class TrainSpec:
     def build_factor(self) -> Factor:
         return get_factor(self.factor, **dict(self.factor_params))
 
+    def resolved_oracle(self, factor: Factor) -> str:
+        """``"auto"``: the factor's exact rule for the recipient if it has one, else the per-message
+        importance sampler (any sampleable factor)."""
+        if self.oracle == "auto":
+            return "quadrature" if factor.has_exact(self.to) else "message_sampler"
+        return self.oracle
+
     def build_oracle(self, factor: Factor):
-        if self.oracle == "quadrature":
+        kind = self.resolved_oracle(factor)
+        if kind == "client":
+            return ClientOracle(factor)
+        if kind == "message_sampler":
+            n_initial = min(2000, int(self.n_samples))
+            return MessageImportanceSampler(factor, target_se=self.target_se, n_initial=n_initial,
+                                            max_samples=max(int(self.n_samples), n_initial),
+                                            random_state=self.random_state)
+        if kind == "quadrature":
+            if not factor.has_exact(self.to):
+                raise ValueError(f"factor {factor.name!r} has no exact rule for {self.to!r} (it has: "
+                                 f"{', '.join(factor.exact_recipients) or 'none'}); use oracle 'message_sampler' "
+                                 f"or 'auto'")
             return QuadratureOracle(factor)
-        if self.oracle == "importance_sampling":
+        if kind == "importance_sampling":
             return ImportanceSamplingOracle(factor, n_samples=self.n_samples, random_state=self.random_state)
         raise ValueError(f"unknown oracle {self.oracle!r}")
 
@@ -159,6 +180,7 @@ class TrainSpec:
 
     def describe(self) -> dict:
         src = ({"kind": "file", "path": self.training_set} if self.training_set is not None else
+               {"kind": "client", "n": len(self.pairs), "oracle": "client"} if self.pairs is not None else
                {"kind": "oracle", "n": self.n, "oracle": self.oracle,
                 "distribution": self.distribution if isinstance(self.distribution, str) else dict(self.distribution)})
         return {"factor": self.factor, "factor_params": dict(self.factor_params), "to": self.to,
@@ -198,8 +220,8 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
     factor.check_to(spec.to)
     oracle = spec.build_oracle(factor)
     held_out = None
-    if spec.training_set is not None:
-        ts = TrainingSet.load(spec.training_set)
+    if spec.training_set is not None or spec.pairs is not None:
+        ts = TrainingSet.load(spec.training_set) if spec.pairs is None else spec.pairs
         if ts.factor != factor.name or ts.to != spec.to:
             raise ValueError(f"the training set is for {ts.factor}→{ts.to}, not {factor.name}→{spec.to}")
         if ts.factor_params != factor.params():

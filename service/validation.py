@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from fastapi import Request
 
 from kjit.families import Family
-from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
+from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 
 from .errors import ApiError, clean_errors
 
@@ -110,7 +110,7 @@ def bad_output_rows(q: Family, logvar) -> list[int]:
 
 def spot_oracle(jit) -> Any:
     """A deterministic oracle for the factor that shares no state with the served one."""
-    if isinstance(jit.oracle, ImportanceSamplingOracle):
+    if isinstance(jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler)):
         try:
             return QuadratureOracle(jit.factor)
         except ValueError:

@@ -65,6 +65,16 @@ def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # no
     assert ns["q"].shape == ()
     assert ns["poisson"].converged_ and np.all(np.isfinite(ns["poisson"].coef_))
     assert "test error" in capsys.readouterr().out
+    # "Your own factor, served": the user's sampled factor, trained by POST /v1/operators, answers
+    info = ns["noisy_z"].info()
+    assert info["factor"] == "my_noisy_product" and info["oracle"] == {"kind": "message_sampler"}
+    assert info["families"] == {"x": "gaussian", "y": "gaussian", "z": "gaussian"}
+    assert ns["q_z"].shape == () and np.isfinite(ns["q_z"].mean()) and ns["q_z"].var() > 0
+    # … and with the factor kept in the client: the far row went to the client's sampler and was learned
+    mine = ns["mine"]
+    assert mine.info()["oracle"] == {"kind": "client"}  # (as read during the run: the server has stopped)
+    assert mine.consultations_ == 1 and mine.last_version_ == mine.info()["version"] + 1  # one observation
+    assert ns["q_mine"].shape == () and abs(ns["q_mine"].mean() - 12.0) < 3 * np.sqrt(ns["q_mine"].var())
 
 
 def test_curl_block_is_a_valid_request(pristine_store, tmp_path):  # noqa: F811 - fixture
