@@ -348,8 +348,13 @@ class KernelOperator(Operator):
         """Predicted belief coordinates (batch, k) and the predictive variances (batch, k) of the
         regressed coordinates (relative to the incoming message when ``target="relative"``).
         ``return_features`` also returns the flat random features ψ (n, D_out)."""
+        return self._predict_coords(incoming, return_var, return_features)[0]
+
+    def _predict_coords(self, incoming, return_var, return_features):
+        """``(predict_coords' answer, validated flat incoming messages, batch shape)``."""
         self._check_fitted()
         messages, shape, inc = self._messages(incoming)
+        flat = {v: m.ravel() for v, m in inc.items()}
         psi = self.features_.transform(messages)
         if return_var:
             z, v = self.blr_.predict(psi, return_var=True, dtype=self.dtype)
@@ -359,27 +364,27 @@ class KernelOperator(Operator):
         base = self._base(inc)
         if self.target == "relative":
             coords = self._from_relative(coords, base)
-        j, lc = _spread_bounds(self.factor, self.to, {v: m.ravel() for v, m in inc.items()})
+        j, lc = _spread_bounds(self.factor, self.to, flat)
         if lc is not None:  # the factor bounds the spread by the incoming message's
             coords[:, j] = np.where(lc, np.minimum(coords[:, j], base[:, j]), coords[:, j])
         coords = coords.reshape(shape + (len(self.y_mean_),))
         if not return_var:
-            return coords
+            return coords, flat, shape
         var = np.asarray(v, np.float64).reshape(-1, 1) * self.y_scale_**2
         var = var.reshape(shape + (len(self.y_mean_),))
-        return (coords, var, psi) if return_features else (coords, var)
+        return ((coords, var, psi) if return_features else (coords, var)), flat, shape
 
-    def _to_belief(self, coords, incoming) -> Family:
-        """Belief from predicted coordinates; rows clipped to the factor's bound get the
-        incoming message's spread parameter exactly (not exp(log v), which can be an ulp wider)."""
+    def _to_belief(self, coords, flat, shape) -> Family:
+        """Belief from predicted coordinates (``flat``: the validated incoming messages); rows
+        clipped to the factor's bound get the incoming message's spread parameter exactly (not
+        exp(log v), which can be an ulp wider)."""
         q = self.family.from_coords(coords)
-        inc, shape = self.factor.check_incoming(incoming, self.to)
-        flat = {v: m.ravel() for v, m in inc.items()}
         return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(shape)
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
-        return self._to_belief(self.predict_coords(incoming, return_var=False), incoming)
+        coords, flat, shape = self._predict_coords(incoming, return_var=False, return_features=False)
+        return self._to_belief(coords, flat, shape)
 
     def _recipient(self, to):
         self._check_to(to)
@@ -393,8 +398,8 @@ class KernelOperator(Operator):
     def predict(self, incoming, to: str | None = None):
         """Belief and log predictive variance (batch, k) in one feature computation."""
         self._check_to(to)
-        coords, var = self.predict_coords(incoming, return_var=True)
-        return self._to_belief(coords, incoming), np.log(var)
+        (coords, var), flat, shape = self._predict_coords(incoming, return_var=True, return_features=False)
+        return self._to_belief(coords, flat, shape), np.log(var)
 
     def _check_to(self, to):
         if to is not None and to != self.to:
