@@ -72,7 +72,8 @@ def _graphs(factor, make_graph, n_problems, rng):
     for _ in range(n_problems):
         rec = RecordingOperator(QuadratureOracle(factor))
         g = make_graph(rng)
-        GraphEP(g, operators={(factor.name, to): rec for to in factor.variables}, max_iter=30).run()
+        keys = [(factor.name, to) for to in factor.variables if (factor.name, to) in g.recipients()]
+        GraphEP(g, operators={k: rec for k in keys}, max_iter=30).run()
         out.append(rec)
     return out
 
