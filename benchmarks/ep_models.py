@@ -21,19 +21,21 @@ Per model: ``ep_vs_gold_max_mean_sd`` (max over variables of |mean − gold| / g
 ``ep_vs_gold_max_var_ratio_err`` (max |var / gold var − 1|), ``gold_ess`` where the gold is IS,
 EP iterations and seconds.
 
-Part 2 — the JIT experiment of the paper on ``poisson_gamma``: a sequence of ``--problems`` count
-data sets (25 counts each, the true rate varying over problems), starting from no operator; for
-each direction of ``gamma_rate`` (r and x) a ``JITOperator`` whose oracle is the per-message
-importance sampler (``MessageImportanceSampler``, target standard error ``--target-se``), learning as
-it goes (initial batch 200, threshold ``--threshold`` on the ``--uncertainty`` variance, default the
-epistemic part: the sampler's noise is a floor the predictive variance never goes below).  Against the same EP with the sampler
-alone (timed on the first ``--sampling-problems``) and with the exact rule:
+Part 2 — the JIT experiment of the paper, per model of ``--jit-models``: a sequence of
+``--problems`` data sets starting from no operator — ``poisson_gamma`` (25 counts each, the true rate
+varying over problems; ``gamma_rate`` → r and x), ``poisson_regression`` (synthetic, d 2–4, n 30–80;
+``exp`` → x, LinearEP), ``rank_one`` (4 × 5 matrices u vᵀ + N(0, 0.5²); ``product`` → x and y);
+for each direction a ``JITOperator`` whose oracle is the per-message importance sampler
+(``MessageImportanceSampler``, target standard error ``--target-se``), learning as it goes (initial
+batch 200, threshold ``--threshold`` on the ``--uncertainty`` variance, default the epistemic
+part: the sampler's noise is a floor the predictive variance never goes below).  Against the same EP
+with the sampler alone (timed on the first ``--sampling-problems``) and with the exact rule:
 ``jit_speedup_vs_sampling`` (problems 2… that both ran), ``jit_over_exact``,
 ``consultation_rate_after_first``, ``max_posterior_gap_sd`` (JIT vs exact-rule EP, in posterior sd,
 over problems 2… and every variable).  Not on ``normal_mean_precision``: its outputs are observed
 (x_i enters as a point mass), and a sampler that weights x ~ f(· | m, τ) by the output's message
 has an ESS of ~1 there — the per-message proposal needs a broad output message (measured: every
-request failed with a low ESS).  Other models' JIT experiments: not measured yet.
+request failed with a low ESS).
 
 The last line is a summary with the worst of each key over the models.
 
