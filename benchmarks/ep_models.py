@@ -242,7 +242,7 @@ def jit_experiment(model, args):
     sampler = MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed)
     jits = {to: JITOperator(None, MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed + i),
                             to=to, initial_batch=200, threshold=args.threshold, uncertainty=args.uncertainty,
-                            operator_kwargs={"random_state": args.seed})
+                            operator_kwargs={"random_state": args.seed, **json.loads(args.operator_kwargs)})
             for i, to in enumerate(directions)}
     exact = QuadratureOracle(f)
     rows, gaps = [], []
@@ -311,6 +311,7 @@ def main(argv=None):
     ap.add_argument("--max-iter", type=int, default=50)
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--no-jit", action="store_true")
+    ap.add_argument("--operator-kwargs", default="{}", help="JSON: extra KernelOperator arguments of the JIT operators")
     ap.add_argument("--jit-models", nargs="*", default=list(JIT_MODELS), choices=JIT_MODELS)
     args = ap.parse_args(argv)
     if args.quick:
