@@ -103,6 +103,8 @@ def add_args(ap):
     ap.add_argument("--d-out", type=int, default=500)
     ap.add_argument("--max-iter", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--width-rules", nargs="+", default=["mean_variance", "total_variance"],
+                    help="inner-width rules the JIT operator's evidence search may choose from (KernelOperator)")
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc's memory return policy alone (see keep_freed_memory)")
     ap.add_argument("--blas-threads", type=int, default=1, help="BLAS threads for every method (0: library default)")
@@ -135,7 +137,7 @@ def run_sequence(problems, names, args, is_problems):
         threshold=args.threshold, initial_batch=args.initial_batch, to="x", target_kl=args.target_kl,
         selection=getattr(args, "selection", "greedy"),
         operator_kwargs={"n_inner": args.d_in, "n_outer": args.d_out, "random_state": args.seed,
-                         "dtype": "float32"},
+                         "dtype": "float32", "width_rules": tuple(getattr(args, "width_rules", ("mean_variance", "total_variance")))},
     )
     rows = []
     is_rate = None  # measured IS seconds per requested message
