@@ -381,10 +381,35 @@ class KernelOperator(Operator):
         q = self.family.from_coords(coords)
         return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(shape)
 
+    certificate_source = "learned"
+
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
         coords, flat, shape = self._predict_coords(incoming, return_var=False, return_features=False)
-        return self._to_belief(coords, flat, shape)
+        q = self._to_belief(coords, flat, shape)
+        self._certify(q, None, flat)
+        return q
+
+    def _certify(self, q, logvar, flat, threshold=None):
+        """The certificates of a prediction (kept in ``last_certificates_``): learned, with their
+        log predictive variance (NaN from ``belief``, which computes none); version: pairs learned."""
+        from .certificates import Certificates, projection_convention
+
+        n = int(np.prod(q.shape, dtype=int))
+        cert = Certificates.uniform("learned", q, flat[self.to], projection=projection_convention(self.factor),
+                                    log_var=None if logvar is None else np.reshape(logvar, (n, -1)),
+                                    threshold=threshold, version=int(self.blr_.n_))
+        cert.of = q
+        self.last_certificates_ = cert
+        return cert
+
+    def certified(self, incoming: Mapping[str, Family], to: str | None = None):
+        """``(belief, Certificates)``: the prediction with its log predictive variance (thread-safe:
+        the certificates are returned, not only left in ``last_certificates_``)."""
+        self._check_to(to)
+        (coords, var), flat, shape = self._predict_coords(incoming, return_var=True, return_features=False)
+        q = self._to_belief(coords, flat, shape)
+        return q, self._certify(q, np.log(var), flat)
 
     def _recipient(self, to):
         self._check_to(to)
@@ -397,9 +422,8 @@ class KernelOperator(Operator):
 
     def predict(self, incoming, to: str | None = None):
         """Belief and log predictive variance (batch, k) in one feature computation."""
-        self._check_to(to)
-        (coords, var), flat, shape = self._predict_coords(incoming, return_var=True, return_features=False)
-        return self._to_belief(coords, flat, shape), np.log(var)
+        q, cert = self.certified(incoming, to)
+        return q, cert.log_var.reshape(q.shape + (cert.log_var.shape[-1],))
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -516,6 +540,12 @@ def sign_undetermined(factor: Factor, to: str, incoming: Mapping[str, Family], c
     if lc is not None:
         und &= ~lc
     return und
+
+
+def _outgoing_proper(q, m):
+    from .certificates import outgoing_proper
+
+    return outgoing_proper(q, m)
 
 
 def _with_dtype(feats: TwoStageFeatures, dtype) -> TwoStageFeatures:
@@ -706,6 +736,7 @@ class JITOperator(Operator):
         self._n_pending = 0
         self._undo = None
         self._keep_undo = False
+        self._oracle_certs: list = []  # (rows of the request, certificates) of this request's oracle answers
         self.last_learned_groups_: list = []  # rows each partial_fit of the last request learned
         self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
                         "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
@@ -738,9 +769,11 @@ class JITOperator(Operator):
         exactly those and asks again for the rest)."""
         from .oracles import LowESSError
 
+        from .certificates import certified
+
         t = time.perf_counter()
         try:
-            q = self.oracle.belief(incoming, self.to)
+            q, cert = certified(self.oracle, incoming, self.to)
         except LowESSError as exc:
             raise LowESSError(np.asarray(positions)[exc.rows], exc.ess, exc.min_ess) from exc
         finally:
@@ -748,7 +781,27 @@ class JITOperator(Operator):
         # a sampled (or round-off) answer on the wrong side of the factor's bound is moved onto
         # it: strictly closer to the truth, and what is learned is what is returned
         flat = {v: m.ravel() for v, m in incoming.items()}
+        self._oracle_certs.append((np.asarray(positions), cert))
         return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(q.shape)
+
+    def _certify(self, q, logvar, consulted, flat):
+        """The certificates of an answer: learned rows with their log predictive variance and the
+        threshold, consulted rows with their oracle's certificates (ESS, standard errors)."""
+        from .certificates import Certificates, projection_convention
+
+        n = len(consulted)
+        lv = np.reshape(logvar, (n, -1))
+        source = np.full(n, "learned", dtype=object)
+        ess, se = np.full(n, np.nan), np.full(lv.shape, np.nan)
+        for pos, c in self._oracle_certs:
+            source[pos], ess[pos], se[pos] = c.source, c.ess, c.mc_se
+        qf = q.ravel()
+        cert = Certificates(source, self.family.coord_names, log_var=lv, threshold=self.threshold, ess=ess,
+                            mc_se=se, projection=projection_convention(self.factor),
+                            proper=_outgoing_proper(qf, flat[self.to]),
+                            version=self.operator.n_train_ if self.operator is not None else self._n_pending)
+        cert.of = q
+        return cert
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -769,11 +822,25 @@ class JITOperator(Operator):
         counted — the service's replicas call it when another replica's update took the place
         in the shared log this request's update was to have (and then ask again).
         """
+        return self._predict_certified(incoming, to, revertible)[0]
+
+    def certified(self, incoming: Mapping[str, Family], to: str | None = None, revertible: bool = False):
+        """``(belief, Certificates)``: :meth:`predict`'s answer with its certificates (consulted rows:
+        the oracle's source, ESS and standard errors; the others: learned, with their log
+        predictive variance and the threshold).  Also kept in ``last_certificates_``."""
+        (q, _, _), cert = self._predict_certified(incoming, to, revertible)
+        return q, cert
+
+    def _predict_certified(self, incoming, to, revertible):
         saved = dict(self._counts)
         self._undo = None  # set before anything is learned that a later oracle call could void
         self._keep_undo = bool(revertible)
+        self._oracle_certs = []
         try:
             out = self._predict(incoming, to)
+            cert = self._certify(out[0], out[1], np.asarray(out[2]).reshape(-1), {self.to: self._request_to})
+            self.last_certificates_ = cert
+            out = (out, cert)
             if revertible:
                 undo = self._undo
 
@@ -794,6 +861,7 @@ class JITOperator(Operator):
         finally:
             self._undo = None
             self._keep_undo = False
+            self._oracle_certs = []
 
     def _restore_initial(self, pending, n_pending, threshold):
         self.operator = None
@@ -804,6 +872,7 @@ class JITOperator(Operator):
         self.last_learned_groups_ = []
         inc, shape = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in inc.items()}
+        self._request_to = flat[self.to]
         n = next(iter(flat.values())).size
         self._counts["calls"] += 1
         self._counts["requests"] += n
