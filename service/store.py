@@ -64,6 +64,7 @@ import numpy as np
 
 from kjit import __version__ as kjit_version
 from kjit.factors import UnknownFactorError
+from kjit.certificates import certified
 from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import (ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, OracleError,
@@ -157,6 +158,7 @@ class Entry:
         self.shared: SharedLog | None = store.shared
         self.base_hash: str | None = None  # replicas: sha256 of the shared base this state grew from
         self.last_rid: str | None = None   # replicas: id of the last shared-log record applied
+        self.audit = getattr(store, "audit", None)  # service.audit.Auditor, or None (KJIT_AUDIT_RATE = 0)
 
     # ---------------------------------------------------------------- loading and recovery
     def _generations(self):
@@ -577,28 +579,42 @@ class Entry:
 
     # ---------------------------------------------------------------- requests
     def predict(self, incoming: dict[str, Family], mode: str):
-        """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch."""
+        """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch; the
+        answer's certificates (:mod:`kjit.certificates`, version = the response's) are in
+        :meth:`predict_certified`."""
+        return self.predict_certified(incoming, mode)[:5]
+
+    def predict_certified(self, incoming: dict[str, Family], mode: str):
+        """``(belief, log_var or None, consulted mask, version, n_learned, certificates)``."""
+        q, logvar, consulted, version, n_learned, cert = self._predict(incoming, mode)
+        cert = cert.with_(threshold=self.jit.threshold, version=version)
+        if mode != "oracle" and self.audit is not None:
+            self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
+        return q, logvar, consulted, version, n_learned, cert
+
+    def _predict(self, incoming: dict[str, Family], mode: str):
         jit = self.jit
         n = len(next(iter(incoming.values())))
         if mode == "predict":
             with self.lock.read():
                 try:
-                    q, logvar = self.jit.operator.predict(incoming)
+                    q, cert = self.jit.operator.certified(incoming)
+                    logvar = cert.log_var
                 except NUMERIC_ERRORS as exc:
                     raise Unprocessable(str(exc)) from None
                 version = self.version
-            return q, logvar, np.zeros(n, dtype=bool), version, 0
+            return q, logvar, np.zeros(n, dtype=bool), version, 0, cert
         if mode == "oracle":
             # the importance sampler draws from a generator that is part of the state
             ctx = (self.lock.write() if isinstance(jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler))
                    else self.lock.read())
             with ctx:
                 try:
-                    q = self.jit.oracle.belief(incoming, self.jit.to)
+                    q, cert = certified(self.jit.oracle, incoming, self.jit.to)
                 except (OracleError, *NUMERIC_ERRORS) as exc:
                     raise OracleFailure(str(exc)) from None
                 version = self.version
-            return q, None, np.ones(n, dtype=bool), version, 0
+            return q, None, np.ones(n, dtype=bool), version, 0, cert
         if self.shared is not None:
             return self._predict_jit_shared(incoming)
         # jit
@@ -608,7 +624,8 @@ class Entry:
             try:
                 # on an oracle failure nothing was learned and JITOperator.predict leaves the
                 # counters as they were
-                q, logvar, consulted = jit.predict(incoming, jit.to)
+                q, cert = jit.certified(incoming, jit.to)
+                logvar, consulted = cert.log_var, cert.source != "learned"
             except OracleError as exc:
                 raise OracleFailure(str(exc)) from None
             except NUMERIC_ERRORS as exc:  # JITOperator.predict is atomic: nothing learned or counted
@@ -621,7 +638,7 @@ class Entry:
                 rec["counters"] = jit.raw_counters()
                 self._commit(rec, apply=None)  # JITOperator.predict already learned the pairs
             version = self.version
-        return q, logvar, consulted, version, n_learned
+        return q, logvar, consulted, version, n_learned, cert
 
     def _jit_record(self, incoming, q):
         """``(record, n)`` of the pairs the last jit request learned — in the order learned, with
@@ -652,23 +669,24 @@ class Entry:
                     raise PersistError(f"the shared store is unavailable: {exc}") from exc
                 jit = self.jit
                 try:
-                    q, logvar, consulted = jit.predict(incoming, jit.to, revertible=True)
+                    q, cert = jit.certified(incoming, jit.to, revertible=True)
+                    logvar, consulted = cert.log_var, cert.source != "learned"
                 except OracleError as exc:  # nothing was learned or counted
                     raise OracleFailure(str(exc)) from None
                 except NUMERIC_ERRORS as exc:
                     raise Unprocessable(str(exc)) from None
                 rec, n_learned = self._jit_record(incoming, q)
                 if rec is None:
-                    return q, logvar, consulted, self.version, 0
+                    return q, logvar, consulted, self.version, 0, cert
                 rec["rid"] = rid
                 ok, found = self._place(rec, before_catch_up=jit.revert_last_)
                 if found is not None:  # it landed after all; the catch-up applied it from the log
-                    return q, logvar, consulted, self.version, n_learned
+                    return q, logvar, consulted, self.version, n_learned, cert
                 if ok:  # learned already, exactly as the record replays
                     self._account(rec, n_learned)
                     self.last_rid = rid
                     self._applied_shared()
-                    return q, logvar, consulted, self.version, n_learned
+                    return q, logvar, consulted, self.version, n_learned, cert
                 jit.revert_last_()  # another replica's update came first
             raise PersistError(f"the shared log of {self.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
                                f"were refused; nothing was learned")
