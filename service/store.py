@@ -71,6 +71,7 @@ from kjit.oracles import (ClientOracle, ImportanceSamplingOracle, MessageImporta
                           QuadratureOracle)
 from kjit.persistence import dumps_state, loads_state
 
+from .audit import AuditStats
 from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
 from .locks import RWLock
 from .names import NAME_RE
@@ -159,6 +160,8 @@ class Entry:
         self.base_hash: str | None = None  # replicas: sha256 of the shared base this state grew from
         self.last_rid: str | None = None   # replicas: id of the last shared-log record applied
         self.audit = getattr(store, "audit", None)  # service.audit.Auditor, or None (KJIT_AUDIT_RATE = 0)
+        self.audit_stats = AuditStats()  # folded from the operator's audit records (service.audit)
+        self.audited_pairs = 0
 
     # ---------------------------------------------------------------- loading and recovery
     def _generations(self):
@@ -247,6 +250,8 @@ class Entry:
         self.learned_pairs = int(svc.get("learned_pairs", 0))
         self.keys = OrderedDict((k, (h, s, n)) for k, h, s, n in json.loads(svc.get("idempotency", "[]")))
         self.last_rid = svc.get("shared_last_rid")
+        self.audit_stats = AuditStats.from_state(json.loads(svc.get("audit", "null")))
+        self.audited_pairs = int(svc.get("audited_pairs", 0))
         return svc
 
     # ---------------------------------------------------------------- replicas (service.shared)
@@ -484,6 +489,12 @@ class Entry:
         self.version = int(rec["seq"])
         if rec["kind"] == "observe":
             self.observed_pairs += n
+        elif rec["kind"] == "audit":  # audited pairs (service.audit): statistics and threshold decisions
+            self.audited_pairs += n
+            self.audit_stats.fold(rec["audit"], self.version)
+            change = rec["audit"].get("threshold_change")
+            if change:
+                self.jit.threshold = float(change["to"])
         else:
             self.learned_pairs += n
             if rec.get("counters"):
@@ -568,6 +579,7 @@ class Entry:
         state["service"] = {
             "version": self.version, "observed_pairs": self.observed_pairs, "learned_pairs": self.learned_pairs,
             "idempotency": json.dumps([[k, h, s, n] for k, (h, s, n) in self.keys.items()]),
+            "audit": json.dumps(self.audit_stats.state()), "audited_pairs": self.audited_pairs,
         }
         if self.base_hash is not None:
             state["service"]["shared_base"] = self.base_hash
@@ -735,6 +747,30 @@ class Entry:
             self._commit(rec, apply=lambda: self.jit.operator.partial_fit(incoming, beliefs))
             return self.version, n, False
 
+    def audit_update(self, incoming: dict[str, Family], beliefs: Family, make_payload) -> int | None:
+        """Learn audited pairs (the oracle's beliefs) with their audit statistics, durably: one
+        ``audit`` record, in the log (or the shared log) before it is applied and counted — the
+        same path as observations.  ``make_payload(stats, threshold)`` builds the record's ``audit``
+        part under the exclusive lock (the threshold decision sees every earlier audit).  Returns
+        the version."""
+        def make():
+            return {"kind": "audit", "time": time.time(),
+                    "incoming": {v: _params_json(m) for v, m in incoming.items()}, "beliefs": _params_json(beliefs),
+                    "audit": make_payload(self.audit_stats, float(self.jit.threshold))}
+
+        with self.lock.write():
+            if self.shared is not None:
+                rec = self._commit_shared(make, uuid.uuid4().hex)
+            else:
+                rec = make()
+                rec["seq"] = self.version + 1
+                self._commit(rec, apply=lambda: self.jit.operator.partial_fit(incoming, beliefs))
+            version = self.version
+        change = rec.get("audit", {}).get("threshold_change") if rec else None
+        if change:
+            log.warning("operator %s (version %d): %s", self.name, version, change["reason"])
+        return version
+
     def snapshot_now(self) -> None:
         """Write a snapshot synchronously if anything changed since the last one (shutdown)."""
         with self.lock.write():
@@ -767,9 +803,15 @@ class Entry:
                 "hyperparameters": json.loads(json.dumps(op.hyperparameters(), default=lambda o: o.tolist())),
                 "threshold": jit.threshold,
                 "oracle": {"kind": oracle_kind(jit.oracle)},
+                "audit": {"enabled": self.audit is not None and not isinstance(jit.oracle, ClientOracle),
+                          "audited_pairs": self.audited_pairs,
+                          **self.audit_stats.summary(self.audit.kl_target if self.audit is not None else None)},
+                "threshold_note": (self.audit_stats.threshold_changes[-1]["reason"]
+                                   if self.audit_stats.threshold_changes else None),
                 "counters": jit.counters(),
                 "updates": {"version": self.version, "observed_pairs": self.observed_pairs,
-                            "learned_pairs": self.learned_pairs, "log_generation": self.gen,
+                            "learned_pairs": self.learned_pairs, "audited_pairs": self.audited_pairs,
+                            "log_generation": self.gen,
                             "records_since_snapshot": self.version - self.snapshot_version},
                 "training": self.meta.get("training", {}),
                 "source": self.meta.get("source", {}),
@@ -797,6 +839,7 @@ class OperatorStore:
         self.root = Path(root)
         self.snapshot_every = int(snapshot_every)
         self._observer = observer
+        self.audit = None  # service.audit.Auditor (set by the app when KJIT_AUDIT_RATE > 0)
         self.entries: dict[str, Entry] = {}
         self.failed: dict[str, str] = {}
         self.missing_factors: dict[str, str] = {}  # operator → the factor it needs that is not registered
