@@ -6,6 +6,7 @@ says so; the request side never blocks."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -217,3 +218,29 @@ def test_bad_audit_settings_are_refused():
     assert Settings.from_env({"KJIT_AUDIT_RATE": "0.05"}).audit_rate == 0.05
     assert Settings().audit_rate == 0.0
 
+
+
+def test_cli_audit_prints_the_summary_and_a_histogram(store_dir, capsys):
+    from kjit.cli import format_audit, main
+    from service.testing import ThreadedServer
+
+    inc = probe("logistic", 40, seed=4)
+    with ThreadedServer(settings_for(store_dir, audit_rate=1.0, audit_cpu_share=1.0)) as srv:
+        import httpx
+
+        httpx.post(f"{srv.url}/v1/operators/logistic-x/messages?mode=predict", json=_body(inc), timeout=30)
+        assert srv.app.state.store.audit.drain()
+        detail = httpx.get(f"{srv.url}/v1/operators/logistic-x", timeout=30).json()
+        assert main(["audit", "logistic-x", "--url", srv.url]) == 0
+        out = capsys.readouterr().out
+        assert main(["audit", "logistic-x", "--url", srv.url, "--json"]) == 0
+        js = json.loads(capsys.readouterr().out)
+        assert main(["audit", "no-such-op", "--url", srv.url]) == 2
+        err = capsys.readouterr().err
+    assert out.strip() == format_audit(detail)
+    assert "40 answers audited" in out and "log10 KL of the recent audits" in out
+    counts = detail["audit"]["histogram_log10_kl"]["counts"]
+    bars = [ln for ln in out.splitlines() if ln.startswith("  [")]
+    assert sum(int(ln.split()[-1]) for ln in bars) == sum(counts) == 40
+    assert js["audit"]["count"] == 40
+    assert "404" in err and "Traceback" not in err
