@@ -962,6 +962,17 @@ class JITOperator(Operator):
             q_hat = self.family(*params)
         return q_hat, logvar, consulted
 
+    def threshold_floor(self) -> float:
+        """The lowest useful threshold: below it every answer is uncertain and the oracle answers
+        everything.  With ``uncertainty="predictive"`` the decision variance of coordinate k is
+        sd_k²(ψᵀΣψ + σ_y²) ≥ sd_k² σ_y² however much is learned; the floor is where the learnable
+        part ψᵀΣψ may still be as large as the noise σ_y² in the largest coordinate:
+        max_k log(2 sd_k² σ_y²).  ``"epistemic"``: −inf."""
+        if self.operator is None or self.uncertainty != "predictive":
+            return -np.inf
+        op = self.operator
+        return float(np.max(np.log(2.0 * op.noise_var_ * np.asarray(op.y_scale_, float) ** 2)))
+
     def _decision_logvar(self, var):
         """log of the variance the threshold is applied to (see ``uncertainty``)."""
         if self.uncertainty == "predictive":

@@ -23,7 +23,9 @@ threshold last changed form a window; once it holds ``KJIT_AUDIT_MIN_AUDITS`` an
 percentile exceeds ``KJIT_AUDIT_KL_TARGET``, the threshold is lowered (more consultation): to the
 largest log variance at which the window's answers at or below it have a 95th percentile KL within
 the target — and at least ``THRESHOLD_STEP`` below the current one — or, when no such cut holds
-5 answers, to ``THRESHOLD_STEP`` below the window's smallest log variance.  The change is written in
+5 answers, to ``THRESHOLD_STEP`` below the window's smallest log variance; never below the operator's
+noise floor (:meth:`kjit.operators.JITOperator.threshold_floor`: below it the oracle would answer
+every request — the first run of benchmarks/audit.py without the floor went to 100 % consultation).  The change is written in
 the record, logged (warning) and listed in the operator's description (``audit.threshold_changes``).
 The threshold is never raised by the audit.
 
@@ -59,25 +61,38 @@ THRESHOLD_STEP = 0.5    # the least a drift lowers the threshold by (log varianc
 HIST_EDGES = tuple(float(x) for x in np.arange(-8.0, 2.01, 0.5))  # log10 KL bins
 
 
-def propose_threshold(u: np.ndarray, kl: np.ndarray, threshold: float, target: float, min_audits: int):
+def propose_threshold(u: np.ndarray, kl: np.ndarray, threshold: float, target: float, min_audits: int,
+                      floor: float = -np.inf):
     """``(new threshold, p95)`` if the confident audits ``(u, kl)`` (log variance, KL) drift above
-    ``target``, else ``(None, p95)`` (see the module docstring)."""
+    ``target``, else ``(None, p95)`` (see the module docstring).  Never below ``floor`` (the operator's
+    :meth:`~kjit.operators.JITOperator.threshold_floor`: below it the oracle would answer everything);
+    at the floor already: ``(None, p95)``."""
     u, kl = np.asarray(u, float), np.asarray(kl, float)
     if kl.size < max(int(min_audits), 1):
         return None, (float(np.quantile(kl, 0.95)) if kl.size else None)
     p95 = float(np.quantile(kl, 0.95))
     if not p95 > target:
         return None, p95
+    if not threshold > floor:
+        return None, p95
     order = np.argsort(u)
     us, ks = u[order], kl[order]
-    best = None
-    for i in range(4, len(us)):  # cuts holding at least 5 answers
-        if i + 1 < len(us) and us[i] == us[i + 1]:
-            continue
-        if np.quantile(ks[: i + 1], 0.95) <= target:
-            best = float(us[i])
+    # the 95th percentile of every prefix (the answers at or below each cut), in one call
+    n = len(us)
+    srt = np.sort(np.where(np.tri(n, dtype=bool), ks[None, :], np.inf), axis=1)  # row i: prefix i sorted
+    h = 0.95 * np.arange(n)                      # np.quantile's (linear) position in a prefix of i + 1
+    lo = np.floor(h).astype(int)
+    hi = np.minimum(lo + 1, np.arange(n))
+    rows = np.arange(n)
+    q95 = srt[rows, lo] + (h - lo) * (srt[rows, hi] - srt[rows, lo])
+    cut = np.append(us[:-1] < us[1:], True) & (np.arange(n) >= 4)  # cuts holding at least 5 answers
+    ok = np.flatnonzero(cut & (q95 <= target))
+    best = float(us[ok[-1]]) if ok.size else None
     new = (min(best, threshold - THRESHOLD_STEP) if best is not None
            else min(threshold, float(us[0])) - THRESHOLD_STEP)
+    new = max(new, floor)
+    if not new < threshold:
+        return None, p95
     return float(new), p95
 
 
@@ -352,15 +367,19 @@ class Auditor:
                    "confident": confident.tolist(), "target": self.kl_target, "time": time.time()}
         window = list(stats.window) + [(float(a), float(b)) for a, b, c in zip(u, kl, confident) if c]
         window = window[-WINDOW:]
+        floor = float(entry.jit.threshold_floor())
         new, p95 = propose_threshold(np.array([w[0] for w in window]), np.array([w[1] for w in window]),
-                                     threshold, self.kl_target, self.min_audits)
+                                     threshold, self.kl_target, self.min_audits, floor)
         if new is not None and np.isfinite(new):
+            at_floor = new <= floor
             payload["threshold_change"] = {
                 "time": payload["time"], "from": float(threshold), "to": float(new), "window": len(window),
-                "p95_kl": p95, "kl_target": self.kl_target,
+                "p95_kl": p95, "kl_target": self.kl_target, "at_floor": bool(at_floor),
                 "reason": (f"audited KL of confident answers drifted: p95 {p95:.3g} over the last {len(window)} "
                            f"> target {self.kl_target:g}; threshold lowered {threshold:.4g} -> {new:.4g} "
-                           f"(more consultation)")}
+                           f"(more consultation)"
+                           + ("; this is the operator's noise floor: lower, the oracle would answer everything — "
+                              "if the audited KL stays above the target, retrain the operator" if at_floor else ""))}
         return payload
 
     def summary(self) -> dict:

@@ -805,7 +805,8 @@ class Entry:
                 "oracle": {"kind": oracle_kind(jit.oracle)},
                 "audit": {"enabled": self.audit is not None and not isinstance(jit.oracle, ClientOracle),
                           "audited_pairs": self.audited_pairs,
-                          **self.audit_stats.summary(self.audit.kl_target if self.audit is not None else None)},
+                          **self.audit_stats.summary(self.audit.kl_target if self.audit is not None else None),
+                          "server": self.audit.summary() if self.audit is not None else None},
                 "threshold_note": (self.audit_stats.threshold_changes[-1]["reason"]
                                    if self.audit_stats.threshold_changes else None),
                 "counters": jit.counters(),

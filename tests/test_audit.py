@@ -159,8 +159,23 @@ def test_audit_statistics_survive_a_crash_and_a_restart(store_dir, tmp_path):
             assert d["audit"][k] == before["audit"][k], k
 
 
-def test_drift_lowers_the_threshold_and_says_so(store_dir, caplog):
+def _set_threshold(store_dir, name, threshold):
+    """Rewrite the operator's snapshot 0 with another JIT threshold (before the server starts)."""
+    from kjit.persistence import dumps_state, loads_state
+
+    path = store_dir / "operators" / name / "snapshot-00000000.npz"
+    kind, state = loads_state(path.read_bytes())
+    state["params"]["threshold"] = float(threshold)
+    path.write_bytes(dumps_state(kind, state))
+
+
+def test_drift_lowers_the_threshold_and_says_so(store_dir, pristine_store, caplog):
     inc = probe("logistic", 60, seed=2)
+    local = load_pristine(pristine_store, "logistic-x")
+    floor = local.threshold_floor()
+    _, lv = local.operator.predict(inc)
+    # a threshold above the noise floor with about half the answers confident
+    _set_threshold(store_dir, "logistic-x", max(float(np.median(lv.max(axis=1))), floor + 2.0))
     with caplog.at_level(logging.WARNING, logger="kjit.service.store"):
         with TestClient(_audit_app(store_dir, audit_kl_target=1e-12, audit_min_audits=5)) as c:
             wait_ready(c)
@@ -173,7 +188,25 @@ def test_drift_lowers_the_threshold_and_says_so(store_dir, caplog):
     assert len(changes) == 1 and changes[0]["from"] == thr0 and changes[0]["to"] == d["threshold"] < thr0
     assert "drifted" in d["threshold_note"] and "lowered" in d["threshold_note"]
     assert any("threshold lowered" in r.getMessage() for r in caplog.records)
-    assert rec["audit"]["threshold_change"]["to"] == d["threshold"]
+    assert rec["audit"]["threshold_change"]["to"] == d["threshold"] >= floor
+
+
+def test_the_threshold_stays_above_the_noise_floor(store_dir, pristine_store):
+    local = load_pristine(pristine_store, "logistic-x")
+    floor = local.threshold_floor()
+    _set_threshold(store_dir, "logistic-x", floor + 0.2)
+    inc = probe("logistic", 200, seed=3)
+    with TestClient(_audit_app(store_dir, audit_kl_target=1e-12, audit_min_audits=5)) as c:
+        wait_ready(c)
+        for s in range(4):
+            c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body({v: m[s * 50:(s + 1) * 50]
+                                                                                for v, m in inc.items()}))
+            assert c.app.state.store.audit.drain()
+        d = c.get("/v1/operators/logistic-x").json()
+    changes = d["audit"]["threshold_changes"]
+    # lowered once, to the floor, and said so; never below
+    assert len(changes) == 1 and changes[0]["to"] == pytest.approx(floor) and changes[0]["at_floor"]
+    assert d["threshold"] == pytest.approx(floor) and "noise floor" in d["threshold_note"]
 
 
 def test_propose_threshold_rule():
@@ -186,6 +219,15 @@ def test_propose_threshold_rule():
     assert np.quantile(kl[ok], 0.95) <= 0.01 and new >= -7.1  # the largest cut that meets the target
     assert propose_threshold(u, np.full(200, 1e-4), -5.0, 0.01, 20)[0] is None  # no drift
     assert propose_threshold(u[:10], kl[:10], -5.0, 0.01, 20)[0] is None  # too few audits
+    # the vectorised prefix quantiles agree with np.quantile prefix by prefix
+    kl2 = rng.lognormal(-7, 2, 200)
+    new2, _ = propose_threshold(u, kl2, -5.0, 0.003, 20)
+    order = np.argsort(u)
+    ref = [float(u[order][i]) for i in range(4, 200) if np.quantile(kl2[order][: i + 1], 0.95) <= 0.003]
+    assert new2 == pytest.approx(min(max(ref), -5.5)) if ref else new2 is not None
+    # never below the floor; at the floor, no change
+    assert propose_threshold(u, kl, -5.0, 0.01, 20, floor=-5.2)[0] == -5.2
+    assert propose_threshold(u, kl, -5.2, 0.01, 20, floor=-5.2)[0] is None
 
 
 def test_offer_never_blocks_and_drops_beyond_the_queue():
