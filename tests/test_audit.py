@@ -286,3 +286,34 @@ def test_cli_audit_prints_the_summary_and_a_histogram(store_dir, capsys):
     assert sum(int(ln.split()[-1]) for ln in bars) == sum(counts) == 40
     assert js["audit"]["count"] == 40
     assert "404" in err and "Traceback" not in err
+
+
+def test_audit_records_travel_the_shared_log_of_replicas(store_dir, tmp_path):
+    """A replica's audited pairs go through the shared log like any update: another replica
+    applies them (same version, same audit statistics, same predictions)."""
+    import httpx
+
+    from service.testing import ThreadedServer
+
+    shared = str(tmp_path / "shared")
+    inc = probe("logistic", 30, seed=21)
+    test = probe("logistic", 20, seed=22)
+    a_set = settings_for(store_dir, shared_store=shared, merge_interval=0, audit_rate=1.0, audit_cpu_share=1.0,
+                         audit_batch=500)
+    b_set = settings_for(tmp_path / "b-store", shared_store=shared, merge_interval=0)
+    with ThreadedServer(a_set) as a, ThreadedServer(b_set) as b:
+        with httpx.Client(base_url=a.url, headers=AUTH, timeout=30) as ca, \
+                httpx.Client(base_url=b.url, headers=AUTH, timeout=30) as cb:
+            ca.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc))
+            assert a.app.state.store.audit.drain()
+            da = ca.get("/v1/operators/logistic-x").json()
+            assert da["audit"]["count"] == 30 and da["version"] == 1
+            mb = cb.post("/v1/operators/logistic-x/merge").json()
+            assert mb["merged"] == 1 and mb["version"] == 1
+            db = cb.get("/v1/operators/logistic-x").json()
+            for k in ("count", "mean_kl", "p95_kl", "max_kl", "recent"):
+                assert db["audit"][k] == da["audit"][k], k
+            assert db["audit"]["enabled"] is False  # B does not audit (its rate is 0) but knows A's audits
+            pa = ca.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(test)).json()
+            pb = cb.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(test)).json()
+            assert pa["beliefs"] == pb["beliefs"] and pa["version"] == pb["version"] == 1
