@@ -136,7 +136,7 @@ def test_audit_statistics_survive_a_crash_and_a_restart(store_dir, tmp_path):
                                                                                 for v, m in inc.items()}))
         assert c.app.state.store.audit.drain()
         before = c.get("/v1/operators/logistic-x").json()
-        assert before["audit"]["count"] == 45 and before["version"] >= 3
+        assert before["audit"]["count"] == 45 and before["version"] >= 2  # at most 16 rows per record
         # a crash now: no snapshot since the audits; the log alone rebuilds the statistics
         crashed = tmp_path / "crashed"
         shutil.copytree(store_dir, crashed)
