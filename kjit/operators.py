@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .blr import BayesianLinearRegression
+from .certificates import Certificates, certified, outgoing_proper, projection_convention
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .features import TwoStageFeatures
@@ -393,8 +394,6 @@ class KernelOperator(Operator):
     def _certify(self, q, logvar, flat, threshold=None):
         """The certificates of a prediction (kept in ``last_certificates_``): learned, with their
         log predictive variance (NaN from ``belief``, which computes none); version: pairs learned."""
-        from .certificates import Certificates, projection_convention
-
         n = int(np.prod(q.shape, dtype=int))
         cert = Certificates.uniform("learned", q, flat[self.to], projection=projection_convention(self.factor),
                                     log_var=None if logvar is None else np.reshape(logvar, (n, -1)),
@@ -540,12 +539,6 @@ def sign_undetermined(factor: Factor, to: str, incoming: Mapping[str, Family], c
     if lc is not None:
         und &= ~lc
     return und
-
-
-def _outgoing_proper(q, m):
-    from .certificates import outgoing_proper
-
-    return outgoing_proper(q, m)
 
 
 def _with_dtype(feats: TwoStageFeatures, dtype) -> TwoStageFeatures:
@@ -769,8 +762,6 @@ class JITOperator(Operator):
         exactly those and asks again for the rest)."""
         from .oracles import LowESSError
 
-        from .certificates import certified
-
         t = time.perf_counter()
         try:
             q, cert = certified(self.oracle, incoming, self.to)
@@ -787,8 +778,6 @@ class JITOperator(Operator):
     def _certify(self, q, logvar, consulted, flat):
         """The certificates of an answer: learned rows with their log predictive variance and the
         threshold, consulted rows with their oracle's certificates (ESS, standard errors)."""
-        from .certificates import Certificates, projection_convention
-
         n = len(consulted)
         lv = np.reshape(logvar, (n, -1))
         source = np.full(n, "learned", dtype=object)
@@ -798,7 +787,7 @@ class JITOperator(Operator):
         qf = q.ravel()
         cert = Certificates(source, self.family.coord_names, log_var=lv, threshold=self.threshold, ess=ess,
                             mc_se=se, projection=projection_convention(self.factor),
-                            proper=_outgoing_proper(qf, flat[self.to]),
+                            proper=outgoing_proper(qf, flat[self.to]),
                             version=self.operator.n_train_ if self.operator is not None else self._n_pending)
         cert.of = q
         return cert

@@ -24,6 +24,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .certificates import Certificates, projection_convention
 from .errors import LowESSError, OracleError
 from .factors.base import Factor
 from .families import Family
@@ -66,8 +67,6 @@ class Oracle(Operator):
         return self._certify(q, flat, to, shape, ess, se)
 
     def _certify(self, q, flat, to, shape, ess=None, se=None):
-        from .certificates import Certificates, projection_convention
-
         m = flat.get(to)
         cert = Certificates.uniform(self.certificate_source, q, m if m is not None and m.shape == q.shape else None,
                                     projection=projection_convention(self.factor), ess=ess, mc_se=se)
