@@ -317,3 +317,19 @@ def test_audit_records_travel_the_shared_log_of_replicas(store_dir, tmp_path):
             pa = ca.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(test)).json()
             pb = cb.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(test)).json()
             assert pa["beliefs"] == pb["beliefs"] and pa["version"] == pb["version"] == 1
+
+
+def test_threshold_floor_is_where_the_oracle_would_answer_everything(pristine_store):
+    import copy
+
+    local = load_pristine(pristine_store, "logistic-x")
+    op = local.operator
+    floor = local.threshold_floor()
+    assert floor == pytest.approx(float(np.max(np.log(2 * op.noise_var_ * op.y_scale_ ** 2))))
+    inc = probe("logistic", 40, seed=31)
+    below = copy.deepcopy(local)
+    below.threshold = float(np.max(np.log(op.noise_var_ * op.y_scale_ ** 2))) - 1e-6  # under the noise alone
+    assert below.predict(inc)[2].all()  # every row consulted
+    above = copy.deepcopy(local)
+    above.threshold = floor + 3.0
+    assert not above.predict(inc)[2].all()
