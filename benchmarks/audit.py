@@ -116,8 +116,10 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kjit-audit-bench-"))
     try:
         thr0 = build(tmp / "store", n_train, d_in, d_out, args.threshold)
-        env = {"KJIT_AUDIT_RATE": str(args.rate), "KJIT_AUDIT_KL_TARGET": str(args.kl_target),
-               "KJIT_AUDIT_CPU_SHARE": "0.1", "OPENBLAS_NUM_THREADS": "1", "KJIT_TOKEN": ""}
+        root = str(Path(__file__).resolve().parents[1])  # the server imports this checkout's `service` package,
+        env = {"KJIT_AUDIT_RATE": str(args.rate), "KJIT_AUDIT_KL_TARGET": str(args.kl_target),  # not benchmarks/service.py
+               "KJIT_AUDIT_CPU_SHARE": "0.1", "OPENBLAS_NUM_THREADS": "1", "KJIT_TOKEN": "",
+               "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         quad = QuadratureOracle(get_factor("logistic"))
         rng = np.random.default_rng(args.seed)
         windows, detected_at, changes_seen = [], None, 0
