@@ -5,6 +5,7 @@
     kjit train    train an operator for a factor direction and save it to a file
     kjit oracles  messages computed by both oracles for a few logistic-factor inputs
     kjit bench    run the benchmarks (JSON lines)
+    kjit audit    a served operator's accuracy audit (KL statistics, histogram of log KL)
 
 Errors are reported as one line on stderr with exit status 2, not a traceback.
 """
@@ -47,6 +48,60 @@ def _oracles(args) -> int:
             s = ", ".join(f"{p[i]:.5g}" for p in mi.params)
             print(f"  {ix:>22}  {iz:>20}  {q:>24}  {s:>24}  {kl[i]:15.2e}  {is_oracle.last_ess_[i]:8.0f}")
         print()
+    return 0
+
+
+def format_audit(detail: dict, width: int = 40) -> str:
+    """The audit summary of ``GET /v1/operators/{name}`` as text, with a histogram of log10 KL."""
+    a = detail.get("audit") or {}
+    name = detail.get("name", "?")
+
+    def num(x, fmt=".3g"):
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"operator {name}: {detail.get('factor')} -> {detail.get('to')}, version {detail.get('version')}, "
+             f"threshold {num(detail.get('threshold'), '.4g')}",
+             f"audit: {'on' if a.get('enabled') else 'off (KJIT_AUDIT_RATE = 0 on this server)'}; "
+             f"{a.get('count', 0)} answers audited ({a.get('confident', 0)} confident), "
+             f"{a.get('audited_pairs', 0)} audited pairs learned",
+             f"KL[oracle || served]: mean {num(a.get('mean_kl'))}, p95 {num(a.get('p95_kl'))} (last "
+             f"{len((a.get('recent') or {}).get('kl', []))}), max {num(a.get('max_kl'))}; above the target "
+             f"{num(a.get('kl_target'))}: {num(None if a.get('share_above_target') is None else 100 * a['share_above_target'], '.1f')} %"]
+    if detail.get("threshold_note"):
+        lines.append(f"threshold: {detail['threshold_note']}")
+    for ch in a.get("threshold_changes", [])[:-1][-4:]:
+        lines.append(f"  earlier change at version {ch.get('version')}: {num(ch.get('from'), '.4g')} -> "
+                     f"{num(ch.get('to'), '.4g')}")
+    hist = a.get("histogram_log10_kl") or {}
+    counts, edges = hist.get("counts") or [], hist.get("edges") or []
+    nz = [i for i, c in enumerate(counts) if c]
+    if nz:
+        lines.append("log10 KL of the recent audits:")
+        top = max(counts)
+        for i in range(nz[0], nz[-1] + 1):
+            lo = "<=" if i == 0 else f"{edges[i]:5.1f}"
+            hi = ">" if i == len(counts) - 1 else f"{edges[i + 1]:5.1f}"
+            bar = "#" * max(1 if counts[i] else 0, round(width * counts[i] / top))
+            lines.append(f"  [{lo:>5}, {hi:>5}) {bar:<{width}} {counts[i]}")
+    elif a.get("enabled"):
+        lines.append("no audits yet")
+    return "\n".join(lines)
+
+
+def _audit(args) -> int:
+    import json
+    import os
+
+    from .client import RemoteOperator
+
+    url = args.url or os.environ.get("KJIT_URL") or "http://127.0.0.1:8000"
+    with RemoteOperator(url, args.name, timeout=args.timeout, retries=1) as op:
+        detail = op.info()
+    if args.json:
+        print(json.dumps({"name": detail.get("name"), "threshold": detail.get("threshold"),
+                          "version": detail.get("version"), "audit": detail.get("audit")}))
+    else:
+        print(format_audit(detail))
     return 0
 
 
@@ -281,6 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("names", nargs="*", help="benchmarks to run (default: all), e.g. oracles operator_accuracy")
     b.add_argument("--quick", action="store_true", help="the quick version of each")
     b.set_defaults(func=_bench)
+    a = sub.add_parser(
+        "audit", help="a served operator's accuracy audit: KL statistics and a histogram of log KL",
+        description="Reads GET /v1/operators/NAME of a running server and prints its audit (KJIT_AUDIT_RATE): "
+                    "answers audited, KL[oracle || served] mean / p95 / max, the share above the KL target, "
+                    "threshold changes, and a text histogram of log10 KL over the recent audits.")
+    a.add_argument("name", help="operator name, e.g. logistic-x")
+    a.add_argument("--url", help="the server (default $KJIT_URL or http://127.0.0.1:8000)")
+    a.add_argument("--json", action="store_true", help="print the audit as one JSON object")
+    a.add_argument("--timeout", type=float, default=10.0)
+    a.set_defaults(func=_audit)
     s = sub.add_parser(
         "serve", help="run the HTTP message-operator service (docs at /docs; kjit serve --help for options)",
         add_help=False, prefix_chars="\0")

@@ -42,6 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .certificates import Certificates, last_certificates, outgoing_proper
 from .factors import Factor, get_factor
 from .families import Family, family_name
 
@@ -174,6 +175,8 @@ class RemoteOperator:
         self._factor = None
         self.last_version_ = None
         self.last_consulted_ = None
+        self.last_certificates_: Certificates | None = None
+        self._cert: Certificates | None = None
 
     def __repr__(self):
         return f"RemoteOperator({self.url!r}, {self.name!r}, mode={self.mode!r})"
@@ -354,7 +357,34 @@ class RemoteOperator:
         consulted = np.concatenate([np.asarray(p["consulted"], dtype=bool) for p in parts])
         self.last_version_ = parts[-1]["version"]
         self.last_consulted_ = int(consulted.sum())
+        self._cert = self._certificates(parts, beliefs, flat, consulted, logvar)
         return beliefs, natural, logvar, consulted, shape, flat
+
+    def _certificates(self, parts, beliefs, flat, consulted, logvar) -> Certificates:
+        """The server's certificates of the batch (a server without them: learned where not consulted)."""
+        if all(p.get("certificates") for p in parts):
+            return Certificates.concatenate([Certificates.from_json(p["certificates"]) for p in parts])
+        return Certificates(np.where(consulted, "oracle", "learned"), self.family.coord_names, log_var=logvar,
+                            threshold=self.threshold, proper=outgoing_proper(beliefs, flat[self.to]),
+                            version=self.last_version_)
+
+    def _keep(self, answer):
+        """Remember the certificates of ``answer`` (the object returned to the caller)."""
+        self._cert.of = answer
+        self.last_certificates_ = self._cert
+        return answer
+
+    @property
+    def last_certificates(self) -> Certificates | None:
+        """The certificates of the last answer (:mod:`kjit.certificates`): per row the source
+        (rule, oracle, learned), log predictive variance and threshold, ESS and Monte Carlo
+        standard error of oracle answers, projection convention, propriety, version."""
+        return self.last_certificates_
+
+    def certified(self, incoming: Mapping[str, Family], to: str | None = None):
+        """``(belief, Certificates)``: :meth:`belief` with the server's certificates."""
+        q = self.belief(incoming, to)
+        return q, self.last_certificates_
 
     def _answer(self, incoming):
         """``_call`` in this operator's mode, or with a local oracle the just-in-time loop across
@@ -384,6 +414,12 @@ class RemoteOperator:
             self.observe(sub, q_or)  # durable on the server when this returns; retried once-only
             consulted = uncertain
             self.consultations_ += int(rows.size)
+            # the rows answered here carry the local oracle's certificates
+            cert_or = last_certificates(self.local_oracle, q_or)
+            if cert_or is None:  # an oracle of the user's that gives no certificates
+                cert_or = Certificates.uniform(getattr(self.local_oracle, "certificate_source", "oracle"), q_or, None)
+            self._cert = self._cert.replace(rows, cert_or)
+            self._cert.proper[rows] = outgoing_proper(q_or, flat[self.to][rows])
         self.last_consulted_ = int(uncertain.sum())
         return q, natural, logvar, consulted, shape, flat
 
@@ -392,19 +428,19 @@ class RemoteOperator:
         (log variance is NaN where the server was asked in ``oracle`` mode)."""
         self._check_to(to)
         q, _, logvar, consulted, shape, _ = self._answer(incoming)
-        return q.reshape(shape), logvar.reshape(shape + (logvar.shape[-1],)), consulted.reshape(shape)
+        return self._keep(q.reshape(shape)), logvar.reshape(shape + (logvar.shape[-1],)), consulted.reshape(shape)
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
         q, _, _, _, shape, _ = self._answer(incoming)
-        return q.reshape(shape)
+        return self._keep(q.reshape(shape))
 
     def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         """Outgoing messages q / incoming[to], rebuilt from the server's natural parameters (exact;
         may be improper: check ``is_proper``)."""
         self._check_to(to)
         _, natural, _, _, shape, _ = self._answer(incoming)
-        return self.family.from_natural(natural).reshape(shape)
+        return self._keep(self.family.from_natural(natural).reshape(shape))
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
         """Log predictive variance per output coordinate (``predict`` mode: never consults)."""

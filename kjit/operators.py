@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .blr import BayesianLinearRegression
+from .certificates import Certificates, certified, outgoing_proper, projection_convention
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .features import TwoStageFeatures, component_moments
@@ -439,10 +440,33 @@ class KernelOperator(Operator):
         q = self.family.from_coords(coords)
         return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(shape)
 
+    certificate_source = "learned"
+
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
         coords, flat, shape = self._predict_coords(incoming, return_var=False, return_features=False)
-        return self._to_belief(coords, flat, shape)
+        q = self._to_belief(coords, flat, shape)
+        self._certify(q, None, flat)
+        return q
+
+    def _certify(self, q, logvar, flat, threshold=None):
+        """The certificates of a prediction (kept in ``last_certificates_``): learned, with their
+        log predictive variance (NaN from ``belief``, which computes none); version: pairs learned."""
+        n = int(np.prod(q.shape, dtype=int))
+        cert = Certificates.uniform("learned", q, flat[self.to], projection=projection_convention(self.factor),
+                                    log_var=None if logvar is None else np.reshape(logvar, (n, -1)),
+                                    threshold=threshold, version=int(self.blr_.n_))
+        cert.of = q
+        self.last_certificates_ = cert
+        return cert
+
+    def certified(self, incoming: Mapping[str, Family], to: str | None = None):
+        """``(belief, Certificates)``: the prediction with its log predictive variance (thread-safe:
+        the certificates are returned, not only left in ``last_certificates_``)."""
+        self._check_to(to)
+        (coords, var), flat, shape = self._predict_coords(incoming, return_var=True, return_features=False)
+        q = self._to_belief(coords, flat, shape)
+        return q, self._certify(q, np.log(var), flat)
 
     def _recipient(self, to):
         self._check_to(to)
@@ -455,9 +479,8 @@ class KernelOperator(Operator):
 
     def predict(self, incoming, to: str | None = None):
         """Belief and log predictive variance (batch, k) in one feature computation."""
-        self._check_to(to)
-        (coords, var), flat, shape = self._predict_coords(incoming, return_var=True, return_features=False)
-        return self._to_belief(coords, flat, shape), np.log(var)
+        q, cert = self.certified(incoming, to)
+        return q, cert.log_var.reshape(q.shape + (cert.log_var.shape[-1],))
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -770,6 +793,7 @@ class JITOperator(Operator):
         self._n_pending = 0
         self._undo = None
         self._keep_undo = False
+        self._oracle_certs: list = []  # (rows of the request, certificates) of this request's oracle answers
         self.last_learned_groups_: list = []  # rows each partial_fit of the last request learned
         self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
                         "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
@@ -804,7 +828,7 @@ class JITOperator(Operator):
 
         t = time.perf_counter()
         try:
-            q = self.oracle.belief(incoming, self.to)
+            q, cert = certified(self.oracle, incoming, self.to)
         except LowESSError as exc:
             raise LowESSError(np.asarray(positions)[exc.rows], exc.ess, exc.min_ess) from exc
         finally:
@@ -812,7 +836,25 @@ class JITOperator(Operator):
         # a sampled (or round-off) answer on the wrong side of the factor's bound is moved onto
         # it: strictly closer to the truth, and what is learned is what is returned
         flat = {v: m.ravel() for v, m in incoming.items()}
+        self._oracle_certs.append((np.asarray(positions), cert))
         return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(q.shape)
+
+    def _certify(self, q, logvar, consulted, flat):
+        """The certificates of an answer: learned rows with their log predictive variance and the
+        threshold, consulted rows with their oracle's certificates (ESS, standard errors)."""
+        n = len(consulted)
+        lv = np.reshape(logvar, (n, -1))
+        source = np.full(n, "learned", dtype=object)
+        ess, se = np.full(n, np.nan), np.full(lv.shape, np.nan)
+        for pos, c in self._oracle_certs:
+            source[pos], ess[pos], se[pos] = c.source, c.ess, c.mc_se
+        qf = q.ravel()
+        cert = Certificates(source, self.family.coord_names, log_var=lv, threshold=self.threshold, ess=ess,
+                            mc_se=se, projection=projection_convention(self.factor),
+                            proper=outgoing_proper(qf, flat[self.to]),
+                            version=self.operator.n_train_ if self.operator is not None else self._n_pending)
+        cert.of = q
+        return cert
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -833,11 +875,25 @@ class JITOperator(Operator):
         counted — the service's replicas call it when another replica's update took the place
         in the shared log this request's update was to have (and then ask again).
         """
+        return self._predict_certified(incoming, to, revertible)[0]
+
+    def certified(self, incoming: Mapping[str, Family], to: str | None = None, revertible: bool = False):
+        """``(belief, Certificates)``: :meth:`predict`'s answer with its certificates (consulted rows:
+        the oracle's source, ESS and standard errors; the others: learned, with their log
+        predictive variance and the threshold).  Also kept in ``last_certificates_``."""
+        (q, _, _), cert = self._predict_certified(incoming, to, revertible)
+        return q, cert
+
+    def _predict_certified(self, incoming, to, revertible):
         saved = dict(self._counts)
         self._undo = None  # set before anything is learned that a later oracle call could void
         self._keep_undo = bool(revertible)
+        self._oracle_certs = []
         try:
             out = self._predict(incoming, to)
+            cert = self._certify(out[0], out[1], np.asarray(out[2]).reshape(-1), {self.to: self._request_to})
+            self.last_certificates_ = cert
+            out = (out, cert)
             if revertible:
                 undo = self._undo
 
@@ -858,6 +914,7 @@ class JITOperator(Operator):
         finally:
             self._undo = None
             self._keep_undo = False
+            self._oracle_certs = []
 
     def _restore_initial(self, pending, n_pending, threshold):
         self.operator = None
@@ -868,6 +925,7 @@ class JITOperator(Operator):
         self.last_learned_groups_ = []
         inc, shape = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in inc.items()}
+        self._request_to = flat[self.to]
         n = next(iter(flat.values())).size
         self._counts["calls"] += 1
         self._counts["requests"] += n
@@ -956,6 +1014,17 @@ class JITOperator(Operator):
                     p_all[idx] = p_or
             q_hat = self.family(*params)
         return q_hat, logvar, consulted
+
+    def threshold_floor(self) -> float:
+        """The lowest useful threshold: below it every answer is uncertain and the oracle answers
+        everything.  With ``uncertainty="predictive"`` the decision variance of coordinate k is
+        sd_k²(ψᵀΣψ + σ_y²) ≥ sd_k² σ_y² however much is learned; the floor is where the learnable
+        part ψᵀΣψ may still be as large as the noise σ_y² in the largest coordinate:
+        max_k log(2 sd_k² σ_y²).  ``"epistemic"``: −inf."""
+        if self.operator is None or self.uncertainty != "predictive":
+            return -np.inf
+        op = self.operator
+        return float(np.max(np.log(2.0 * op.noise_var_ * np.asarray(op.y_scale_, float) ** 2)))
 
     def _decision_logvar(self, var):
         """log of the variance the threshold is applied to (see ``uncertainty``)."""

@@ -24,6 +24,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .certificates import Certificates, projection_convention
 from .errors import LowESSError, OracleError
 from .factors.base import Factor
 from .families import Family
@@ -44,9 +45,11 @@ __all__ = [
 
 
 class Oracle(Operator):
-    """Common interface: subclasses implement ``_belief_stats`` (expected suff. stats)."""
+    """Common interface: subclasses implement ``_belief_flat`` (or ``_certified_flat``, which also
+    reports the ESS and Monte Carlo standard errors of each answer for its certificate)."""
 
     factor: Factor
+    certificate_source = "oracle"
 
     def _prepare(self, incoming, to):
         inc, shape = self.factor.check_incoming(incoming, to)
@@ -54,8 +57,27 @@ class Oracle(Operator):
         return flat, shape
 
     def belief(self, incoming: Mapping[str, Family], to: str) -> Family:
+        return self.certified(incoming, to)[0]
+
+    def certified(self, incoming: Mapping[str, Family], to: str, **kw):
+        """``(belief, Certificates)``: the answer with its source, ESS and standard errors
+        (:mod:`kjit.certificates`); also kept in ``last_certificates_``."""
         flat, shape = self._prepare(incoming, to)
-        return self._belief_flat(flat, to).reshape(shape)
+        q, ess, se = self._certified_flat(flat, to, **kw)
+        return self._certify(q, flat, to, shape, ess, se)
+
+    def _certify(self, q, flat, to, shape, ess=None, se=None):
+        m = flat.get(to)
+        cert = Certificates.uniform(self.certificate_source, q, m if m is not None and m.shape == q.shape else None,
+                                    projection=projection_convention(self.factor), ess=ess, mc_se=se)
+        q = q.reshape(shape)
+        cert.of = q
+        self.last_certificates_ = cert
+        return q, cert
+
+    def _certified_flat(self, flat, to):
+        """``(belief, ESS or None, coordinate standard errors or None)`` for a flat batch."""
+        return self._belief_flat(flat, to), None, None
 
     def _belief_flat(self, flat, to) -> Family:
         raise NotImplementedError
@@ -82,6 +104,7 @@ class QuadratureOracle(Oracle):
         self.factor = factor
 
     has_log_partition = True
+    certificate_source = "rule"
 
     def __repr__(self):
         return f"QuadratureOracle({self.factor!r})"
@@ -94,8 +117,10 @@ class QuadratureOracle(Oracle):
         return self.factor.exact_belief(flat, to, power)
 
     def belief(self, incoming: Mapping[str, Family], to: str, power: float = 1.0) -> Family:
-        flat, shape = self._prepare(incoming, to)
-        return self._belief_flat(flat, to, power).reshape(shape)
+        return self.certified(incoming, to, power=power)[0]
+
+    def _certified_flat(self, flat, to, power=1.0):
+        return self._belief_flat(flat, to, power), None, None
 
     def message(self, incoming: Mapping[str, Family], to: str) -> Family:
         flat, shape = self._prepare(incoming, to)
@@ -297,6 +322,9 @@ class ImportanceSamplingOracle(Oracle):
         return out, ess
 
     def _belief_flat(self, flat, to):
+        return self._certified_flat(flat, to)[0]
+
+    def _certified_flat(self, flat, to):
         ess_stats, ess = self._estimate_flat(flat, to)
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:
@@ -305,7 +333,7 @@ class ImportanceSamplingOracle(Oracle):
         if not np.all(fam.estimate_ok(ess_stats)):
             raise OracleError(f"importance-sampling estimate does not make a {fam.__name__} message "
                               "(e.g. a variance estimate that is not positive)")
-        return fam.from_estimate(ess_stats)
+        return fam.from_estimate(ess_stats), ess, None
 
 
 # ====================================================================== per-message importance sampling
@@ -504,7 +532,10 @@ class MessageImportanceSampler(Oracle):
         return stats, ess, se, n_used, log_z
 
     def _belief_flat(self, flat, to):
-        stats, ess, _, _, _ = self._estimate_flat(flat, to)
+        return self._certified_flat(flat, to)[0]
+
+    def _certified_flat(self, flat, to):
+        stats, ess, se, _, _ = self._estimate_flat(flat, to)
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
@@ -513,8 +544,8 @@ class MessageImportanceSampler(Oracle):
             if fam.centred_estimate:  # stats are (mean, centred variance)
                 if not np.all(fam.estimate_ok(stats)):
                     raise ValueError("a variance estimate that is not positive")
-                return fam.from_estimate(stats)
-            return fam.project(stats)
+                return fam.from_estimate(stats), ess, se
+            return fam.project(stats), ess, se
         except ValueError as exc:
             raise OracleError(f"per-message importance sampling: the estimate cannot be projected: {exc}") from None
 

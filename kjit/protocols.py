@@ -12,6 +12,11 @@ remote (:class:`kjit.client.RemoteOperator`) or a user's own — answers batches
     predict(incoming, to) -> (belief, log_var[, consulted])  # with its uncertainty, optional (see below)
     threshold: float                                         # the log variance above which it is uncertain, optional
     oracle                                                   # an operator to ask instead where uncertain, optional
+    certified(incoming, to) -> (belief, Certificates)        # the answer with its certificates, optional
+    last_certificates_                                       # the last answer's certificates, optional
+
+Certificates (:mod:`kjit.certificates`) say where each answer came from (rule, oracle, learned) and
+how good it is; :func:`kjit.certificates.certified` gives them for any operator.
 
 :class:`Operator` is the base the kjit operators share: ``message = belief / incoming[to]``
 written once, and the optional members' defaults (no power, no log partition, no projection KL).
@@ -64,6 +69,9 @@ class Operator:
     has_log_partition: ClassVar[bool] = False
     #: projection_kl is implemented (relaxed EP)
     has_projection_kl: ClassVar[bool] = False
+    #: where this operator's answers come from, for their certificates (:mod:`kjit.certificates`):
+    #: "rule" (exact or hand-crafted), "oracle" (Monte Carlo) or "learned"
+    certificate_source: ClassVar[str] = "rule"
 
     def belief(self, incoming: Mapping[str, Family], to=None) -> Family:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from kjit import __version__ as kjit_version
 
 from . import errors, schemas
+from .audit import AuditCollector, Auditor
 from .jobs import JobManager
 from .metrics import Metrics
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -69,6 +70,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                           shared=open_shared(settings.shared_store) if settings.shared_store else None,
                           merge_interval=settings.merge_interval)
     metrics.store = store
+    # the continuous audit (service/audit.py): off unless KJIT_AUDIT_RATE > 0
+    store.audit = (Auditor(settings.audit_rate, cpu_share=settings.audit_cpu_share, kl_target=settings.audit_kl_target,
+                           min_audits=settings.audit_min_audits, max_queue=settings.audit_queue,
+                           batch=settings.audit_batch) if settings.audit_rate > 0 else None)
+    metrics.registry.register(AuditCollector(store))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,11 +82,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.jobs = JobManager(store, workers=settings.job_workers, metrics=metrics)
         loader = threading.Thread(target=store.load_all, name="kjit-load", daemon=True)
         loader.start()
+        if store.audit is not None:
+            store.audit.start()
         try:
             yield
         finally:
             app.state.jobs.shutdown()
             loader.join(timeout=120)
+            if store.audit is not None:  # rows still queued were never counted: nothing is lost
+                store.audit.stop()
             store.close()
 
     app = FastAPI(title="kjit message-operator service", version=kjit_version, description=DESCRIPTION,

@@ -274,9 +274,9 @@ def messages(
     try:
         if mode == "oracle":
             with oracle_slot(request):
-                q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
+                q, logvar, consulted, version, n_learned, cert = entry.predict_certified(inc, mode)
         else:
-            q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
+            q, logvar, consulted, version, n_learned, cert = entry.predict_certified(inc, mode)
     except OracleFailure as exc:
         raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
     except Unprocessable as exc:
@@ -315,6 +315,7 @@ def messages(
         "beliefs": columns(q), "messages": out_msgs,
         "log_var": None if logvar is None else _cols(logvar),
         "consulted": np.asarray(consulted).tolist(),
+        "certificates": cert.to_json(),  # per row: source, quality, propriety (kjit.certificates)
     }
     return _json(payload)
 

@@ -113,6 +113,23 @@ class OutgoingMessages(FamilyColumns):
     is_proper: list[bool]
 
 
+class CertificatesOut(BaseModel):
+    """Per row, column-wise: what each answer can be trusted for (:mod:`kjit.certificates`)."""
+    source: list[Literal["rule", "oracle", "learned"]] = Field(
+        description="where each answer came from: `rule` (exact or hand-crafted rule), `oracle` (Monte Carlo "
+                    "oracle), `learned` (the learned operator's prediction)")
+    log_var: list[list[float | None]] | None = Field(
+        description="log predictive variance per coordinate in `coords` (null where none, e.g. oracle mode)")
+    threshold: float | None = Field(description="the operator's threshold on log_var: above it, uncertain")
+    ess: list[float | None] | None = Field(description="oracle answers: effective sample size (null: none)")
+    mc_se: list[list[float | None]] | None = Field(
+        description="oracle answers: Monte Carlo standard error per coordinate (null: none; exact rules have none)")
+    projection: str = Field(description="the projection convention (`kl` or `moments`)")
+    proper: list[bool] = Field(description="per row: the outgoing message is a proper distribution")
+    version: int | None = Field(description="operator version the answers were computed from")
+    coords: list[str]
+
+
 class MessagesResponse(BaseModel):
     operator: str
     to: str
@@ -131,6 +148,7 @@ class MessagesResponse(BaseModel):
         description="log predictive variance, column-wise: one list of n per coordinate in `coords` (the "
                     "uncertainty the JIT threshold is applied to); null in oracle mode")
     consulted: list[bool] = Field(description="per row: the oracle answered")
+    certificates: CertificatesOut | None = Field(None, description="per row: source, quality and propriety")
 
 
 class ObservationsResponse(BaseModel):

@@ -47,6 +47,15 @@ variable                   meaning                                     default
                            regression coordinate accepted unchecked
 ``KJIT_OBSERVATION_MAX_KL`` observations beyond it: largest KL (nats)   ``0.5``
                            from the oracle's belief accepted
+``KJIT_AUDIT_RATE``        share of learned answers re-checked against ``0`` (off)
+                           the oracle in the background (service/audit.py)
+``KJIT_AUDIT_CPU_SHARE``   most CPU the audit thread uses (of one core) ``0.1``
+``KJIT_AUDIT_KL_TARGET``   KL (nats) the audited p95 of confident       ``0.01``
+                           answers must stay under (else the threshold
+                           is lowered)
+``KJIT_AUDIT_MIN_AUDITS``  confident audits before a drift is decided  ``20``
+``KJIT_AUDIT_QUEUE``       rows waiting for audit (more are dropped)    ``1000``
+``KJIT_AUDIT_BATCH``       rows audited (and learned) per record        ``64``
 =========================  ==========================================  ===========================
 
 A training job's ``{"kind": "file"}`` source names a file relative to ``<store>/training-sets``.
@@ -103,6 +112,12 @@ class Settings:
     oracle_wait: float = 10.0
     observation_max_z: float = 6.0
     observation_max_kl: float = 0.5
+    audit_rate: float = 0.0
+    audit_cpu_share: float = 0.1
+    audit_kl_target: float = 0.01
+    audit_min_audits: int = 20
+    audit_queue: int = 1000
+    audit_batch: int = 64
 
     def __post_init__(self):
         object.__setattr__(self, "store", Path(self.store).expanduser())
@@ -122,6 +137,15 @@ class Settings:
         for name in ("oracle_wait", "observation_max_z", "observation_max_kl"):
             if not (float(getattr(self, name)) >= 0 and math.isfinite(float(getattr(self, name)))):
                 raise ValueError(f"setting `{name}` must be a finite number >= 0, got {getattr(self, name)!r}")
+        if not 0 <= float(self.audit_rate) <= 1:
+            raise ValueError(f"setting `audit_rate` must lie in [0, 1], got {self.audit_rate!r}")
+        if not 0 < float(self.audit_cpu_share) <= 1:
+            raise ValueError(f"setting `audit_cpu_share` must lie in (0, 1], got {self.audit_cpu_share!r}")
+        if not (float(self.audit_kl_target) > 0 and math.isfinite(float(self.audit_kl_target))):
+            raise ValueError(f"setting `audit_kl_target` must be a finite number > 0, got {self.audit_kl_target!r}")
+        for name in ("audit_min_audits", "audit_queue", "audit_batch"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"setting `{name}` must be >= 1, got {getattr(self, name)!r}")
         if not (float(self.merge_interval) >= 0):
             raise ValueError(f"setting `merge_interval` must be >= 0 seconds, got {self.merge_interval!r}")
         if not 0 <= int(self.port) <= 65535:
@@ -162,7 +186,8 @@ class Settings:
                     kw[f.name] = raw
                 elif f.name in ("token", "shared_store"):
                     kw[f.name] = raw or None
-                elif f.name in ("merge_interval", "oracle_wait", "observation_max_z", "observation_max_kl"):
+                elif f.name in ("merge_interval", "oracle_wait", "observation_max_z", "observation_max_kl",
+                                "audit_rate", "audit_cpu_share", "audit_kl_target"):
                     kw[f.name] = float(raw)
                 elif f.name == "store":
                     kw[f.name] = Path(raw)

@@ -64,12 +64,14 @@ import numpy as np
 
 from kjit import __version__ as kjit_version
 from kjit.factors import UnknownFactorError
+from kjit.certificates import certified
 from kjit.families import Family, family_name  # noqa: F401  (family_name re-exported)
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import (ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, OracleError,
                           QuadratureOracle)
 from kjit.persistence import dumps_state, loads_state
 
+from .audit import AuditStats
 from .files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
 from .locks import RWLock
 from .names import NAME_RE
@@ -157,6 +159,9 @@ class Entry:
         self.shared: SharedLog | None = store.shared
         self.base_hash: str | None = None  # replicas: sha256 of the shared base this state grew from
         self.last_rid: str | None = None   # replicas: id of the last shared-log record applied
+        self.audit = getattr(store, "audit", None)  # service.audit.Auditor, or None (KJIT_AUDIT_RATE = 0)
+        self.audit_stats = AuditStats()  # folded from the operator's audit records (service.audit)
+        self.audited_pairs = 0
 
     # ---------------------------------------------------------------- loading and recovery
     def _generations(self):
@@ -245,6 +250,8 @@ class Entry:
         self.learned_pairs = int(svc.get("learned_pairs", 0))
         self.keys = OrderedDict((k, (h, s, n)) for k, h, s, n in json.loads(svc.get("idempotency", "[]")))
         self.last_rid = svc.get("shared_last_rid")
+        self.audit_stats = AuditStats.from_state(json.loads(svc.get("audit", "null")))
+        self.audited_pairs = int(svc.get("audited_pairs", 0))
         return svc
 
     # ---------------------------------------------------------------- replicas (service.shared)
@@ -482,6 +489,12 @@ class Entry:
         self.version = int(rec["seq"])
         if rec["kind"] == "observe":
             self.observed_pairs += n
+        elif rec["kind"] == "audit":  # audited pairs (service.audit): statistics and threshold decisions
+            self.audited_pairs += n
+            self.audit_stats.fold(rec["audit"], self.version)
+            change = rec["audit"].get("threshold_change")
+            if change:
+                self.jit.threshold = float(change["to"])
         else:
             self.learned_pairs += n
             if rec.get("counters"):
@@ -566,6 +579,7 @@ class Entry:
         state["service"] = {
             "version": self.version, "observed_pairs": self.observed_pairs, "learned_pairs": self.learned_pairs,
             "idempotency": json.dumps([[k, h, s, n] for k, (h, s, n) in self.keys.items()]),
+            "audit": json.dumps(self.audit_stats.state()), "audited_pairs": self.audited_pairs,
         }
         if self.base_hash is not None:
             state["service"]["shared_base"] = self.base_hash
@@ -577,28 +591,42 @@ class Entry:
 
     # ---------------------------------------------------------------- requests
     def predict(self, incoming: dict[str, Family], mode: str):
-        """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch."""
+        """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch; the
+        answer's certificates (:mod:`kjit.certificates`, version = the response's) are in
+        :meth:`predict_certified`."""
+        return self.predict_certified(incoming, mode)[:5]
+
+    def predict_certified(self, incoming: dict[str, Family], mode: str):
+        """``(belief, log_var or None, consulted mask, version, n_learned, certificates)``."""
+        q, logvar, consulted, version, n_learned, cert = self._predict(incoming, mode)
+        cert = cert.with_(threshold=self.jit.threshold, version=version)
+        if mode != "oracle" and self.audit is not None:
+            self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
+        return q, logvar, consulted, version, n_learned, cert
+
+    def _predict(self, incoming: dict[str, Family], mode: str):
         jit = self.jit
         n = len(next(iter(incoming.values())))
         if mode == "predict":
             with self.lock.read():
                 try:
-                    q, logvar = self.jit.operator.predict(incoming)
+                    q, cert = self.jit.operator.certified(incoming)
+                    logvar = cert.log_var
                 except NUMERIC_ERRORS as exc:
                     raise Unprocessable(str(exc)) from None
                 version = self.version
-            return q, logvar, np.zeros(n, dtype=bool), version, 0
+            return q, logvar, np.zeros(n, dtype=bool), version, 0, cert
         if mode == "oracle":
             # the importance sampler draws from a generator that is part of the state
             ctx = (self.lock.write() if isinstance(jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler))
                    else self.lock.read())
             with ctx:
                 try:
-                    q = self.jit.oracle.belief(incoming, self.jit.to)
+                    q, cert = certified(self.jit.oracle, incoming, self.jit.to)
                 except (OracleError, *NUMERIC_ERRORS) as exc:
                     raise OracleFailure(str(exc)) from None
                 version = self.version
-            return q, None, np.ones(n, dtype=bool), version, 0
+            return q, None, np.ones(n, dtype=bool), version, 0, cert
         if self.shared is not None:
             return self._predict_jit_shared(incoming)
         # jit
@@ -608,7 +636,8 @@ class Entry:
             try:
                 # on an oracle failure nothing was learned and JITOperator.predict leaves the
                 # counters as they were
-                q, logvar, consulted = jit.predict(incoming, jit.to)
+                q, cert = jit.certified(incoming, jit.to)
+                logvar, consulted = cert.log_var, cert.source != "learned"
             except OracleError as exc:
                 raise OracleFailure(str(exc)) from None
             except NUMERIC_ERRORS as exc:  # JITOperator.predict is atomic: nothing learned or counted
@@ -621,7 +650,7 @@ class Entry:
                 rec["counters"] = jit.raw_counters()
                 self._commit(rec, apply=None)  # JITOperator.predict already learned the pairs
             version = self.version
-        return q, logvar, consulted, version, n_learned
+        return q, logvar, consulted, version, n_learned, cert
 
     def _jit_record(self, incoming, q):
         """``(record, n)`` of the pairs the last jit request learned — in the order learned, with
@@ -652,23 +681,24 @@ class Entry:
                     raise PersistError(f"the shared store is unavailable: {exc}") from exc
                 jit = self.jit
                 try:
-                    q, logvar, consulted = jit.predict(incoming, jit.to, revertible=True)
+                    q, cert = jit.certified(incoming, jit.to, revertible=True)
+                    logvar, consulted = cert.log_var, cert.source != "learned"
                 except OracleError as exc:  # nothing was learned or counted
                     raise OracleFailure(str(exc)) from None
                 except NUMERIC_ERRORS as exc:
                     raise Unprocessable(str(exc)) from None
                 rec, n_learned = self._jit_record(incoming, q)
                 if rec is None:
-                    return q, logvar, consulted, self.version, 0
+                    return q, logvar, consulted, self.version, 0, cert
                 rec["rid"] = rid
                 ok, found = self._place(rec, before_catch_up=jit.revert_last_)
                 if found is not None:  # it landed after all; the catch-up applied it from the log
-                    return q, logvar, consulted, self.version, n_learned
+                    return q, logvar, consulted, self.version, n_learned, cert
                 if ok:  # learned already, exactly as the record replays
                     self._account(rec, n_learned)
                     self.last_rid = rid
                     self._applied_shared()
-                    return q, logvar, consulted, self.version, n_learned
+                    return q, logvar, consulted, self.version, n_learned, cert
                 jit.revert_last_()  # another replica's update came first
             raise PersistError(f"the shared log of {self.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
                                f"were refused; nothing was learned")
@@ -717,6 +747,30 @@ class Entry:
             self._commit(rec, apply=lambda: self.jit.operator.partial_fit(incoming, beliefs))
             return self.version, n, False
 
+    def audit_update(self, incoming: dict[str, Family], beliefs: Family, make_payload) -> int | None:
+        """Learn audited pairs (the oracle's beliefs) with their audit statistics, durably: one
+        ``audit`` record, in the log (or the shared log) before it is applied and counted — the
+        same path as observations.  ``make_payload(stats, threshold)`` builds the record's ``audit``
+        part under the exclusive lock (the threshold decision sees every earlier audit).  Returns
+        the version."""
+        def make():
+            return {"kind": "audit", "time": time.time(),
+                    "incoming": {v: _params_json(m) for v, m in incoming.items()}, "beliefs": _params_json(beliefs),
+                    "audit": make_payload(self.audit_stats, float(self.jit.threshold))}
+
+        with self.lock.write():
+            if self.shared is not None:
+                rec = self._commit_shared(make, uuid.uuid4().hex)
+            else:
+                rec = make()
+                rec["seq"] = self.version + 1
+                self._commit(rec, apply=lambda: self.jit.operator.partial_fit(incoming, beliefs))
+            version = self.version
+        change = rec.get("audit", {}).get("threshold_change") if rec else None
+        if change:
+            log.warning("operator %s (version %d): %s", self.name, version, change["reason"])
+        return version
+
     def snapshot_now(self) -> None:
         """Write a snapshot synchronously if anything changed since the last one (shutdown)."""
         with self.lock.write():
@@ -749,9 +803,16 @@ class Entry:
                 "hyperparameters": json.loads(json.dumps(op.hyperparameters(), default=lambda o: o.tolist())),
                 "threshold": jit.threshold,
                 "oracle": {"kind": oracle_kind(jit.oracle)},
+                "audit": {"enabled": self.audit is not None and not isinstance(jit.oracle, ClientOracle),
+                          "audited_pairs": self.audited_pairs,
+                          **self.audit_stats.summary(self.audit.kl_target if self.audit is not None else None),
+                          "server": self.audit.summary() if self.audit is not None else None},
+                "threshold_note": (self.audit_stats.threshold_changes[-1]["reason"]
+                                   if self.audit_stats.threshold_changes else None),
                 "counters": jit.counters(),
                 "updates": {"version": self.version, "observed_pairs": self.observed_pairs,
-                            "learned_pairs": self.learned_pairs, "log_generation": self.gen,
+                            "learned_pairs": self.learned_pairs, "audited_pairs": self.audited_pairs,
+                            "log_generation": self.gen,
                             "records_since_snapshot": self.version - self.snapshot_version},
                 "training": self.meta.get("training", {}),
                 "source": self.meta.get("source", {}),
@@ -779,6 +840,7 @@ class OperatorStore:
         self.root = Path(root)
         self.snapshot_every = int(snapshot_every)
         self._observer = observer
+        self.audit = None  # service.audit.Auditor (set by the app when KJIT_AUDIT_RATE > 0)
         self.entries: dict[str, Entry] = {}
         self.failed: dict[str, str] = {}
         self.missing_factors: dict[str, str] = {}  # operator → the factor it needs that is not registered

@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "train_operator.ipynb"
-FIGURES = ("log_kl_histogram.png", "best_median_worst.png", "u_shape.png", "jit_consultation_rate.png")
+FIGURES = ("log_kl_histogram.png", "best_median_worst.png", "u_shape.png", "jit_consultation_rate.png",
+           "audited_kl.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -122,6 +122,7 @@ from scipy import linalg
 from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
+from ..certificates import Certificates, certified, count_answers, last_certificates, outgoing_proper
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
 __all__ = [
@@ -171,6 +172,21 @@ class GaussianPosterior(NamedTuple):
         return Gaussian(m, np.maximum(v, np.finfo(float).tiny))
 
 
+def _count(rec, cert, n: int) -> None:
+    """Count a batch's answers by source and quality into the iteration record."""
+    if rec is not None and cert is not None and len(cert) == n:
+        count_answers(rec.answers, cert)
+
+
+def sum_answers(parts) -> dict[str, int]:
+    """Sum answer counts (dicts of :meth:`kjit.certificates.Certificates.counts`)."""
+    out: dict[str, int] = {}
+    for d in parts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
 @dataclass
 class IterationRecord:
     """What happened in one EP iteration (a full sweep over the sites)."""
@@ -191,6 +207,9 @@ class IterationRecord:
     n_zeroed: int = 0          # negative message precisions within the answer's error of 0, used as 0
     n_relaxed: int = 0         # relaxed EP: sites updated with a relaxation b > 0
     mean_relaxation: float = 0.0  # relaxed EP: mean of b · v_cavity over the relaxed sites
+    # answers received by source and quality (kjit.certificates.Certificates.counts: rule, oracle,
+    # learned, learned_confident, learned_uncertain, learned_unrated, improper)
+    answers: dict[str, int] = field(default_factory=dict)
     _relax_count: int = field(default=0, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -211,6 +230,7 @@ class IterationRecord:
             "n_zeroed": self.n_zeroed,
             "n_relaxed": self.n_relaxed,
             "mean_relaxation": self.mean_relaxation,
+            "answers": dict(self.answers),
         }
 
 
@@ -248,6 +268,12 @@ class EPResult:
         return {k: int(sum(r.skipped.get(k, 0) for r in self.history)) for k in SKIP_REASONS}
 
     @property
+    def answers(self) -> dict[str, int]:
+        """Operator answers received, by source and quality, over all iterations (see
+        :meth:`kjit.certificates.Certificates.counts`)."""
+        return sum_answers(r.answers for r in self.history)
+
+    @property
     def mean(self) -> np.ndarray:
         return self.posterior.mean
 
@@ -273,6 +299,7 @@ class EPResult:
             "iterations": self.iterations,
             "status": self.status,
             "n_uncertain": self.n_uncertain,
+            "answers": self.answers,
             "skipped": self.skipped,
             "seconds": self.seconds,
             "operator_calls": self.operator_calls,
@@ -596,22 +623,41 @@ class LinearEP:
         n = len(next(iter(incoming.values())))
         logvar_spread = np.full(n, np.nan)
         if self.power != 1.0:
-            return self.operator.belief(incoming, self.site_var, power=float(self.power)), logvar_spread
+            q, cert = certified(self.operator, incoming, self.site_var, power=float(self.power))
+            _count(rec, cert, n)
+            return q, logvar_spread
         if not reports_uncertainty(self.operator):
-            return self.operator.belief(incoming, self.site_var), logvar_spread
+            q, cert = certified(self.operator, incoming, self.site_var)
+            _count(rec, cert, n)
+            return q, logvar_spread
         out = self.operator.predict(incoming, self.site_var)
         q, logvar = out[0], np.asarray(out[1], dtype=float)
         consulted = np.asarray(out[2], dtype=bool).reshape(n) if len(out) > 2 else np.zeros(n, dtype=bool)
+        thr = self._threshold()
+        cert = last_certificates(self.operator, q)
+        if cert is None and logvar.ndim == 2 and logvar.shape[0] == n:
+            # an operator that reports uncertainty but no certificates: learned where not consulted
+            try:
+                oracle_src = getattr(self._oracle(), "certificate_source", "oracle")
+                cert = Certificates(np.where(consulted, oracle_src, "learned"), Gaussian.coord_names,
+                                    log_var=logvar, threshold=thr,
+                                    proper=outgoing_proper(q.ravel(), incoming[self.site_var].ravel()))
+            except (ValueError, TypeError, AttributeError):
+                cert = None
+        elif cert is not None and self.uncertainty_threshold is not None:
+            cert = cert.with_(threshold=thr)  # the engine's threshold decides what is confident here
         if logvar.ndim != 2 or logvar.shape[0] != n:
+            _count(rec, cert, n)
             return q, logvar_spread
         j = Gaussian.spread_coord
         logvar_spread = np.where(consulted, np.nan, logvar[:, j])
-        thr = self._threshold()
         if thr is None:
+            _count(rec, cert, n)
             return q, logvar_spread
         with np.errstate(invalid="ignore"):
             unc = ~consulted & np.any(logvar > thr, axis=-1)
         if not unc.any():
+            _count(rec, cert, n)
             return q, logvar_spread
         if self.on_uncertain == "raise":
             raise UncertainAnswerError(
@@ -622,7 +668,7 @@ class LinearEP:
             rows = np.flatnonzero(unc)
             sub = {k: m[rows] for k, m in incoming.items()}
             try:
-                q_or = self._oracle().belief(sub, self.site_var)
+                q_or, cert_or = certified(self._oracle(), sub, self.site_var)
             except Exception as exc:
                 # rows an error names are positions in the sub-batch: map them to the batch's
                 # (``_ask`` skips those and asks again)
@@ -638,8 +684,13 @@ class LinearEP:
             q = Gaussian._unchecked(mean, var)
             logvar_spread[rows] = np.nan
             rec.n_oracle += rows.size
+            if cert is not None and len(cert) == n and len(cert_or) == rows.size:
+                cert = cert.replace(rows, cert_or)
+                cert.proper[rows] = outgoing_proper(q_or.ravel(), sub[self.site_var].ravel())
+            _count(rec, cert, n)
             return q, logvar_spread
         rec.n_uncertain += int(unc.sum())  # "warn" / "use": used as they are, and counted
+        _count(rec, cert, n)
         return q, logvar_spread
 
     def _ask(self, cav_m, cav_v, observed, idx, skipped, errors, rec=None):

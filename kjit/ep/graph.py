@@ -41,6 +41,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..certificates import certified, count_answers
 from ..factors import Factor, get_factor
 from ..families import Family
 
@@ -129,6 +130,8 @@ class GraphIteration:
     skipped: dict[str, int]
     operator_calls: int
     errors: list[str] = field(default_factory=list)
+    # answers received by source and quality (kjit.certificates.Certificates.counts)
+    answers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,6 +150,15 @@ class GraphResult:
     @property
     def skipped(self) -> dict[str, int]:
         return {k: int(sum(r.skipped[k] for r in self.history)) for k in GRAPH_SKIP_REASONS}
+
+    @property
+    def answers(self) -> dict[str, int]:
+        """Operator answers received, by source and quality, over all iterations."""
+        out: dict[str, int] = {}
+        for r in self.history:
+            for k, v in r.answers.items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
 
 
 def _change(old: Family, new: Family) -> float:
@@ -425,7 +437,10 @@ class GraphEP:
                     rec.operator_calls += 1
                     try:
                         with np.errstate(all="ignore"):
-                            q = op.belief(sub, to) if self.power == 1.0 else op.belief(sub, to, power=self.power)
+                            q, cert = (certified(op, sub, to) if self.power == 1.0
+                                       else certified(op, sub, to, power=self.power))
+                        if len(cert) == live.size:
+                            count_answers(rec.answers, cert)
                         break
                     except Exception as exc:  # skip and report, as LinearEP does
                         if len(rec.errors) < 5:

@@ -1,0 +1,263 @@
+"""Certificates: what each answer of a message operator can be trusted for (issue 20).
+
+Every answer — a projected belief q for one row of a batch — comes with a certificate saying:
+
+* ``source``: where it came from — ``"rule"`` (an exact or hand-crafted rule: quadrature, closed
+  form, a user's own code), ``"oracle"`` (a Monte Carlo oracle: importance sampling) or
+  ``"learned"`` (the learned operator's prediction);
+* ``log_var`` (per regression coordinate) and ``threshold``: the learned operator's log predictive
+  variance and the threshold above which the operator is uncertain (NaN / None where none);
+* ``ess`` and ``mc_se``: for oracle answers, the effective sample size and the Monte Carlo standard
+  error of each projected coordinate (:class:`kjit.oracles.MessageImportanceSampler` reports both,
+  :class:`~kjit.oracles.ImportanceSamplingOracle` the ESS; exact rules have none: NaN);
+* ``projection``: the projection convention of the factor (``"kl"``, or ``"moments"`` where the
+  factor offers that choice);
+* ``proper``: whether the outgoing message q / incoming[to] is a proper distribution;
+* ``version``: the operator's version (a served operator: the update records applied, as in the
+  response; a local learned operator: the pairs it has learned; None for rules and oracles).
+
+:class:`Certificates` holds them for a flat batch (columns, like the messages).  The operators
+produce them — the oracle knows its ESS, the learned operator its variance, the JIT operator which
+rows it consulted — and keep the last batch's in ``last_certificates_``; :func:`certified` asks any
+operator for ``(belief, Certificates)`` (operators that do not produce certificates get ``rule``
+ones, with ``source`` their class's ``certificate_source``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .families import Family
+
+__all__ = ["SOURCES", "Certificates", "certified", "last_certificates", "projection_convention",
+           "outgoing_proper", "count_answers"]
+
+#: where an answer came from
+SOURCES = ("rule", "oracle", "learned")
+
+
+def projection_convention(factor) -> str:
+    """The factor's projection convention: its ``projection`` parameter, ``"kl"`` by default."""
+    try:
+        return str(factor.params().get("projection", "kl"))
+    except Exception:  # noqa: BLE001 - a user's factor without params()
+        return "kl"
+
+
+def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
+    """(n,) booleans: is q / incoming_to (the outgoing message) a proper distribution."""
+    with np.errstate(all="ignore"):
+        nat = np.asarray(q.natural(), float) - np.asarray(incoming_to.natural(), float)
+        nat = nat.reshape(-1, nat.shape[-1])
+        ok = np.all(np.isfinite(nat), axis=1)
+        out = np.zeros(len(ok), dtype=bool)
+        if ok.any():
+            out[ok] = np.asarray(type(q).from_natural(nat[ok]).is_proper, bool).reshape(-1)
+    return out
+
+
+def _col(a, n: int, k: int | None, what: str) -> np.ndarray:
+    shape = (n,) if k is None else (n, k)
+    if a is None:
+        return np.full(shape, np.nan)
+    a = np.asarray(a, dtype=float)
+    if k is not None and a.ndim == 1 and a.size == n * k:
+        a = a.reshape(n, k)
+    try:
+        return np.array(np.broadcast_to(a, shape), dtype=float)
+    except ValueError:
+        raise ValueError(f"certificate `{what}` has shape {a.shape}, expected {shape}") from None
+
+
+class Certificates:
+    """Certificates of a flat batch of ``n`` answers (see the module docstring).
+
+    ``coords``: names of the regression coordinates (the columns of ``log_var`` and ``mc_se``).
+    Arrays: ``source`` (n,) strings, ``log_var`` (n, k), ``ess`` (n,), ``mc_se`` (n, k),
+    ``proper`` (n,) bools; scalars ``threshold``, ``projection``, ``version``.
+    """
+
+    __slots__ = ("source", "log_var", "threshold", "ess", "mc_se", "projection", "proper", "version", "coords",
+                 "of")
+
+    def __init__(self, source, coords: Sequence[str], *, log_var=None, threshold: float | None = None, ess=None,
+                 mc_se=None, projection: str = "kl", proper=None, version: int | None = None):
+        src = np.asarray(source, dtype=object).reshape(-1)
+        bad = [s for s in set(src.tolist()) if s not in SOURCES]
+        if bad:
+            raise ValueError(f"certificate `source` must be one of {SOURCES}, got {sorted(map(str, bad))}")
+        n, k = src.size, len(coords)
+        self.source = src.astype("<U7")
+        self.coords = tuple(str(c) for c in coords)
+        self.log_var = _col(log_var, n, k, "log_var")
+        self.threshold = None if threshold is None or not np.isfinite(threshold) else float(threshold)
+        self.ess = _col(ess, n, None, "ess")
+        self.mc_se = _col(mc_se, n, k, "mc_se")
+        self.projection = str(projection)
+        self.proper = np.ones(n, dtype=bool) if proper is None else np.array(
+            np.broadcast_to(np.asarray(proper, dtype=bool), (n,)))
+        self.version = None if version is None else int(version)
+        self.of = None  # the belief object these certificates were issued with (see certified())
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def uniform(cls, source: str, q: Family, incoming_to: Family | None, *, projection: str = "kl", **kw):
+        """Every row of ``q`` from one source; ``proper`` from ``q / incoming_to`` (flat batches)."""
+        q = q.ravel()
+        proper = None if incoming_to is None else outgoing_proper(q, incoming_to.ravel())
+        return cls(np.full(len(q), source, dtype=object), type(q).coord_names, projection=projection,
+                   proper=proper, **kw)
+
+    def __len__(self) -> int:
+        return int(self.source.size)
+
+    def __repr__(self):
+        c = self.counts()
+        return (f"Certificates(n={len(self)}, " + ", ".join(f"{s}={c[s]}" for s in SOURCES)
+                + f", confident={c['learned_confident']}, improper={c['improper']}, version={self.version})")
+
+    def take(self, rows) -> "Certificates":
+        """The certificates of ``rows`` (indices or a boolean mask) of the batch."""
+        rows = np.asarray(rows)
+        out = Certificates(self.source[rows], self.coords, log_var=self.log_var[rows], threshold=self.threshold,
+                           ess=self.ess[rows], mc_se=self.mc_se[rows], projection=self.projection,
+                           proper=self.proper[rows], version=self.version)
+        return out
+
+    def replace(self, rows, other: "Certificates") -> "Certificates":
+        """A copy whose ``rows`` carry ``other``'s certificates (e.g. rows an oracle answered instead)."""
+        rows = np.asarray(rows, dtype=int).reshape(-1)
+        if len(other) != rows.size:
+            raise ValueError(f"{len(other)} certificates for {rows.size} rows")
+        out = self.take(np.arange(len(self)))
+        for name in ("source", "log_var", "ess", "mc_se", "proper"):
+            getattr(out, name)[rows] = getattr(other, name)
+        return out
+
+    def with_(self, **kw) -> "Certificates":
+        """A copy with some scalar fields changed (``threshold``, ``version``, ``projection``)."""
+        out = self.take(np.arange(len(self)))
+        for key, value in kw.items():
+            if key not in ("threshold", "version", "projection"):
+                raise ValueError(f"cannot set {key!r}")
+            setattr(out, key, value if value is None or key == "projection" else
+                    (int(value) if key == "version" else float(value)))
+        return out
+
+    @classmethod
+    def concatenate(cls, parts: Sequence["Certificates"]) -> "Certificates":
+        """Rows of several batches; the scalar fields are the last part's (its version is the newest)."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        last = parts[-1]
+        return cls(np.concatenate([p.source for p in parts]), last.coords,
+                   log_var=np.concatenate([p.log_var for p in parts]), threshold=last.threshold,
+                   ess=np.concatenate([p.ess for p in parts]), mc_se=np.concatenate([p.mc_se for p in parts]),
+                   projection=last.projection, proper=np.concatenate([p.proper for p in parts]),
+                   version=last.version)
+
+    # ---------------------------------------------------------------- quality
+    @property
+    def confident(self) -> np.ndarray:
+        """(n,) learned answers whose log predictive variance is ≤ the threshold in every coordinate."""
+        if self.threshold is None:
+            return np.zeros(len(self), dtype=bool)
+        with np.errstate(invalid="ignore"):
+            ok = np.all(self.log_var <= self.threshold, axis=1)
+        return (self.source == "learned") & ok
+
+    @property
+    def uncertain(self) -> np.ndarray:
+        """(n,) learned answers above the threshold in some coordinate (or with no variance)."""
+        if self.threshold is None:
+            return np.zeros(len(self), dtype=bool)
+        return (self.source == "learned") & ~self.confident
+
+    def counts(self) -> dict[str, int]:
+        """Answers per source and quality: ``rule``, ``oracle``, ``learned``, ``learned_confident``,
+        ``learned_uncertain`` (above the threshold), ``learned_unrated`` (no threshold or variance),
+        ``improper`` (outgoing message not proper)."""
+        learned = self.source == "learned"
+        conf, unc = self.confident, self.uncertain
+        out = {s: int(np.count_nonzero(self.source == s)) for s in SOURCES}
+        out["learned_confident"] = int(np.count_nonzero(conf))
+        out["learned_uncertain"] = int(np.count_nonzero(unc))
+        out["learned_unrated"] = int(np.count_nonzero(learned & ~conf & ~unc))
+        out["improper"] = int(np.count_nonzero(~self.proper))
+        return out
+
+    # ---------------------------------------------------------------- JSON (the service's wire format)
+    def to_json(self) -> dict[str, Any]:
+        """Columns, like the response's messages: lists of n values per field (null: none)."""
+        def floats(a):
+            a = np.asarray(a, float).ravel()
+            return [float(x) if np.isfinite(x) else None for x in a]
+
+        has = lambda a: bool(np.isfinite(a).any())  # noqa: E731
+        return {
+            "source": self.source.tolist(),
+            "log_var": [floats(self.log_var[:, j]) for j in range(len(self.coords))] if has(self.log_var) else None,
+            "threshold": self.threshold,
+            "ess": floats(self.ess) if has(self.ess) else None,
+            "mc_se": [floats(self.mc_se[:, j]) for j in range(len(self.coords))] if has(self.mc_se) else None,
+            "projection": self.projection,
+            "proper": self.proper.tolist(),
+            "version": self.version,
+            "coords": list(self.coords),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Certificates":
+        def arr(cols):
+            if cols is None:
+                return None
+            return np.array([[np.nan if x is None else float(x) for x in c] for c in cols], dtype=float).T
+
+        ess = d.get("ess")
+        return cls(d["source"], d["coords"], log_var=arr(d.get("log_var")), threshold=d.get("threshold"),
+                   ess=None if ess is None else [np.nan if x is None else float(x) for x in ess],
+                   mc_se=arr(d.get("mc_se")), projection=d.get("projection", "kl"), proper=d.get("proper"),
+                   version=d.get("version"))
+
+
+# ------------------------------------------------------------------------------ any operator
+def last_certificates(op, answer) -> Certificates | None:
+    """``op.last_certificates_`` if it certifies ``answer`` (the very belief object the operator
+    returned last), else None — an operator that does not produce certificates, or a wrapper that
+    returned a copy."""
+    cert = getattr(op, "last_certificates_", None)
+    if isinstance(cert, Certificates) and cert.of is answer:
+        return cert
+    return None
+
+
+def certified(op, incoming: Mapping[str, Family], to, **kw) -> tuple[Family, Certificates]:
+    """``(belief, Certificates)`` from any operator: its own ``certified`` if it has one, else its
+    ``belief`` with the certificates it left in ``last_certificates_``, else ``rule`` certificates
+    (``source``: the operator's ``certificate_source``) with the outgoing messages' propriety."""
+    fn = getattr(type(op), "certified", None)
+    if callable(fn):
+        return op.certified(incoming, to, **kw)
+    q = op.belief(incoming, to, **kw)
+    cert = last_certificates(op, q)
+    if cert is None:
+        factor = getattr(op, "factor", None)
+        m = incoming.get(to) if to is not None else None
+        try:
+            ok = isinstance(m, type(q)) and m.shape == q.shape
+            cert = Certificates.uniform(getattr(op, "certificate_source", "rule"), q, m.ravel() if ok else None,
+                                        projection=projection_convention(factor) if factor is not None else "kl")
+        except Exception:  # noqa: BLE001 - an odd answer: the caller validates it
+            cert = Certificates(np.full(int(np.prod(q.shape, dtype=int)), "rule", dtype=object), type(q).coord_names)
+        cert.of = q
+    return q, cert
+
+
+def count_answers(counts: dict[str, int], cert: Certificates | None) -> None:
+    """Add a batch's :meth:`Certificates.counts` into ``counts`` (in place)."""
+    if cert is None:
+        return
+    for k, v in cert.counts().items():
+        counts[k] = counts.get(k, 0) + v

@@ -1,0 +1,249 @@
+"""Certificates on every path (issue 20): rule, oracle, learned, jit, remote, and the EP engines'
+counts.  Each field is checked against an independent computation: propriety against the outgoing
+message built by division, ESS against the sampler's own estimate, Monte Carlo standard errors
+against the actual error w.r.t. quadrature, log variances against ``predict``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kjit.certificates import Certificates, certified
+from kjit.ep import BayesianLogisticRegression
+from kjit.ep.graph import FactorGraph, GraphEP
+from kjit.factors import get_factor
+from kjit.factors.logistic import LogisticOperator
+from kjit.families import Gaussian
+from kjit.operators import JITOperator, KernelOperator
+from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+from kjit.training import make_training_set
+
+from test_service_fixtures import (  # noqa: F401 - fixtures
+    TOKEN,
+    app_client,
+    live,
+    load_pristine,
+    pristine_store,
+    probe,
+    settings_for,
+    store_dir,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
+
+F = get_factor("logistic")
+
+
+def _inc(n=60, seed=0):
+    return F.default_incoming(n, np.random.default_rng(seed))
+
+
+def _proper(q, m):
+    return np.asarray((q / m).is_proper, bool).ravel()
+
+
+@pytest.fixture(scope="module")
+def kernel_op():
+    ts = make_training_set(F, "x", F.default_incoming, QuadratureOracle(F), n=300, random_state=1)
+    return KernelOperator(F, "x", n_inner=40, n_outer=80, random_state=0).fit(ts)
+
+
+def test_rule_certificates():
+    inc = _inc()
+    q, c = certified(QuadratureOracle(F), inc, "x")
+    assert len(c) == 60 and set(c.source) == {"rule"}
+    assert np.isnan(c.ess).all() and np.isnan(c.mc_se).all() and np.isnan(c.log_var).all()
+    assert c.projection == "kl" and c.version is None and c.threshold is None
+    np.testing.assert_array_equal(c.proper, _proper(q, inc["x"]))
+    # a hand-crafted operator without certificates of its own: rule, propriety computed
+    q2, c2 = certified(LogisticOperator(), inc, "x")
+    assert set(c2.source) == {"rule"} and c2.of is q2
+    np.testing.assert_array_equal(c2.proper, _proper(q2, inc["x"]))
+    # the projection convention is the factor's
+    g = get_factor("gamma_rate", projection="moments")
+    inc_g = g.default_incoming(5, np.random.default_rng(1))
+    _, cg = certified(QuadratureOracle(g), inc_g, g.variables[0])
+    assert cg.projection == "moments"
+
+
+def test_oracle_certificates_ess_and_se_are_the_samplers():
+    inc = _inc(200, seed=3)
+    mis = MessageImportanceSampler(F, random_state=5, target_se=0.02)
+    q, c = mis.certified(inc, "x")
+    assert set(c.source) == {"oracle"} and c.of is q and mis.last_certificates_ is c
+    # the ESS is the sampler's own: the same seed's estimate gives the same numbers
+    _, ess, se, _, _ = MessageImportanceSampler(F, random_state=5, target_se=0.02).estimate(inc, "x")
+    np.testing.assert_array_equal(c.ess, ess)
+    np.testing.assert_array_equal(c.mc_se, se)
+    # the standard errors describe the actual error: z-scores against quadrature (mean coordinate
+    # in units of the belief's sd, log variance) — |z| < 3 for ~99.7 % under normality; allow 95 %
+    exact = QuadratureOracle(F).belief(inc, "x")
+    z_mean = (q.mean() - exact.mean()) / np.sqrt(exact.var()) / c.mc_se[:, 0]
+    z_lv = (np.log(q.var()) - np.log(exact.var())) / c.mc_se[:, 1]
+    assert np.mean(np.abs(z_mean) < 3) > 0.95 and np.mean(np.abs(z_lv) < 3) > 0.95
+    np.testing.assert_array_equal(c.proper, _proper(q, inc["x"]))
+    # the shared-proposal sampler reports its ESS (no standard errors)
+    iso = ImportanceSamplingOracle(F, n_samples=20_000, random_state=0, min_ess=5)
+    q3, c3 = certified(iso, _inc(8), "x")
+    assert set(c3.source) == {"oracle"} and np.all(c3.ess >= 5) and np.isnan(c3.mc_se).all()
+    np.testing.assert_array_equal(c3.ess, iso.last_ess_)
+
+
+def test_learned_certificates(kernel_op):
+    inc = _inc()
+    q, lv = kernel_op.predict(inc)
+    c = kernel_op.last_certificates_
+    assert c.of is q and set(c.source) == {"learned"}
+    np.testing.assert_array_equal(c.log_var, lv)
+    assert c.version == kernel_op.n_train_ == 300 and c.threshold is None
+    np.testing.assert_array_equal(c.proper, _proper(q, inc["x"]))
+    assert c.counts()["learned_unrated"] == 60  # no threshold: quality unrated
+    q2, c2 = kernel_op.certified(inc)
+    assert q2 == q and c2.of is q2
+    # belief: no variance computed, still certified
+    q3 = kernel_op.belief(inc)
+    assert kernel_op.last_certificates_.of is q3 and np.isnan(kernel_op.last_certificates_.log_var).all()
+
+
+def test_jit_certificates(kernel_op):
+    import copy
+
+    inc = _inc(80, seed=11)
+    _, lv = kernel_op.predict(inc)
+    thr = float(np.median(lv.max(axis=1)))
+    jit = JITOperator(copy.deepcopy(kernel_op), MessageImportanceSampler(F, random_state=0), threshold=thr,
+                      selection="all")
+    q, lv2, consulted = jit.predict(inc)
+    c = jit.last_certificates_
+    assert c.of is q and consulted.any() and (~consulted).any()
+    np.testing.assert_array_equal(c.source == "oracle", consulted)
+    assert np.all(c.ess[consulted] > 0) and np.isnan(c.ess[~consulted]).all()
+    assert np.all(np.isfinite(c.mc_se[consulted])) and np.isnan(c.mc_se[~consulted]).all()
+    assert c.threshold == thr and c.version == 300 + int(consulted.sum())
+    np.testing.assert_array_equal(c.log_var, lv2)
+    # every learned answer is within the threshold (the rest were consulted)
+    assert c.counts()["learned_confident"] == int((~consulted).sum())
+    np.testing.assert_array_equal(c.proper, _proper(q, inc["x"]))
+    # a quadrature oracle: consulted rows are "rule"
+    jit_q = JITOperator(copy.deepcopy(kernel_op), QuadratureOracle(F), threshold=thr, selection="all")
+    q4, c4 = jit_q.certified(inc)
+    assert set(c4.source) == {"rule", "learned"} and (c4.source == "rule").sum() == consulted.sum()
+    # initial phase: every row is the oracle's, no variance
+    jit0 = JITOperator(None, QuadratureOracle(F), to="x", initial_batch=500)
+    q5, c5 = jit0.certified(inc)
+    assert set(c5.source) == {"rule"} and np.isnan(c5.log_var).all()
+
+
+def test_certificates_json_round_trip(kernel_op):
+    inc = _inc(10)
+    jit = JITOperator(kernel_op, MessageImportanceSampler(F, random_state=0), threshold=-100.0)
+    import copy
+
+    jit.operator = copy.deepcopy(kernel_op)
+    jit.predict({v: m[:5] for v, m in inc.items()})
+    c = jit.last_certificates_
+    back = Certificates.from_json(c.to_json())
+    for name in ("source", "proper"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(c, name))
+    for name in ("log_var", "ess", "mc_se"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(c, name))
+    assert (back.threshold, back.version, back.projection) == (c.threshold, c.version, c.projection)
+    with pytest.raises(ValueError, match="source"):
+        Certificates(["made-up"], ("a",))
+
+
+def test_linear_ep_counts_answers_by_source(kernel_op):
+    import copy
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 2))
+    y = (X @ np.array([1.0, -1.0]) + 0.3 * rng.normal(size=40) > 0).astype(float)
+    # rule
+    res = BayesianLogisticRegression(QuadratureOracle(F), max_iter=5).fit(X, y).result_
+    a = res.answers
+    assert a["rule"] > 0 and a["learned"] == a["oracle"] == 0
+    assert a["rule"] == sum(r.answers.get("rule", 0) for r in res.history)
+    # learned, with some uncertain answers replaced by the oracle
+    _, lv = kernel_op.predict(_inc(200, seed=2))
+    jit = JITOperator(copy.deepcopy(kernel_op), QuadratureOracle(F), threshold=float(np.median(lv.max(axis=1))))
+    res2 = BayesianLogisticRegression(jit, max_iter=5).fit(X, y).result_
+    a2 = res2.answers
+    assert a2["learned"] > 0 and a2["learned"] == a2["learned_confident"] + a2["learned_uncertain"] \
+        + a2["learned_unrated"]
+    assert a2["rule"] == sum(int(r.answers.get("rule", 0)) for r in res2.history)
+    assert res2.summary()["answers"] == a2
+
+
+def test_graph_ep_counts_answers():
+    g = FactorGraph()
+    g.add_variable("x", Gaussian(0.0, 4.0))
+    for zv in (0.9, 0.2, 0.7):
+        from kjit.families import Beta
+
+        g.add_factor("logistic", {"x": "x", "z": Beta(1 + 5 * zv, 1 + 5 * (1 - zv))})
+    res = GraphEP(g, max_iter=5).run()
+    a = res.answers
+    assert a["rule"] > 0 and a["learned"] == 0 and a["oracle"] == 0
+    assert a["rule"] == sum(r.answers.get("rule", 0) for r in res.history)
+
+
+# ------------------------------------------------------------------------------ the service and the client
+def _body(inc):
+    return {"to": "x", "incoming": {v: {"family": type(m).__name__.lower(),
+                                        **{p: np.asarray(a, float).tolist() for p, a in zip(m.param_names, m.params)}}
+                                    for v, m in inc.items()}}
+
+
+def test_service_certificates_in_every_mode(app_client, pristine_store):
+    local = load_pristine(pristine_store, "logistic-x")
+    inc = probe("logistic", 30)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc))
+    assert r.status_code == 200, r.text
+    c = r.json()["certificates"]
+    assert c["source"] == ["learned"] * 30 and c["version"] == r.json()["version"] == 0
+    assert c["threshold"] == local.threshold and c["log_var"] == r.json()["log_var"]
+    assert c["proper"] == r.json()["messages"]["is_proper"] and c["ess"] is None
+    q_loc, lv_loc = local.operator.predict(inc)
+    conf = np.all(lv_loc <= local.threshold, axis=1)
+    back = Certificates.from_json(c)
+    np.testing.assert_array_equal(back.confident, conf)
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=oracle", json=_body(inc), headers=auth)
+    c = r.json()["certificates"]
+    assert c["source"] == ["rule"] * 30 and c["log_var"] is None  # the quadrature oracle: an exact rule
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=jit", json=_body(inc), headers=auth)
+    body = r.json()
+    c = body["certificates"]
+    cons = np.array(body["consulted"])
+    assert cons.any() and (~cons).any()
+    np.testing.assert_array_equal(np.array(c["source"]) == "rule", cons)
+    assert c["version"] == body["version"] == 1
+
+
+def test_remote_operator_keeps_certificates(live, pristine_store):
+    from kjit.client import RemoteOperator
+
+    inc = probe("logistic", 25)
+    with RemoteOperator(live.url, "logistic-x", mode="predict") as op:
+        q = op.belief(inc, "x")
+        assert isinstance(q, Gaussian)  # unchanged for existing callers
+        c = op.last_certificates
+        assert c is op.last_certificates_ and c.of is q and set(c.source) == {"learned"}
+        np.testing.assert_array_equal(c.proper, _proper(q, inc["x"]))
+        q2, c2 = certified(op, inc, "x")
+        assert q2 == q and len(c2) == 25
+        q3, lv, cons = op.predict(inc)
+        np.testing.assert_array_equal(op.last_certificates.log_var, lv)
+    with RemoteOperator(live.url, "logistic-x", mode="jit", token=TOKEN) as op:
+        q, lv, cons = op.predict(inc)
+        c = op.last_certificates
+        np.testing.assert_array_equal(c.source == "rule", cons)
+        assert c.version == op.last_version_
+    # a local oracle (client-side JIT loop): the rows answered here carry its certificates
+    with RemoteOperator(live.url, "logistic-x", mode="predict", token=TOKEN,
+                        oracle=MessageImportanceSampler(F, random_state=0)) as op:
+        q, lv, cons = op.predict(inc)
+        c = op.last_certificates
+        assert cons.any()
+        np.testing.assert_array_equal(c.source == "oracle", cons)
+        assert np.all(c.ess[cons] > 0)
