@@ -88,7 +88,8 @@ def _logistic_problem(rng):
     return X, y
 
 
-def _poisson_problem(rng):
+def poisson_problem(rng):
+    """A synthetic Poisson regression (d 2–4 with a bias, n 30–80); also ep_models.py's JIT problems."""
     d = int(rng.integers(2, 5))
     n = int(rng.integers(30, 81))
     X = np.hstack([rng.standard_normal((n, d - 1)), np.ones((n, 1))])
@@ -105,7 +106,7 @@ def recordings(name, n_problems, rng):
         f = get_factor(name, eps=0.05)
         return f, _linear(lambda op, max_iter: ProbitClassifier(op, max_iter=max_iter), f, _logistic_problem, n_problems, rng)
     if name == "exp":
-        return f, _linear(PoissonRegression, f, _poisson_problem, n_problems, rng)
+        return f, _linear(PoissonRegression, f, poisson_problem, n_problems, rng)
     if name == "compound_gamma":
         out = []
         for _ in range(n_problems):
