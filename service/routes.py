@@ -272,9 +272,13 @@ def messages(
                        f"batch of {n_rows} messages exceeds the limit of {settings.max_oracle_batch} per "
                        f"mode=oracle request (KJIT_MAX_ORACLE_BATCH); split it", "too_long")
     try:
+        uncertain = None
         if mode == "oracle":
             with oracle_slot(request):
                 q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
+        elif mode == "predict":
+            q, logvar, uncertain, version = entry.screen(inc)
+            consulted, n_learned = np.zeros(len(q), dtype=bool), 0
         else:
             q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
     except OracleFailure as exc:
@@ -315,6 +319,7 @@ def messages(
         "beliefs": columns(q), "messages": out_msgs,
         "log_var": None if logvar is None else _cols(logvar),
         "consulted": np.asarray(consulted).tolist(),
+        "uncertain": None if uncertain is None else np.asarray(uncertain).tolist(),
     }
     return _json(payload)
 

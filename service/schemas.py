@@ -131,6 +131,11 @@ class MessagesResponse(BaseModel):
         description="log predictive variance, column-wise: one list of n per coordinate in `coords` (the "
                     "uncertainty the JIT threshold is applied to); null in oracle mode")
     consulted: list[bool] = Field(description="per row: the oracle answered")
+    uncertain: list[bool] | None = Field(
+        None, description="mode=predict: per row, whether the operator's just-in-time rule would consult the oracle "
+                          "(log variance above the threshold, or an outgoing message whose precision's sign the "
+                          "prediction leaves undetermined) — the rows a client whose oracle runs on its side answers; "
+                          "null in the other modes")
 
 
 class ObservationsResponse(BaseModel):

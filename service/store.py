@@ -576,6 +576,16 @@ class Entry:
         return dumps_state("JITOperator", state)
 
     # ---------------------------------------------------------------- requests
+    def screen(self, incoming: dict[str, Family]):
+        """``mode=predict``: ``(belief, log_var, uncertain mask, version)`` — the learned operator's
+        answer and the rows its just-in-time rule would consult (:meth:`JITOperator.screen`)."""
+        with self.lock.read():
+            try:
+                q, logvar, uncertain = self.jit.screen(incoming)
+            except NUMERIC_ERRORS as exc:
+                raise Unprocessable(str(exc)) from None
+            return q, logvar, uncertain, self.version
+
     def predict(self, incoming: dict[str, Family], mode: str):
         """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch."""
         jit = self.jit
