@@ -299,3 +299,70 @@ def test_several_clients_learning_one_client_oracle_operator_converge_on_one_sta
         for srv in {id(a): a, id(b): b}.values():
             srv.stop()
     _assert_never_imported_by(markers, a, b)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_bad_declarations_and_observations_are_422_naming_the_field_and_nothing_is_learned(
+        client_code, initial_pairs, tmp_path):
+    """Unknown families, variable names that are not identifiers, observations that do not fit the
+    declared families (wrong family, unknown or missing variable, parameters out of the family's
+    domain, NaN, lengths that disagree), and improper answers of a client's oracle (a client that
+    skips RemoteOperator's own check): each a 422 whose ``loc`` names the field; no job, no update."""
+    mod, code_dir, markers = client_code
+    name = "robust-logistic-x"
+    inc, bel = initial_pairs
+    src = {"kind": "client", "variables": VARIABLES, "output": "z",
+           "incoming": {v: _wire(m) for v, m in inc.items()}, "beliefs": _wire(bel)}
+    create = {"name": "other", "factor": "robust_logistic", "to": "x", "threshold": THRESHOLD, "source": src}
+    srv = _server(tmp_path / "store", code_dir)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            _create(c, name, initial_pairs)
+            jobs = len(c.get("/v1/jobs").json()["jobs"])
+            bad_create = [
+                ({**src, "variables": {"1x": "gaussian", "z": "beta"}}, ["body", "source", "variables", "1x"]),
+                ({**src, "variables": {"x y": "gaussian", "z": "beta"}}, ["body", "source", "variables", "x y"]),
+                ({**src, "variables": {"": "gaussian", "z": "beta"}}, ["body", "source", "variables", ""]),
+                ({**src, "variables": {"x": "gaussian", "z": "dirichlet"}}, ["body", "source", "variables", "z"]),
+                ({**src, "incoming": {**src["incoming"], "w": src["incoming"]["x"]}},
+                 ["body", "source", "incoming", "w"]),
+                ({**src, "incoming": {"x": src["incoming"]["x"]}}, ["body", "source", "incoming", "z"]),
+                ({**src, "beliefs": {**src["beliefs"], "var": [0.0] * len(bel)}},
+                 ["body", "source", "client", "beliefs", "var", 0]),  # the schema names the union tag
+            ]
+            for s, loc in bad_create:
+                r = c.post("/v1/operators", json={**create, "source": s})
+                assert r.status_code == 422 and r.json()["detail"][0]["loc"] == loc, (loc, r.text)
+            r = c.post("/v1/operators", json={**create, "factor": "robust logistic"})  # label: an identifier
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "factor"], r.text
+            assert len(c.get("/v1/jobs").json()["jobs"]) == jobs and "other" not in c.get("/ready").json()["operators"]
+
+            before = c.get(f"/v1/operators/{name}").json()
+            x = {"family": "gaussian", "mean": [0.1, 0.2, 0.3], "var": [1.0, 1.0, 1.0]}
+            z = {"family": "beta", "alpha": [2.0, 2.0, 2.0], "beta": [1.0, 1.0, 1.0]}
+            q = {"family": "gaussian", "mean": [0.15, 0.25, 0.35], "var": [0.9, 0.9, 0.9]}
+            bad_obs = [
+                ({"incoming": {"x": x, "z": z}, "beliefs": {**q, "var": [0.9, -0.5, 0.9]}}, ["body", "beliefs", "var", 1]),
+                ({"incoming": {"x": x, "z": z}, "beliefs": {**q, "var": [0.9, 0.0, 0.9]}}, ["body", "beliefs", "var", 1]),
+                ({"incoming": {"x": x, "z": z}, "beliefs": {**z}}, ["body", "beliefs", "family"]),
+                ({"incoming": {"x": x, "z": z}, "beliefs": {**q, "family": "normal"}}, ["body", "beliefs"]),
+                ({"incoming": {"x": x, "z": {**x}}, "beliefs": q}, ["body", "incoming", "z", "family"]),
+                ({"incoming": {"x": x, "z": {**z, "alpha": [2.0, -1.0, 2.0]}}, "beliefs": q},
+                 ["body", "incoming", "z", "alpha", 1]),
+                ({"incoming": {"x": x, "z": z, "w": x}, "beliefs": q}, ["body", "incoming", "w"]),
+                ({"incoming": {"x": x}, "beliefs": q}, ["body", "incoming", "z"]),
+                ({"incoming": {"x": x, "z": z}, "beliefs": {**q, "var": [0.9, 0.9]}}, ["body", "beliefs", "var"]),
+            ]
+            for body, loc in bad_obs:
+                r = c.post(f"/v1/operators/{name}/observations", json=body)
+                assert r.status_code == 422 and r.json()["detail"][0]["loc"] == loc, (loc, r.text)
+            r = c.post(f"/v1/operators/{name}/observations", headers={"content-type": "application/json"},
+                       content=b'{"incoming": {"x": {"family": "gaussian", "mean": [NaN], "var": [1.0]}, '
+                               b'"z": {"family": "beta", "alpha": [2.0], "beta": [1.0]}}, '
+                               b'"beliefs": {"family": "gaussian", "mean": [0.0], "var": [1.0]}}')
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "incoming", "x", "mean", 0], r.text
+            after = c.get(f"/v1/operators/{name}").json()
+            assert (after["version"], after["n_train"]) == (before["version"], before["n_train"]) == (0, 300)
+    finally:
+        srv.stop()
+    _assert_never_imported_by(markers, srv)
