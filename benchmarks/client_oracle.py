@@ -16,26 +16,28 @@ with seeds 1000 + k) is solved by parallel-schedule EP (``BayesianLogisticRegres
 factor's operator asked for messages to x; ``--max-iter`` sweeps, no tolerance stop: sampled
 answers never meet it) two ways, in the same run, one after the other:
 
-* ``local sampling``: the sampler (its own generator) answers every message;
+* ``local sampling``: a sampler (its own generator) answers every message;
 * ``client loop``: ``RemoteOperator(url, name, oracle=sampler)`` — the server predicts
-  (``mode=predict``, one request per sweep), the rows above its threshold are answered by the
-  client's sampler, used, and posted back as observations (with an Idempotency-Key).  The
-  served operator is created (``POST /v1/operators``, ``source.kind = "client"``) after problem 1
-  from ``--initial`` pairs drawn from problem 1's local-sampling EP (its messages and the
-  sampler's answers, recorded); its threshold is the server's calibration on a held-out fifth of
-  them (mean KL ≤ 1e-3) unless ``--threshold`` is given.  So problem 1's client-loop time is its
-  local-sampling EP plus the creation request and the training job (counted), and all its
-  messages count as consultations.
+  (``mode=predict``, one request per sweep) and marks the rows its just-in-time rule would
+  consult (log predictive variance above its threshold, or an outgoing message whose precision's
+  sign is undetermined); the client's sampler answers those, they are used and posted back as
+  observations (one more request, with an Idempotency-Key).  The served operator does not exist
+  when the sequence starts: during problem 1 the client's sampler answers the first ``--initial``
+  messages (default 2n: EP's first two sweeps) and keeps them; then the operator is created from
+  them (``POST /v1/operators``, ``source.kind = "client"``; threshold: the server's calibration on
+  a held-out fifth, mean KL ≤ 1e-3, unless ``--threshold``) and answers the rest of problem 1.  So
+  problem 1's client-loop time includes those sampler answers, the creation request and the
+  training job (``create_seconds``), and its consultations include the initial pairs.
 
 Per problem: ``consultations`` (rows the client's sampler answered) and ``requests`` (messages
-asked), ``seconds`` (client loop, wall clock), ``local_seconds``, ``speedup_vs_local_sampling``
-(= local_seconds / seconds), test error both ways, the server's operator version and
-``n_train``.  Summary: ``consultation_rate_after_first`` (consultations / requests over problems
-2..N), ``speedup_vs_local_sampling`` (total local seconds / total client-loop seconds over the
-sequence) and ``speedup_vs_local_sampling_after_first``; goal ≥ 5× over the sequence
-(``goal_met``).  BLAS is limited to one thread (the machine is shared); both ways run in this
-process with the same settings.  ``--profile`` adds where the client loop's time goes (HTTP
-round trips, oracle, EP) to each row.
+asked), ``seconds`` (client loop, wall clock) split into ``oracle_seconds`` (the client's sampler),
+``http_seconds`` (requests to the server, its work included) and the rest (EP, client-side
+encoding), ``local_seconds``, ``speedup_vs_local_sampling`` (= local_seconds / seconds), test error
+both ways, the server's operator version and ``n_train``.  Summary: ``consultation_rate_after_first``
+(consultations / requests over problems 2..N), ``speedup_vs_local_sampling`` (total local seconds
+/ total client-loop seconds over the sequence) and ``speedup_vs_local_sampling_after_first``; goal
+≥ 5× over the sequence (``goal_met``).  BLAS is limited to one thread (the machine is shared);
+both ways run in this process with the same settings.
 
 Prints one JSON object per line; the last is the summary.  ``--quick``: 4 smaller problems, a
 looser target standard error.
@@ -110,10 +112,43 @@ class Bootstrap:
         return q
 
 
+class Timed:
+    """An oracle that adds the seconds spent in it to ``seconds``."""
+
+    def __init__(self, oracle):
+        self.oracle = oracle
+        self.factor = oracle.factor
+        self.seconds = 0.0
+
+    def belief(self, incoming, to):
+        t = time.perf_counter()
+        try:
+            return self.oracle.belief(incoming, to)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def _timed_remote():
+    """RemoteOperator that adds the seconds of its HTTP requests (round trip, the server's work
+    included) to ``http_seconds``."""
+    from kjit.client import RemoteOperator
+
+    class TimedRemote(RemoteOperator):
+        http_seconds = 0.0
+
+        def _request(self, *args, **kw):
+            t = time.perf_counter()
+            try:
+                return super()._request(*args, **kw)
+            finally:
+                TimedRemote.http_seconds += time.perf_counter() - t
+
+    return TimedRemote
+
+
 def create(http, url, incoming, beliefs, args, name, oracle):
     """``POST /v1/operators`` (``source.kind = "client"``) with the first pairs; wait for the job;
     the served operator as a ``RemoteOperator`` with the client's oracle."""
-    from kjit.client import RemoteOperator
 
     body = {"name": name, "factor": "robust_logistic", "to": "x", "n_inner": args.n_inner, "n_outer": args.n_outer,
             "threshold": args.threshold, "random_state": args.seed,
@@ -126,7 +161,7 @@ def create(http, url, incoming, beliefs, args, name, oracle):
         time.sleep(0.02)
     if job["status"] != "succeeded":
         raise RuntimeError(f"the training job failed: {job}")
-    return RemoteOperator(url, name, oracle=oracle)
+    return _timed_remote()(url, name, oracle=oracle)
 
 
 def wire(m) -> dict:
@@ -152,7 +187,6 @@ def main(argv=None) -> int:
                     help="the served operator's threshold (default: the server calibrates it)")
     ap.add_argument("--n-inner", type=int, default=200)
     ap.add_argument("--n-outer", type=int, default=300)
-    ap.add_argument("--profile", action="store_true", help="split each client-loop run's time (see docstring)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
@@ -172,7 +206,7 @@ def main(argv=None) -> int:
 
     limits = threadpool_limits(limits=1, user_api="blas")  # noqa: F841 - kept for the whole run
     factor = robust_logistic(args.eps)
-    client_sampler = MessageImportanceSampler(factor, target_se=target_se, random_state=args.seed + 1)
+    client_sampler = Timed(MessageImportanceSampler(factor, target_se=target_se, random_state=args.seed + 1))
     local_sampler = MessageImportanceSampler(factor, target_se=target_se, random_state=args.seed + 2)
 
     def problem(k):
@@ -205,6 +239,7 @@ def main(argv=None) -> int:
                     row = {"bench": "client_oracle", "problem": k + 1, "d": d, "n": n}
                     op = boot if k == 0 else remote
                     c0 = remote.consultations_ if remote is not None else 0
+                    o0, h0 = client_sampler.seconds, (type(remote).http_seconds if remote is not None else 0.0)
                     counted = Counting(op)
                     m_remote, s_remote = ep(counted, X, y)
                     if k == 0:
@@ -217,7 +252,8 @@ def main(argv=None) -> int:
                     info = remote.info(refresh=True)
                     consultations = remote.consultations_ - c0 + (boot.n_initial if k == 0 else 0)
                     row.update({"requests": counted.requests, "consultations": consultations,
-                                "seconds": s_remote, "test_error": m_remote.test_error(Xt, yt),
+                                "seconds": s_remote, "oracle_seconds": client_sampler.seconds - o0,
+                                "http_seconds": type(remote).http_seconds - h0, "test_error": m_remote.test_error(Xt, yt),
                                 "skipped_updates": skipped(m_remote)})
                     row.update({"local_seconds": s_local, "local_test_error": m_local.test_error(Xt, yt),
                                 "local_skipped_updates": skipped(m_local),
@@ -242,6 +278,8 @@ def main(argv=None) -> int:
                                                   if later else None),
         "max_test_error_gap": float(max(abs(r["test_error"] - r["local_test_error"]) for r in rows)),
         "seconds": total("seconds", rows), "local_seconds": total("local_seconds", rows),
+        "oracle_seconds": total("oracle_seconds", rows), "http_seconds": total("http_seconds", rows),
+        "create_seconds": rows[0]["create_seconds"],
         "goal": 5.0, "goal_met": bool(speedup >= 5.0),
     }
     emit(summary)

@@ -69,6 +69,15 @@ robust_logistic = SampledFactor("robust_logistic", inputs={{"x": Gaussian}}, out
 '''
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_blas_thread():
+    """Bit-for-bit comparisons with the servers (started with one BLAS thread): the same here."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def client_code(tmp_path_factory):
     """The client's module, imported here only; ``(module, its directory, the marker directory)``."""
