@@ -21,19 +21,21 @@ Per model: ``ep_vs_gold_max_mean_sd`` (max over variables of |mean − gold| / g
 ``ep_vs_gold_max_var_ratio_err`` (max |var / gold var − 1|), ``gold_ess`` where the gold is IS,
 EP iterations and seconds.
 
-Part 2 — the JIT experiment of the paper on ``poisson_gamma``: a sequence of ``--problems`` count
-data sets (25 counts each, the true rate varying over problems), starting from no operator; for
-each direction of ``gamma_rate`` (r and x) a ``JITOperator`` whose oracle is the per-message
-importance sampler (``MessageImportanceSampler``, target standard error ``--target-se``), learning as
-it goes (initial batch 200, threshold ``--threshold`` on the ``--uncertainty`` variance, default the
-epistemic part: the sampler's noise is a floor the predictive variance never goes below).  Against the same EP with the sampler
-alone (timed on the first ``--sampling-problems``) and with the exact rule:
+Part 2 — the JIT experiment of the paper, per model of ``--jit-models``: a sequence of
+``--problems`` data sets starting from no operator — ``poisson_gamma`` (25 counts each, the true rate
+varying over problems; ``gamma_rate`` → r and x), ``poisson_regression`` (synthetic, d 2–4, n 30–80;
+``exp`` → x, LinearEP), ``rank_one`` (4 × 5 matrices u vᵀ + N(0, 0.5²); ``product`` → x and y);
+for each direction a ``JITOperator`` whose oracle is the per-message importance sampler
+(``MessageImportanceSampler``, target standard error ``--target-se``), learning as it goes (initial
+batch 200, threshold ``--threshold`` on the ``--uncertainty`` variance, default the epistemic
+part: the sampler's noise is a floor the predictive variance never goes below).  Against the same EP
+with the sampler alone (timed on the first ``--sampling-problems``) and with the exact rule:
 ``jit_speedup_vs_sampling`` (problems 2… that both ran), ``jit_over_exact``,
 ``consultation_rate_after_first``, ``max_posterior_gap_sd`` (JIT vs exact-rule EP, in posterior sd,
 over problems 2… and every variable).  Not on ``normal_mean_precision``: its outputs are observed
 (x_i enters as a point mass), and a sampler that weights x ~ f(· | m, τ) by the output's message
 has an ESS of ~1 there — the per-message proposal needs a broad output message (measured: every
-request failed with a low ESS).  Other models' JIT experiments: not measured yet.
+request failed with a low ESS).
 
 The last line is a summary with the worst of each key over the models.
 
@@ -46,6 +48,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 
 import numpy as np
 from scipy import stats
@@ -181,45 +184,95 @@ def rank_one_model(args):
             "gold_ess": ess, "ep_vs_gold_max_mean_sd": g[0], "ep_vs_gold_max_var_ratio_err": g[1]}
 
 
-def jit_poisson_gamma(args):
-    """The JIT experiment on poisson_gamma (module docstring)."""
-    f = get_factor("gamma_rate", shape=2.0)
+def _poisson_regression_problem(rng):
+    d = int(rng.integers(2, 5))
+    n = int(rng.integers(30, 81))
+    X = np.hstack([rng.standard_normal((n, d - 1)), np.ones((n, 1))])
+    w = rng.normal(0, 0.5, d)
+    w[-1] = rng.uniform(0, 2.5)
+    return X, rng.poisson(np.exp(X @ w))
+
+
+def _graph_moments(res):
+    return {v: (float(b.mean()), float(b.var())) for v, b in res.beliefs.items()}
+
+
+def _jit_specs(args):
+    """Per model: (factor, directions, problems, run(problem, {direction: operator}) -> (moments,
+    counts of EP iterations and skipped messages))."""
     rng = np.random.default_rng(args.seed + 10)
-    data = [rng.poisson(rng.gamma(2.0, 1 / float(10 ** rng.uniform(-0.7, 0.3)), 25)) for _ in range(args.problems)]
+
+    def run_graph(make):
+        def run(problem, ops):
+            g = make(problem)
+            res = GraphEP(g, operators={(g.factors[0][0].name, to): op for to, op in ops.items()},
+                          tol=1e-6, max_iter=args.max_iter).run()
+            return _graph_moments(res), res.iterations, res.converged, sum(res.skipped.values())
+        return run
+
+    def run_poisson(problem, ops):
+        X, y = problem
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = PoissonRegression(ops["x"], prior_var=1.0, tol=1e-6, max_iter=args.max_iter,
+                                  compute_evidence=False).fit(X, y)
+        mu, var = m.posterior_.mean, np.diag(m.posterior_.cov)
+        return ({f"w{i}": (float(a), float(b)) for i, (a, b) in enumerate(zip(mu, var))}, m.n_iter_, m.converged_,
+                int(sum(m.result_.skipped.values())))
+
+    def rank_one_problem(rng):
+        u, v = rng.normal(0, 1, 4), rng.normal(1, 1, 5)
+        return np.outer(u, v) + rng.normal(0, 0.5, (4, 5))
+
+    return {
+        "poisson_gamma": (get_factor("gamma_rate", shape=2.0), ("r", "x"),
+                          [rng.poisson(rng.gamma(2.0, 1 / float(10 ** rng.uniform(-0.7, 0.3)), 25))
+                           for _ in range(args.problems)],
+                          run_graph(lambda k: poisson_gamma(k, shape=2.0, prior_rate=Gamma(2.0, 1.0)))),
+        "poisson_regression": (get_factor("exp"), ("x",), [_poisson_regression_problem(rng) for _ in range(args.problems)],
+                               run_poisson),
+        "rank_one": (get_factor("product"), ("x", "y"), [rank_one_problem(rng) for _ in range(args.problems)],
+                     run_graph(lambda Y: rank_one(Y, 0.25, Gaussian(0.0, 1.0), Gaussian(1.0, 1.0)))),
+    }
+
+
+def jit_experiment(model, args):
+    """The JIT experiment on one model (module docstring, part 2)."""
+    f, directions, problems, run = _jit_specs(args)[model]
     sampler = MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed)
     jits = {to: JITOperator(None, MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed + i),
                             to=to, initial_batch=200, threshold=args.threshold, uncertainty=args.uncertainty,
-                            operator_kwargs={"random_state": args.seed})
-            for i, to in enumerate(("r", "x"))}
+                            operator_kwargs={"random_state": args.seed, **json.loads(args.operator_kwargs)})
+            for i, to in enumerate(directions)}
     exact = QuadratureOracle(f)
     rows, gaps = [], []
-    for k, counts in enumerate(data):
-        g = poisson_gamma(counts, shape=2.0, prior_rate=Gamma(2.0, 1.0))
+    for k, problem in enumerate(problems):
         out = {}
-        for label, ops in (("exact", {("gamma_rate", "r"): exact, ("gamma_rate", "x"): exact}),
-                           ("jit", {("gamma_rate", to): j for to, j in jits.items()}),
-                           ("sampling", {("gamma_rate", "r"): sampler, ("gamma_rate", "x"): sampler})):
+        for label, ops in (("exact", {to: exact for to in directions}), ("jit", jits),
+                           ("sampling", {to: sampler for to in directions})):
             if label == "sampling" and k >= args.sampling_problems:
                 continue
             c0 = sum(j.counters()["consultations"] for j in jits.values())
             r0 = sum(j.counters()["requests"] for j in jits.values())
             t = time.perf_counter()
-            res = GraphEP(g, operators=ops, tol=1e-6, max_iter=args.max_iter).run()
-            out[label] = {"seconds": time.perf_counter() - t, "iterations": res.iterations, "converged": res.converged,
-                          "beliefs": res.beliefs, "skipped": sum(res.skipped.values())}
+            moments, iters, conv, skipped = run(problem, ops)
+            out[label] = {"seconds": time.perf_counter() - t, "iterations": iters, "converged": conv,
+                          "moments": moments, "skipped": skipped}
             if label == "jit":
                 out[label]["consultations"] = sum(j.counters()["consultations"] for j in jits.values()) - c0
                 out[label]["requests"] = sum(j.counters()["requests"] for j in jits.values()) - r0
-        be, bj = out["exact"]["beliefs"], out["jit"]["beliefs"]
-        gap = max(abs(bj[v].mean() - be[v].mean()) / np.sqrt(be[v].var()) for v in be)
-        gaps.append(gap)
+        be = out["exact"]["moments"]
+
+        def gap(other):
+            return max(abs(other[v][0] - be[v][0]) / np.sqrt(be[v][1]) for v in be)
+
+        gaps.append(gap(out["jit"]["moments"]))
         if "sampling" in out:  # the sampler alone, for scale: how far its own noise puts EP
-            bs = out["sampling"]["beliefs"]
-            out["sampling"]["gap"] = max(abs(bs[v].mean() - be[v].mean()) / np.sqrt(be[v].var()) for v in be)
-        row = {"model": "poisson_gamma", "jit_problem": k,
+            out["sampling"]["gap"] = gap(out["sampling"]["moments"])
+        row = {"model": model, "jit_problem": k,
                **{f"{lab}_{key}": out[lab][key] for lab in out for key in ("seconds", "iterations", "converged", "skipped")},
                "jit_consultations": out["jit"]["consultations"], "jit_requests": out["jit"]["requests"],
-               "posterior_gap_sd": gap, **({"sampling_gap_sd": out["sampling"]["gap"]} if "sampling" in out else {})}
+               "posterior_gap_sd": gaps[-1], **({"sampling_gap_sd": out["sampling"]["gap"]} if "sampling" in out else {})}
         rows.append(row)
         print(json.dumps(row), flush=True)
     after = rows[1:]
@@ -232,6 +285,9 @@ def jit_poisson_gamma(args):
         "max_posterior_gap_sd": float(max(gaps[1:])) if len(gaps) > 1 else float(gaps[0]),
         "jit_problems": len(rows), "sampling_problems_timed": len(samp) + 1,
     }
+
+
+JIT_MODELS = ("poisson_gamma", "poisson_regression", "rank_one")
 
 
 MODELS = {"poisson_regression": poisson_regression, "normal_mean_precision": normal_model,
@@ -255,6 +311,8 @@ def main(argv=None):
     ap.add_argument("--max-iter", type=int, default=50)
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--no-jit", action="store_true")
+    ap.add_argument("--operator-kwargs", default="{}", help="JSON: extra KernelOperator arguments of the JIT operators")
+    ap.add_argument("--jit-models", nargs="*", default=list(JIT_MODELS), choices=JIT_MODELS)
     args = ap.parse_args(argv)
     if args.quick:
         args.problems, args.sampling_problems, args.max_iter = 3, 2, 30
@@ -263,10 +321,10 @@ def main(argv=None):
         r = MODELS[name](args)
         results[name] = r
         print(json.dumps({"model": name, **r}), flush=True)
-    if not args.no_jit:
-        j = jit_poisson_gamma(args)
-        results.setdefault("poisson_gamma", {}).update(j)
-        print(json.dumps({"model": "poisson_gamma", "jit": True, **j}), flush=True)
+    for name in ([] if args.no_jit else args.jit_models):
+        j = jit_experiment(name, args)
+        results.setdefault(name, {}).update(j)
+        print(json.dumps({"model": name, "jit": True, **j}), flush=True)
     keys = ("ep_vs_gold_max_mean_sd", "ep_vs_gold_max_var_ratio_err", "max_posterior_gap_sd",
             "consultation_rate_after_first", "jit_over_exact")
     summary = {"summary": True, "models": list(results)}

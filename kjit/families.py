@@ -315,6 +315,12 @@ class Family:
     def var(self) -> np.ndarray:
         raise NotImplementedError
 
+    def affine(self, scale, shift=0.0) -> "Family":
+        """The law of ``scale·X + shift`` for X with this law (``scale`` > 0, per row), when the
+        family is closed under that map; a ValueError otherwise.  Used by factor symmetries
+        (:meth:`kjit.factors.Factor.symmetry`)."""
+        raise ValueError(f"{type(self).__name__} messages are not closed under x -> scale*x + shift")
+
     def log_normalizer(self) -> np.ndarray:
         """log ∫ exp(η · u(x)) dx at the natural parameters η (the family's log partition with its
         base measure): what a product of messages integrates to, e.g. for the EP evidence."""
@@ -431,6 +437,10 @@ class Gaussian(Family):
 
     def var(self):
         return self._var
+
+    def affine(self, scale, shift=0.0):
+        scale = np.asarray(scale, dtype=float)
+        return Gaussian(scale * self._mean + shift, scale**2 * self._var, validate=False)
 
     @property
     def precision(self):
@@ -896,6 +906,11 @@ class Gamma(Family):
 
     def var(self):
         return self._shape / self._rate**2
+
+    def affine(self, scale, shift=0.0):
+        if np.any(np.asarray(shift) != 0):
+            raise ValueError("Gamma messages are closed under scaling only (shift must be 0)")
+        return Gamma(self._shape, self._rate / np.asarray(scale, dtype=float), validate=False)
 
     def log_normalizer(self):
         self._require_proper("log_normalizer")

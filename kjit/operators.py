@@ -30,7 +30,7 @@ import numpy as np
 from .blr import BayesianLinearRegression
 from .factors import Factor, get_factor
 from .families import Family, family_name
-from .features import TwoStageFeatures
+from .features import TwoStageFeatures, component_moments
 from .protocols import Operator
 from .training import TrainingSet
 
@@ -88,6 +88,34 @@ def _log_evidence_grid_dual(psi: np.ndarray, Y: np.ndarray, prior_vars, noise_va
     return out, float(lam_n.max(initial=0.0))
 
 
+WIDTH_RULES = ("mean_variance", "total_variance")
+
+
+def _base_inner_widths(mean_variance, messages, treatment, rules) -> dict:
+    """Base inner widths σ_l² per rule (multiplied by the searched inner factor).
+
+    ``"mean_variance"``: the paper's median heuristic, the mean of the messages' variances (as the
+    features computed it, with their fallback for point masses).  ``"total_variance"``: the
+    variance of a draw from a random training message (mean of variances + variance of means) —
+    the scale on which the messages differ; it matters where messages are much narrower than the
+    spread of their means (observed data, messages in a factor's canonical frame), where the
+    paper's rule makes the kernel a near-delta in that variable.
+    """
+    out = {}
+    for rule in rules:
+        if rule == "mean_variance":
+            out[rule] = np.asarray(mean_variance, float)
+        else:
+            w = np.array(mean_variance, dtype=float)
+            for l, m in enumerate(messages):
+                mu, v = component_moments(m, treatment)
+                total = float(np.mean(v) + np.var(mu))
+                if np.isfinite(total) and total > 0:
+                    w[l] = total
+            out[rule] = w
+    return out
+
+
 class KernelOperator(Operator):
     """Kernel-based message operator for one (factor, recipient) direction.
 
@@ -118,6 +146,13 @@ class KernelOperator(Operator):
         uniformly whatever the scale of the message (KL between Gaussians depends on exactly
         these two numbers).  "absolute": the belief's own coordinates (the paper's choice).
         The reported uncertainty is the predictive variance of the regressed coordinates.
+    canonical : with relative targets, feed the features the incoming messages in the factor's
+        canonical frame where the factor declares a symmetry (:meth:`Factor.symmetry`; e.g. the
+        Gaussian factor's location and scale): relative targets are unchanged by the symmetry, so
+        the regression no longer has to learn it.  Default True.
+    width_rules : base rules of the inner widths searched (each with its own pattern search; the
+        log evidence picks one): "mean_variance" (the paper's) and "total_variance" (see
+        :func:`_base_inner_widths`).  Default both.
     """
 
     def __init__(
@@ -134,7 +169,14 @@ class KernelOperator(Operator):
         random_state=None,
         dtype=np.float64,
         target: str = "relative",
+        canonical: bool = True,
+        width_rules: Sequence[str] = WIDTH_RULES,
     ):
+        self.canonical = bool(canonical)
+        width_rules = (width_rules,) if isinstance(width_rules, str) else tuple(width_rules)
+        if not width_rules or any(r not in WIDTH_RULES for r in width_rules):
+            raise ValueError(f"`width_rules` must be a non-empty subset of {WIDTH_RULES}, got {width_rules!r}")
+        self.width_rules = width_rules
         if target not in ("relative", "absolute"):
             raise ValueError(f"`target` must be 'relative' or 'absolute', got {target!r}")
         self.target = target
@@ -169,8 +211,17 @@ class KernelOperator(Operator):
 
     # ------------------------------------------------------------------ helpers
     def _messages(self, incoming: Mapping[str, Family]):
+        """(the messages the features see, batch shape, the validated incoming messages)."""
         inc, shape = self.factor.check_incoming(incoming, self.to)
-        return tuple(inc[v].ravel() for v in self.factor.variables), shape, inc
+        return self.feature_inputs(inc), shape, inc
+
+    def feature_inputs(self, incoming: Mapping[str, Family]) -> tuple:
+        """The flat messages, in the factor's variable order, that the random features see: in the
+        factor's canonical frame when the operator uses it (``canonical_``)."""
+        flat = {v: incoming[v].ravel() for v in self.factor.variables}
+        if getattr(self, "canonical_", False):
+            flat = self.factor.canonical_messages(flat)
+        return tuple(flat[v] for v in self.factor.variables)
 
     def _check_fitted(self):
         if not hasattr(self, "blr_"):
@@ -185,6 +236,9 @@ class KernelOperator(Operator):
     def fit(self, data: TrainingSet | tuple, beliefs: Family | None = None) -> "KernelOperator":
         """Fit on a :class:`TrainingSet` (or ``incoming`` dict and ``beliefs``)."""
         incoming, beliefs = self._unpack(data, beliefs)
+        probe = {v: m.ravel()[:1] for v, m in self.factor.check_incoming(incoming, self.to)[0].items()}
+        self.canonical_ = bool(self.canonical and self.target == "relative"
+                               and self.factor.canonical_messages(probe) is not None)
         messages, shape, _ = self._messages(incoming)
         if len(shape) != 1 or shape[0] < 2:
             raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
@@ -207,20 +261,20 @@ class KernelOperator(Operator):
         # hyperparameter search on a subsample, by log evidence summed over coordinates
         sub = np.arange(n) if n <= SEARCH_SIZE else np.random.default_rng(0).choice(n, SEARCH_SIZE, replace=False)
         msub = tuple(m[sub] for m in messages)
-        median_widths = features(1.0).fit(msub).sigma2_
+        base_widths = _base_inner_widths(features(1.0).fit(msub).sigma2_, msub, self.treatment, self.width_rules)
         self.search_ = []
         bases: dict = {}
         evaluated: dict = {}
 
-        def evaluate(inner_f, width_f):
-            key = (float(inner_f), float(width_f))
+        def evaluate(rule, inner_f, width_f):
+            key = (rule, float(inner_f), float(width_f))
             if key in evaluated:
                 return evaluated[key]
-            if key[0] not in bases:
-                base = features(key[0], median_widths).fit(msub)
-                bases[key[0]] = (base, base.inner(msub))
-            base, phi = bases[key[0]]
-            feats = base.with_outer_width_factor(key[1])
+            if key[:2] not in bases:
+                base = features(key[1], base_widths[rule]).fit(msub)
+                bases[key[:2]] = (base, base.inner(msub))
+            base, phi = bases[key[:2]]
+            feats = base.with_outer_width_factor(key[2])
             psi_sub = feats.outer(phi)
             if len(sub) < psi_sub.shape[1]:
                 # fewer pairs than features (e.g. a JIT's initial batch): the same evidence from
@@ -241,7 +295,7 @@ class KernelOperator(Operator):
                 raise ValueError("every (prior_var, noise_var) pair gives an ill-conditioned posterior; "
                                  "use larger `noise_vars`")
             i, j = np.unravel_index(np.argmax(grid), grid.shape)
-            rec = {"inner_factor": key[0], "width_factor": key[1],
+            rec = {"width_rule": rule, "inner_factor": key[1], "width_factor": key[2],
                    "prior_var": float(self.prior_vars[i]), "noise_var": float(self.noise_vars[j]),
                    "log_evidence": float(grid[i, j])}
             self.search_.append(rec)
@@ -252,32 +306,36 @@ class KernelOperator(Operator):
             # pattern search on (log2 inner factor, log2 outer factor): move to the best
             # neighbour at distance `step`, halve the step when none improves
             lo, hi = _LOG2_BOUNDS
-            cur, step = (-2, 0), 2
-            best_rec, _ = evaluate(2.0 ** cur[0], 2.0 ** cur[1])
-            while len(evaluated) < _MAX_EVALS:
-                moved = False
-                for di, dw in ((step, 0), (-step, 0), (0, step), (0, -step)):
-                    cand = (cur[0] + di, cur[1] + dw)
-                    if not (lo <= cand[0] <= hi and lo <= cand[1] <= hi):
-                        continue
-                    rec, _ = evaluate(2.0 ** cand[0], 2.0 ** cand[1])
-                    if rec["log_evidence"] > best_rec["log_evidence"]:
-                        best_rec, cur, moved = rec, cand, True
-                if not moved:
-                    if step == 1:
-                        break
-                    step = 1
+            for rule in self.width_rules:  # one pattern search per width rule, within its budget
+                cur, step, n_evals = (-2, 0), 2, 1
+                best_rec, _ = evaluate(rule, 2.0 ** cur[0], 2.0 ** cur[1])
+                while n_evals < _MAX_EVALS:
+                    moved = False
+                    for di, dw in ((step, 0), (-step, 0), (0, step), (0, -step)):
+                        cand = (cur[0] + di, cur[1] + dw)
+                        if not (lo <= cand[0] <= hi and lo <= cand[1] <= hi):
+                            continue
+                        n_evals += 1
+                        rec, _ = evaluate(rule, 2.0 ** cand[0], 2.0 ** cand[1])
+                        if rec["log_evidence"] > best_rec["log_evidence"]:
+                            best_rec, cur, moved = rec, cand, True
+                    if not moved:
+                        if step == 1:
+                            break
+                        step = 1
         else:
-            for inf_ in self.inner_factors:
-                for wf in self.width_factors:
-                    evaluate(inf_, wf)
+            for rule in self.width_rules:
+                for inf_ in self.inner_factors:
+                    for wf in self.width_factors:
+                        evaluate(rule, inf_, wf)
         best = max(self.search_, key=lambda r: r["log_evidence"])
-        best_feats = evaluated[(best["inner_factor"], best["width_factor"])][1]
+        best_feats = evaluated[(best["width_rule"], best["inner_factor"], best["width_factor"])][1]
         # final fit on every pair with the chosen feature map and BLR hyperparameters
         feats = best_feats
         psi = feats.transform(messages)
         self.blr_ = BayesianLinearRegression(prior_var=best["prior_var"], noise_var=best["noise_var"]).fit(psi, Z)
         self.features_ = feats if self.dtype == np.float64 else _with_dtype(feats, self.dtype)
+        self.width_rule_ = best["width_rule"]
         self.inner_factor_ = best["inner_factor"]
         self.width_factor_ = best["width_factor"]
         self.prior_var_ = best["prior_var"]
@@ -410,7 +468,8 @@ class KernelOperator(Operator):
     # ------------------------------------------------------------------ state
     def hyperparameters(self) -> dict:
         self._check_fitted()
-        return {"inner_factor": self.inner_factor_, "width_factor": self.width_factor_, "prior_var": self.prior_var_,
+        return {"width_rule": getattr(self, "width_rule_", "mean_variance"), "canonical": bool(self.canonical_),
+                "inner_factor": self.inner_factor_, "width_factor": self.width_factor_, "prior_var": self.prior_var_,
                 "noise_var": self.noise_var_, "gamma2": float(self.features_.gamma2_),
                 "inner_widths": np.asarray(self.features_.sigma2_).tolist(),
                 "log_evidence": self.log_evidence_}
@@ -425,13 +484,15 @@ class KernelOperator(Operator):
             "inner_factors": json.dumps(self.inner_factors), "width_factors": json.dumps(self.width_factors),
             "prior_vars": np.asarray(self.prior_vars), "noise_vars": np.asarray(self.noise_vars),
             "random_state": self.random_state if isinstance(self.random_state, int) else None,
-            "dtype": self.dtype.name, "target": self.target,
+            "dtype": self.dtype.name, "target": self.target, "canonical": int(self.canonical),
+            "width_rules": json.dumps(list(self.width_rules)),
         }
         fitted = {
             "y_mean": self.y_mean_, "y_scale": self.y_scale_, "inner_factor": self.inner_factor_,
             "width_factor": self.width_factor_, "prior_var": self.prior_var_, "noise_var": self.noise_var_,
             "log_evidence": self.log_evidence_, "fit_seconds": self.fit_seconds_,
-            "search": json.dumps(self.search_),
+            "search": json.dumps(self.search_), "canonical": int(self.canonical_),
+            "width_rule": getattr(self, "width_rule_", "mean_variance"),
         }
         return {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                 "blr": self.blr_.state_dict()}
@@ -445,8 +506,11 @@ class KernelOperator(Operator):
                 factor, p["to"], n_inner=p["n_inner"], n_outer=p["n_outer"], treatment=p["treatment"],
                 inner_factors=json.loads(p["inner_factors"]), width_factors=json.loads(p["width_factors"]),
                 prior_vars=p["prior_vars"], noise_vars=p["noise_vars"], random_state=p.get("random_state"),
-                dtype=p["dtype"], target=p.get("target", "absolute"),
+                dtype=p["dtype"], target=p.get("target", "absolute"), canonical=bool(p.get("canonical", False)),
+                width_rules=json.loads(p.get("width_rules", '["mean_variance"]')),
             )
+            op.width_rule_ = str(f.get("width_rule", "mean_variance"))
+            op.canonical_ = bool(f.get("canonical", False))  # states saved before frames: none
             op.features_ = TwoStageFeatures.from_state_dict(state["features"])
             op.blr_ = BayesianLinearRegression.from_state_dict(state["blr"])
             op.y_mean_ = np.asarray(f["y_mean"], float)

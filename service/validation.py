@@ -92,7 +92,7 @@ def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
     n = int(np.prod(shape, dtype=int))
     try:
         with np.errstate(all="ignore"):
-            psi = operator.features_.transform(tuple(inc[v].ravel() for v in factor.variables))
+            psi = operator.features_.transform(operator.feature_inputs(inc))
     except NUMERIC_ERRORS:  # cannot tell the rows apart: none of them can be evaluated
         return list(range(n))
     return np.flatnonzero(~_row_finite(psi, n)).tolist()

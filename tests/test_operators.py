@@ -102,13 +102,13 @@ def test_learns_far_better_than_trivial_baseline(op, data):
 
 def test_hyperparameters_are_the_argmax_of_the_search(op):
     search = op.search_
-    assert len(search) == len(KW["inner_factors"]) * len(KW["width_factors"])
-    assert {(r["inner_factor"], r["width_factor"]) for r in search} == {
-        (a, b) for a in KW["inner_factors"] for b in KW["width_factors"]
+    assert len(search) == len(op.width_rules) * len(KW["inner_factors"]) * len(KW["width_factors"])
+    assert {(r["width_rule"], r["inner_factor"], r["width_factor"]) for r in search} == {
+        (w, a, b) for w in op.width_rules for a in KW["inner_factors"] for b in KW["width_factors"]
     }
     best = max(search, key=lambda r: r["log_evidence"])
-    assert (op.inner_factor_, op.width_factor_, op.prior_var_, op.noise_var_) == (
-        best["inner_factor"], best["width_factor"], best["prior_var"], best["noise_var"]
+    assert (op.width_rule_, op.inner_factor_, op.width_factor_, op.prior_var_, op.noise_var_) == (
+        best["width_rule"], best["inner_factor"], best["width_factor"], best["prior_var"], best["noise_var"]
     )
     # every record's prior/noise come from the grids
     assert all(r["prior_var"] in op.prior_vars and r["noise_var"] in op.noise_vars for r in search)
@@ -159,7 +159,8 @@ def test_prior_and_noise_are_the_evidence_argmax_for_the_chosen_features(op, dat
 
 def test_single_value_grids_fix_the_hyperparameters(factor, data, op):
     fixed = KernelOperator(factor, "x", n_inner=60, n_outer=150, inner_factors=[1.0], width_factors=0.5,
-                           prior_vars=[7.0], noise_vars=(3e-4,), random_state=0).fit(data["train"])
+                           prior_vars=[7.0], noise_vars=(3e-4,), width_rules="mean_variance",
+                           random_state=0).fit(data["train"])
     assert (fixed.inner_factor_, fixed.width_factor_, fixed.prior_var_, fixed.noise_var_) == (1.0, 0.5, 7.0, 3e-4)
     assert fixed.blr_.prior_var == 7.0 and fixed.blr_.noise_var == 3e-4
     assert len(fixed.search_) == 1

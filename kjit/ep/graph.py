@@ -77,6 +77,10 @@ class FactorGraph:
         self.variables[name] = (type(prior), prior)
         return name
 
+    def recipients(self) -> set:
+        """The (factor name, factor variable) pairs EP sends messages to: those bound to a variable."""
+        return {(f.name, fv) for f, bind in self.factors for fv, b in bind.items() if isinstance(b, str)}
+
     def add_factor(self, factor: Factor | str, bind: Mapping[str, str | Family], **params) -> int:
         """Add ``factor`` (an instance or a registered name built with ``params``) with each of its
         variables bound to a graph variable (by name) or to a fixed message.  Returns its index."""
@@ -248,7 +252,7 @@ class GraphEP:
             raise ValueError("the graph has no factors")
         # a key that matches no (factor, bound variable) of the graph would be silently unused
         # (a typo runs the exact rule instead of the operator given)
-        known = {(f.name, fv) for f, bind in g.factors for fv, b in bind.items() if isinstance(b, str)}
+        known = g.recipients()
         unknown = [k for k in self.operators if k not in known]
         if unknown:
             raise ValueError(f"`operators` has key(s) {unknown} that match no (factor name, recipient) of the graph; "

@@ -221,6 +221,29 @@ class Factor:
         """
         return None
 
+    def symmetry(self, incoming: Mapping[str, Family]) -> dict[str, tuple] | None:
+        """A per-row change of units under which the factor is invariant, or None (the default).
+
+        Returns ``{variable: (scale, shift)}`` (arrays over the flat batch ``incoming``): the map
+        ``x_v -> scale_v·x_v + shift_v`` of every variable changes the factor's density by a
+        constant only (e.g. N(x; m, 1/τ) under x, m -> (· − c)/s, τ -> s²τ).  The maps depend on
+        the incoming messages (the "frame" of the row), so applying them to those messages puts
+        every row in one canonical frame, where a learned operator sees only what the frame does
+        not fix.  Beliefs transform with the same map, so coordinates *relative* to the
+        recipient's incoming message (``Family.to_relative``) are unchanged: see
+        :meth:`canonical_messages`.
+        """
+        return None
+
+    def canonical_messages(self, incoming: Mapping[str, Family]) -> dict[str, Family] | None:
+        """The incoming messages (flat batches, all variables) mapped by :meth:`symmetry`, or None
+        when the factor declares no symmetry."""
+        sym = self.symmetry(incoming)
+        if sym is None:
+            return None
+        with np.errstate(all="ignore"):  # an overflowing frame gives non-finite features, caught there
+            return {v: incoming[v].affine(*sym[v]) if v in sym else incoming[v] for v in self.variables}
+
     def log_density(self, *args, **kw):  # pragma: no cover - optional
         raise NotImplementedError(f"factor {self.name!r} has no log density")
 

@@ -47,6 +47,12 @@ class Exp(Factor):
     def sample(self, inputs, size, rng):
         return _exact.sample(inputs, size, rng)
 
+    def symmetry(self, incoming):
+        # x -> x − c, y -> y·e^{−c} leave δ(y − e^x) unchanged up to e^{−c}: the frame puts x's
+        # message mean at 0
+        c = incoming["x"].mean()
+        return {"x": (1.0, -c), "y": (np.exp(-c), 0.0)}
+
 
 def exp_incoming(n: int, rng: np.random.Generator) -> dict[str, Family]:
     x = Gaussian(rng.uniform(-3.0, 3.0, n), 10.0 ** rng.uniform(-2.0, 0.5, n))

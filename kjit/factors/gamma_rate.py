@@ -48,6 +48,12 @@ class GammaRate(Factor):
     def sample(self, inputs, size, rng):
         return _exact.sample(inputs, size, rng, shape=self.shape)
 
+    def symmetry(self, incoming):
+        # x -> k·x, r -> r/k leave Gamma(x; shape, r) unchanged up to 1/k: the frame gives x's
+        # message mean 1
+        k = 1.0 / incoming["x"].mean()
+        return {"x": (k, 0.0), "r": (1.0 / k, 0.0)}
+
 
 def gamma_rate_incoming(n: int, rng: np.random.Generator) -> dict[str, Family]:
     r = Gamma(10.0 ** rng.uniform(0.0, 1.5, n), 10.0 ** rng.uniform(-1.0, 1.0, n))

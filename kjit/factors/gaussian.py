@@ -46,6 +46,13 @@ class GaussianFactor(Factor):
     def sample(self, inputs, size, rng):
         return _exact.sample(inputs, size, rng)
 
+    def symmetry(self, incoming):
+        # x, m -> (· − c)/s and τ -> s²τ leave N(x; m, 1/τ) unchanged up to the factor s:
+        # the frame puts m's message at 0 and τ's mean at 1 (units of the data's sd)
+        c = incoming["m"].mean()
+        s = np.sqrt(1.0 / incoming["tau"].mean())
+        return {"m": (1.0 / s, -c / s), "x": (1.0 / s, -c / s), "tau": (s**2, 0.0)}
+
 
 def gaussian_incoming(n: int, rng: np.random.Generator) -> dict[str, Family]:
     m = Gaussian(rng.uniform(-5.0, 5.0, n), 10.0 ** rng.uniform(-1.0, 1.0, n))
