@@ -23,6 +23,7 @@ directory on its path) never imported it: it knows the factor by its variable na
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import threading
@@ -180,12 +181,12 @@ def test_client_oracle_ep_is_the_in_process_ep_and_consults_less_over_problems(c
             assert "robust_logistic" not in c.get("/v1/operators").json()["factors"]
             _create(c, "robust-logistic-x", initial_pairs)
         remote = RemoteOperator(srv.url, "robust-logistic-x", oracle=_sampler(factor, 7))
-        local = JITOperator(_in_process(factor, initial_pairs), _sampler(factor, 7), threshold=THRESHOLD,
-                            selection="all")
-        consultations, posts = [], 0
+        created = _in_process(factor, initial_pairs)
+        local = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all")
+        consultations, unlearned, posts = [], [], 0
         n0 = remote.info(refresh=True)["n_train"]
         assert n0 == 300 and remote.info()["version"] == 0
-        for k in (1, 2, 3):
+        for k in (1, 2, 3, 4, 5):
             X, y, Xt, yt = _problem(k)
             c0, j0 = remote.consultations_, local.counters()["consultations"]
             v0 = remote.version
@@ -197,17 +198,27 @@ def test_client_oracle_ep_is_the_in_process_ep_and_consults_less_over_problems(c
             np.testing.assert_array_equal(m_remote.posterior_.mean, m_local.posterior_.mean)
             np.testing.assert_array_equal(m_remote.posterior_.cov, m_local.posterior_.cov)
             posts += remote.version - v0
+            # the control: the same problem with the operator as created (nothing learned before it)
+            fresh = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all")
+            _ep(fresh, X, y)
+            unlearned.append(fresh.counters()["consultations"])
             # ... and, within the Monte Carlo error, EP with the sampler answering every message.
             # Tolerance: the sampler's answers carry a standard error of 3e-2 (mean in sd units, log
-            # variance); after 8 sweeps two sampler seeds give posterior means up to ~0.25 posterior sd
-            # apart and test errors within 0.005 here (this non-log-concave likelihood's EP amplifies
-            # message noise) — so 0.5 sd and 0.01 (10 of 1 000 test points)
+            # variance), which this EP (8 damped sweeps on a non-log-concave likelihood) amplifies:
+            # on these problems three sampler seeds give posterior means up to 0.30 posterior sd apart
+            # and test errors up to 0.006 apart (measured; the client loop: ≤ 0.19 sd, ≤ 0.003) — so
+            # 0.5 sd and 0.01 (10 of the 1 000 test points)
+            if k % 2 == 0:
+                continue
             m_oracle = _ep(_sampler(factor, 100 + k), X, y)
             sd = np.sqrt(np.diag(m_oracle.posterior_.cov))
             assert np.max(np.abs(m_remote.posterior_.mean - m_oracle.posterior_.mean) / sd) < 0.5
             assert abs(m_remote.test_error(Xt, yt) - m_oracle.test_error(Xt, yt)) <= 0.01
-        assert consultations[0] > consultations[1] > consultations[2] > 0, consultations  # it learns
-        assert consultations[2] < 0.05 * MAX_ITER * N
+        # it learns: consultations fall from the first problem, and over problems 2..5 they are well
+        # under those of the operator as created (measured: 77 against 153)
+        assert consultations[0] > max(consultations[-2:]), consultations
+        assert sum(consultations[1:]) < 0.75 * sum(unlearned[1:]), (consultations, unlearned)
+        assert consultations[0] == unlearned[0]
         info = remote.info(refresh=True)
         assert info["n_train"] == n0 + sum(consultations)  # every answer the client computed, learned once
         assert info["version"] == posts
