@@ -134,10 +134,13 @@ class RemoteOperator:
     oracle : a local oracle (``belief(incoming, to)``, e.g. a
         :class:`~kjit.oracles.MessageImportanceSampler` of your own factor) for a served operator whose
         oracle runs on its clients (created with ``source.kind = "client"``): the just-in-time loop
-        runs across the wire — the server answers ``mode=predict`` with beliefs and log variances,
-        rows above its threshold are answered here by ``oracle``, used, and sent back as
+        runs across the wire — the server answers ``mode=predict`` with beliefs and log variances
+        and marks the rows its just-in-time rule would consult (log variance above its threshold,
+        or an outgoing message whose precision's sign is undetermined: ``JITOperator.screen``);
+        those rows are answered here by ``oracle``, used, and sent back as
         observations (with an ``Idempotency-Key``: a retry is counted once).  ``consultations_``
-        counts the rows answered here.
+        counts the rows answered here.  After a ``predict``-mode request ``last_uncertain_`` holds
+        the rows the server marked (None from a server that does not mark them).
     """
 
     def __init__(self, url: str, name: str, token: str | None = None, mode: str = "jit", timeout: float = 60.0,
@@ -177,6 +180,7 @@ class RemoteOperator:
         self.last_consulted_ = None
         self.last_certificates_: Certificates | None = None
         self._cert: Certificates | None = None
+        self.last_uncertain_ = None
 
     def __repr__(self):
         return f"RemoteOperator({self.url!r}, {self.name!r}, mode={self.mode!r})"
@@ -355,9 +359,14 @@ class RemoteOperator:
             np.full((p["n"], k), np.nan) if p["log_var"] is None else _columns_array(p["log_var"], p["n"])
             for p in parts])
         consulted = np.concatenate([np.asarray(p["consulted"], dtype=bool) for p in parts])
+        # mode=predict: the rows the served operator's just-in-time rule would consult (None from
+        # a server that does not say)
+        uncertain = (np.concatenate([np.asarray(p["uncertain"], dtype=bool) for p in parts])
+                     if all(p.get("uncertain") is not None for p in parts) else None)
         self.last_version_ = parts[-1]["version"]
         self.last_consulted_ = int(consulted.sum())
         self._cert = self._certificates(parts, beliefs, flat, consulted, logvar)
+        self.last_uncertain_ = uncertain
         return beliefs, natural, logvar, consulted, shape, flat
 
     def _certificates(self, parts, beliefs, flat, consulted, logvar) -> Certificates:
@@ -392,12 +401,25 @@ class RemoteOperator:
         if self.local_oracle is None:
             return self._call(incoming, self.mode)
         q, natural, logvar, consulted, shape, flat = self._call(incoming, "predict")
-        thr = self.threshold
-        uncertain = np.any(logvar > thr, axis=1) if thr is not None else np.zeros(len(q), dtype=bool)
+        uncertain = self.last_uncertain_
+        if uncertain is None:  # a server that does not mark the rows: its threshold alone
+            thr = self.threshold
+            uncertain = np.any(logvar > thr, axis=1) if thr is not None else np.zeros(len(q), dtype=bool)
         if uncertain.any():
             rows = np.flatnonzero(uncertain)
             sub = {v: m[rows] for v, m in flat.items()}
-            q_or = self.local_oracle.belief(sub, self.to)
+            try:
+                q_or = self.local_oracle.belief(sub, self.to)
+            except Exception as exc:
+                # rows an oracle error names (e.g. LowESSError) are positions in the sub-batch: name
+                # the request's rows instead (the EP engines skip those and ask again for the rest)
+                r = getattr(exc, "rows", None)
+                if r is not None:
+                    try:
+                        exc.rows = rows[np.asarray(r, dtype=int).ravel()]
+                    except (TypeError, ValueError, IndexError):
+                        exc.rows = None
+                raise
             fam = self.family
             if not isinstance(q_or, fam) or q_or.shape != (rows.size,):
                 raise ValueError(f"the oracle must answer {rows.size} {fam.__name__} beliefs, got "

@@ -923,6 +923,34 @@ class JITOperator(Operator):
             self._keep_undo = False
             self._oracle_certs = []
 
+    def screen(self, incoming: Mapping[str, Family], to: str | None = None):
+        """The fitted operator's answer and the rows :meth:`predict` would send to the oracle, without
+        consulting or learning: ``(belief, log predictive variance (…, k), uncertain mask)``.  The
+        mask is this operator's rule — the threshold on the variance its ``uncertainty`` names, or
+        an outgoing message whose precision's sign is undetermined — so a client whose oracle runs
+        elsewhere (a served operator's ``mode=predict``) consults exactly the rows ``predict`` with
+        ``selection="all"`` would."""
+        q, logvar, uncertain, _ = self._screen(incoming, to)
+        return q, logvar, uncertain
+
+    def screen_certified(self, incoming: Mapping[str, Family], to: str | None = None):
+        """:meth:`screen` with the answer's certificates instead of the bare log variance:
+        ``(belief, Certificates (learned, with the threshold), uncertain mask)``."""
+        q, logvar, uncertain, flat = self._screen(incoming, to)
+        return q, self.operator._certify(q, logvar, flat, threshold=self.threshold), uncertain
+
+    def _screen(self, incoming, to):
+        self._check_to(to)
+        if self.operator is None:
+            raise ValueError("no operator yet: the initial batch goes to the oracle")
+        op = self.operator
+        (coords, var), flat, shape = op._predict_coords(incoming, return_var=True, return_features=False)
+        q = op._to_belief(coords, flat, shape)
+        k = coords.shape[-1]
+        c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
+        uncertain = self._uncertain(flat, c2, self._decision_logvar(v2))
+        return q, np.log(var), uncertain.reshape(shape), flat
+
     def _restore_initial(self, pending, n_pending, threshold):
         self.operator = None
         self._pending, self._n_pending, self.threshold = pending, n_pending, threshold

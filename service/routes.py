@@ -272,11 +272,12 @@ def messages(
                        f"batch of {n_rows} messages exceeds the limit of {settings.max_oracle_batch} per "
                        f"mode=oracle request (KJIT_MAX_ORACLE_BATCH); split it", "too_long")
     try:
+        uncertain = None
         if mode == "oracle":
             with oracle_slot(request):
-                q, logvar, consulted, version, n_learned, cert = entry.predict_certified(inc, mode)
-        else:
-            q, logvar, consulted, version, n_learned, cert = entry.predict_certified(inc, mode)
+                q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode)
+        else:  # mode=predict also marks the rows the just-in-time rule would consult ("uncertain")
+            q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode)
     except OracleFailure as exc:
         raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
     except Unprocessable as exc:
@@ -316,6 +317,7 @@ def messages(
         "log_var": None if logvar is None else _cols(logvar),
         "consulted": np.asarray(consulted).tolist(),
         "certificates": cert.to_json(),  # per row: source, quality, propriety (kjit.certificates)
+        "uncertain": None if uncertain is None else np.asarray(uncertain).tolist(),
     }
     return _json(payload)
 

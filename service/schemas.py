@@ -149,6 +149,11 @@ class MessagesResponse(BaseModel):
                     "uncertainty the JIT threshold is applied to); null in oracle mode")
     consulted: list[bool] = Field(description="per row: the oracle answered")
     certificates: CertificatesOut | None = Field(None, description="per row: source, quality and propriety")
+    uncertain: list[bool] | None = Field(
+        None, description="mode=predict: per row, whether the operator's just-in-time rule would consult the oracle "
+                          "(log variance above the threshold, or an outgoing message whose precision's sign the "
+                          "prediction leaves undetermined) — the rows a client whose oracle runs on its side answers; "
+                          "null in the other modes")
 
 
 class ObservationsResponse(BaseModel):

@@ -597,12 +597,18 @@ class Entry:
         return self.predict_certified(incoming, mode)[:5]
 
     def predict_certified(self, incoming: dict[str, Family], mode: str):
-        """``(belief, log_var or None, consulted mask, version, n_learned, certificates)``."""
-        q, logvar, consulted, version, n_learned, cert = self._predict(incoming, mode)
+        """``(belief, log_var or None, consulted mask, version, n_learned, certificates, uncertain)``;
+        ``uncertain`` (mode=predict, else None): the rows the operator's just-in-time rule would
+        consult (:meth:`JITOperator.screen`) — what a client whose oracle runs on its side answers."""
+        uncertain = None
+        out = self._predict(incoming, mode)
+        if mode == "predict":
+            *out, uncertain = out
+        q, logvar, consulted, version, n_learned, cert = out
         cert = cert.with_(threshold=self.jit.threshold, version=version)
         if mode != "oracle" and self.audit is not None:
             self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
-        return q, logvar, consulted, version, n_learned, cert
+        return q, logvar, consulted, version, n_learned, cert, uncertain
 
     def _predict(self, incoming: dict[str, Family], mode: str):
         jit = self.jit
@@ -610,12 +616,12 @@ class Entry:
         if mode == "predict":
             with self.lock.read():
                 try:
-                    q, cert = self.jit.operator.certified(incoming)
+                    q, cert, uncertain = self.jit.screen_certified(incoming)
                     logvar = cert.log_var
                 except NUMERIC_ERRORS as exc:
                     raise Unprocessable(str(exc)) from None
                 version = self.version
-            return q, logvar, np.zeros(n, dtype=bool), version, 0, cert
+            return q, logvar, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
         if mode == "oracle":
             # the importance sampler draws from a generator that is part of the state
             ctx = (self.lock.write() if isinstance(jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler))

@@ -128,11 +128,14 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
         inc = {v: Gaussian.concatenate([a, b]) for (v, a), b in zip(_incoming(rng, 30).items(),
                                                                    _far(rng, 6).values())}
         q_pred, lv_pred, _ = plain.predict(inc)
-        uncertain = np.any(lv_pred > THRESHOLD, axis=1)
-        assert 0 < uncertain.sum() < len(uncertain), lv_pred
+        # the server marks the rows its just-in-time rule would consult: those above its threshold,
+        # and those whose outgoing message's precision has an undetermined sign
+        uncertain = plain.last_uncertain_
+        above = np.any(lv_pred > THRESHOLD, axis=1)
+        assert np.all(uncertain[above]) and 0 < above.sum() <= uncertain.sum() < len(uncertain), lv_pred
         v0, n0 = plain.info(refresh=True)["version"], plain.info()["n_train"]
         q, lv, consulted = remote.predict(inc)
-        np.testing.assert_array_equal(consulted, uncertain)  # exactly the rows above the server's threshold
+        np.testing.assert_array_equal(consulted, uncertain)  # exactly the rows the server marked
         assert remote.consultations_ == uncertain.sum()
         np.testing.assert_array_equal(q.mean()[~uncertain], q_pred.mean()[~uncertain])  # the server's answers
         ref_m, ref_v = _reference({v: m[uncertain] for v, m in inc.items()})

@@ -678,3 +678,26 @@ def test_epistemic_uncertainty_stops_consulting_where_the_noise_floor_is_above_t
     assert jit2.uncertainty == "epistemic"
     with pytest.raises(ValueError, match="uncertainty"):
         JITOperator(op, QuadratureOracle(f), uncertainty="both")
+
+
+@pytest.mark.parametrize("uncertainty", ["predictive", "epistemic"])
+def test_screen_marks_the_rows_predict_would_consult_and_learns_nothing(op, oracle, uncertainty):
+    """``screen`` (what a served operator with its oracle on the clients answers in mode=predict):
+    the operator's answer, its log predictive variance, and exactly the rows ``predict`` with
+    ``selection="all"`` consults — without consulting, learning or counting."""
+    perm = np.random.default_rng(3).permutation(60)
+    inc = concat(inside(50, 42), far(10, 43), perm)
+    jit = fresh_jit(op, oracle, selection="all", uncertainty=uncertainty)
+    before = copy.deepcopy(jit.operator)
+    q, lv, marked = jit.screen(inc)
+    assert jit.counters()["calls"] == 0 and jit.operator.n_train_ == before.n_train_
+    q_pred, lv_pred = before.predict(inc)
+    assert_same_family(q, q_pred)
+    np.testing.assert_array_equal(lv, lv_pred)
+    _, _, consulted = jit.predict(inc)
+    np.testing.assert_array_equal(marked, consulted)
+    assert 0 < marked.sum() < 60
+    with pytest.raises(ValueError, match="sends messages to"):
+        jit.screen(inc, to="z")
+    with pytest.raises(ValueError, match="no operator yet"):
+        JITOperator(None, oracle, threshold=THRESHOLD, to="x").screen(inc)
