@@ -599,7 +599,9 @@ class Entry:
     def predict_certified(self, incoming: dict[str, Family], mode: str):
         """``(belief, log_var or None, consulted mask, version, n_learned, certificates)``."""
         q, logvar, consulted, version, n_learned, cert = self._predict(incoming, mode)
-        cert = cert.with_(threshold=self.jit.threshold, version=version)
+        # (the threshold is the one the answer was computed under: set under the operator's lock —
+        # by JITOperator.certified in mode=jit — not read here, after an audit may have changed it)
+        cert = cert.with_(version=version)
         if mode != "oracle" and self.audit is not None:
             self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
         return q, logvar, consulted, version, n_learned, cert
@@ -612,6 +614,7 @@ class Entry:
                 try:
                     q, cert = self.jit.operator.certified(incoming)
                     logvar = cert.log_var
+                    cert = cert.with_(threshold=self.jit.threshold)
                 except NUMERIC_ERRORS as exc:
                     raise Unprocessable(str(exc)) from None
                 version = self.version
@@ -623,6 +626,7 @@ class Entry:
             with ctx:
                 try:
                     q, cert = certified(self.jit.oracle, incoming, self.jit.to)
+                    cert = cert.with_(threshold=self.jit.threshold)
                 except (OracleError, *NUMERIC_ERRORS) as exc:
                     raise OracleFailure(str(exc)) from None
                 version = self.version
