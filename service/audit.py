@@ -424,11 +424,15 @@ class AuditCollector:
             st = getattr(e, "audit_stats", None)
             if st is None or e.jit is None:
                 continue
-            thr.add_metric([name], float(e.jit.threshold))
-            count.add_metric([name], st.count)
-            changes.add_metric([name], len(st.threshold_changes))
-            if st.count:
-                s = st.summary()
+            # the audit worker folds records into the statistics under the operator's exclusive
+            # lock: read them under the shared one (their deques must not change while iterated)
+            with e.lock.read():
+                threshold, n, n_changes = float(e.jit.threshold), st.count, len(st.threshold_changes)
+                s = st.summary() if n else None
+            thr.add_metric([name], threshold)
+            count.add_metric([name], n)
+            changes.add_metric([name], n_changes)
+            if s is not None:
                 for stat in ("mean", "p95", "max"):
                     kl.add_metric([name, stat], float(s[f"{stat}_kl"]))
                 share.add_metric([name], float(s["share_above_target"]))

@@ -605,7 +605,9 @@ class Entry:
         if mode == "predict":
             *out, uncertain = out
         q, logvar, consulted, version, n_learned, cert = out
-        cert = cert.with_(threshold=self.jit.threshold, version=version)
+        # (the threshold is the one the answer was computed under: set under the operator's lock —
+        # by JITOperator.certified in mode=jit — not read here, after an audit may have changed it)
+        cert = cert.with_(version=version)
         if mode != "oracle" and self.audit is not None:
             self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
         return q, logvar, consulted, version, n_learned, cert, uncertain
@@ -618,6 +620,7 @@ class Entry:
                 try:
                     q, cert, uncertain = self.jit.screen_certified(incoming)
                     logvar = cert.log_var
+                    cert = cert.with_(threshold=self.jit.threshold)
                 except NUMERIC_ERRORS as exc:
                     raise Unprocessable(str(exc)) from None
                 version = self.version
@@ -629,6 +632,7 @@ class Entry:
             with ctx:
                 try:
                     q, cert = certified(self.jit.oracle, incoming, self.jit.to)
+                    cert = cert.with_(threshold=self.jit.threshold)
                 except (OracleError, *NUMERIC_ERRORS) as exc:
                     raise OracleFailure(str(exc)) from None
                 version = self.version

@@ -92,10 +92,18 @@ def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
     n = int(np.prod(shape, dtype=int))
     try:
         with np.errstate(all="ignore"):
-            psi = operator.features_.transform(operator.feature_inputs(inc))
+            msgs = operator.feature_inputs(inc)
+            # a row whose canonical frame overflows has an improper mapped message (the features
+            # refuse those): that row is bad, the others are evaluated
+            ok = np.logical_and.reduce([np.asarray(m.is_proper, bool).reshape(n) for m in msgs])
+            bad = ~ok
+            if ok.any():
+                rows = np.flatnonzero(ok)
+                psi = operator.features_.transform(tuple(m[rows] for m in msgs))
+                bad[rows] = ~_row_finite(psi, rows.size)
     except NUMERIC_ERRORS:  # cannot tell the rows apart: none of them can be evaluated
         return list(range(n))
-    return np.flatnonzero(~_row_finite(psi, n)).tolist()
+    return np.flatnonzero(bad).tolist()
 
 
 def bad_output_rows(q: Family, logvar) -> list[int]:

@@ -333,3 +333,48 @@ def test_threshold_floor_is_where_the_oracle_would_answer_everything(pristine_st
     above = copy.deepcopy(local)
     above.threshold = floor + 3.0
     assert not above.predict(inc)[2].all()
+
+
+def test_metrics_scrape_while_audits_are_folded():
+    """/metrics (AuditCollector.collect) reads an operator's audit statistics while the audit
+    worker folds new records into them (under the operator's exclusive lock): the scrape must not
+    iterate the statistics' deques while they change ("deque mutated during iteration")."""
+    import sys
+    import types
+
+    from service.audit import RECENT, AuditCollector, AuditStats
+    from service.locks import RWLock
+
+    stats = AuditStats()
+    entry = types.SimpleNamespace(audit_stats=stats, jit=types.SimpleNamespace(threshold=-3.0), lock=RWLock())
+    store = types.SimpleNamespace(entries={"op": entry}, audit=None)
+    rec = {"kl": [1e-3] * 50, "confident": [True] * 50, "log_var": [-5.0] * 50, "target": 0.01, "time": 1.0}
+    for v in range(RECENT // 50):
+        stats.fold(rec, v)
+    stop = threading.Event()
+    errors = []
+
+    def fold():
+        v = 100
+        while not stop.is_set():
+            with entry.lock.write():  # as Entry._account does, via audit_update
+                stats.fold(rec, v)
+            v += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=fold)
+    t.start()
+    try:
+        collector = AuditCollector(store)
+        for _ in range(300):
+            try:
+                list(collector.collect())
+            except RuntimeError as exc:
+                errors.append(exc)
+                break
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert not errors, errors

@@ -247,3 +247,29 @@ def test_remote_operator_keeps_certificates(live, pristine_store):
         assert cons.any()
         np.testing.assert_array_equal(c.source == "oracle", cons)
         assert np.all(c.ess[cons] > 0)
+
+
+def test_service_certificate_threshold_is_the_answers(app_client, pristine_store, monkeypatch):
+    """The certificates' threshold is the one in force when the answer was computed: a threshold
+    change the audit worker commits right after the request released the operator's lock must not
+    relabel the answer (its `confident` rows are those the operator answered under its threshold)."""
+    from service.store import Entry
+
+    entry = app_client.app.state.store.get("logistic-x")
+    before = float(entry.jit.threshold)
+    original = Entry._predict
+
+    def predict_then_audit_lowers_threshold(self, incoming, mode):
+        out = original(self, incoming, mode)
+        self.jit.threshold = before - 5.0  # the audit's record, applied between the lock and the response
+        return out
+
+    monkeypatch.setattr(Entry, "_predict", predict_then_audit_lowers_threshold)
+    try:
+        inc = probe("logistic", 20)
+        for mode in ("predict", "jit"):
+            q, logvar, consulted, version, n_learned, cert = entry.predict_certified(inc, mode)
+            assert cert.threshold == before, mode
+            entry.jit.threshold = before
+    finally:
+        entry.jit.threshold = before

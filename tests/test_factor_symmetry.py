@@ -123,3 +123,22 @@ def test_canonical_off_and_absolute_targets_use_raw_messages():
     assert not KernelOperator(f, "m", n_inner=20, n_outer=40, target="absolute", random_state=0).fit(data).canonical_
     with pytest.raises(ValueError, match="width_rules"):
         KernelOperator(f, "m", width_rules=("median",))
+
+
+def test_overflowing_frame_names_only_its_row():
+    """A row whose canonical frame overflows (gamma_rate: x's message mean underflows to a
+    subnormal, so the frame's scale 1/mean is inf) is the only row the service reports as not
+    computable; the other rows' features are finite (and so were that row's raw features)."""
+    from service.validation import bad_feature_rows
+
+    f = get_factor("gamma_rate")
+    inc = f.default_incoming(200, np.random.default_rng(0))
+    data = TrainingSet(f.name, "r", inc, f.exact_belief(inc, "r"), factor_params=f.params())
+    op = KernelOperator(f, "r", n_inner=20, n_outer=40, random_state=0).fit(data)
+    assert op.canonical_
+    test = f.default_incoming(3, np.random.default_rng(1))
+    shape, rate = np.array(test["x"].params[0]), np.array(test["x"].params[1])
+    shape[1], rate[1] = 1e-5, 1e304  # a proper message with mean 1e-309
+    test["x"] = Gamma(shape, rate)
+    assert np.all(test["x"].is_proper)
+    assert bad_feature_rows(op, test) == [1]

@@ -241,7 +241,7 @@ class Factor:
         sym = self.symmetry(incoming)
         if sym is None:
             return None
-        with np.errstate(all="ignore"):  # an overflowing frame gives non-finite features, caught there
+        with np.errstate(all="ignore"):  # an overflowing frame gives improper messages: service.validation names their rows
             return {v: incoming[v].affine(*sym[v]) if v in sym else incoming[v] for v in self.variables}
 
     def log_density(self, *args, **kw):  # pragma: no cover - optional
