@@ -268,7 +268,7 @@ def test_service_certificate_threshold_is_the_answers(app_client, pristine_store
     try:
         inc = probe("logistic", 20)
         for mode in ("predict", "jit"):
-            q, logvar, consulted, version, n_learned, cert = entry.predict_certified(inc, mode)
+            cert = entry.predict_certified(inc, mode)[5]
             assert cert.threshold == before, mode
             entry.jit.threshold = before
     finally:
