@@ -12,7 +12,11 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-__all__ = ["RWLock"]
+__all__ = ["RWLock", "WouldBlock"]
+
+
+class WouldBlock(RuntimeError):
+    """``read(blocking=False)`` while a writer holds or waits for the lock."""
 
 
 class RWLock:
@@ -23,9 +27,13 @@ class RWLock:
         self._waiting_writers = 0
 
     @contextmanager
-    def read(self):
+    def read(self, blocking: bool = True):
+        """Shared; ``blocking=False`` raises :class:`WouldBlock` instead of waiting for a writer
+        (the event loop must never wait here)."""
         with self._cond:
             while self._writer or self._waiting_writers:
+                if not blocking:
+                    raise WouldBlock("an update holds or waits for this operator")
                 self._cond.wait()
             self._readers += 1
         try:

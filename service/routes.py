@@ -12,6 +12,7 @@ import numpy as np
 import pydantic_core
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.security import HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from kjit import __version__ as kjit_version
 from kjit.factors import Factor, get_factor, registered_factors
@@ -26,6 +27,7 @@ from .shared import SharedLogError
 from .store import (Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, Unprocessable,
                     body_hash, family_name)
 from .jobs import QueueFull, scrub
+from .locks import WouldBlock
 from .training import TrainSpec, sampler_from_ranges
 from .validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
 
@@ -44,22 +46,32 @@ ERRORS = {
 
 
 # ------------------------------------------------------------------------------ dependencies
-def get_settings(request: Request) -> Settings:
+# The cheap dependencies are ``async``: FastAPI runs a sync dependency in the thread pool, one
+# thread hop each (measured: most of a one-message request's server time under load).
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> OperatorStore:
+async def get_store(request: Request) -> OperatorStore:
     return request.app.state.store
 
 
-def get_entry(request: Request, name: Annotated[str, Path(description="operator name")]) -> Entry:
+def _entry(store: OperatorStore, name: str) -> Entry:
     try:
-        return request.app.state.store.get(name)
+        return store.get(name)
     except NotFound as exc:
         raise ApiError(404, ["path", "name"], str(exc), "not_found") from None
     except NotReady as exc:
-        raise ApiError(503, ["path", "name"], scrub(str(exc), request.app.state.store.root), "not_ready",
-                       {"Retry-After": "1"}) from None
+        raise ApiError(503, ["path", "name"], scrub(str(exc), store.root), "not_ready", {"Retry-After": "1"}) from None
+
+
+async def get_entry(request: Request, name: Annotated[str, Path(description="operator name")]) -> Entry:
+    store: OperatorStore = request.app.state.store
+    entry = store.entries.get(name)  # a served operator: a dict look-up, no I/O
+    if entry is not None:
+        return entry
+    # unknown, loading, or (a replica) to be adopted from the shared store: may do I/O
+    return await run_in_threadpool(_entry, store, name)
 
 
 Mode = Literal["predict", "jit", "oracle"]
@@ -198,7 +210,7 @@ def _failed(store: OperatorStore) -> dict:
 
 # ------------------------------------------------------------------------------ health
 @router.get("/health", tags=["health"], summary="liveness: the process answers")
-def health():
+async def health():  # on the event loop: answers even when the thread pool is busy
     return {"status": "ok", "kjit_version": kjit_version}
 
 
@@ -250,13 +262,36 @@ def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annot
         "always given (an outgoing message can be improper; then its parameters are not a distribution and "
         "`is_proper` is false)."),
 )
-def messages(
+async def messages(
     request: Request,
     entry: Annotated[Entry, Depends(get_entry)],
     settings: Annotated[Settings, Depends(get_settings)],
     req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
     mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
 ):
+    # A small read-only batch is answered on the event loop (two small matrix-vector products:
+    # less than the thread hops it would otherwise cost), unless an update holds or waits for
+    # the operator's lock — then, and for everything else, in the thread pool.
+    if mode == "predict" and _rows(req) <= INLINE_ROWS:
+        try:
+            return _messages(request, entry, settings, req, mode, wait=False)
+        except WouldBlock:
+            pass
+    return await run_in_threadpool(_messages, request, entry, settings, req, mode)
+
+
+#: largest ``mode=predict`` batch answered on the event loop
+INLINE_ROWS = 16
+
+
+def _rows(req: schemas.MessagesRequest) -> int:
+    """The longest column of the request (its rows, if valid)."""
+    return max((len(c) for b in req.incoming.values() for c in b.__dict__.values() if isinstance(c, list)),
+               default=0)
+
+
+def _messages(request: Request, entry: Entry, settings: Settings, req: schemas.MessagesRequest, mode: str,
+              wait: bool = True) -> Response:
     store = request.app.state.store
     metrics = request.app.state.metrics
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
@@ -276,7 +311,7 @@ def messages(
             with oracle_slot(request):
                 q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
         else:
-            q, logvar, consulted, version, n_learned = entry.predict(inc, mode)
+            q, logvar, consulted, version, n_learned = entry.predict(inc, mode, wait=wait)
     except OracleFailure as exc:
         raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
     except Unprocessable as exc:

@@ -576,12 +576,13 @@ class Entry:
         return dumps_state("JITOperator", state)
 
     # ---------------------------------------------------------------- requests
-    def predict(self, incoming: dict[str, Family], mode: str):
-        """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch."""
+    def predict(self, incoming: dict[str, Family], mode: str, wait: bool = True):
+        """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch;
+        ``wait=False`` (``predict`` only): raise :class:`WouldBlock` rather than wait for an update."""
         jit = self.jit
         n = len(next(iter(incoming.values())))
         if mode == "predict":
-            with self.lock.read():
+            with self.lock.read(blocking=wait):
                 try:
                     q, logvar = self.jit.operator.predict(incoming)
                 except NUMERIC_ERRORS as exc:
