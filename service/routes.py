@@ -36,6 +36,8 @@ router = APIRouter()
 bearer = HTTPBearer(auto_error=False, description="needed by requests that change state when KJIT_TOKEN is set")
 
 ERRORS = {
+    400: {"model": schemas.ErrorResponse, "description": "the body is not JSON (its Content-Type names another media "
+                                                         "type)"},
     401: {"model": schemas.ErrorResponse, "description": "missing or invalid bearer token"},
     404: {"model": schemas.ErrorResponse, "description": "unknown operator"},
     413: {"model": schemas.ErrorResponse, "description": "request body too large"},
@@ -43,6 +45,15 @@ ERRORS = {
     429: {"model": schemas.ErrorResponse, "description": "busy (oracle slots or training queue full); see Retry-After"},
     503: {"model": schemas.ErrorResponse, "description": "operator loading or update not persisted"},
 }
+
+
+def answers(model, status: int = 200, description: str = "OK", headers: dict | None = None, **more) -> dict:
+    """OpenAPI ``responses``: the success answer's model (documentation only: the routes encode their answers
+    themselves, and the Schemathesis contract test checks that they match) and the error answers."""
+    ok = {"model": model, "description": description}
+    if headers:
+        ok["headers"] = headers
+    return {status: ok, **{k: v for k, v in ERRORS.items() if k != 400 or more.pop("body", False)}, **more}
 
 
 # ------------------------------------------------------------------------------ dependencies
@@ -209,13 +220,15 @@ def _failed(store: OperatorStore) -> dict:
 
 
 # ------------------------------------------------------------------------------ health
-@router.get("/health", tags=["health"], summary="liveness: the process answers")
+@router.get("/health", tags=["health"], summary="liveness: the process answers", response_model=schemas.Health)
 async def health():  # on the event loop: answers even when the thread pool is busy
     return {"status": "ok", "kjit_version": kjit_version}
 
 
 @router.get("/ready", tags=["health"], summary="readiness: every operator of the store is loaded",
-            responses={503: {"description": "still loading, or an operator failed to load"}})
+            response_model=None, responses={200: {"model": schemas.Ready, "description": "every operator is loaded"},
+                                            503: {"model": schemas.Ready,
+                                                  "description": "still loading, or an operator failed to load"}})
 def ready(store: Annotated[OperatorStore, Depends(get_store)]):
     waiting = store.loading | store.retry
     body = {"ready": store.loaded and not store.failed and not waiting, "operators": store.names(),
@@ -226,7 +239,7 @@ def ready(store: Annotated[OperatorStore, Depends(get_store)]):
 
 
 # ------------------------------------------------------------------------------ operators
-@router.get("/v1/operators", tags=["operators"], summary="list the operators")
+@router.get("/v1/operators", tags=["operators"], summary="list the operators", response_model=schemas.OperatorList)
 def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
     ops = []
     for n in store.names():
@@ -238,7 +251,8 @@ def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
             "factors": list(registered_factors())}
 
 
-@router.get("/v1/operators/{name}", tags=["operators"], responses=ERRORS,
+@router.get("/v1/operators/{name}", tags=["operators"], response_model=None,
+            responses=answers(schemas.OperatorDetail),
             summary="an operator: factor, direction, families, feature sizes, hyperparameters, counters, version")
 def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annotated[Settings, Depends(get_settings)]):
     d = entry.detail()
@@ -248,7 +262,8 @@ def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annot
 
 
 @router.post(
-    "/v1/operators/{name}/messages", tags=["messages"], response_model=schemas.MessagesResponse, responses=ERRORS,
+    "/v1/operators/{name}/messages", tags=["messages"], response_model=None,
+    responses=answers(schemas.MessagesResponse, body=True),
     dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.MessagesRequest),
     summary="outgoing messages and beliefs for a batch of incoming messages",
     description=(
@@ -355,8 +370,9 @@ def _messages(request: Request, entry: Entry, settings: Settings, req: schemas.M
 
 
 @router.post(
-    "/v1/operators/{name}/observations", tags=["messages"], response_model=schemas.ObservationsResponse,
-    responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}},
+    "/v1/operators/{name}/observations", tags=["messages"], response_model=None,
+    responses=answers(schemas.ObservationsResponse, body=True, **{
+        "409": {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}}),
     dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.ObservationsRequest),
     summary="add (incoming, belief) pairs computed elsewhere (online update, durable before the response)",
     description=("Send an `Idempotency-Key` header (any unique string, e.g. a UUID) to make retries safe: a request "
@@ -426,8 +442,9 @@ def observations(
 
 
 @router.post(
-    "/v1/operators/{name}/merge", tags=["replicas"], response_model=schemas.MergeResponse,
-    responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "this server is not a replica"}},
+    "/v1/operators/{name}/merge", tags=["replicas"], response_model=None,
+    responses=answers(schemas.MergeResponse, **{
+        "409": {"model": schemas.ErrorResponse, "description": "this server is not a replica"}}),
     dependencies=[Depends(bearer)],
     summary="replicas: apply the other replicas' updates from the shared store now",
     description=("A replica (`KJIT_SHARED_STORE`) merges every `KJIT_MERGE_INTERVAL` seconds on its own and before "
@@ -544,8 +561,10 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     return spec
 
 
-@router.post("/v1/operators", tags=["training"], status_code=202, response_model=schemas.Job,
-             responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "the name is taken"}},
+@router.post("/v1/operators", tags=["training"], status_code=202, response_model=None,
+             responses=answers(schemas.Job, 202, "accepted: the job is queued", body=True, headers={
+                 "Location": {"description": "the job: /v1/jobs/{id}", "schema": {"type": "string"}}}, **{
+                 "409": {"model": schemas.ErrorResponse, "description": "the name is taken"}}),
              dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.TrainRequest),
              summary="train a new operator in the background (poll the job in the Location header)")
 def create_operator(request: Request, settings: Annotated[Settings, Depends(get_settings)],
@@ -583,12 +602,13 @@ def create_operator(request: Request, settings: Annotated[Settings, Depends(get_
     return _json(job.as_dict(), 202, {"Location": f"/v1/jobs/{job.id}"})
 
 
-@router.get("/v1/jobs", tags=["training"], summary="training jobs (their records are kept in the store across restarts)")
+@router.get("/v1/jobs", tags=["training"], response_model=schemas.JobList,
+            summary="training jobs (their records are kept in the store across restarts)")
 def list_jobs(request: Request):
     return {"jobs": [j.as_dict() for j in request.app.state.jobs.list()]}
 
 
-@router.get("/v1/jobs/{job_id}", tags=["training"], response_model=schemas.Job, responses=ERRORS,
+@router.get("/v1/jobs/{job_id}", tags=["training"], response_model=None, responses=answers(schemas.Job),
             summary="a training job: status and progress")
 def job_status(job_id: str, request: Request):
     job = request.app.state.jobs.get(job_id)

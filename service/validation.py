@@ -56,6 +56,10 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
     raw = getattr(request.state, "raw_body", None)
     if raw is None:  # pragma: no cover - BodyLimitMiddleware always sets it
         raw = b""
+    ctype = request.headers.get("content-type")
+    if ctype is not None and not _is_json(ctype):
+        raise ApiError(400, ["header", "content-type"], f"the body must be JSON (Content-Type: application/json), "
+                                                         f"got {ctype.split(';')[0].strip()[:60]!r}", "not_json")
     limit = max_batch * MAX_VALUES_PER_ROW + _FIXED_VALUES
     n_commas = raw.count(b",")
     if n_commas > limit:
@@ -74,6 +78,13 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
 #: bodies up to this size are parsed on the event loop (tens of µs: cheaper than a thread hop);
 #: larger ones in the thread pool, so a big parse never holds up other requests
 INLINE_PARSE_BYTES = 32 * 1024
+
+
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type (parameters such as ``charset`` ignored); a request
+    without a Content-Type is read as JSON too."""
+    mt = content_type.split(";", 1)[0].strip().lower()
+    return mt in ("application/json", "") or (mt.startswith("application/") and mt.endswith("+json"))
 
 
 def body_dependency(model: type[M]) -> Callable[[Request], Awaitable[M]]:
