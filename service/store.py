@@ -42,6 +42,7 @@ Nothing in the store is ever unpickled: snapshots are read by :func:`kjit.persis
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -95,6 +96,9 @@ __all__ = [
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
 MAX_IDEMPOTENCY_KEYS = 10_000
+#: observations of at least this many rows are learned aside (``Entry._observe_aside``): predictions
+#: are not held up behind them; smaller ones are learned in place (a copy costs more than they do)
+ASIDE_ROWS = 256
 class NotFound(LookupError):
     pass
 
@@ -702,6 +706,8 @@ class Entry:
         if self.shared is not None:
             return self._observe_shared(incoming, beliefs, key, body_hash)
         n = len(beliefs)
+        if n >= ASIDE_ROWS:
+            return self._observe_aside(incoming, beliefs, key, body_hash)
         with self.lock.write():
             if key is not None and key in self.keys:
                 h, seq, n0 = self.keys[key]
@@ -716,6 +722,39 @@ class Entry:
             if key is not None:
                 rec["key"], rec["body_hash"] = key, body_hash
             self._commit(rec, apply=lambda: self.jit.operator.partial_fit(incoming, beliefs))
+            return self.version, n, False
+
+    def _observe_aside(self, incoming, beliefs, key, body_hash):
+        """``observe`` for a long update: the same record and the same ``partial_fit`` (so the same
+        state, bit for bit) on a copy of the operator while predictions go on with the current one;
+        the copy replaces it, exclusively for an instant, once the record is on disk."""
+        n = len(beliefs)
+        with self.lock.update():
+            if key is not None and key in self.keys:
+                h, seq, n0 = self.keys[key]
+                if h != body_hash:
+                    raise Conflict("this Idempotency-Key was used before with a different request body")
+                return seq, n0, True
+            rec = {"seq": self.version + 1, "kind": "observe", "time": time.time(),
+                   "incoming": {v: _params_json(m) for v, m in incoming.items()}, "beliefs": _params_json(beliefs)}
+            if key is not None:
+                rec["key"], rec["body_hash"] = key, body_hash
+            new = copy.deepcopy(self.jit)
+            try:
+                new.operator.partial_fit(incoming, beliefs)
+            except NUMERIC_ERRORS as exc:  # nothing changed: the served operator is untouched
+                raise Unprocessable(str(exc)) from exc
+            try:
+                self._append(rec)
+            except PersistError:
+                with self.lock.upgrade():
+                    self._recover("an update could not be written")
+                raise
+            with self.lock.upgrade():
+                self.jit = new
+                self._account(rec, n)
+                if self.n_log_records >= self.store.snapshot_every:
+                    self._rotate()
             return self.version, n, False
 
     def snapshot_now(self) -> None:
