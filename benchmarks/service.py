@@ -23,9 +23,10 @@ the log, fsync, respond), and a summary line.  Calls of the three kinds are inte
 (remote, in-process, floor, remote, …) so that the load of a shared machine hits them alike:
 only ratios within one run are comparable, never absolute times across runs.
 
-``--clients``: concurrency instead.  N = 1, 4, 16 client threads, each with its own
-``RemoteOperator`` (own keep-alive connection), send batch-1 predict requests to one server for
-``--duration`` seconds: total throughput (requests/s) and p50/p99 per N.  Then reads during a
+``--clients``: concurrency instead.  N = 1, 4, 16 client processes (no GIL shared between clients),
+each with its own ``RemoteOperator`` (own keep-alive connection), send batch-1 predict requests to
+one server for ``--duration`` seconds: total throughput (requests/s, calls wholly inside the window)
+and p50/p99 per N.  Then reads during a
 long update: one client posts observations of ``--update-rows`` rows (a long exclusive update:
 features, BLR update, fsync) back to back while another sends batch-1 predictions to the same
 operator and a third to a second operator; reported: the update's duration and the readers'
@@ -171,6 +172,35 @@ def _reader(url, name, inc, stop, out, token=None):
             out.append((t, time.perf_counter() - t))
 
 
+def _client_process(url, name, seed, ready, go, window, out):
+    """One client process (no shared GIL with the others): once every process is ``ready`` and
+    ``go`` is set, batch-1 predictions during ``window`` = (start, end) (wall clock); puts the
+    latencies of the calls made wholly inside the window."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kjit.client import RemoteOperator
+    from kjit.factors import logistic_incoming
+
+    inc = logistic_incoming(1, np.random.default_rng(seed))
+    lat = []
+    with RemoteOperator(url, name, mode="predict") as op:
+        op.info()
+        op.belief(inc)
+        ready.put(1)
+        go.wait()
+        t_start, t_end = window[0], window[1]
+        while time.time() < t_start:
+            time.sleep(0.001)
+        while True:
+            t = time.time()
+            if t >= t_end:
+                break
+            op.belief(inc)
+            d = time.time() - t
+            if t + d <= t_end:
+                lat.append(d)
+    out.put(lat)
+
+
 def clients(args, store: Path) -> None:
     from kjit.client import RemoteOperator
     from kjit.factors import logistic_incoming
@@ -182,22 +212,23 @@ def clients(args, store: Path) -> None:
     duration = args.duration or (2.0 if args.quick else 5.0)
     env = {"KJIT_MAX_BATCH": "10000", "KJIT_LOG_LEVEL": "warning"}
     with SubprocessServer(store, env=env) as srv:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
         for n in (1, 4, 16):
-            stop = threading.Event()
-            outs = [[] for _ in range(n)]
-            threads = [threading.Thread(target=_reader, args=(srv.url, "logistic-x", inc, stop, outs[k]))
-                       for k in range(n)]
-            for t in threads:
-                t.start()
-            time.sleep(0.5)  # connections made, warm
-            t0 = time.perf_counter()
-            for o in outs:
-                o.clear()
-            time.sleep(duration)
-            stop.set()
-            for t in threads:
-                t.join()
-            lat = [d for o in outs for (s, d) in o if s >= t0 and s + d <= t0 + duration]
+            q, ready, go, window = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Array("d", 2)
+            procs = [ctx.Process(target=_client_process, args=(srv.url, "logistic-x", k, ready, go, window, q))
+                     for k in range(n)]
+            for p in procs:
+                p.start()
+            for _ in procs:  # every process started, connected and warm
+                ready.get()
+            window[0] = time.time() + 0.2
+            window[1] = window[0] + duration
+            go.set()
+            lat = [d for _ in procs for d in q.get()]
+            for p in procs:
+                p.join()
             p50, p99, _ = _stats(lat)
             print(json.dumps({"bench": "service_clients", "clients": n, "mode": "predict", "batch": 1,
                               "requests": len(lat), "requests_per_s": round(len(lat) / duration, 1),
