@@ -92,6 +92,11 @@ def _limits(comps: dict, settings: Settings) -> None:
 def _security(spec: dict, settings: Settings) -> None:
     from .middleware import is_mutating
 
+    if settings.token is not None:
+        spec["components"].setdefault("securitySchemes", {})[_BEARER] = {
+            "type": "http", "scheme": "bearer",
+            "description": "KJIT_TOKEN: needed by the requests that change state, and by mode=oracle"}
+
     for path, ops in spec.get("paths", {}).items():
         for method, op in ops.items():
             if not isinstance(op, dict):

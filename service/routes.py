@@ -11,7 +11,6 @@ from typing import Annotated, Literal
 import numpy as np
 import pydantic_core
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
-from fastapi.security import HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from kjit import __version__ as kjit_version
@@ -32,8 +31,8 @@ from .training import TrainSpec, sampler_from_ranges
 from .validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
 
 router = APIRouter()
-# documents the bearer token in OpenAPI; the check itself is AuthMiddleware (before the body is read)
-bearer = HTTPBearer(auto_error=False, description="needed by requests that change state when KJIT_TOKEN is set")
+# The bearer token is checked by AuthMiddleware (before the body is read) and documented per operation by
+# service.app (security as is_mutating decides it), not by a dependency: one fewer per request.
 
 ERRORS = {
     400: {"model": schemas.ErrorResponse, "description": "the body is not JSON (its Content-Type names another media "
@@ -264,7 +263,7 @@ def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annot
 @router.post(
     "/v1/operators/{name}/messages", tags=["messages"], response_model=None,
     responses=answers(schemas.MessagesResponse, body=True),
-    dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.MessagesRequest),
+    openapi_extra=_request_body(schemas.MessagesRequest),
     summary="outgoing messages and beliefs for a batch of incoming messages",
     description=(
         "`mode=predict`: the learned operator answers every row (never the oracle; read-only).\n\n"
@@ -280,13 +279,13 @@ def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annot
 async def messages(
     request: Request,
     entry: Annotated[Entry, Depends(get_entry)],
-    settings: Annotated[Settings, Depends(get_settings)],
     req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
     mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
 ):
     # A small read-only batch is answered on the event loop (two small matrix-vector products:
     # less than the thread hops it would otherwise cost), unless an update holds or waits for
     # the operator's lock — then, and for everything else, in the thread pool.
+    settings: Settings = request.app.state.settings
     if mode == "predict" and _rows(req) <= INLINE_ROWS:
         try:
             return _messages(request, entry, settings, req, mode, wait=False)
@@ -373,7 +372,7 @@ def _messages(request: Request, entry: Entry, settings: Settings, req: schemas.M
     "/v1/operators/{name}/observations", tags=["messages"], response_model=None,
     responses=answers(schemas.ObservationsResponse, body=True, **{
         "409": {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}}),
-    dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.ObservationsRequest),
+    openapi_extra=_request_body(schemas.ObservationsRequest),
     summary="add (incoming, belief) pairs computed elsewhere (online update, durable before the response)",
     description=("Send an `Idempotency-Key` header (any unique string, e.g. a UUID) to make retries safe: a request "
                  "whose key was seen before adds nothing and returns the first response with `duplicate: true`."),
@@ -445,7 +444,6 @@ def observations(
     "/v1/operators/{name}/merge", tags=["replicas"], response_model=None,
     responses=answers(schemas.MergeResponse, **{
         "409": {"model": schemas.ErrorResponse, "description": "this server is not a replica"}}),
-    dependencies=[Depends(bearer)],
     summary="replicas: apply the other replicas' updates from the shared store now",
     description=("A replica (`KJIT_SHARED_STORE`) merges every `KJIT_MERGE_INTERVAL` seconds on its own and before "
                  "every update it takes; this applies the shared log's records up to its current end now. "
@@ -565,7 +563,7 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
              responses=answers(schemas.Job, 202, "accepted: the job is queued", body=True, headers={
                  "Location": {"description": "the job: /v1/jobs/{id}", "schema": {"type": "string"}}}, **{
                  "409": {"model": schemas.ErrorResponse, "description": "the name is taken"}}),
-             dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.TrainRequest),
+             openapi_extra=_request_body(schemas.TrainRequest),
              summary="train a new operator in the background (poll the job in the Location header)")
 def create_operator(request: Request, settings: Annotated[Settings, Depends(get_settings)],
                     req: Annotated[schemas.TrainRequest, Depends(body_dependency(schemas.TrainRequest))]):
