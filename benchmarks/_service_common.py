@@ -24,7 +24,7 @@ def timed(fn, reps, warmup=2):
     return out
 
 
-def build_store(root: Path, n_train: int, n_inner: int, n_outer: int) -> None:
+def build_store(root: Path, n_train: int, n_inner: int, n_outer: int, names=("logistic-x",)) -> None:
     from service.store import OperatorStore
     from service.training import TrainSpec, train_operator
 
@@ -33,7 +33,8 @@ def build_store(root: Path, n_train: int, n_inner: int, n_outer: int) -> None:
     try:
         spec = TrainSpec("logistic", "x", n=n_train, n_inner=n_inner, n_outer=n_outer, threshold=-3.0,
                          inner_factors=(0.25,), width_factors=(2.0,), random_state=0, n_jobs=1)
-        jit, _, info = train_operator(spec)
-        store.create("logistic-x", jit, {"training": info, "threshold": -3.0})
+        for name in names:
+            jit, _, info = train_operator(spec)
+            store.create(name, jit, {"training": info, "threshold": -3.0})
     finally:
         store.close()

@@ -174,6 +174,7 @@ class RemoteOperator:
             timeout=httpx.Timeout(self.timeout, connect=min(5.0, self.timeout)))
         if client is not None and token:
             self._client.headers.update(headers)
+        self._prepared: dict = {}
         self._info = None
         self._factor = None
         self.last_version_ = None
@@ -210,7 +211,7 @@ class RemoteOperator:
         wait = self.backoff
         for attempt in range(attempts):
             try:
-                resp = self._client.request(method, path, content=content, params=params, headers=hdrs)
+                resp = self._client.send(self._build(method, path, content, params, hdrs))
             except httpx.TransportError as exc:
                 safe = retry == "connection" or (retry == "connect" and isinstance(exc, httpx.ConnectError))
                 if safe and attempt + 1 < attempts:
@@ -227,6 +228,25 @@ class RemoteOperator:
                 continue
             return self._decode(resp, method, path)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _build(self, method: str, path: str, content, params, headers: dict):
+        """The request, prepared: ``Client.build_request`` re-parses and merges the base URL, the
+        query, the headers and the cookies on every call (measured: a third of this client's
+        time for a one-message request), so the URL and the headers are built once per kind of
+        call.  A client holding cookies or default query parameters takes the general path."""
+        c = self._client
+        if c.cookies or c.params:
+            return c.build_request(method, path, content=content, params=params, headers=headers)
+        key = (method, path, tuple(sorted(params.items())) if params else (), tuple(sorted(headers.items())))
+        hit = self._prepared.get(key)
+        if hit is None or hit[2] is not c.headers or hit[3] != c.headers:
+            base = c.build_request(method, path, params=params, headers=headers)
+            hdrs = base.headers.copy()
+            for h in ("content-length", "transfer-encoding"):  # set per request from its content
+                hdrs.pop(h, None)
+            hit = self._prepared[key] = (base.url, hdrs, c.headers, c.headers.copy(), base.extensions)
+        url, hdrs, _, _, ext = hit
+        return self._httpx.Request(method, url, content=content, headers=hdrs, extensions=ext)
 
     def _decode(self, resp, method, path):
         try:

@@ -138,6 +138,19 @@ class Family:
 
     @classmethod
     def _unchecked(cls, *params):
+        """Without validation.  Parameters of one shape (every internal caller: views,
+        slices, computed arrays) skip the broadcasting of ``__init__``; they are still copied
+        into owned read-only arrays."""
+        if len(params) == len(cls.param_names):
+            arrays = [np.array(p, dtype=float) for p in params]
+            shape = arrays[0].shape
+            if all(a.shape == shape for a in arrays):
+                obj = cls.__new__(cls)
+                for name, a in zip(cls.param_names, arrays):
+                    a.flags.writeable = False
+                    object.__setattr__(obj, "_" + name, a)
+                obj._extras = None
+                return obj
         return cls(*params, validate=False)
 
     # ------------------------------------------------------------------ batch protocol

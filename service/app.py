@@ -42,9 +42,15 @@ server has a token (`KJIT_TOKEN`).  Updates are on disk before the response is s
 """
 
 
-def _document_bodies(app: FastAPI) -> None:
-    """The request bodies parsed by service.validation (not by FastAPI) still get their schemas
-    in OpenAPI: register them as components."""
+#: the bearer scheme's name in OpenAPI (service.routes.bearer)
+_BEARER = "HTTPBearer"
+
+
+def _document_bodies(app: FastAPI, settings: Settings) -> None:
+    """OpenAPI as the server behaves: the request bodies parsed by service.validation (not by
+    FastAPI) registered as components, with this server's limits (a request beyond them is a
+    422); security per operation as ``AuthMiddleware`` enforces it (a token only where
+    ``is_mutating`` says so: messages need it for ``mode=jit|oracle``, not for ``predict``)."""
     from fastapi.openapi.utils import get_openapi
 
     def openapi():
@@ -55,10 +61,58 @@ def _document_bodies(app: FastAPI) -> None:
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[model.__name__] = js
+            _limits(comps, settings)
+            _security(spec, settings)
             app.openapi_schema = spec
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _limits(comps: dict, settings: Settings) -> None:
+    def cap(model: str, field: str, limit: int) -> None:
+        js = comps[model]
+        p = js["properties"][field]
+        p["maximum"] = min(p.get("maximum", limit), limit)
+        if p.get("default", 0) > p["maximum"]:  # this server's limit is below the default: the field is required
+            p.pop("default")
+            js.setdefault("required", []).append(field)
+
+    for src in ("OracleSource", "FileSource"):
+        cap(src, "n_samples", settings.max_n_samples)
+    cap("OracleSource", "n", settings.max_train_n)
+    cap("TrainRequest", "n_inner", settings.max_n_inner)
+    cap("TrainRequest", "n_outer", settings.max_n_outer)
+    for name, js in comps.items():  # message batches: at most max_batch rows
+        if name.endswith("Batch"):
+            for col, p in js["properties"].items():
+                if p.get("type") == "array":
+                    p["maxItems"] = settings.max_batch
+
+
+def _security(spec: dict, settings: Settings) -> None:
+    from .middleware import is_mutating
+
+    if settings.token is not None:
+        spec["components"].setdefault("securitySchemes", {})[_BEARER] = {
+            "type": "http", "scheme": "bearer",
+            "description": "KJIT_TOKEN: needed by the requests that change state, and by mode=oracle"}
+
+    for path, ops in spec.get("paths", {}).items():
+        for method, op in ops.items():
+            if not isinstance(op, dict):
+                continue
+            concrete = path.replace("{name}", "x").replace("{job_id}", "x")
+            if settings.token is None:
+                op.pop("security", None)
+            elif path.endswith("/messages"):
+                # the token is needed for mode=jit (the default) and mode=oracle, not for mode=predict
+                op["security"] = [{}, {_BEARER: []}]
+            elif is_mutating(method.upper(), concrete, b""):
+                op["security"] = [{_BEARER: []}]
+            else:
+                op.pop("security", None)
+                op.get("responses", {}).pop("401", None)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -101,7 +155,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.oracle_slots = threading.BoundedSemaphore(settings.oracle_concurrency)
     errors.install(app)
     app.include_router(router)
-    _document_bodies(app)
+    _document_bodies(app, settings)
     # added last = outermost: metrics, then authentication, then the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, token=settings.token)

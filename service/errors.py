@@ -104,12 +104,33 @@ async def validation_handler(request: Request, exc: RequestValidationError):
     return error_response(422, [_clean(e) for e in exc.errors()])
 
 
+def allowed_methods(app, path: str) -> list[str]:
+    """The methods the API serves on ``path``, from its OpenAPI paths (HEAD with GET, as served)."""
+    from starlette.routing import compile_path
+
+    out = set()
+    for template, ops in app.openapi().get("paths", {}).items():
+        if compile_path(template)[0].match(path):
+            out |= {m.upper() for m in ops if m.lower() in _HTTP_METHODS}
+    if "GET" in out:
+        out.add("HEAD")
+    return sorted(out)
+
+
+_HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
+
+
 async def http_exception_handler(request: Request, exc: StarletteHTTPException):
     if exc.status_code == 404:
         items = [{"loc": ["path"], "msg": f"no route {request.method} {request.url.path}", "type": "not_found"}]
     elif exc.status_code == 405:
         items = [{"loc": ["method"], "msg": f"method {request.method} not allowed on {request.url.path}",
                   "type": "method_not_allowed"}]
+        # Starlette's Allow names the methods of the first route that matched the path; a path
+        # served by several routes (GET and POST /v1/operators) allows all of theirs
+        allowed = allowed_methods(request.app, request.url.path)
+        if allowed:
+            return error_response(405, items, {"Allow": ", ".join(allowed)})
     else:
         items = [{"loc": [], "msg": str(exc.detail), "type": "http_error"}]
     return error_response(exc.status_code, items, getattr(exc, "headers", None))

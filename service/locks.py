@@ -4,7 +4,8 @@ Predictions hold it shared; anything that changes an operator (observations, jus
 learning, snapshots, recovery) holds it exclusively, so a prediction sees an operator either
 before or after an update, never in between (the online update rewrites the posterior
 covariance in place).  Writers are preferred: once a writer waits, new readers queue behind
-it, so a stream of predictions cannot starve updates.
+it, so a stream of predictions cannot starve updates.  A long update can instead be prepared
+aside under :meth:`RWLock.update` (readers go on) and swapped in under :meth:`RWLock.upgrade`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-__all__ = ["RWLock"]
+__all__ = ["RWLock", "WouldBlock"]
+
+
+class WouldBlock(RuntimeError):
+    """``read(blocking=False)`` while a writer holds or waits for the lock."""
 
 
 class RWLock:
@@ -21,11 +26,16 @@ class RWLock:
         self._readers = 0
         self._writer = False
         self._waiting_writers = 0
+        self._updater = False
 
     @contextmanager
-    def read(self):
+    def read(self, blocking: bool = True):
+        """Shared; ``blocking=False`` raises :class:`WouldBlock` instead of waiting for a writer
+        (the event loop must never wait here)."""
         with self._cond:
             while self._writer or self._waiting_writers:
+                if not blocking:
+                    raise WouldBlock("an update holds or waits for this operator")
                 self._cond.wait()
             self._readers += 1
         try:
@@ -39,9 +49,45 @@ class RWLock:
     @contextmanager
     def write(self):
         with self._cond:
+            while self._updater:  # (not yet a waiting writer: readers go on during a long update)
+                self._cond.wait()
             self._waiting_writers += 1
             try:
-                while self._writer or self._readers:
+                while self._writer or self._readers or self._updater:
+                    self._cond.wait()
+            finally:
+                self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def update(self):
+        """Exclusive among writers and updaters, shared with readers: a long update is prepared
+        aside while predictions go on; :meth:`upgrade` (inside) makes it exclusive for the swap."""
+        with self._cond:
+            while self._writer or self._updater or self._waiting_writers:
+                self._cond.wait()
+            self._updater = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._updater = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def upgrade(self):
+        """Inside :meth:`update` only: wait for the readers to leave, hold the lock exclusively."""
+        with self._cond:
+            assert self._updater, "upgrade() outside update()"
+            self._waiting_writers += 1
+            try:
+                while self._readers:
                     self._cond.wait()
             finally:
                 self._waiting_writers -= 1

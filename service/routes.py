@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import numpy as np
 import pydantic_core
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
-from fastapi.security import HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from kjit import __version__ as kjit_version
 from kjit.factors import Factor, get_factor, registered_factors
@@ -26,14 +26,17 @@ from .shared import SharedLogError
 from .store import (Conflict, Entry, NotFound, NotReady, OperatorStore, OracleFailure, PersistError, Unprocessable,
                     body_hash, family_name)
 from .jobs import QueueFull, scrub
+from .locks import WouldBlock
 from .training import TrainSpec, sampler_from_ranges
 from .validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
 
 router = APIRouter()
-# documents the bearer token in OpenAPI; the check itself is AuthMiddleware (before the body is read)
-bearer = HTTPBearer(auto_error=False, description="needed by requests that change state when KJIT_TOKEN is set")
+# The bearer token is checked by AuthMiddleware (before the body is read) and documented per operation by
+# service.app (security as is_mutating decides it), not by a dependency: one fewer per request.
 
 ERRORS = {
+    400: {"model": schemas.ErrorResponse, "description": "the body is not JSON (its Content-Type names another media "
+                                                         "type)"},
     401: {"model": schemas.ErrorResponse, "description": "missing or invalid bearer token"},
     404: {"model": schemas.ErrorResponse, "description": "unknown operator"},
     413: {"model": schemas.ErrorResponse, "description": "request body too large"},
@@ -43,23 +46,42 @@ ERRORS = {
 }
 
 
+def answers(model, status: int = 200, description: str = "OK", headers: dict | None = None, **more) -> dict:
+    """OpenAPI ``responses``: the success answer's model (documentation only: the routes encode their answers
+    themselves, and the Schemathesis contract test checks that they match) and the error answers."""
+    ok = {"model": model, "description": description}
+    if headers:
+        ok["headers"] = headers
+    return {status: ok, **{k: v for k, v in ERRORS.items() if k != 400 or more.pop("body", False)}, **more}
+
+
 # ------------------------------------------------------------------------------ dependencies
-def get_settings(request: Request) -> Settings:
+# The cheap dependencies are ``async``: FastAPI runs a sync dependency in the thread pool, one
+# thread hop each (measured: most of a one-message request's server time under load).
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> OperatorStore:
+async def get_store(request: Request) -> OperatorStore:
     return request.app.state.store
 
 
-def get_entry(request: Request, name: Annotated[str, Path(description="operator name")]) -> Entry:
+def _entry(store: OperatorStore, name: str) -> Entry:
     try:
-        return request.app.state.store.get(name)
+        return store.get(name)
     except NotFound as exc:
         raise ApiError(404, ["path", "name"], str(exc), "not_found") from None
     except NotReady as exc:
-        raise ApiError(503, ["path", "name"], scrub(str(exc), request.app.state.store.root), "not_ready",
-                       {"Retry-After": "1"}) from None
+        raise ApiError(503, ["path", "name"], scrub(str(exc), store.root), "not_ready", {"Retry-After": "1"}) from None
+
+
+async def get_entry(request: Request, name: Annotated[str, Path(description="operator name")]) -> Entry:
+    store: OperatorStore = request.app.state.store
+    entry = store.entries.get(name)  # a served operator: a dict look-up, no I/O
+    if entry is not None:
+        return entry
+    # unknown, loading, or (a replica) to be adopted from the shared store: may do I/O
+    return await run_in_threadpool(_entry, store, name)
 
 
 Mode = Literal["predict", "jit", "oracle"]
@@ -197,13 +219,15 @@ def _failed(store: OperatorStore) -> dict:
 
 
 # ------------------------------------------------------------------------------ health
-@router.get("/health", tags=["health"], summary="liveness: the process answers")
-def health():
+@router.get("/health", tags=["health"], summary="liveness: the process answers", response_model=schemas.Health)
+async def health():  # on the event loop: answers even when the thread pool is busy
     return {"status": "ok", "kjit_version": kjit_version}
 
 
 @router.get("/ready", tags=["health"], summary="readiness: every operator of the store is loaded",
-            responses={503: {"description": "still loading, or an operator failed to load"}})
+            response_model=None, responses={200: {"model": schemas.Ready, "description": "every operator is loaded"},
+                                            503: {"model": schemas.Ready,
+                                                  "description": "still loading, or an operator failed to load"}})
 def ready(store: Annotated[OperatorStore, Depends(get_store)]):
     waiting = store.loading | store.retry
     body = {"ready": store.loaded and not store.failed and not waiting, "operators": store.names(),
@@ -214,7 +238,7 @@ def ready(store: Annotated[OperatorStore, Depends(get_store)]):
 
 
 # ------------------------------------------------------------------------------ operators
-@router.get("/v1/operators", tags=["operators"], summary="list the operators")
+@router.get("/v1/operators", tags=["operators"], summary="list the operators", response_model=schemas.OperatorList)
 def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
     ops = []
     for n in store.names():
@@ -226,7 +250,8 @@ def list_operators(store: Annotated[OperatorStore, Depends(get_store)]):
             "factors": list(registered_factors())}
 
 
-@router.get("/v1/operators/{name}", tags=["operators"], responses=ERRORS,
+@router.get("/v1/operators/{name}", tags=["operators"], response_model=None,
+            responses=answers(schemas.OperatorDetail),
             summary="an operator: factor, direction, families, feature sizes, hyperparameters, counters, version")
 def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annotated[Settings, Depends(get_settings)]):
     d = entry.detail()
@@ -236,8 +261,9 @@ def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annot
 
 
 @router.post(
-    "/v1/operators/{name}/messages", tags=["messages"], response_model=schemas.MessagesResponse, responses=ERRORS,
-    dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.MessagesRequest),
+    "/v1/operators/{name}/messages", tags=["messages"], response_model=None,
+    responses=answers(schemas.MessagesResponse, body=True),
+    openapi_extra=_request_body(schemas.MessagesRequest),
     summary="outgoing messages and beliefs for a batch of incoming messages",
     description=(
         "`mode=predict`: the learned operator answers every row (never the oracle; read-only).\n\n"
@@ -250,13 +276,36 @@ def operator_detail(entry: Annotated[Entry, Depends(get_entry)], settings: Annot
         "always given (an outgoing message can be improper; then its parameters are not a distribution and "
         "`is_proper` is false)."),
 )
-def messages(
+async def messages(
     request: Request,
     entry: Annotated[Entry, Depends(get_entry)],
-    settings: Annotated[Settings, Depends(get_settings)],
     req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
     mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
 ):
+    # A small read-only batch is answered on the event loop (two small matrix-vector products:
+    # less than the thread hops it would otherwise cost), unless an update holds or waits for
+    # the operator's lock — then, and for everything else, in the thread pool.
+    settings: Settings = request.app.state.settings
+    if mode == "predict" and _rows(req) <= INLINE_ROWS:
+        try:
+            return _messages(request, entry, settings, req, mode, wait=False)
+        except WouldBlock:
+            pass
+    return await run_in_threadpool(_messages, request, entry, settings, req, mode)
+
+
+#: largest ``mode=predict`` batch answered on the event loop
+INLINE_ROWS = 16
+
+
+def _rows(req: schemas.MessagesRequest) -> int:
+    """The longest column of the request (its rows, if valid)."""
+    return max((len(c) for b in req.incoming.values() for c in b.__dict__.values() if isinstance(c, list)),
+               default=0)
+
+
+def _messages(request: Request, entry: Entry, settings: Settings, req: schemas.MessagesRequest, mode: str,
+              wait: bool = True) -> Response:
     store = request.app.state.store
     metrics = request.app.state.metrics
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
@@ -277,7 +326,7 @@ def messages(
             with oracle_slot(request):
                 q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode)
         else:  # mode=predict also marks the rows the just-in-time rule would consult ("uncertain")
-            q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode)
+            q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode, wait=wait)
     except OracleFailure as exc:
         raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
     except Unprocessable as exc:
@@ -323,9 +372,10 @@ def messages(
 
 
 @router.post(
-    "/v1/operators/{name}/observations", tags=["messages"], response_model=schemas.ObservationsResponse,
-    responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}},
-    dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.ObservationsRequest),
+    "/v1/operators/{name}/observations", tags=["messages"], response_model=None,
+    responses=answers(schemas.ObservationsResponse, body=True, **{
+        "409": {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}}),
+    openapi_extra=_request_body(schemas.ObservationsRequest),
     summary="add (incoming, belief) pairs computed elsewhere (online update, durable before the response)",
     description=("Send an `Idempotency-Key` header (any unique string, e.g. a UUID) to make retries safe: a request "
                  "whose key was seen before adds nothing and returns the first response with `duplicate: true`."),
@@ -394,9 +444,9 @@ def observations(
 
 
 @router.post(
-    "/v1/operators/{name}/merge", tags=["replicas"], response_model=schemas.MergeResponse,
-    responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "this server is not a replica"}},
-    dependencies=[Depends(bearer)],
+    "/v1/operators/{name}/merge", tags=["replicas"], response_model=None,
+    responses=answers(schemas.MergeResponse, **{
+        "409": {"model": schemas.ErrorResponse, "description": "this server is not a replica"}}),
     summary="replicas: apply the other replicas' updates from the shared store now",
     description=("A replica (`KJIT_SHARED_STORE`) merges every `KJIT_MERGE_INTERVAL` seconds on its own and before "
                  "every update it takes; this applies the shared log's records up to its current end now. "
@@ -512,9 +562,11 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     return spec
 
 
-@router.post("/v1/operators", tags=["training"], status_code=202, response_model=schemas.Job,
-             responses={**ERRORS, 409: {"model": schemas.ErrorResponse, "description": "the name is taken"}},
-             dependencies=[Depends(bearer)], openapi_extra=_request_body(schemas.TrainRequest),
+@router.post("/v1/operators", tags=["training"], status_code=202, response_model=None,
+             responses=answers(schemas.Job, 202, "accepted: the job is queued", body=True, headers={
+                 "Location": {"description": "the job: /v1/jobs/{id}", "schema": {"type": "string"}}}, **{
+                 "409": {"model": schemas.ErrorResponse, "description": "the name is taken"}}),
+             openapi_extra=_request_body(schemas.TrainRequest),
              summary="train a new operator in the background (poll the job in the Location header)")
 def create_operator(request: Request, settings: Annotated[Settings, Depends(get_settings)],
                     req: Annotated[schemas.TrainRequest, Depends(body_dependency(schemas.TrainRequest))]):
@@ -551,12 +603,13 @@ def create_operator(request: Request, settings: Annotated[Settings, Depends(get_
     return _json(job.as_dict(), 202, {"Location": f"/v1/jobs/{job.id}"})
 
 
-@router.get("/v1/jobs", tags=["training"], summary="training jobs (their records are kept in the store across restarts)")
+@router.get("/v1/jobs", tags=["training"], response_model=schemas.JobList,
+            summary="training jobs (their records are kept in the store across restarts)")
 def list_jobs(request: Request):
     return {"jobs": [j.as_dict() for j in request.app.state.jobs.list()]}
 
 
-@router.get("/v1/jobs/{job_id}", tags=["training"], response_model=schemas.Job, responses=ERRORS,
+@router.get("/v1/jobs/{job_id}", tags=["training"], response_model=None, responses=answers(schemas.Job),
             summary="a training job: status and progress")
 def job_status(job_id: str, request: Request):
     job = request.app.state.jobs.get(job_id)

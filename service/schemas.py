@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from kjit.families import FAMILIES
 
@@ -43,7 +43,18 @@ def _not_tiny(x: float) -> float:
     return x
 
 
-Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=PARAM_MAX), AfterValidator(_not_tiny)]
+# (the schema states the lower bound too: a number in (0, 1e-100) is a 422)
+Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=PARAM_MAX,
+                                  json_schema_extra={"minimum": POSITIVE_MIN}), AfterValidator(_not_tiny)]
+def _integral(x):
+    """JSON Schema's ``integer`` includes ``100.0``: an integral float is that integer (strict
+    mode would refuse it; strings and booleans still are refused)."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 Probability = Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)]
 NonEmpty = dict(min_length=1, fail_fast=True)
 
@@ -186,11 +197,11 @@ ORACLE_DOC = ("the operator's oracle (training pairs and just-in-time fallback):
 
 class OracleSource(_Strict):
     kind: Literal["oracle"]
-    n: int = Field(ge=4, le=200_000, description="training pairs to draw and answer with the oracle")
+    n: Int = Field(ge=4, le=200_000, description="training pairs to draw and answer with the oracle")
     distribution: Literal["default"] | dict[str, dict[str, ParamRange]] = Field(
         "default", description="'default' (documented per factor) or, per variable and parameter, a range")
     oracle: OracleKind = Field("auto", description=ORACLE_DOC)
-    n_samples: int = Field(100_000, ge=100, le=5_000_000, description="importance-sampling particles "
+    n_samples: Int = Field(100_000, ge=100, le=5_000_000, description="importance-sampling particles "
                            "(message_sampler: the most particles spent on one message)")
     target_se: float = Field(1e-2, gt=0, le=1, allow_inf_nan=False, strict=True,
                              description="message_sampler: Monte Carlo standard error to reach per coordinate")
@@ -201,7 +212,7 @@ class FileSource(_Strict):
     path: str = Field(description="training-set .npz (kjit.training.TrainingSet.save), relative to "
                                   "<store>/training-sets")
     oracle: OracleKind = Field("auto", description=ORACLE_DOC)
-    n_samples: int = Field(100_000, ge=100, le=5_000_000)
+    n_samples: Int = Field(100_000, ge=100, le=5_000_000)
     target_se: float = Field(1e-2, gt=0, le=1, allow_inf_nan=False, strict=True)
 
 
@@ -225,11 +236,11 @@ class TrainRequest(_Strict):
     factor_params: dict[str, Finite] = Field(default_factory=dict)
     to: str
     source: Annotated[Union[OracleSource, FileSource, ClientSource], Field(discriminator="kind")]
-    n_inner: int = Field(300, ge=1, le=5000)
-    n_outer: int = Field(500, ge=2, le=5000)
+    n_inner: Int = Field(300, ge=1, le=5000)
+    n_outer: Int = Field(500, ge=2, le=5000)
     threshold: Finite | None = Field(None, description="JIT threshold; null: calibrated on held-out pairs")
-    initial_batch: int = Field(300, ge=2)
-    random_state: int = Field(0, ge=0)
+    initial_batch: Int = Field(300, ge=2)
+    random_state: Int = Field(0, ge=0)
 
 
 class JobProgress(BaseModel):
@@ -240,6 +251,7 @@ class JobProgress(BaseModel):
 
 
 class Job(BaseModel):
+    model_config = ConfigDict(extra="allow")
     id: str
     status: Literal["queued", "running", "succeeded", "failed"]
     operator: str
@@ -261,3 +273,60 @@ class ErrorItem(BaseModel):
 class ErrorResponse(BaseModel):
     detail: list[ErrorItem] = Field(description="the first errors (at most 20)")
     error_count: int | None = Field(None, description="how many errors there were, when more than those listed")
+
+
+# ------------------------------------------------------------------------------ answers of the GET routes
+# (documentation of what the routes return; ``extra="allow"``: a field added later is not dropped)
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Health(_Open):
+    status: Literal["ok"]
+    kjit_version: str
+
+
+class Ready(_Open):
+    ready: bool
+    operators: list[str]
+    loading: list[str]
+    failed: dict[str, str] = Field(description="operator → why it could not be loaded")
+    missing_factors: dict[str, str] | None = Field(None, description="operator → the factor this server lacks")
+
+
+class OperatorSummary(_Open):
+    name: str
+    factor: str
+    factor_params: dict[str, Any]
+    to: str
+    inputs: list[str]
+    families: dict[str, str]
+    version: int
+    n_train: int
+
+
+class OperatorList(_Open):
+    operators: list[OperatorSummary]
+    loading: list[str]
+    failed: dict[str, str]
+    factors: list[str] = Field(description="the registered factors (what `POST /v1/operators` accepts as `factor` "
+                                           "with an oracle or file source)")
+
+
+class OperatorDetail(OperatorSummary):
+    features: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    threshold: float | None
+    oracle: dict[str, Any]
+    counters: dict[str, Any]
+    updates: dict[str, Any]
+    training: dict[str, Any]
+    source: dict[str, Any]
+    created: str | None
+    kjit_version: str | None
+    limits: dict[str, int]
+    replication: dict[str, Any] | None = None
+
+
+class JobList(_Open):
+    jobs: list[Job]

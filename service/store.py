@@ -42,6 +42,7 @@ Nothing in the store is ever unpickled: snapshots are read by :func:`kjit.persis
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -97,6 +98,9 @@ __all__ = [
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
 MAX_IDEMPOTENCY_KEYS = 10_000
+#: observations of at least this many rows are learned aside (``Entry._observe_aside``): predictions
+#: are not held up behind them; smaller ones are learned in place (a copy costs more than they do)
+ASIDE_ROWS = 256
 class NotFound(LookupError):
     pass
 
@@ -590,18 +594,19 @@ class Entry:
         return dumps_state("JITOperator", state)
 
     # ---------------------------------------------------------------- requests
-    def predict(self, incoming: dict[str, Family], mode: str):
+    def predict(self, incoming: dict[str, Family], mode: str, wait: bool = True):
         """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch; the
         answer's certificates (:mod:`kjit.certificates`, version = the response's) are in
-        :meth:`predict_certified`."""
-        return self.predict_certified(incoming, mode)[:5]
+        :meth:`predict_certified`.  ``wait=False`` (``predict`` only): raise :class:`WouldBlock`
+        rather than wait for an update."""
+        return self.predict_certified(incoming, mode, wait=wait)[:5]
 
-    def predict_certified(self, incoming: dict[str, Family], mode: str):
+    def predict_certified(self, incoming: dict[str, Family], mode: str, wait: bool = True):
         """``(belief, log_var or None, consulted mask, version, n_learned, certificates, uncertain)``;
         ``uncertain`` (mode=predict, else None): the rows the operator's just-in-time rule would
         consult (:meth:`JITOperator.screen`) — what a client whose oracle runs on its side answers."""
         uncertain = None
-        out = self._predict(incoming, mode)
+        out = self._predict(incoming, mode, wait)
         if mode == "predict":
             *out, uncertain = out
         q, logvar, consulted, version, n_learned, cert = out
@@ -612,11 +617,11 @@ class Entry:
             self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
         return q, logvar, consulted, version, n_learned, cert, uncertain
 
-    def _predict(self, incoming: dict[str, Family], mode: str):
+    def _predict(self, incoming: dict[str, Family], mode: str, wait: bool = True):
         jit = self.jit
         n = len(next(iter(incoming.values())))
         if mode == "predict":
-            with self.lock.read():
+            with self.lock.read(blocking=wait):
                 try:
                     q, cert, uncertain = self.jit.screen_certified(incoming)
                     logvar = cert.log_var
@@ -741,6 +746,8 @@ class Entry:
         if self.shared is not None:
             return self._observe_shared(incoming, beliefs, key, body_hash)
         n = len(beliefs)
+        if n >= ASIDE_ROWS:
+            return self._observe_aside(incoming, beliefs, key, body_hash)
         with self.lock.write():
             if key is not None and key in self.keys:
                 h, seq, n0 = self.keys[key]
@@ -780,6 +787,39 @@ class Entry:
         if change:
             log.warning("operator %s (version %d): %s", self.name, version, change["reason"])
         return version
+
+    def _observe_aside(self, incoming, beliefs, key, body_hash):
+        """``observe`` for a long update: the same record and the same ``partial_fit`` (so the same
+        state, bit for bit) on a copy of the operator while predictions go on with the current one;
+        the copy replaces it, exclusively for an instant, once the record is on disk."""
+        n = len(beliefs)
+        with self.lock.update():
+            if key is not None and key in self.keys:
+                h, seq, n0 = self.keys[key]
+                if h != body_hash:
+                    raise Conflict("this Idempotency-Key was used before with a different request body")
+                return seq, n0, True
+            rec = {"seq": self.version + 1, "kind": "observe", "time": time.time(),
+                   "incoming": {v: _params_json(m) for v, m in incoming.items()}, "beliefs": _params_json(beliefs)}
+            if key is not None:
+                rec["key"], rec["body_hash"] = key, body_hash
+            new = copy.deepcopy(self.jit)
+            try:
+                new.operator.partial_fit(incoming, beliefs)
+            except NUMERIC_ERRORS as exc:  # nothing changed: the served operator is untouched
+                raise Unprocessable(str(exc)) from exc
+            try:
+                self._append(rec)
+            except PersistError:
+                with self.lock.upgrade():
+                    self._recover("an update could not be written")
+                raise
+            with self.lock.upgrade():
+                self.jit = new
+                self._account(rec, n)
+                if self.n_log_records >= self.store.snapshot_every:
+                    self._rotate()
+            return self.version, n, False
 
     def snapshot_now(self) -> None:
         """Write a snapshot synchronously if anything changed since the last one (shutdown)."""

@@ -1,0 +1,145 @@
+"""Long updates learned aside (issue 17, part 2): an observations request of at least
+``ASIDE_ROWS`` rows is learned on a copy while predictions go on with the current operator, and
+swapped in once its record is on disk — the same state bit for bit as learning in place, the
+same durability (a restart replays it to the same state), and a prediction issued meanwhile is
+answered at once, at the version before."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from kjit.factors import Logistic
+from kjit.operators import KernelOperator
+from kjit.oracles import QuadratureOracle
+from kjit.training import DEFAULT_DISTRIBUTIONS
+from service.locks import RWLock, WouldBlock
+from service.store import ASIDE_ROWS, OperatorStore
+
+from test_service_fixtures import load_pristine, pristine_store  # noqa: F401 - fixture
+
+
+def _open(root):
+    s = OperatorStore(root, snapshot_every=1000)
+    s.open()
+    s.load_all()
+    assert "logistic-x" in s.entries, s.failed
+    return s
+
+
+@pytest.fixture
+def root(pristine_store, tmp_path):
+    dst = tmp_path / "store"
+    shutil.copytree(pristine_store, dst)
+    (dst / ".lock").unlink(missing_ok=True)
+    return dst
+
+
+def _pairs(n, seed):
+    inc = DEFAULT_DISTRIBUTIONS["logistic"](n, np.random.default_rng(seed))
+    return inc, QuadratureOracle(Logistic()).belief(inc, "x")
+
+
+def _blr(op):
+    return op.blr_.state_dict()
+
+
+def _assert_same(a, b):
+    for k in ("A", "b", "yy", "Sigma", "coef", "pending_X", "pending_Y"):
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert a["n"] == b["n"]
+
+
+def test_rwlock_update_admits_readers_and_excludes_writers():
+    lock = RWLock()
+    wrote = threading.Event()
+
+    def writer():
+        with lock.write():
+            wrote.set()
+
+    with lock.update():
+        with lock.read(blocking=False):  # readers go on during the update
+            pass
+        t = threading.Thread(target=writer)
+        t.start()
+        assert not wrote.wait(0.2)  # a writer waits for the update...
+        with lock.read(blocking=False):  # ...without holding up readers
+            pass
+        with lock.upgrade():
+            with pytest.raises(WouldBlock):
+                with lock.read(blocking=False):
+                    pass
+    t.join(5)
+    assert wrote.is_set()
+
+
+def test_a_long_observation_is_learned_aside_bit_identically_and_durably(root, pristine_store, monkeypatch):
+    inc, q = _pairs(ASIDE_ROWS + 44, 3)
+    small_inc, small_q = _pairs(5, 4)
+    probe = DEFAULT_DISTRIBUTIONS["logistic"](16, np.random.default_rng(5))
+    # the reference: the pristine operator learning the same rows in place
+    ref = load_pristine(pristine_store, "logistic-x").operator
+    ref.partial_fit(small_inc, small_q)
+    ref.partial_fit(inc, q)
+
+    s = _open(root)
+    e = s.entries["logistic-x"]
+    assert e.observe(small_inc, small_q, None, None) == (1, 5, False)  # in place
+    served_before = e.jit
+    q_before, _ = e.jit.operator.predict(probe)
+
+    # hold the copy's partial_fit until a prediction has been answered meanwhile
+    inside, go = threading.Event(), threading.Event()
+    real = KernelOperator.partial_fit
+
+    def slow(self, *a, **k):
+        inside.set()
+        assert go.wait(30)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(KernelOperator, "partial_fit", slow)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=e.observe(inc, q, "k1", "h1")))
+    t.start()
+    assert inside.wait(30)
+    q_mid, _, _, version_mid, _ = e.predict(probe, "predict", wait=False)  # not blocked, the state before
+    assert version_mid == 1
+    np.testing.assert_array_equal(q_mid.mean(), q_before.mean())
+    assert e.jit is served_before
+    go.set()
+    t.join(60)
+    monkeypatch.setattr(KernelOperator, "partial_fit", real)
+    assert out["r"] == (2, ASIDE_ROWS + 44, False)
+    assert e.jit is not served_before
+    _assert_same(_blr(e.jit.operator), _blr(ref))
+    assert e.observe(inc, q, "k1", "h1") == (2, ASIDE_ROWS + 44, True)  # the key is kept
+    s.abandon()  # a crash: no final snapshot
+
+    s = _open(root)
+    _assert_same(_blr(s.entries["logistic-x"].jit.operator), _blr(ref))
+    assert s.entries["logistic-x"].version == 2
+    s.abandon()
+
+
+def test_a_long_observation_that_cannot_be_learned_changes_nothing(root, monkeypatch):
+    inc, q = _pairs(ASIDE_ROWS, 6)
+    s = _open(root)
+    e = s.entries["logistic-x"]
+    served, version = e.jit, e.version
+    before = _blr(e.jit.operator)
+
+    def boom(self, *a, **k):
+        raise FloatingPointError("not computable")
+
+    monkeypatch.setattr(KernelOperator, "partial_fit", boom)
+    from service.store import Unprocessable
+
+    with pytest.raises(Unprocessable):
+        e.observe(inc, q, None, None)
+    assert e.jit is served and e.version == version
+    _assert_same(_blr(e.jit.operator), before)
+    s.abandon()
