@@ -259,8 +259,8 @@ def test_service_certificate_threshold_is_the_answers(app_client, pristine_store
     before = float(entry.jit.threshold)
     original = Entry._predict
 
-    def predict_then_audit_lowers_threshold(self, incoming, mode):
-        out = original(self, incoming, mode)
+    def predict_then_audit_lowers_threshold(self, incoming, mode, *args, **kw):
+        out = original(self, incoming, mode, *args, **kw)
         self.jit.threshold = before - 5.0  # the audit's record, applied between the lock and the response
         return out
 
