@@ -46,10 +46,14 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kjit, not an installed one
+
 from kjit.datasets import load, paper_split, train_test_split  # noqa: E402
+from kjit.ep.engine import RELAX_READINGS  # noqa: E402
 from kjit.ep import (  # noqa: E402
     BayesianLogisticRegression,
     GPClassifier,
@@ -78,6 +82,7 @@ def _json_default(o):
 # =========================================================================== five points
 FIVE_X = np.array([[-1.0, 0.6], [-1.4, -0.4], [1.2, 0.6], [1.0, -0.7], [2.6, 0.3]])
 FIVE_Y = np.array([1, 1, 0, 0, 1])  # the last point (on the right, among class 0) is mislabelled
+FIVE_C_SWEEP = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 20.0, 100.0)
 
 
 def exact_posterior_2d(X, y01, eps):
@@ -133,8 +138,10 @@ def five_point(args):
 
     def run(**kw):
         m = ProbitClassifier(op, tol=1e-12, max_iter=1000, schedule="sequential", **kw).fit(FIVE_X, FIVE_Y)
+        hist = m.result_.history
         return {
-            "converged": m.converged_, "iterations": m.n_iter_,
+            "converged": m.converged_, "iterations": m.n_iter_, "outcome": m.result_.outcome,
+            "relaxed_updates": int(sum(r.n_relaxed for r in hist)),
             "mean": m.coef_, "cov": m.posterior_.cov,
             "mean_mse_vs_is": float(np.mean((m.coef_ - m_is) ** 2)),
             "cov_mse_vs_is": float(np.mean((m.posterior_.cov - C_is) ** 2)),
@@ -155,8 +162,15 @@ def five_point(args):
     }
     out["pep_sweep"] = {f"{u:g}": run(power=u) for u in (0.2, 0.4, 0.6, 0.8, 0.9, 1.0)}
     out["rep_sweep"] = {f"{c:g}": run(relax_c=c) for c in (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 20.0, 100.0)}
-    for sweep in ("pep_sweep", "rep_sweep"):
-        for r in out[sweep].values():
+    out["ep_damped"] = run(damping=args.damping)
+    # issue 18: every reading at the paper's c = 20 and over the c range that changes the answer
+    out["readings"] = {}
+    for rd in args.readings:
+        sweep = {f"{c:g}": run(relax_c=c, relax_reading=rd) for c in FIVE_C_SWEEP}
+        best = min(sweep, key=lambda k: (not sweep[k]["converged"], sweep[k]["mean_mse_vs_is"]))
+        out["readings"][rd] = {"c20": run(relax_c=20.0, relax_reading=rd), "sweep": sweep, "best_c": float(best)}
+    for sweep in [out["pep_sweep"], out["rep_sweep"]] + [r["sweep"] for r in out["readings"].values()]:
+        for r in sweep.values():
             for k in ("mean", "cov"):
                 r.pop(k)
     emit(out)
@@ -184,10 +198,17 @@ def select_by_evidence(X, y, length_scales, eps_grid):
     return sel.length_scale, sel.eps, sel.tuning_
 
 
+def reading_key(reading, c):
+    return f"rep_{reading}_c{c:g}"
+
+
 def run_methods(X, y, Xt, yt, ls, eps, args, extra_rep_c=()):
     res = {}
     specs = [("ep", {}), ("pep", {"method": "pep", "power": 0.8}), ("rep", {"method": "rep", "relax_c": args.rep_c})]
     specs += [(f"rep_c{c:g}", {"method": "rep", "relax_c": c}) for c in extra_rep_c if c != args.rep_c]
+    specs += [("ep_damped", {"damping": args.damping})]
+    specs += [(reading_key(rd, c), {"method": "rep", "relax_c": c, "relax_reading": rd})
+              for rd in args.readings for c in args.reading_c]
     for name, kw in specs:
         t0 = time.perf_counter()
         g = GPClassifier(eps=eps, length_scale=ls, schedule="sequential", max_iter=args.max_iter, **kw).fit(X, y)
@@ -276,6 +297,62 @@ def laplace(args):
     return rows
 
 
+# =========================================================================== issue 18
+def _agg(rows, key):
+    return {"test_error": float(np.mean([r[key]["test_error"] for r in rows])),
+            "divergences": int(sum(r[key]["diverged"] for r in rows)),
+            "relaxed_updates": int(sum(r[key]["relaxed_updates"] for r in rows))}
+
+
+def rep_readings(five, syn, uci_rows, args):
+    """Per reading: the synthetic test error and divergences at the c (of ``--reading-c``) with
+    the lowest mean test error — chosen on the test sets, i.e. the most favourable choice for REP
+    — with the whole c table; the five-point errors against the IS posterior at the paper's
+    c = 20 and at the c of the sweep closest to it (best_c); UCI errors at the synthetic best c."""
+    out = {}
+    for rd in args.readings:
+        r = {"reading": rd}
+        if syn:
+            by_c = {f"{c:g}": _agg(syn, reading_key(rd, c)) for c in args.reading_c}
+            best = min(by_c, key=lambda k: (by_c[k]["divergences"], by_c[k]["test_error"]))
+            r.update({"c": float(best), "test_error": by_c[best]["test_error"],
+                      "divergences": by_c[best]["divergences"], "by_c": by_c})
+        if five:
+            f = five["readings"][rd]
+            r.update({"five_point_c": 20.0,
+                      "five_point_mean_mse": f["c20"]["mean_mse_vs_is"], "five_point_cov_mse": f["c20"]["cov_mse_vs_is"],
+                      "five_point_converged": f["c20"]["converged"],
+                      "five_point_best": {"c": f["best_c"], **{k: f["sweep"][f"{f['best_c']:g}"][k] for k in (
+                          "mean_mse_vs_is", "cov_mse_vs_is", "converged", "outcome")}},
+                      "five_point_sweep": {c: {"mean_mse": v["mean_mse_vs_is"], "cov_mse": v["cov_mse_vs_is"],
+                                               "outcome": v["outcome"], "relaxed_updates": v["relaxed_updates"]}
+                                           for c, v in f["sweep"].items()}})
+        if uci_rows and "c" in r:
+            k = reading_key(rd, r["c"])
+            agg = {}
+            for row in uci_rows:
+                key = row["dataset"] + (f"+flip{row['label_flip']:g}" if row["label_flip"] else "")
+                agg.setdefault(key, []).append(row[k]["test_error"])
+            r["uci_test_error"] = {k2: float(np.mean(v)) for k2, v in agg.items()}
+        out[rd] = r
+    base = {}
+    if syn:
+        base = {m: _agg(syn, m) for m in ("ep", "ep_damped", "pep")}
+    if five:
+        for m, k in (("ep", "ep"), ("ep_damped", "ep_damped"), ("pep", "pep_u0.8")):
+            base.setdefault(m, {}).update({"five_point_mean_mse": five[k]["mean_mse_vs_is"],
+                                           "five_point_cov_mse": five[k]["cov_mse_vs_is"]})
+    out["baselines"] = base
+    ranked = [rd for rd in args.readings if "test_error" in out[rd]]
+    if ranked:
+        out["best_reading"] = min(ranked, key=lambda rd: (out[rd]["divergences"], out[rd]["test_error"]))
+    elif five:
+        out["best_reading"] = min(args.readings, key=lambda rd: out[rd]["five_point_mean_mse"])
+    else:
+        out["best_reading"] = None
+    return out
+
+
 # =========================================================================== main
 def summarise(five, syn, uci_rows, args, seconds):
     s = {"summary": True, "quick": args.quick, "seconds": seconds}
@@ -299,6 +376,10 @@ def summarise(five, syn, uci_rows, args, seconds):
     if five:
         s["five_point"] = {k: {"mean_mse": five[k]["mean_mse_vs_exact"], "cov_mse": five[k]["cov_mse_vs_exact"]}
                            for k in ("ep", "pep_u0.8", "rep_c20")}
+    s["rep_readings"] = rep_readings(five, syn, uci_rows, args)
+    if syn:
+        s["ep_damped_test_error"] = float(np.mean([r["ep_damped"]["test_error"] for r in syn]))
+        s["ep_damped_divergences"] = int(sum(r["ep_damped"]["diverged"] for r in syn))
     if uci_rows:
         agg = {}
         for r in uci_rows:
@@ -329,6 +410,12 @@ def main(argv=None):
     p.add_argument("--uci-repeats", type=int, default=None)
     p.add_argument("--uci-width-factors", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
     p.add_argument("--uci-eps", type=float, nargs="+", default=[0.05, 0.15])
+    p.add_argument("--readings", nargs="+", default=list(RELAX_READINGS), choices=RELAX_READINGS,
+                   help="relaxed-EP readings to run (issue 18)")
+    p.add_argument("--reading-c", type=float, nargs="+", default=None,
+                   help="l1 weights c run for every reading on the synthetic and UCI problems "
+                        "(default 0.03 0.3 3 with --quick, else 0.01 0.03 0.1 0.3 1 3 20)")
+    p.add_argument("--damping", type=float, default=0.5, help="damping of the EP baseline 'ep_damped'")
     args = p.parse_args(argv)
     q = args.quick
     args.is_samples = args.is_samples or (10_000_000 if q else 100_000_000)
@@ -338,6 +425,7 @@ def main(argv=None):
     args.uci_repeats = args.uci_repeats or (1 if q else 10)
     args.uci = args.uci or (["heart", "haberman"] if q else ["heart", "pima", "haberman"])
     args.extra_rep_c = args.extra_rep_c if args.extra_rep_c is not None else ([] if q else [10.0])
+    args.reading_c = args.reading_c or ([0.03, 0.3, 3.0] if q else [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 20.0])
     args.spam_noise = args.spam_noise if args.spam_noise is not None else ([0.1] if q else [0.05, 0.1, 0.2])
     if q:
         args.length_scales = args.length_scales[1:3] if len(args.length_scales) > 2 else args.length_scales
