@@ -82,6 +82,10 @@ def _json_default(o):
 # =========================================================================== five points
 FIVE_X = np.array([[-1.0, 0.6], [-1.4, -0.4], [1.2, 0.6], [1.0, -0.7], [2.6, 0.3]])
 FIVE_Y = np.array([1, 1, 0, 0, 1])  # the last point (on the right, among class 0) is mislabelled
+# EP's worst placement of the mislabelled point in a scan (see ``ep_outlier_scan``): a second
+# configuration where EP is further from exact, so an improvement would have room to show
+FIVE_X_ALT = np.vstack([FIVE_X[:4], [[2.6, -1.5]]])
+OUTLIER_SCAN = ([2.6, 0.3], [4.0, 0.3], [6.0, 0.3], [2.6, -1.5], [2.6, 1.5], [1.5, 2.0], [0.5, 2.0], [3.0, 3.0])
 FIVE_C_SWEEP = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 20.0, 100.0)
 
 
@@ -136,8 +140,14 @@ def five_point(args):
     is_seconds = time.perf_counter() - t0
     op = ProbitNoiseOperator(eps)
 
-    def run(**kw):
-        m = ProbitClassifier(op, tol=1e-12, max_iter=1000, schedule="sequential", **kw).fit(FIVE_X, FIVE_Y)
+    def run(X=FIVE_X, ref=None, **kw):
+        m = ProbitClassifier(op, tol=1e-12, max_iter=1000, schedule="sequential", **kw).fit(X, FIVE_Y)
+        if ref is not None:  # another configuration: errors against its exact posterior only
+            return {"converged": m.converged_, "outcome": m.result_.outcome, "iterations": m.n_iter_,
+                    "relaxed_updates": int(sum(r.n_relaxed for r in m.result_.history)),
+                    "mean_mse_vs_exact": float(np.mean((m.coef_ - ref[0]) ** 2)),
+                    "cov_mse_vs_exact": float(np.mean((m.posterior_.cov - ref[1]) ** 2)),
+                    "boundary_angle_error_deg": float(np.degrees(np.abs(np.angle(complex(*m.coef_) / complex(*ref[0])))))}
         hist = m.result_.history
         return {
             "converged": m.converged_, "iterations": m.n_iter_, "outcome": m.result_.outcome,
@@ -169,6 +179,17 @@ def five_point(args):
         sweep = {f"{c:g}": run(relax_c=c, relax_reading=rd) for c in FIVE_C_SWEEP}
         best = min(sweep, key=lambda k: (not sweep[k]["converged"], sweep[k]["mean_mse_vs_is"]))
         out["readings"][rd] = {"c20": run(relax_c=20.0, relax_reading=rd), "sweep": sweep, "best_c": float(best)}
+    # EP against exact as the mislabelled point moves, and every reading on the worst placement
+    scan = []
+    for p5 in OUTLIER_SCAN:
+        X = np.vstack([FIVE_X[:4], [p5]])
+        scan.append({"point": p5, **run(X, exact_posterior_2d(X, FIVE_Y, eps))})
+    out["ep_outlier_scan"] = scan
+    ref_alt = exact_posterior_2d(FIVE_X_ALT, FIVE_Y, eps)
+    out["alt"] = {"X": FIVE_X_ALT, "exact_mean": ref_alt[0], "exact_cov": ref_alt[1],
+                  "ep": run(FIVE_X_ALT, ref_alt), "ep_damped": run(FIVE_X_ALT, ref_alt, damping=args.damping),
+                  "readings": {rd: {f"{c:g}": run(FIVE_X_ALT, ref_alt, relax_c=c, relax_reading=rd) for c in FIVE_C_SWEEP}
+                               for rd in args.readings}}
     for sweep in [out["pep_sweep"], out["rep_sweep"]] + [r["sweep"] for r in out["readings"].values()]:
         for r in sweep.values():
             for k in ("mean", "cov"):
@@ -315,18 +336,26 @@ def rep_readings(five, syn, uci_rows, args):
         if syn:
             by_c = {f"{c:g}": _agg(syn, reading_key(rd, c)) for c in args.reading_c}
             best = min(by_c, key=lambda k: (by_c[k]["divergences"], by_c[k]["test_error"]))
+            ep = _agg(syn, "ep")
             r.update({"c": float(best), "test_error": by_c[best]["test_error"],
-                      "divergences": by_c[best]["divergences"], "by_c": by_c})
+                      "divergences": by_c[best]["divergences"], "relaxed_updates": by_c[best]["relaxed_updates"],
+                      "test_error_minus_ep": by_c[best]["test_error"] - ep["test_error"],
+                      "divergences_minus_ep": by_c[best]["divergences"] - ep["divergences"], "by_c": by_c})
         if five:
             f = five["readings"][rd]
             r.update({"five_point_c": 20.0,
                       "five_point_mean_mse": f["c20"]["mean_mse_vs_is"], "five_point_cov_mse": f["c20"]["cov_mse_vs_is"],
                       "five_point_converged": f["c20"]["converged"],
                       "five_point_best": {"c": f["best_c"], **{k: f["sweep"][f"{f['best_c']:g}"][k] for k in (
-                          "mean_mse_vs_is", "cov_mse_vs_is", "converged", "outcome")}},
+                          "mean_mse_vs_is", "cov_mse_vs_is", "converged", "outcome", "relaxed_updates")}},
                       "five_point_sweep": {c: {"mean_mse": v["mean_mse_vs_is"], "cov_mse": v["cov_mse_vs_is"],
                                                "outcome": v["outcome"], "relaxed_updates": v["relaxed_updates"]}
                                            for c, v in f["sweep"].items()}})
+            alt = five.get("alt", {}).get("readings", {}).get(rd)
+        if five and alt:
+            ba = min(alt, key=lambda k: (not alt[k]["converged"], alt[k]["mean_mse_vs_exact"]))
+            r["five_point_alt_best"] = {"c": float(ba), **{k: alt[ba][k] for k in (
+                "mean_mse_vs_exact", "cov_mse_vs_exact", "boundary_angle_error_deg", "outcome", "relaxed_updates")}}
         if uci_rows and "c" in r:
             k = reading_key(rd, r["c"])
             agg = {}
@@ -342,10 +371,17 @@ def rep_readings(five, syn, uci_rows, args):
         for m, k in (("ep", "ep"), ("ep_damped", "ep_damped"), ("pep", "pep_u0.8")):
             base.setdefault(m, {}).update({"five_point_mean_mse": five[k]["mean_mse_vs_is"],
                                            "five_point_cov_mse": five[k]["cov_mse_vs_is"]})
+            if m in five.get("alt", {}):
+                a = five["alt"][m]
+                base[m]["five_point_alt"] = {k: a[k] for k in ("mean_mse_vs_exact", "cov_mse_vs_exact",
+                                                                "boundary_angle_error_deg", "outcome")}
     out["baselines"] = base
     ranked = [rd for rd in args.readings if "test_error" in out[rd]]
     if ranked:
         out["best_reading"] = min(ranked, key=lambda rd: (out[rd]["divergences"], out[rd]["test_error"]))
+        b = out[out["best_reading"]]
+        out["best_reading_relaxes"] = b["relaxed_updates"] > 0  # False: its best c is EP in disguise
+        out["best_reading_beats_ep"] = bool(b["test_error_minus_ep"] < 0 and b["divergences_minus_ep"] <= 0)
     elif five:
         out["best_reading"] = min(args.readings, key=lambda rd: out[rd]["five_point_mean_mse"])
     else:
@@ -391,6 +427,28 @@ def summarise(five, syn, uci_rows, args, seconds):
     emit(s)
 
 
+def combine(paths, args):
+    """The summary of earlier runs' JSON lines (e.g. sections or noise levels run in parallel)."""
+    five, syn, uci_rows, readings, reading_c, noise = None, [], [], [], [], []
+    for path in paths:
+        for line in open(path):
+            row = json.loads(line)
+            sec = row.get("section")
+            if sec == "config":
+                readings += [r for r in row.get("readings", []) if r not in readings]
+                reading_c += [c for c in row.get("reading_c", []) if c not in reading_c]
+                noise += [x for x in row.get("noise", []) if x not in noise] if "synthetic" in row["sections"] else []
+            elif sec == "five_point":
+                five = row
+            elif sec == "synthetic":
+                syn.append(row)
+            elif sec == "uci":
+                uci_rows.append(row)
+    args.readings, args.reading_c, args.noise = readings, sorted(reading_c), sorted(noise)
+    args.quick = False
+    summarise(five, syn, uci_rows, args, None)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -406,7 +464,7 @@ def main(argv=None):
                    help="further REP weights run on the synthetic problems (default: the paper's 10; none with --quick)")
     p.add_argument("--length-scales", type=float, nargs="+", default=[0.3, 0.6, 1.2, 2.4])
     p.add_argument("--uci", nargs="+", default=None)
-    p.add_argument("--spam-noise", type=float, nargs="+", default=None)
+    p.add_argument("--spam-noise", type=float, nargs="*", default=None)
     p.add_argument("--uci-repeats", type=int, default=None)
     p.add_argument("--uci-width-factors", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
     p.add_argument("--uci-eps", type=float, nargs="+", default=[0.05, 0.15])
@@ -416,7 +474,11 @@ def main(argv=None):
                    help="l1 weights c run for every reading on the synthetic and UCI problems "
                         "(default 0.03 0.3 3 with --quick, else 0.01 0.03 0.1 0.3 1 3 20)")
     p.add_argument("--damping", type=float, default=0.5, help="damping of the EP baseline 'ep_damped'")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSONL",
+                   help="print the summary of earlier runs' output files instead of running")
     args = p.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args)
     q = args.quick
     args.is_samples = args.is_samples or (10_000_000 if q else 100_000_000)
     args.repeats = args.repeats or (1 if q else 10)
