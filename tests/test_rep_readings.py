@@ -145,6 +145,24 @@ def test_gp_classifier_passes_the_reading():
     assert sum(r.n_relaxed for r in small.result_.history) > 0
 
 
+@pytest.mark.parametrize("reading", ["projection_kl", "appendix_q"])
+def test_units_of_c_in_the_b_readings(reading):
+    """Scaling the inputs by k scales the latent by k and leaves the noisy-probit posterior over w
+    unchanged; b is a precision of the latent, so REP(c) on X is REP(c k²) on k X (the line
+    search's grid is in b · v_¬, which is scale-free).  Tolerance: round-off through ~100
+    sequential rank-one updates."""
+    k = 3.0
+    a = _fit(relax_c=0.05, relax_reading=reading)
+    assert sum(r.n_relaxed for r in a.result_.history) > 0
+    b = ProbitClassifier(ProbitNoiseOperator(EPS), tol=1e-10, max_iter=300, schedule="sequential",
+                         relax_c=0.05 * k * k, relax_reading=reading).fit(k * FIVE_X, FIVE_Y)
+    np.testing.assert_allclose(b.coef_, a.coef_, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(b.posterior_.cov, a.posterior_.cov, rtol=1e-7, atol=1e-9)
+    c_same = ProbitClassifier(ProbitNoiseOperator(EPS), tol=1e-10, max_iter=300, schedule="sequential",
+                              relax_c=0.05, relax_reading=reading).fit(k * FIVE_X, FIVE_Y)
+    assert np.max(np.abs(c_same.coef_ - a.coef_)) > 1e-3  # the same c on the rescaled latent is another REP
+
+
 def test_appendix_site_keeps_r_in_the_site():
     """One site (x = w, w ~ N(0, 1)), one update from a given old site: reading ``appendix_q``
     (r removed, §4.1) and ``appendix_site`` (r kept, eqs. 22–23 as printed) choose the same b
@@ -188,3 +206,29 @@ def test_bad_reading_options_are_refused():
             np.ones((2, 1)), {"y": Bernoulli(np.array([1.0, 0.0]))})
     with pytest.raises(ValueError, match="power = 1"):
         _fit(relax_c=1.0, relax_reading="appendix_site", power=0.8)
+
+
+@pytest.mark.slow
+def test_benchmark_summary_has_rep_readings():
+    """benchmarks/rep.py keeps its summary keys and adds rep_readings (five points + one small
+    synthetic problem; the real figures come from the benchmark itself)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "rep.py"), "--quick", "--sections", "five_point", "synthetic",
+         "--noise", "0.2", "--n-test", "200", "--max-iter", "5", "--is-samples", "200000",
+         "--readings", "projection_kl", "appendix_q", "--reading-c", "0.3"],
+        capture_output=True, text=True, check=True, cwd=root, timeout=1800)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("ep_test_error", "pep_test_error", "rep_test_error", "ep_divergences", "pep_divergences",
+                "rep_divergences", "five_point"):
+        assert key in summary
+    rr = summary["rep_readings"]
+    assert rr["best_reading"] in ("projection_kl", "appendix_q")
+    for rd in ("projection_kl", "appendix_q"):
+        for key in ("test_error", "divergences", "five_point_mean_mse", "five_point_cov_mse"):
+            assert np.isfinite(rr[rd][key])

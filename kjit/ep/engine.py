@@ -105,14 +105,14 @@ each is selectable, and each with ``c → ∞`` is EP bit for bit (the line sear
 ``r = 1``).  ``r_i`` acts on the cavity in natural parameters ``(r_h, r_λ)``:
 
 ``"projection_kl"`` (default; the one above)  r of precision ``b`` centred at the site mean,
-    objective ``KL(p_b ‖ proj p_b) + c b``, site ``q̃ / (r q^{\i})`` (§4.1: ``q = q̃ / r``).
+    objective ``KL(p_b ‖ proj p_b) + c b``, site ``q̃ / (r q^{\\i})`` (§4.1: ``q = q̃ / r``).
 ``"appendix_q"``  the same r and site update, ``b`` chosen by the appendix's eq. 22 *as written*
     (``operator.appendix_relaxed_q``; the noisy probit only) ``+ c b``.  Eq. 22 is not the relaxed
-    KL: it equals ``KL(p_b ‖ proj p_b) − ½ α h̃^{\i} − ½ b ṽ − …`` (see
+    KL: it equals ``KL(p_b ‖ proj p_b) − ½ α h̃^{\\i} − ½ b ṽ − …`` (see
     :meth:`kjit.ep.operators.ProbitNoiseOperator.appendix_relaxed_q`).
 ``"appendix_site"``  the paper's GP algorithm as printed: eq. 22 line search, and eqs. 22–23 *put
     r back into the site* (``1/v_i = 1/v_{i,b} + b``, ``m_i/v_i = m_{i,b}/v_{i,b} + b m_i^old``),
-    i.e. the site is ``q̃ / q^{\i}`` and the new belief is ``q̃ = proj[t r q^{\i}]`` itself.
+    i.e. the site is ``q̃ / q^{\\i}`` and the new belief is ``q̃ = proj[t r q^{\\i}]`` itself.
     With the paper's initialisation (sites 1, b = 0) this is the engine's default start.
 ``"scaled_message"``  appendix §2 eq. 18: ``η_i = η τ_i^old``, r = ``t̃_i^η`` (both natural
     parameters of the old site scaled by one η ∈ {0} ∪ ±[1e-3, 10], log grid), objective
