@@ -25,10 +25,25 @@ Sections (``--sections``, default all):
 ``laplace``     Laplace propagation vs EP on Bayesian logistic regression (heart, pima): test
                 error, time, and the distance between the two posteriors.
 
-The last line is a summary with ``ep_test_error``, ``pep_test_error``, ``rep_test_error``,
-``ep_divergences``, ``pep_divergences``, ``rep_divergences`` (synthetic problems).
+Issue 18 (the paper's readings, ``kjit.ep.engine.RELAX_READINGS``; ``--readings``): every
+section also runs EP with damping ``--damping`` (``ep_damped``, the baseline the paper omits) and
+each reading over ``--reading-c`` (or per reading ``--reading-grid READING=c1,c2``); the
+five-point section sweeps each reading over c ∈ [1e-3, 100] (``readings``), scans the position of
+the mislabelled point for EP (``ep_outlier_scan``) and repeats the sweeps on EP's worst placement
+(``alt``, against the exact posterior).  Findings: ``benchmarks/README.md``.
 
-    python benchmarks/rep.py --quick            # a few minutes: 1 data set per noise level,
+The last line is a summary with ``ep_test_error``, ``pep_test_error``, ``rep_test_error``,
+``ep_divergences``, ``pep_divergences``, ``rep_divergences`` (synthetic problems), and
+``rep_readings``: per reading its ``test_error`` and ``divergences`` (synthetic, at the c of its
+grid with the fewest divergences and then the lowest test error — chosen on the test sets, the
+choice most favourable to REP — with ``by_c``, ``relaxed_updates`` and the differences to EP),
+``five_point_mean_mse`` / ``five_point_cov_mse`` (against the IS posterior at the paper's c = 20),
+``five_point_best`` / ``five_point_alt_best`` (the best c of the sweeps), ``uci_test_error``; then
+``baselines`` (EP, damped EP, PEP) and ``best_reading`` with ``best_reading_relaxes`` (False: its
+best c never relaxed, i.e. it is EP) and ``best_reading_beats_ep``.  ``--combine FILE ...``
+prints that summary for runs split across processes (``--first-repeat``).
+
+    python benchmarks/rep.py --quick            # ~10 CPU-minutes: 1 data set per noise level,
                                                 # 4000 test points, ≤ 40 iterations, 10⁷ IS samples,
                                                 # UCI heart, haberman, spam (one split each)
     python benchmarks/rep.py                    # the paper's sizes: 10 repeats, 39,600 test points,
@@ -219,6 +234,11 @@ def select_by_evidence(X, y, length_scales, eps_grid):
     return sel.length_scale, sel.eps, sel.tuning_
 
 
+def reading_cs(args, reading):
+    """The c values run for ``reading``: ``--reading-grid READING=c1,c2`` or ``--reading-c``."""
+    return getattr(args, "reading_grid_", {}).get(reading, args.reading_c)
+
+
 def reading_key(reading, c):
     return f"rep_{reading}_c{c:g}"
 
@@ -229,7 +249,7 @@ def run_methods(X, y, Xt, yt, ls, eps, args, extra_rep_c=()):
     specs += [(f"rep_c{c:g}", {"method": "rep", "relax_c": c}) for c in extra_rep_c if c != args.rep_c]
     specs += [("ep_damped", {"damping": args.damping})]
     specs += [(reading_key(rd, c), {"method": "rep", "relax_c": c, "relax_reading": rd})
-              for rd in args.readings for c in args.reading_c]
+              for rd in args.readings for c in reading_cs(args, rd)]
     for name, kw in specs:
         t0 = time.perf_counter()
         g = GPClassifier(eps=eps, length_scale=ls, schedule="sequential", max_iter=args.max_iter, **kw).fit(X, y)
@@ -249,7 +269,7 @@ def run_methods(X, y, Xt, yt, ls, eps, args, extra_rep_c=()):
 def synthetic(args):
     rows = []
     for noise in args.noise:
-        for rep in range(args.repeats):
+        for rep in range(args.first_repeat, args.first_repeat + args.repeats):
             rng = np.random.default_rng([args.seed, int(noise * 100), rep])
             X, y = synthetic_data(200, rng)
             Xt, yt = synthetic_data(args.n_test // 2, rng)
@@ -272,7 +292,7 @@ def uci(args):
     rows = []
     jobs = [(name, 0.0) for name in args.uci] + [("spam", float(r)) for r in args.spam_noise]
     for name, flip_rate in jobs:
-        for rep in range(args.uci_repeats):
+        for rep in range(args.first_repeat, args.first_repeat + args.uci_repeats):
             split = paper_split(name, random_state=rep) if name != "spam" else \
                 train_test_split(load(name), 276, random_state=rep)
             Xtr, ytr, Xte, yte = split.X_train, split.y_train, split.X_test, split.y_test
@@ -334,7 +354,8 @@ def rep_readings(five, syn, uci_rows, args):
     for rd in args.readings:
         r = {"reading": rd}
         if syn:
-            by_c = {f"{c:g}": _agg(syn, reading_key(rd, c)) for c in args.reading_c}
+            cs = [c for c in reading_cs(args, rd) if all(reading_key(rd, c) in row for row in syn)]
+            by_c = {f"{c:g}": _agg(syn, reading_key(rd, c)) for c in cs}
             best = min(by_c, key=lambda k: (by_c[k]["divergences"], by_c[k]["test_error"]))
             ep = _agg(syn, "ep")
             r.update({"c": float(best), "test_error": by_c[best]["test_error"],
@@ -356,7 +377,7 @@ def rep_readings(five, syn, uci_rows, args):
             ba = min(alt, key=lambda k: (not alt[k]["converged"], alt[k]["mean_mse_vs_exact"]))
             r["five_point_alt_best"] = {"c": float(ba), **{k: alt[ba][k] for k in (
                 "mean_mse_vs_exact", "cov_mse_vs_exact", "boundary_angle_error_deg", "outcome", "relaxed_updates")}}
-        if uci_rows and "c" in r:
+        if uci_rows and "c" in r and all(reading_key(rd, r["c"]) in row for row in uci_rows):
             k = reading_key(rd, r["c"])
             agg = {}
             for row in uci_rows:
@@ -473,10 +494,20 @@ def main(argv=None):
     p.add_argument("--reading-c", type=float, nargs="+", default=None,
                    help="l1 weights c run for every reading on the synthetic and UCI problems "
                         "(default 0.03 0.3 3 with --quick, else 0.01 0.03 0.1 0.3 1 3 20)")
+    p.add_argument("--reading-grid", nargs="+", default=[], metavar="READING=C1,C2",
+                   help="per-reading c values (override --reading-c for that reading)")
+    p.add_argument("--first-repeat", type=int, default=0,
+                   help="index of the first repeat (data set / split seed), to split a run across processes")
     p.add_argument("--damping", type=float, default=0.5, help="damping of the EP baseline 'ep_damped'")
     p.add_argument("--combine", nargs="+", default=None, metavar="JSONL",
                    help="print the summary of earlier runs' output files instead of running")
     args = p.parse_args(argv)
+    args.reading_grid_ = {}
+    for item in args.reading_grid:
+        rd, _, cs = item.partition("=")
+        if rd not in RELAX_READINGS or not cs:
+            p.error(f"--reading-grid: expected READING=c1,c2 with READING in {RELAX_READINGS}, got {item!r}")
+        args.reading_grid_[rd] = [float(c) for c in cs.split(",")]
     if args.combine:
         return combine(args.combine, args)
     q = args.quick
