@@ -451,6 +451,7 @@ def summarise(five, syn, uci_rows, args, seconds):
 def combine(paths, args):
     """The summary of earlier runs' JSON lines (e.g. sections or noise levels run in parallel)."""
     five, syn, uci_rows, readings, reading_c, noise = None, [], [], [], [], []
+    seen = set()  # a data set run twice (same seed) is counted once
     for path in paths:
         for line in open(path):
             row = json.loads(line)
@@ -461,9 +462,11 @@ def combine(paths, args):
                 noise += [x for x in row.get("noise", []) if x not in noise] if "synthetic" in row["sections"] else []
             elif sec == "five_point":
                 five = row
-            elif sec == "synthetic":
+            elif sec == "synthetic" and ("syn", row["noise"], row["repeat"]) not in seen:
+                seen.add(("syn", row["noise"], row["repeat"]))
                 syn.append(row)
-            elif sec == "uci":
+            elif sec == "uci" and ("uci", row["dataset"], row["label_flip"], row["repeat"]) not in seen:
+                seen.add(("uci", row["dataset"], row["label_flip"], row["repeat"]))
                 uci_rows.append(row)
     args.readings, args.reading_c, args.noise = readings, sorted(reading_c), sorted(noise)
     args.quick = False
