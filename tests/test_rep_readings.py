@@ -108,9 +108,9 @@ def test_appendix_q_needs_hard_labels_and_eps():
         ProbitNoiseOperator(0.0).appendix_relaxed_q({"f": Gaussian(0.0, 1.0), "y": Bernoulli(1.0)}, 0.1, 0.0, 0.0, 1.0)
 
 
-def _fit(schedule="sequential", **kw):
-    return ProbitClassifier(ProbitNoiseOperator(EPS), tol=1e-10, max_iter=300, schedule=schedule,
-                            **kw).fit(FIVE_X, FIVE_Y)
+def _fit(schedule="sequential", max_iter=300, X=FIVE_X, tol=1e-10, **kw):
+    return ProbitClassifier(ProbitNoiseOperator(EPS), tol=tol, max_iter=max_iter, schedule=schedule,
+                            **kw).fit(X, FIVE_Y)
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "parallel"])
@@ -126,7 +126,7 @@ def test_every_reading_with_large_c_is_ep_and_small_c_relaxes(reading, schedule)
     np.testing.assert_array_equal(big.result_.site_precision, ep.result_.site_precision)
     assert big.n_iter_ == ep.n_iter_
     assert all(r.n_relaxed == 0 for r in big.result_.history)
-    small = _fit(schedule, relax_c=1e-3, relax_reading=reading, **damp)
+    small = _fit(schedule, max_iter=20, relax_c=1e-3, relax_reading=reading, **damp)
     assert sum(r.n_relaxed for r in small.result_.history) > 0
     assert np.max(np.abs(small.coef_ - ep.coef_)) > 1e-3
 
@@ -135,13 +135,13 @@ def test_gp_classifier_passes_the_reading():
     rng = np.random.default_rng(3)
     X = rng.standard_normal((30, 2))
     y = (X[:, 0] * X[:, 1] > 0).astype(int)
-    common = dict(eps=0.1, length_scale=1.0, max_iter=30)
+    common = dict(eps=0.1, length_scale=1.0, max_iter=6)
     ep = GPClassifier(**common).fit(X, y)
     for reading in RELAX_READINGS:
         big = GPClassifier(method="rep", relax_c=1e12, relax_reading=reading, **common).fit(X, y)
         np.testing.assert_array_equal(big.alpha_, ep.alpha_)
         assert big.get_params()["relax_reading"] == reading
-    small = GPClassifier(method="rep", relax_c=1e-3, relax_reading="appendix_q", **common).fit(X, y)
+    small = GPClassifier(method="rep", relax_c=1e-3, relax_reading="appendix_q", **{**common, "max_iter": 3}).fit(X, y)
     assert sum(r.n_relaxed for r in small.result_.history) > 0
 
 
@@ -149,17 +149,15 @@ def test_gp_classifier_passes_the_reading():
 def test_units_of_c_in_the_b_readings(reading):
     """Scaling the inputs by k scales the latent by k and leaves the noisy-probit posterior over w
     unchanged; b is a precision of the latent, so REP(c) on X is REP(c k²) on k X (the line
-    search's grid is in b · v_¬, which is scale-free).  Tolerance: round-off through ~100
-    sequential rank-one updates."""
+    search's grid is in b · v_¬, which is scale-free).  Exactly 25 sweeps each (tol = 0);
+    tolerance: round-off through 125 sequential rank-one updates."""
     k = 3.0
-    a = _fit(relax_c=0.05, relax_reading=reading)
+    a = _fit(max_iter=25, tol=0.0, relax_c=0.05, relax_reading=reading)
     assert sum(r.n_relaxed for r in a.result_.history) > 0
-    b = ProbitClassifier(ProbitNoiseOperator(EPS), tol=1e-10, max_iter=300, schedule="sequential",
-                         relax_c=0.05 * k * k, relax_reading=reading).fit(k * FIVE_X, FIVE_Y)
+    b = _fit(max_iter=25, tol=0.0, relax_c=0.05 * k * k, relax_reading=reading, X=k * FIVE_X)
     np.testing.assert_allclose(b.coef_, a.coef_, rtol=1e-7, atol=1e-9)
     np.testing.assert_allclose(b.posterior_.cov, a.posterior_.cov, rtol=1e-7, atol=1e-9)
-    c_same = ProbitClassifier(ProbitNoiseOperator(EPS), tol=1e-10, max_iter=300, schedule="sequential",
-                              relax_c=0.05, relax_reading=reading).fit(k * FIVE_X, FIVE_Y)
+    c_same = _fit(max_iter=25, tol=0.0, relax_c=0.05, relax_reading=reading, X=k * FIVE_X)
     assert np.max(np.abs(c_same.coef_ - a.coef_)) > 1e-3  # the same c on the rescaled latent is another REP
 
 
@@ -193,7 +191,7 @@ def test_appendix_site_keeps_r_in_the_site():
 def test_scaled_message_cannot_relax_an_untouched_site():
     """r = t̃_old^η: in the first sweep every site is 1 (v_i = ∞), so nothing is relaxed however
     small c is; relaxation starts in the second sweep."""
-    m = _fit(relax_c=1e-4, relax_reading="scaled_message")
+    m = _fit(max_iter=4, relax_c=1e-4, relax_reading="scaled_message")
     assert m.result_.history[0].n_relaxed == 0
     assert any(r.n_relaxed > 0 for r in m.result_.history[1:])
 
