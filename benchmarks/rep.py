@@ -25,10 +25,25 @@ Sections (``--sections``, default all):
 ``laplace``     Laplace propagation vs EP on Bayesian logistic regression (heart, pima): test
                 error, time, and the distance between the two posteriors.
 
-The last line is a summary with ``ep_test_error``, ``pep_test_error``, ``rep_test_error``,
-``ep_divergences``, ``pep_divergences``, ``rep_divergences`` (synthetic problems).
+Issue 18 (the paper's readings, ``kjit.ep.engine.RELAX_READINGS``; ``--readings``): every
+section also runs EP with damping ``--damping`` (``ep_damped``, the baseline the paper omits) and
+each reading over ``--reading-c`` (or per reading ``--reading-grid READING=c1,c2``); the
+five-point section sweeps each reading over c ∈ [1e-3, 100] (``readings``), scans the position of
+the mislabelled point for EP (``ep_outlier_scan``) and repeats the sweeps on EP's worst placement
+(``alt``, against the exact posterior).  Findings: ``benchmarks/README.md``.
 
-    python benchmarks/rep.py --quick            # a few minutes: 1 data set per noise level,
+The last line is a summary with ``ep_test_error``, ``pep_test_error``, ``rep_test_error``,
+``ep_divergences``, ``pep_divergences``, ``rep_divergences`` (synthetic problems), and
+``rep_readings``: per reading its ``test_error`` and ``divergences`` (synthetic, at the c of its
+grid with the fewest divergences and then the lowest test error — chosen on the test sets, the
+choice most favourable to REP — with ``by_c``, ``relaxed_updates`` and the differences to EP),
+``five_point_mean_mse`` / ``five_point_cov_mse`` (against the IS posterior at the paper's c = 20),
+``five_point_best`` / ``five_point_alt_best`` (the best c of the sweeps), ``uci_test_error``; then
+``baselines`` (EP, damped EP, PEP) and ``best_reading`` with ``best_reading_relaxes`` (False: its
+best c never relaxed, i.e. it is EP) and ``best_reading_beats_ep``.  ``--combine FILE ...``
+prints that summary for runs split across processes (``--first-repeat``).
+
+    python benchmarks/rep.py --quick            # ~10 CPU-minutes: 1 data set per noise level,
                                                 # 4000 test points, ≤ 40 iterations, 10⁷ IS samples,
                                                 # UCI heart, haberman, spam (one split each)
     python benchmarks/rep.py                    # the paper's sizes: 10 repeats, 39,600 test points,
@@ -46,10 +61,14 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kjit, not an installed one
+
 from kjit.datasets import load, paper_split, train_test_split  # noqa: E402
+from kjit.ep.engine import RELAX_READINGS  # noqa: E402
 from kjit.ep import (  # noqa: E402
     BayesianLogisticRegression,
     GPClassifier,
@@ -78,6 +97,11 @@ def _json_default(o):
 # =========================================================================== five points
 FIVE_X = np.array([[-1.0, 0.6], [-1.4, -0.4], [1.2, 0.6], [1.0, -0.7], [2.6, 0.3]])
 FIVE_Y = np.array([1, 1, 0, 0, 1])  # the last point (on the right, among class 0) is mislabelled
+# EP's worst placement of the mislabelled point in a scan (see ``ep_outlier_scan``): a second
+# configuration where EP is further from exact, so an improvement would have room to show
+FIVE_X_ALT = np.vstack([FIVE_X[:4], [[2.6, -1.5]]])
+OUTLIER_SCAN = ([2.6, 0.3], [4.0, 0.3], [6.0, 0.3], [2.6, -1.5], [2.6, 1.5], [1.5, 2.0], [0.5, 2.0], [3.0, 3.0])
+FIVE_C_SWEEP = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 20.0, 100.0)
 
 
 def exact_posterior_2d(X, y01, eps):
@@ -131,10 +155,18 @@ def five_point(args):
     is_seconds = time.perf_counter() - t0
     op = ProbitNoiseOperator(eps)
 
-    def run(**kw):
-        m = ProbitClassifier(op, tol=1e-12, max_iter=1000, schedule="sequential", **kw).fit(FIVE_X, FIVE_Y)
+    def run(X=FIVE_X, ref=None, **kw):
+        m = ProbitClassifier(op, tol=1e-12, max_iter=1000, schedule="sequential", **kw).fit(X, FIVE_Y)
+        if ref is not None:  # another configuration: errors against its exact posterior only
+            return {"converged": m.converged_, "outcome": m.result_.outcome, "iterations": m.n_iter_,
+                    "relaxed_updates": int(sum(r.n_relaxed for r in m.result_.history)),
+                    "mean_mse_vs_exact": float(np.mean((m.coef_ - ref[0]) ** 2)),
+                    "cov_mse_vs_exact": float(np.mean((m.posterior_.cov - ref[1]) ** 2)),
+                    "boundary_angle_error_deg": float(np.degrees(np.abs(np.angle(complex(*m.coef_) / complex(*ref[0])))))}
+        hist = m.result_.history
         return {
-            "converged": m.converged_, "iterations": m.n_iter_,
+            "converged": m.converged_, "iterations": m.n_iter_, "outcome": m.result_.outcome,
+            "relaxed_updates": int(sum(r.n_relaxed for r in hist)),
             "mean": m.coef_, "cov": m.posterior_.cov,
             "mean_mse_vs_is": float(np.mean((m.coef_ - m_is) ** 2)),
             "cov_mse_vs_is": float(np.mean((m.posterior_.cov - C_is) ** 2)),
@@ -155,8 +187,26 @@ def five_point(args):
     }
     out["pep_sweep"] = {f"{u:g}": run(power=u) for u in (0.2, 0.4, 0.6, 0.8, 0.9, 1.0)}
     out["rep_sweep"] = {f"{c:g}": run(relax_c=c) for c in (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 20.0, 100.0)}
-    for sweep in ("pep_sweep", "rep_sweep"):
-        for r in out[sweep].values():
+    out["ep_damped"] = run(damping=args.damping)
+    # issue 18: every reading at the paper's c = 20 and over the c range that changes the answer
+    out["readings"] = {}
+    for rd in args.readings:
+        sweep = {f"{c:g}": run(relax_c=c, relax_reading=rd) for c in FIVE_C_SWEEP}
+        best = min(sweep, key=lambda k: (not sweep[k]["converged"], sweep[k]["mean_mse_vs_is"]))
+        out["readings"][rd] = {"c20": run(relax_c=20.0, relax_reading=rd), "sweep": sweep, "best_c": float(best)}
+    # EP against exact as the mislabelled point moves, and every reading on the worst placement
+    scan = []
+    for p5 in OUTLIER_SCAN:
+        X = np.vstack([FIVE_X[:4], [p5]])
+        scan.append({"point": p5, **run(X, exact_posterior_2d(X, FIVE_Y, eps))})
+    out["ep_outlier_scan"] = scan
+    ref_alt = exact_posterior_2d(FIVE_X_ALT, FIVE_Y, eps)
+    out["alt"] = {"X": FIVE_X_ALT, "exact_mean": ref_alt[0], "exact_cov": ref_alt[1],
+                  "ep": run(FIVE_X_ALT, ref_alt), "ep_damped": run(FIVE_X_ALT, ref_alt, damping=args.damping),
+                  "readings": {rd: {f"{c:g}": run(FIVE_X_ALT, ref_alt, relax_c=c, relax_reading=rd) for c in FIVE_C_SWEEP}
+                               for rd in args.readings}}
+    for sweep in [out["pep_sweep"], out["rep_sweep"]] + [r["sweep"] for r in out["readings"].values()]:
+        for r in sweep.values():
             for k in ("mean", "cov"):
                 r.pop(k)
     emit(out)
@@ -184,10 +234,22 @@ def select_by_evidence(X, y, length_scales, eps_grid):
     return sel.length_scale, sel.eps, sel.tuning_
 
 
+def reading_cs(args, reading):
+    """The c values run for ``reading``: ``--reading-grid READING=c1,c2`` or ``--reading-c``."""
+    return getattr(args, "reading_grid_", {}).get(reading, args.reading_c)
+
+
+def reading_key(reading, c):
+    return f"rep_{reading}_c{c:g}"
+
+
 def run_methods(X, y, Xt, yt, ls, eps, args, extra_rep_c=()):
     res = {}
     specs = [("ep", {}), ("pep", {"method": "pep", "power": 0.8}), ("rep", {"method": "rep", "relax_c": args.rep_c})]
     specs += [(f"rep_c{c:g}", {"method": "rep", "relax_c": c}) for c in extra_rep_c if c != args.rep_c]
+    specs += [("ep_damped", {"damping": args.damping})]
+    specs += [(reading_key(rd, c), {"method": "rep", "relax_c": c, "relax_reading": rd})
+              for rd in args.readings for c in reading_cs(args, rd)]
     for name, kw in specs:
         t0 = time.perf_counter()
         g = GPClassifier(eps=eps, length_scale=ls, schedule="sequential", max_iter=args.max_iter, **kw).fit(X, y)
@@ -207,7 +269,7 @@ def run_methods(X, y, Xt, yt, ls, eps, args, extra_rep_c=()):
 def synthetic(args):
     rows = []
     for noise in args.noise:
-        for rep in range(args.repeats):
+        for rep in range(args.first_repeat, args.first_repeat + args.repeats):
             rng = np.random.default_rng([args.seed, int(noise * 100), rep])
             X, y = synthetic_data(200, rng)
             Xt, yt = synthetic_data(args.n_test // 2, rng)
@@ -230,7 +292,7 @@ def uci(args):
     rows = []
     jobs = [(name, 0.0) for name in args.uci] + [("spam", float(r)) for r in args.spam_noise]
     for name, flip_rate in jobs:
-        for rep in range(args.uci_repeats):
+        for rep in range(args.first_repeat, args.first_repeat + args.uci_repeats):
             split = paper_split(name, random_state=rep) if name != "spam" else \
                 train_test_split(load(name), 276, random_state=rep)
             Xtr, ytr, Xte, yte = split.X_train, split.y_train, split.X_test, split.y_test
@@ -276,6 +338,78 @@ def laplace(args):
     return rows
 
 
+# =========================================================================== issue 18
+def _agg(rows, key):
+    return {"test_error": float(np.mean([r[key]["test_error"] for r in rows])),
+            "divergences": int(sum(r[key]["diverged"] for r in rows)),
+            "relaxed_updates": int(sum(r[key]["relaxed_updates"] for r in rows))}
+
+
+def rep_readings(five, syn, uci_rows, args):
+    """Per reading: the synthetic test error and divergences at the c (of ``--reading-c``) with
+    the lowest mean test error — chosen on the test sets, i.e. the most favourable choice for REP
+    — with the whole c table; the five-point errors against the IS posterior at the paper's
+    c = 20 and at the c of the sweep closest to it (best_c); UCI errors at the synthetic best c."""
+    out = {}
+    for rd in args.readings:
+        r = {"reading": rd}
+        if syn:
+            cs = [c for c in reading_cs(args, rd) if all(reading_key(rd, c) in row for row in syn)]
+            by_c = {f"{c:g}": _agg(syn, reading_key(rd, c)) for c in cs}
+            best = min(by_c, key=lambda k: (by_c[k]["divergences"], by_c[k]["test_error"]))
+            ep = _agg(syn, "ep")
+            r.update({"c": float(best), "test_error": by_c[best]["test_error"],
+                      "divergences": by_c[best]["divergences"], "relaxed_updates": by_c[best]["relaxed_updates"],
+                      "test_error_minus_ep": by_c[best]["test_error"] - ep["test_error"],
+                      "divergences_minus_ep": by_c[best]["divergences"] - ep["divergences"], "by_c": by_c})
+        if five:
+            f = five["readings"][rd]
+            r.update({"five_point_c": 20.0,
+                      "five_point_mean_mse": f["c20"]["mean_mse_vs_is"], "five_point_cov_mse": f["c20"]["cov_mse_vs_is"],
+                      "five_point_converged": f["c20"]["converged"],
+                      "five_point_best": {"c": f["best_c"], **{k: f["sweep"][f"{f['best_c']:g}"][k] for k in (
+                          "mean_mse_vs_is", "cov_mse_vs_is", "converged", "outcome", "relaxed_updates")}},
+                      "five_point_sweep": {c: {"mean_mse": v["mean_mse_vs_is"], "cov_mse": v["cov_mse_vs_is"],
+                                               "outcome": v["outcome"], "relaxed_updates": v["relaxed_updates"]}
+                                           for c, v in f["sweep"].items()}})
+            alt = five.get("alt", {}).get("readings", {}).get(rd)
+        if five and alt:
+            ba = min(alt, key=lambda k: (not alt[k]["converged"], alt[k]["mean_mse_vs_exact"]))
+            r["five_point_alt_best"] = {"c": float(ba), **{k: alt[ba][k] for k in (
+                "mean_mse_vs_exact", "cov_mse_vs_exact", "boundary_angle_error_deg", "outcome", "relaxed_updates")}}
+        if uci_rows and "c" in r and all(reading_key(rd, r["c"]) in row for row in uci_rows):
+            k = reading_key(rd, r["c"])
+            agg = {}
+            for row in uci_rows:
+                key = row["dataset"] + (f"+flip{row['label_flip']:g}" if row["label_flip"] else "")
+                agg.setdefault(key, []).append(row[k]["test_error"])
+            r["uci_test_error"] = {k2: float(np.mean(v)) for k2, v in agg.items()}
+        out[rd] = r
+    base = {}
+    if syn:
+        base = {m: _agg(syn, m) for m in ("ep", "ep_damped", "pep")}
+    if five:
+        for m, k in (("ep", "ep"), ("ep_damped", "ep_damped"), ("pep", "pep_u0.8")):
+            base.setdefault(m, {}).update({"five_point_mean_mse": five[k]["mean_mse_vs_is"],
+                                           "five_point_cov_mse": five[k]["cov_mse_vs_is"]})
+            if m in five.get("alt", {}):
+                a = five["alt"][m]
+                base[m]["five_point_alt"] = {k: a[k] for k in ("mean_mse_vs_exact", "cov_mse_vs_exact",
+                                                                "boundary_angle_error_deg", "outcome")}
+    out["baselines"] = base
+    ranked = [rd for rd in args.readings if "test_error" in out[rd]]
+    if ranked:
+        out["best_reading"] = min(ranked, key=lambda rd: (out[rd]["divergences"], out[rd]["test_error"]))
+        b = out[out["best_reading"]]
+        out["best_reading_relaxes"] = b["relaxed_updates"] > 0  # False: its best c is EP in disguise
+        out["best_reading_beats_ep"] = bool(b["test_error_minus_ep"] < 0 and b["divergences_minus_ep"] <= 0)
+    elif five:
+        out["best_reading"] = min(args.readings, key=lambda rd: out[rd]["five_point_mean_mse"])
+    else:
+        out["best_reading"] = None
+    return out
+
+
 # =========================================================================== main
 def summarise(five, syn, uci_rows, args, seconds):
     s = {"summary": True, "quick": args.quick, "seconds": seconds}
@@ -299,6 +433,10 @@ def summarise(five, syn, uci_rows, args, seconds):
     if five:
         s["five_point"] = {k: {"mean_mse": five[k]["mean_mse_vs_exact"], "cov_mse": five[k]["cov_mse_vs_exact"]}
                            for k in ("ep", "pep_u0.8", "rep_c20")}
+    s["rep_readings"] = rep_readings(five, syn, uci_rows, args)
+    if syn:
+        s["ep_damped_test_error"] = float(np.mean([r["ep_damped"]["test_error"] for r in syn]))
+        s["ep_damped_divergences"] = int(sum(r["ep_damped"]["diverged"] for r in syn))
     if uci_rows:
         agg = {}
         for r in uci_rows:
@@ -308,6 +446,31 @@ def summarise(five, syn, uci_rows, args, seconds):
                 a[m].append(r[m]["test_error"])
         s["uci_test_error"] = {k: {m: float(np.mean(v)) for m, v in a.items()} for k, a in agg.items()}
     emit(s)
+
+
+def combine(paths, args):
+    """The summary of earlier runs' JSON lines (e.g. sections or noise levels run in parallel)."""
+    five, syn, uci_rows, readings, reading_c, noise = None, [], [], [], [], []
+    seen = set()  # a data set run twice (same seed) is counted once
+    for path in paths:
+        for line in open(path):
+            row = json.loads(line)
+            sec = row.get("section")
+            if sec == "config":
+                readings += [r for r in row.get("readings", []) if r not in readings]
+                reading_c += [c for c in row.get("reading_c", []) if c not in reading_c]
+                noise += [x for x in row.get("noise", []) if x not in noise] if "synthetic" in row["sections"] else []
+            elif sec == "five_point":
+                five = row
+            elif sec == "synthetic" and ("syn", row["noise"], row["repeat"]) not in seen:
+                seen.add(("syn", row["noise"], row["repeat"]))
+                syn.append(row)
+            elif sec == "uci" and ("uci", row["dataset"], row["label_flip"], row["repeat"]) not in seen:
+                seen.add(("uci", row["dataset"], row["label_flip"], row["repeat"]))
+                uci_rows.append(row)
+    args.readings, args.reading_c, args.noise = readings, sorted(reading_c), sorted(noise)
+    args.quick = False
+    summarise(five, syn, uci_rows, args, None)
 
 
 def main(argv=None):
@@ -325,11 +488,31 @@ def main(argv=None):
                    help="further REP weights run on the synthetic problems (default: the paper's 10; none with --quick)")
     p.add_argument("--length-scales", type=float, nargs="+", default=[0.3, 0.6, 1.2, 2.4])
     p.add_argument("--uci", nargs="+", default=None)
-    p.add_argument("--spam-noise", type=float, nargs="+", default=None)
+    p.add_argument("--spam-noise", type=float, nargs="*", default=None)
     p.add_argument("--uci-repeats", type=int, default=None)
     p.add_argument("--uci-width-factors", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
     p.add_argument("--uci-eps", type=float, nargs="+", default=[0.05, 0.15])
+    p.add_argument("--readings", nargs="+", default=list(RELAX_READINGS), choices=RELAX_READINGS,
+                   help="relaxed-EP readings to run (issue 18)")
+    p.add_argument("--reading-c", type=float, nargs="+", default=None,
+                   help="l1 weights c run for every reading on the synthetic and UCI problems "
+                        "(default 0.03 0.3 3 with --quick, else 0.01 0.03 0.1 0.3 1 3 20)")
+    p.add_argument("--reading-grid", nargs="+", default=[], metavar="READING=C1,C2",
+                   help="per-reading c values (override --reading-c for that reading)")
+    p.add_argument("--first-repeat", type=int, default=0,
+                   help="index of the first repeat (data set / split seed), to split a run across processes")
+    p.add_argument("--damping", type=float, default=0.5, help="damping of the EP baseline 'ep_damped'")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSONL",
+                   help="print the summary of earlier runs' output files instead of running")
     args = p.parse_args(argv)
+    args.reading_grid_ = {}
+    for item in args.reading_grid:
+        rd, _, cs = item.partition("=")
+        if rd not in RELAX_READINGS or not cs:
+            p.error(f"--reading-grid: expected READING=c1,c2 with READING in {RELAX_READINGS}, got {item!r}")
+        args.reading_grid_[rd] = [float(c) for c in cs.split(",")]
+    if args.combine:
+        return combine(args.combine, args)
     q = args.quick
     args.is_samples = args.is_samples or (10_000_000 if q else 100_000_000)
     args.repeats = args.repeats or (1 if q else 10)
@@ -338,6 +521,7 @@ def main(argv=None):
     args.uci_repeats = args.uci_repeats or (1 if q else 10)
     args.uci = args.uci or (["heart", "haberman"] if q else ["heart", "pima", "haberman"])
     args.extra_rep_c = args.extra_rep_c if args.extra_rep_c is not None else ([] if q else [10.0])
+    args.reading_c = args.reading_c or ([0.03, 0.3, 3.0] if q else [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 20.0])
     args.spam_noise = args.spam_noise if args.spam_noise is not None else ([0.1] if q else [0.05, 0.1, 0.2])
     if q:
         args.length_scales = args.length_scales[1:3] if len(args.length_scales) > 2 else args.length_scales

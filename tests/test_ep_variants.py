@@ -273,15 +273,17 @@ def test_relaxed_ep_small_c_relaxes_and_line_search_finds_the_minimum():
     from kjit.ep.engine import _relaxed_cavity
 
     rec = eng._new_record()
-    mr, vr, s = eng._relax(cm, cv, h, lam, obs, np.arange(2), rec)
+    v = 1.0 / (1.0 / cv + lam)  # the posterior marginals these cavities come from
+    mr, vr, rh, rl = eng._relax(cm, cv, h, lam, v, obs, np.arange(2), rec)
+    np.testing.assert_allclose(rh, rl * np.where(lam != 0, h / np.where(lam != 0, lam, 1), 0.0))
     ms = np.where(lam != 0, h / np.where(lam != 0, lam, 1), 0.0)
     grid = np.concatenate([[0.0], np.logspace(-5, 5, 20001)])
     for i in range(2):
         b = grid / cv[i]
-        m_b, v_b = _relaxed_cavity(np.full(grid.size, cm[i]), np.full(grid.size, cv[i]), np.full(grid.size, ms[i]), b)
+        m_b, v_b, _ = _relaxed_cavity(np.full(grid.size, cm[i]), np.full(grid.size, cv[i]), b * ms[i], b)
         Q = op.projection_kl({"f": Gaussian(m_b, v_b), "y": Bernoulli(np.ones(grid.size))}, "f") + c * b
-        b_i = s[i] / cv[i]
-        m1, v1 = _relaxed_cavity(cm[i : i + 1], cv[i : i + 1], ms[i : i + 1], np.array([b_i]))
+        b_i = rl[i]
+        m1, v1, _ = _relaxed_cavity(cm[i : i + 1], cv[i : i + 1], ms[i : i + 1] * b_i, np.array([b_i]))
         Q_i = op.projection_kl({"f": Gaussian(m1, v1), "y": Bernoulli(np.ones(1))}, "f")[0] + c * b_i
         assert Q_i <= Q.min() + 1e-4  # grid of 6 per decade + one parabolic step
         np.testing.assert_allclose([mr[i], vr[i]], [m1[0], v1[0]])

@@ -100,6 +100,31 @@ precision of the latent variable and depends on its scale: with unit-scale laten
 relaxation can remove is ≲ 1 nat, so the paper's c = 10–20 leaves every site unrelaxed here
 (REP = EP); relaxation starts around c ≲ 1.
 
+**Relaxed EP: readings** (``relax_reading``, issue 18).  The paper admits several readings;
+each is selectable, and each with ``c → ∞`` is EP bit for bit (the line search returns exactly
+``r = 1``).  ``r_i`` acts on the cavity in natural parameters ``(r_h, r_λ)``:
+
+``"projection_kl"`` (default; the one above)  r of precision ``b`` centred at the site mean,
+    objective ``KL(p_b ‖ proj p_b) + c b``, site ``q̃ / (r q^{\\i})`` (§4.1: ``q = q̃ / r``).
+``"appendix_q"``  the same r and site update, ``b`` chosen by the appendix's eq. 22 *as written*
+    (``operator.appendix_relaxed_q``; the noisy probit only) ``+ c b``.  Eq. 22 is not the relaxed
+    KL: it equals ``KL(p_b ‖ proj p_b) − ½ α h̃^{\\i} − ½ b ṽ − …`` (see
+    :meth:`kjit.ep.operators.ProbitNoiseOperator.appendix_relaxed_q`).
+``"appendix_site"``  the paper's GP algorithm as printed: eq. 22 line search, and eqs. 22–23 *put
+    r back into the site* (``1/v_i = 1/v_{i,b} + b``, ``m_i/v_i = m_{i,b}/v_{i,b} + b m_i^old``),
+    i.e. the site is ``q̃ / q^{\\i}`` and the new belief is ``q̃ = proj[t r q^{\\i}]`` itself.
+    With the paper's initialisation (sites 1, b = 0) this is the engine's default start.
+``"scaled_message"``  appendix §2 eq. 18: ``η_i = η τ_i^old``, r = ``t̃_i^η`` (both natural
+    parameters of the old site scaled by one η ∈ {0} ∪ ±[1e-3, 10], log grid), objective
+    ``KL(p_η ‖ proj p_η) + c |η| (|h_i| + |λ_i|/2)`` (the l1 norm of η_i on the features
+    ``(x, x²)``), site as in §4.1.  An untouched site (``v_i = ∞``) cannot be relaxed.
+
+Units of c: the objective is in nats.  In the three ``b`` readings ``c b`` has ``b`` a precision
+of the latent, so ``c`` is nats × (latent units)²: its effect depends on the scale of the latent
+(compare ``c`` with the cavity variance); the paper's c = 10–20 is far above what a unit-scale
+latent's KL can repay.  In ``"scaled_message"`` ``η`` is dimensionless but ``|h| + |λ|/2`` mixes
+units 1/x and 1/x², so ``c`` has no consistent unit at all: rescaling the latent changes the answer.
+
 **Laplace propagation** needs no engine change: it is an operator
 (``kjit.ep.operators.LaplaceOperator``) whose belief is the Laplace approximation of the tilted
 distribution at its mode.
@@ -156,6 +181,8 @@ class UncertainAnswerError(RuntimeError):
         self.uncertain_rows = rows
 
 _SCHEDULES = ("parallel", "sequential")
+#: relaxed-EP readings (see the module docstring, "Relaxed EP: readings")
+RELAX_READINGS = ("projection_kl", "appendix_q", "appendix_site", "scaled_message")
 
 
 class GaussianPosterior(NamedTuple):
@@ -398,13 +425,16 @@ def _rank_one_update(S, s, alpha):
     return S + alpha * np.outer(s, s)
 
 
-def _relaxed_cavity(cm, cv, ms, b):
-    """Cavity N(cm, cv) times exp(−b (x − ms)² / 2): mean and variance (unchanged where b = 0)."""
+def _relaxed_cavity(cm, cv, rh, rl):
+    """Cavity N(cm, cv) times the relaxation exp(r_h x − r_λ x² / 2): mean, variance and a
+    properness mask (unchanged, bit for bit, where r_h = r_λ = 0)."""
     with np.errstate(all="ignore"):
-        pr = 1.0 / cv + b
-        mr = np.where(b > 0, (cm / cv + b * ms) / pr, cm)
-        vr = np.where(b > 0, 1.0 / pr, cv)
-    return mr, vr
+        pr = 1.0 / cv + rl
+        zero = (rl == 0) & (rh == 0)
+        mr = np.where(zero, cm, (cm / cv + rh) / pr)
+        vr = np.where(zero, cv, 1.0 / pr)
+        proper = zero | ((pr > 0) & np.isfinite(mr) & np.isfinite(vr))
+    return mr, vr, proper
 
 
 def _log_gauss_integral(mc, vc, h, lam):
@@ -512,6 +542,7 @@ class LinearEP:
         power: float = 1.0,
         relax_c: float | None = None,
         relax_grid: int = 49,
+        relax_reading: str = "projection_kl",
         stop_rule: Callable | None = None,
         on_uncertain: str = "warn",
         uncertainty_threshold: float | None = None,
@@ -539,6 +570,7 @@ class LinearEP:
         self.power = power
         self.relax_c = relax_c
         self.relax_grid = relax_grid
+        self.relax_reading = relax_reading
         self.stop_rule = stop_rule
 
     # ------------------------------------------------------------------ validation
@@ -585,6 +617,16 @@ class LinearEP:
                 )
             if int(self.relax_grid) != self.relax_grid or self.relax_grid < 3:
                 raise ValueError(f"`relax_grid` must be an integer >= 3, got {self.relax_grid!r}")
+            if self.relax_reading not in RELAX_READINGS:
+                raise ValueError(f"`relax_reading` must be one of {RELAX_READINGS}, got {self.relax_reading!r}")
+            if self.relax_reading.startswith("appendix"):
+                if not callable(getattr(self.operator, "appendix_relaxed_q", None)):
+                    raise ValueError(
+                        f"relax_reading={self.relax_reading!r} needs operator.appendix_relaxed_q (the paper's "
+                        f"eq. 22 for the noisy probit; kjit.ep.operators.ProbitNoiseOperator); "
+                        f"{type(self.operator).__name__} has none")
+                if self.power != 1.0:
+                    raise ValueError(f"relax_reading={self.relax_reading!r} is defined for power = 1 only")
         if self.stop_rule is not None and not callable(self.stop_rule):
             raise ValueError("`stop_rule` must be None or a callable (record, mean, cov) -> bool")
         if self.on_uncertain not in ON_UNCERTAIN:
@@ -748,48 +790,74 @@ class LinearEP:
         return qm, qv, ok, sd
 
     # ------------------------------------------------------------------ relaxed EP
-    def _relax_objective(self, cm, cv, ms, s_rel, rows, observed, idx):
-        """Q(b) = KL(p_b ‖ proj p_b) + c b at ``b = s_rel / cv[rows]`` for the sites ``rows``."""
-        b = s_rel / cv[rows]
-        mr, vr = _relaxed_cavity(cm[rows], cv[rows], ms[rows], b)
-        incoming = {self.site_var: Gaussian._unchecked(mr, vr)}
-        incoming.update(_index(observed, idx[rows]))
+    def _relaxation(self, s_rel, cv, ms, h, lam):
+        """Natural parameters ``(r_h, r_λ)`` of the relaxation factor and its l1 penalty for the
+        line-search variable ``s_rel`` (per reading; see the module docstring)."""
+        if self.relax_reading == "scaled_message":  # r = t̃_old^η: η (h_old, λ_old), η = s_rel
+            eta = s_rel
+            return eta * h, eta * lam, np.abs(eta) * (np.abs(h) + 0.5 * np.abs(lam))
+        b = s_rel / cv  # r = exp(−b (x − m̃)² / 2): (b m̃, b)
+        return b * ms, b, b
+
+    def _relax_objective(self, cm, cv, ms, h, lam, v, s_rel, rows, observed, idx):
+        """Penalised objective at the line-search values ``s_rel`` for the sites ``rows``."""
+        rh, rl, pen = self._relaxation(s_rel, cv[rows], ms[rows], h[rows], lam[rows])
         with np.errstate(all="ignore"):
-            if self.power == 1.0:
-                kl = self.operator.projection_kl(incoming, self.site_var)
+            if self.relax_reading.startswith("appendix"):
+                incoming = {self.site_var: Gaussian._unchecked(cm[rows], cv[rows])}
+                incoming.update(_index(observed, idx[rows]))
+                kl = self.operator.appendix_relaxed_q(incoming, rl, ms[rows], lam[rows], v[rows])
             else:
-                kl = self.operator.projection_kl(incoming, self.site_var, power=float(self.power))
+                mr, vr, proper = _relaxed_cavity(cm[rows], cv[rows], rh, rl)
+                incoming = {self.site_var: Gaussian._unchecked(mr, np.where(proper, vr, 1.0))}
+                incoming.update(_index(observed, idx[rows]))
+                if self.power == 1.0:
+                    kl = self.operator.projection_kl(incoming, self.site_var)
+                else:
+                    kl = self.operator.projection_kl(incoming, self.site_var, power=float(self.power))
+                kl = np.where(proper, np.asarray(kl, dtype=float).reshape(-1), np.nan)
             kl = np.asarray(kl, dtype=float).reshape(-1)
-            if kl.shape != b.shape:
-                raise ValueError(f"projection_kl returned shape {kl.shape}, expected {b.shape}")
-            q = np.where(np.isfinite(kl), kl, np.inf) + float(self.relax_c) * b
+            if kl.shape != rl.shape:
+                raise ValueError(f"the relaxation objective has shape {kl.shape}, expected {rl.shape}")
+            q = np.where(np.isfinite(kl), kl, np.inf) + float(self.relax_c) * pen
         return q
 
-    def _relax(self, cm, cv, h, lam, observed, idx, rec):
-        """Relaxed EP: choose b per site by line search; return the relaxed cavities.
+    def _relax_grid(self):
+        n = int(self.relax_grid)
+        if self.relax_reading == "scaled_message":  # η ∈ {0} ∪ ±[1e-3, 10] (log-spaced)
+            e = np.logspace(-3.0, 1.0, n)
+            return np.concatenate([[0.0], e, -e]), False
+        return np.concatenate([[0.0], np.logspace(-4.0, 4.0, n)]), True
 
-        ``cm, cv, h, lam`` are already indexed by ``idx``.  Returns ``(mr, vr, s)`` with
-        ``s = b · v_¬`` (0 where no relaxation).  If the operator's ``projection_kl`` fails the
-        sites are not relaxed (plain EP update) and the error is recorded.
+    def _relax(self, cm, cv, h, lam, v, observed, idx, rec):
+        """Relaxed EP: choose the relaxation per site by line search; return the relaxed
+        cavities and the relaxation's natural parameters.
+
+        ``cm, cv, h, lam, v`` (cavity, old site, posterior marginal variance) are already
+        indexed by ``idx``.  Returns ``(mr, vr, r_h, r_λ)``; ``r = 0`` (no relaxation) gives
+        back the cavity bit for bit.  If the objective fails the sites are not relaxed (plain
+        EP update) and the error is recorded.
         """
         k = len(idx)
         with np.errstate(divide="ignore", invalid="ignore"):
             ms = np.where(lam != 0, h / lam, np.where(h == 0, 0.0, cm))
         ms = np.where(np.isfinite(ms), ms, cm)
-        grid = np.concatenate([[0.0], np.logspace(-4.0, 4.0, int(self.relax_grid))])
+        grid, refine = self._relax_grid()
         G = grid.size
         try:
             rows = np.repeat(np.arange(k), G)
-            Q = self._relax_objective(cm, cv, ms, np.tile(grid, k), rows, observed, idx).reshape(k, G)
-            j = np.argmin(Q, axis=1)  # first minimum: b = 0 wins ties
+            Q = self._relax_objective(cm, cv, ms, h, lam, v, np.tile(grid, k), rows, observed, idx).reshape(k, G)
+            j = np.argmin(Q, axis=1)  # first minimum: 0 wins ties
             s_best = grid[j]
             q_best = Q[np.arange(k), j]
+            if not np.all(np.isfinite(q_best)):
+                raise ValueError("no admissible relaxation (the objective is not finite even at 0)")
             # parabolic refinement in log b through the best grid point and its neighbours
             # (one more batched call), kept only if it improves Q
-            lg = np.log(grid[1:])
-            step = lg[1] - lg[0]
-            ref = np.flatnonzero((j >= 2) & (j <= G - 2))
+            lg = np.log(grid[1:]) if refine else None
+            ref = np.flatnonzero((j >= 2) & (j <= G - 2)) if refine else np.zeros(0, int)
             if ref.size:
+                step = lg[1] - lg[0]
                 jr = j[ref]
                 qm_, q0, qp = Q[ref, jr - 1], Q[ref, jr], Q[ref, jr + 1]
                 den = qm_ - 2.0 * q0 + qp
@@ -800,24 +868,24 @@ class LinearEP:
                 if move.any():
                     rr = ref[move]
                     x_new = lg[jr[move] - 1] + off[move]
-                    f_new = self._relax_objective(cm, cv, ms, np.exp(x_new), rr, observed, idx)
+                    f_new = self._relax_objective(cm, cv, ms, h, lam, v, np.exp(x_new), rr, observed, idx)
                     better = f_new < q_best[rr]
                     s_best[rr] = np.where(better, np.exp(x_new), s_best[rr])
         except Exception as exc:  # relaxation failed: fall back to the EP update
             if len(rec.errors) < 5:
                 rec.errors.append(f"relaxation line search: {type(exc).__name__}: {exc}")
             s_best = np.zeros(k)
-        b = s_best / cv
-        mr, vr = _relaxed_cavity(cm, cv, ms, b)
-        relaxed = s_best > 0
+        rh, rl, _ = self._relaxation(s_best, cv, ms, h, lam)
+        mr, vr, _ = _relaxed_cavity(cm, cv, rh, rl)
+        relaxed = s_best != 0
         rec.n_relaxed += int(np.count_nonzero(relaxed))
         if relaxed.any():
-            tot = rec.mean_relaxation * rec._relax_count + float(np.sum(s_best[relaxed]))
+            tot = rec.mean_relaxation * rec._relax_count + float(np.sum(np.abs(s_best[relaxed])))
             rec._relax_count += int(np.count_nonzero(relaxed))
             rec.mean_relaxation = tot / rec._relax_count
-        return mr, vr, s_best
+        return mr, vr, rh, rl
 
-    def _propose(self, cm, cv, qm, qv, h_old, lam_old, ok, skipped, sd=None, rec=None):
+    def _propose(self, cm, cv, qm, qv, h_old, lam_old, ok, skipped, sd=None, rec=None, keep=None):
         """Damped new sites and the mask of acceptable ones (before the PD check).
 
         A belief wider than the cavity by less than its own error — ``0 < log(v_q / v_cav) ≤
@@ -841,6 +909,9 @@ class LinearEP:
             if self.power != 1.0:  # power EP: (q / cavity)^(1/u)
                 lam_p = lam_p / self.power
                 h_p = h_p / self.power
+            if keep is not None:  # relaxed EP, reading "appendix_site": the site keeps r
+                h_p = h_p + keep[0]
+                lam_p = lam_p + keep[1]
         fin = np.isfinite(lam_p) & np.isfinite(h_p)
         bad = ok & ~fin
         skipped["invalid"] += int(np.count_nonzero(bad))
@@ -975,17 +1046,21 @@ class LinearEP:
         qm = np.zeros_like(m)
         qv = np.ones_like(m)
         sd = np.full_like(m, np.nan)
+        keep = None
         if idx.size:
             t0 = time.perf_counter()
             if self.relax_c is not None:
                 cm, cv = cm.copy(), cv.copy()
-                cm[idx], cv[idx], _ = self._relax(cm[idx], cv[idx], h[idx], lam[idx], observed, idx, rec)
+                cm[idx], cv[idx], rh, rl = self._relax(cm[idx], cv[idx], h[idx], lam[idx], v[idx], observed, idx, rec)
+                if self.relax_reading == "appendix_site":
+                    keep = (np.zeros_like(m), np.zeros_like(m))
+                    keep[0][idx], keep[1][idx] = rh, rl
             qm_i, qv_i, ok_i, sd_i = self._ask(cm[idx], cv[idx], observed, idx, skipped, rec.errors, rec)
             rec.operator_seconds += time.perf_counter() - t0
             rec.operator_calls += 1
             qm[idx], qv[idx], sd[idx] = qm_i, qv_i, sd_i
             ok[idx] = ok_i
-        h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h, lam, ok, skipped, sd, rec)
+        h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h, lam, ok, skipped, sd, rec, keep)
         # each update alone must keep the posterior positive definite: 1 + Δλ v > 0
         with np.errstate(invalid="ignore"):
             single = 1.0 + (lam_n - lam) * v > 0
@@ -1036,14 +1111,18 @@ class LinearEP:
                 skipped["cavity"] += 1
                 continue
             t0 = time.perf_counter()
+            keep = None
             if self.relax_c is not None:
-                cm, cv, _ = self._relax(cm, cv, h[i : i + 1], lam[i : i + 1], observed, np.array([i]), rec)
+                cm, cv, rh, rl = self._relax(cm, cv, h[i : i + 1], lam[i : i + 1], np.array([v_i]), observed,
+                                             np.array([i]), rec)
+                if self.relax_reading == "appendix_site":
+                    keep = (rh, rl)
             qm, qv, ok, sd = self._ask(cm, cv, observed, np.array([i]), skipped, rec.errors, rec)
             rec.operator_seconds += time.perf_counter() - t0
             rec.operator_calls += 1
             if not ok[0]:
                 continue
-            h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h[i : i + 1], lam[i : i + 1], ok, skipped, sd, rec)
+            h_n, lam_n, ok = self._propose(cm, cv, qm, qv, h[i : i + 1], lam[i : i + 1], ok, skipped, sd, rec, keep)
             if not ok[0]:
                 continue
             dlam = float(lam_n[0] - lam[i])

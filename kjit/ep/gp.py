@@ -97,7 +97,7 @@ class GPClassifier:
     length_scale, amplitude, kernel : ``"rbf"`` (default) or ``"linear"``, or a callable
         ``kernel(X1, X2, length_scale, amplitude)``.
     method : ``"ep"``, ``"pep"`` (power EP with ``power``) or ``"rep"`` (relaxed EP with
-        ``relax_c``).
+        ``relax_c`` and ``relax_reading``, one of :data:`kjit.ep.engine.RELAX_READINGS`).
     schedule, damping, max_iter : passed to :class:`LinearEP` (default sequential, as in the
         paper; undamped).
     alpha_tol : the paper's stopping rule ``‖α_t − α_{t−1}‖ < alpha_tol``; ``None`` uses the
@@ -110,6 +110,7 @@ class GPClassifier:
 
     def __init__(self, eps: float = 0.1, length_scale: float = 1.0, amplitude: float = 1.0,
                  kernel="rbf", method: str = "ep", power: float = 0.8, relax_c: float = 10.0,
+                 relax_reading: str = "projection_kl",
                  schedule: str = "sequential", damping: float = 0.0, max_iter: int = 100,
                  alpha_tol: float | None = 1e-3, tol: float = 1e-6, eig_rtol: float = 1e-10,
                  compute_evidence: bool = True):
@@ -120,6 +121,7 @@ class GPClassifier:
         self.method = method
         self.power = power
         self.relax_c = relax_c
+        self.relax_reading = relax_reading
         self.schedule = schedule
         self.damping = damping
         self.max_iter = max_iter
@@ -131,7 +133,7 @@ class GPClassifier:
     # ------------------------------------------------------------------ helpers
     def get_params(self) -> dict:
         return {k: getattr(self, k) for k in (
-            "eps", "length_scale", "amplitude", "kernel", "method", "power", "relax_c", "schedule",
+            "eps", "length_scale", "amplitude", "kernel", "method", "power", "relax_c", "relax_reading", "schedule",
             "damping", "max_iter", "alpha_tol", "tol", "eig_rtol", "compute_evidence")}
 
     def clone(self, **changes) -> "GPClassifier":
@@ -156,6 +158,7 @@ class GPClassifier:
             kw["power"] = float(self.power)
         elif self.method == "rep":
             kw["relax_c"] = float(self.relax_c)
+            kw["relax_reading"] = self.relax_reading
         return kw
 
     # ------------------------------------------------------------------ fit / predict

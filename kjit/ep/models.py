@@ -114,6 +114,7 @@ class _LinearEPModel:
         compute_evidence: bool = True,
         power: float = 1.0,
         relax_c: float | None = None,
+        relax_reading: str = "projection_kl",
         on_uncertain: str = "warn",
         oracle=None,
         uncertainty_threshold: float | None = None,
@@ -131,6 +132,7 @@ class _LinearEPModel:
         self.compute_evidence = compute_evidence
         self.power = power
         self.relax_c = relax_c
+        self.relax_reading = relax_reading
 
     def _engine(self) -> LinearEP:
         return LinearEP(
@@ -145,6 +147,7 @@ class _LinearEPModel:
             compute_evidence=self.compute_evidence,
             power=self.power,
             relax_c=self.relax_c,
+            relax_reading=self.relax_reading,
             on_uncertain=self.on_uncertain,
             oracle=self.oracle,
             uncertainty_threshold=self.uncertainty_threshold,
@@ -221,11 +224,11 @@ class BayesianLogisticRegression(_LinearEPModel):
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = False,
                  compute_evidence: bool = True, n_quad: int = 64, power: float = 1.0,
                  relax_c: float | None = None, on_uncertain: str = "warn", oracle=None,
-                 uncertainty_threshold: float | None = None):
+                 uncertainty_threshold: float | None = None, relax_reading: str = "projection_kl"):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
                          compute_evidence=compute_evidence, power=power, relax_c=relax_c,
-                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
+                         relax_reading=relax_reading, on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
         self.n_quad = n_quad
 
     def _observed(self, y):
@@ -269,10 +272,12 @@ class ProbitClassifier(_LinearEPModel):
     def __init__(self, operator, eps=None, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = True,
                  compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None,
-                 on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None):
+                 on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None,
+                 relax_reading: str = "projection_kl"):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
                          compute_evidence=compute_evidence, power=power, relax_c=relax_c,
+                         relax_reading=relax_reading,
                          on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
         self.eps = eps
 

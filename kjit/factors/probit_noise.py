@@ -188,6 +188,7 @@ class ProbitNoiseOperator(Operator):
     supports_power = True
     has_log_partition = True
     has_projection_kl = True
+    has_appendix_relaxed_q = True
 
     def __init__(self, eps: float = 0.0):
         self.factor = ProbitNoise(eps)
@@ -293,6 +294,79 @@ class ProbitNoiseOperator(Operator):
         vc = np.broadcast_to(g.var(), shape)
         with np.errstate(all="ignore"):
             return e_log - log_z - gaussian_kl(mean, var, mc, vc)
+
+    def appendix_relaxed_q(self, incoming: Mapping[str, Family], b, site_mean, site_prec,
+                           marginal_var) -> np.ndarray:
+        """The relaxed-EP appendix's objective ``Q(b)`` (appendix §3, eq. 22 with eqs. 23–26)
+        *exactly as written*, without its penalty ``c|b|``: the ``b``-line-search objective of the
+        paper's GP algorithm (main text eqs. 14–23).
+
+        ``incoming``: the *unrelaxed* cavity on ``'f'`` (``N(h^{\\i}, λ^{\\i})``) and a hard label
+        on ``'y'``; ``b`` the relaxation precision (≥ 0); ``site_mean`` ``m_i`` (the relaxation's
+        centre), ``site_prec`` ``1/v_i`` (the old site's precision, 0 for an untouched site) and
+        ``marginal_var`` ``A_ii`` (the posterior marginal with the old site), all in ``f``
+        coordinates, broadcast together.  The paper's formulas are in the label-absorbed
+        coordinate ``g = y f`` (Minka's BPM); this maps means to it with ``y = ±1``.
+
+        Terms, with the relaxed cavity (eqs. 16–17) ``λ̃ = 1/(1/λ^{\\i} + b)``,
+        ``h̃^{\\i} = h^{\\i} − λ̃ b (h^{\\i} − m_i)``, ``z = h̃^{\\i}/√λ̃``, ``Ẑ = ε + (1−2ε)Φ(z)``, α
+        (eq. 18), ``h̃ = h̃^{\\i} + λ̃ α`` (19), ``1/v_{i,b} = α h̃ / (λ̃ (1 − α h̃))`` (20),
+        ``m_{i,b} = h̃ + v_{i,b} α`` (21), ``1/a^new = 1/A_ii + 1/v_{i,b} − 1/v_i`` (23–24),
+        ``ã = 1/(1/a^new + b)`` (25), ``F = ã + h̃²`` (26)::
+
+            Q = {[(1−ε)log(1−ε) − ε log ε] Φ(z) + ε log ε}/Ẑ + (F − h̃ m_{i,b})/(2 v_{i,b})
+                − ½ log(1 + (b + 1/v_{i,b}) λ^{\\i}) + ½ log(b λ^{\\i} + 1)
+                − ½ b (m_i² − 2 m_i h̃ + F) + ½ (m_i − h̃)² / (λ^{\\i} + 1/b) − log Ẑ
+
+        (the last fraction is 0 at ``b = 0``).  The first term is ``E_p[log t_i]`` of the relaxed
+        tilted ``p``, ``F`` is the second moment of ``proj p``, and the two logs sum to
+        ``−½ log(λ̃ / var(proj p))`` — but the rest is *not* ``−KL(proj p ‖ r q^{\\i})``:
+        ``(F − h̃ m_{i,b})/(2 v_{i,b}) = 0`` identically and, with ``ṽ = var(proj p)``::
+
+            Q(b) = KL(p ‖ proj p) − ½ α h̃^{\\i} − ½ b ṽ − ½ b (m_i − h̃)² b λ^{\\i} / (1 + b λ^{\\i})
+
+        (tests/test_rep_readings.py checks this against quadrature).  So even ``Q(0)`` is not the
+        KL, and the ``−½ b ṽ`` term adds a slope ``−ṽ/2`` at ``b = 0`` that the relaxed KL does
+        not have: the line search relaxes at ``c`` of the order of the tilted variance, where
+        the relaxed KL would not.  ``a^new`` (the
+        variance of §4.1's belief ``q̃ / r``) may be negative for a large ``b``; the formula is
+        still evaluated as written (``ã`` is then still ``var(proj p)``).
+        """
+        g, y = incoming.get("f"), incoming.get("y")
+        if not isinstance(g, Gaussian) or not isinstance(y, Bernoulli):
+            raise ValueError("appendix_relaxed_q needs a Gaussian message on 'f' and a Bernoulli label on 'y'")
+        p = np.asarray(y.p, float)
+        if not np.all((p == 0.0) | (p == 1.0)):
+            raise ValueError("appendix_relaxed_q needs hard labels (Bernoulli p = 0 or 1) on 'y'")
+        eps = self.eps
+        if not eps > 0:
+            raise ValueError("appendix_relaxed_q needs eps > 0 (its first term has ε log ε)")
+        sgn = np.where(p == 1.0, 1.0, -1.0)
+        arrs = np.broadcast_arrays(np.asarray(g.mean(), float), np.asarray(g.var(), float), sgn,
+                                   np.asarray(b, float), np.asarray(site_mean, float),
+                                   np.asarray(site_prec, float), np.asarray(marginal_var, float))
+        hc, lc, s, b, m, sp, a = (x.astype(float) for x in arrs)
+        hc, m = s * hc, s * m  # label-absorbed coordinate g = y f
+        with np.errstate(all="ignore"):
+            lt = 1.0 / (1.0 / lc + b)                                          # (16)
+            htc = hc - lt * b * (hc - m)                                       # (17)
+            z = htc / np.sqrt(lt)
+            phi = special.ndtr(z)
+            zh = eps + (1.0 - 2.0 * eps) * phi
+            alpha = (1.0 - 2.0 * eps) * np.exp(-0.5 * z * z - LOG_SQRT_2PI) / zh / np.sqrt(lt)  # (18)
+            ht = htc + lt * alpha                                              # (19)
+            pb = alpha * ht / (lt * (1.0 - alpha * ht))                        # 1/v_{i,b} (20)
+            # m_{i,b} = h̃ + v_{i,b} α  (21), so h̃ m_{i,b} / v_{i,b} = h̃² / v_{i,b} + h̃ α
+            anew = 1.0 / (1.0 / a + pb - sp)                                   # (23)–(24)
+            at = 1.0 / (1.0 / anew + b)                                        # (25)
+            F = at + ht * ht                                                   # (26)
+            t1 = (((1 - eps) * np.log1p(-eps) - eps * np.log(eps)) * phi + eps * np.log(eps)) / zh
+            t2 = 0.5 * pb * (F - ht * ht) - 0.5 * ht * alpha
+            t3 = -0.5 * np.log1p((b + pb) * lc) + 0.5 * np.log1p(b * lc)
+            t4 = -0.5 * b * (m * m - 2.0 * m * ht + F)
+            t5 = np.where(b > 0, 0.5 * (m - ht) ** 2 * b / (b * lc + 1.0), 0.0)
+            q = t1 + t2 + t3 + t4 + t5 - np.log(zh)
+        return np.where(np.isfinite(q), q, np.nan)
 
 
 register_factor(ProbitNoise)
