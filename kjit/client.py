@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .certificates import Certificates, last_certificates, outgoing_proper
+from .errors import rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
 
@@ -431,15 +432,7 @@ class RemoteOperator:
             try:
                 q_or = self.local_oracle.belief(sub, self.to)
             except Exception as exc:
-                # rows an oracle error names (e.g. LowESSError) are positions in the sub-batch: name
-                # the request's rows instead (the EP engines skip those and ask again for the rest)
-                r = getattr(exc, "rows", None)
-                if r is not None:
-                    try:
-                        exc.rows = rows[np.asarray(r, dtype=int).ravel()]
-                    except (TypeError, ValueError, IndexError):
-                        exc.rows = None
-                raise
+                raise rows_of_batch(exc, rows)  # the sub-batch's rows named as the batch's
             fam = self.family
             if not isinstance(q_or, fam) or q_or.shape != (rows.size,):
                 raise ValueError(f"the oracle must answer {rows.size} {fam.__name__} beliefs, got "

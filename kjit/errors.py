@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["OracleError", "LowESSError", "gaussian_or_error"]
+__all__ = ["OracleError", "LowESSError", "gaussian_or_error", "rows_of_batch"]
 
 
 class OracleError(RuntimeError):
@@ -15,6 +15,19 @@ class OracleError(RuntimeError):
         super().__init__(message)
         if rows is not None:
             self.rows = np.asarray(rows, dtype=int).ravel()
+
+
+def rows_of_batch(exc: BaseException, rows) -> BaseException:
+    """An error raised on the sub-batch ``rows`` of a batch names sub-batch positions in ``exc.rows``
+    (e.g. LowESSError): rename them the batch's rows (``None`` where they cannot be mapped), so
+    the EP engines skip exactly those.  Returns ``exc``."""
+    r = getattr(exc, "rows", None)
+    if r is not None:
+        try:
+            exc.rows = np.asarray(rows)[np.asarray(r, dtype=int).ravel()]
+        except (TypeError, ValueError, IndexError):
+            exc.rows = None
+    return exc
 
 
 def gaussian_or_error(mean, var, what: str):

@@ -148,6 +148,7 @@ from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
 from ..certificates import Certificates, certified, count_answers, last_certificates, outgoing_proper
+from ..errors import rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
 __all__ = [
@@ -712,15 +713,7 @@ class LinearEP:
             try:
                 q_or, cert_or = certified(self._oracle(), sub, self.site_var)
             except Exception as exc:
-                # rows an error names are positions in the sub-batch: map them to the batch's
-                # (``_ask`` skips those and asks again)
-                r = getattr(exc, "rows", None)
-                if r is not None:
-                    try:
-                        exc.rows = rows[np.asarray(r, dtype=int).ravel()]
-                    except (TypeError, ValueError, IndexError):
-                        exc.rows = None
-                raise
+                raise rows_of_batch(exc, rows)  # the sub-batch's rows named as the batch's
             mean, var = np.array(q.mean(), dtype=float), np.array(q.var(), dtype=float)
             mean[rows], var[rows] = q_or.mean(), q_or.var()
             q = Gaussian._unchecked(mean, var)
