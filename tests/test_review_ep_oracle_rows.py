@@ -57,3 +57,14 @@ def test_oracle_failure_skips_only_its_own_row():
     # rows 0, 1, 2 got their (positive-precision) sites; row 3 kept the prior
     assert np.all(res.site_precision[:3] > 0)
     assert res.site_precision[3] == 0.0
+
+
+def test_rows_of_batch_names_the_batch_rows():
+    """An error raised on a sub-batch names the batch's rows (used by the engine and the client)."""
+    from kjit.errors import LowESSError, OracleError, rows_of_batch
+
+    exc = rows_of_batch(LowESSError([0, 2], [1.0, 2.0], 50), np.array([3, 7, 9]))
+    np.testing.assert_array_equal(exc.rows, [3, 9])
+    assert rows_of_batch(OracleError("x", rows=[5]), np.array([1, 2])).rows is None  # cannot be mapped
+    plain = ValueError("no rows")
+    assert rows_of_batch(plain, np.array([1])) is plain and not hasattr(plain, "rows")
