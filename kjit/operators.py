@@ -244,10 +244,11 @@ class KernelOperator(Operator):
     def fit(self, data: TrainingSet | tuple, beliefs: Family | None = None) -> "KernelOperator":
         """Fit on a :class:`TrainingSet` (or ``incoming`` dict and ``beliefs``)."""
         incoming, beliefs = self._unpack(data, beliefs)
-        probe = {v: m.ravel()[:1] for v, m in self.factor.check_incoming(incoming, self.to)[0].items()}
+        inc, shape = self.factor.check_incoming(incoming, self.to)
+        probe = {v: m.ravel()[:1] for v, m in inc.items()}
         self.canonical_ = bool(self.canonical and self.target == "relative"
                                and self.factor.canonical_messages(probe) is not None)
-        messages, shape, _ = self._messages(incoming)
+        messages = self.feature_inputs(inc)
         if len(shape) != 1 or shape[0] < 2:
             raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
         Y = self._targets(beliefs, shape[0], incoming)
