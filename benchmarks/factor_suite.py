@@ -188,16 +188,16 @@ def direction_rows(f, recs, args, rng):
         q_hat, logvar = op.predict(test.incoming)
         t_pr = time.perf_counter() - t
         kl = np.maximum(test.beliefs.kl(q_hat), 1e-300)
+        # the calibration set's 90th percentile of the uncertainty: the issue's budget (flag at most
+        # 10 % of in-distribution rows), and the fallback where no threshold meets the KL target
+        thr10 = float(np.quantile(np.max(op.predict(data["cal"].incoming)[1], axis=-1), 0.9))
         thr = calibrate_threshold(op, data["cal"], args.target_kl)
         how = "calibrated"
         if not np.isfinite(thr):
-            thr = float(np.quantile(np.max(op.predict(data["cal"].incoming)[1], axis=-1), 0.9))
+            thr = thr10
             how = "q90 of calibration uncertainty (no threshold met the target)"
         u = np.max(logvar, axis=-1)
         flagged = u > thr
-        # the issue's budget: flag at most 10 % of in-distribution rows (the calibration set's 90th
-        # percentile of the uncertainty) and see which share of the worst 1 % that catches
-        thr10 = float(np.quantile(np.max(op.predict(data["cal"].incoming)[1], axis=-1), 0.9))
         flagged10 = u > thr10
         # issue 14 part 3: does the predicted variance rank the errors?  KL by decile of it
         edges = np.quantile(u, np.linspace(0, 1, 11))
