@@ -605,11 +605,11 @@ class Entry:
         """``(belief, log_var or None, consulted mask, version, n_learned, certificates, uncertain)``;
         ``uncertain`` (mode=predict, else None): the rows the operator's just-in-time rule would
         consult (:meth:`JITOperator.screen`) — what a client whose oracle runs on its side answers."""
-        uncertain = None
-        out = self._predict(incoming, mode, wait)
         if mode == "predict":
-            *out, uncertain = out
-        q, logvar, consulted, version, n_learned, cert = out
+            q, logvar, consulted, version, n_learned, cert, uncertain = self._screen(incoming, wait)
+        else:
+            q, logvar, consulted, version, n_learned, cert = self._predict(incoming, mode)
+            uncertain = None
         # (the threshold is the one the answer was computed under: set under the operator's lock —
         # by JITOperator.certified in mode=jit — not read here, after an audit may have changed it)
         cert = cert.with_(version=version)
@@ -617,19 +617,23 @@ class Entry:
             self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
         return q, logvar, consulted, version, n_learned, cert, uncertain
 
-    def _predict(self, incoming: dict[str, Family], mode: str, wait: bool = True):
+    def _screen(self, incoming: dict[str, Family], wait: bool):
+        """mode=predict under the shared lock (``wait=False``: WouldBlock rather than wait): the
+        learned answer, its certificates (the threshold in force, set by screen_certified) and the
+        rows the just-in-time rule would consult."""
+        n = len(next(iter(incoming.values())))
+        with self.lock.read(blocking=wait):
+            try:
+                q, cert, uncertain = self.jit.screen_certified(incoming)
+            except NUMERIC_ERRORS as exc:
+                raise Unprocessable(str(exc)) from None
+            version = self.version
+        return q, cert.log_var, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
+
+    def _predict(self, incoming: dict[str, Family], mode: str):
+        """mode=oracle or mode=jit: ``(belief, log_var or None, consulted, version, n_learned, certificates)``."""
         jit = self.jit
         n = len(next(iter(incoming.values())))
-        if mode == "predict":
-            with self.lock.read(blocking=wait):
-                try:
-                    q, cert, uncertain = self.jit.screen_certified(incoming)
-                    logvar = cert.log_var
-                    cert = cert.with_(threshold=self.jit.threshold)
-                except NUMERIC_ERRORS as exc:
-                    raise Unprocessable(str(exc)) from None
-                version = self.version
-            return q, logvar, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
         if mode == "oracle":
             # the importance sampler draws from a generator that is part of the state
             ctx = (self.lock.write() if isinstance(jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler))

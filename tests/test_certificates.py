@@ -257,14 +257,16 @@ def test_service_certificate_threshold_is_the_answers(app_client, pristine_store
 
     entry = app_client.app.state.store.get("logistic-x")
     before = float(entry.jit.threshold)
-    original = Entry._predict
+    def then_audit_lowers_threshold(original):
+        def wrapped(self, *args, **kw):
+            out = original(self, *args, **kw)
+            self.jit.threshold = before - 5.0  # the audit's record, applied between the lock and the response
+            return out
+        return wrapped
 
-    def predict_then_audit_lowers_threshold(self, incoming, mode, *args, **kw):
-        out = original(self, incoming, mode, *args, **kw)
-        self.jit.threshold = before - 5.0  # the audit's record, applied between the lock and the response
-        return out
-
-    monkeypatch.setattr(Entry, "_predict", predict_then_audit_lowers_threshold)
+    # mode=predict is answered by Entry._screen, mode=jit by Entry._predict
+    monkeypatch.setattr(Entry, "_screen", then_audit_lowers_threshold(Entry._screen))
+    monkeypatch.setattr(Entry, "_predict", then_audit_lowers_threshold(Entry._predict))
     try:
         inc = probe("logistic", 20)
         for mode in ("predict", "jit"):
