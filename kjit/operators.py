@@ -35,7 +35,7 @@ from .features import TwoStageFeatures, component_moments
 from .protocols import Operator
 from .training import TrainingSet
 
-__all__ = ["KernelOperator", "respect_factor_bounds", "sign_undetermined", "SIGN_Z"]
+__all__ = ["KernelOperator", "ApproximationOverflowError", "respect_factor_bounds", "sign_undetermined", "SIGN_Z"]
 
 # an outgoing message whose precision is within SIGN_Z predictive standard deviations of 0 has
 # an undetermined sign: a just-in-time operator consults its oracle for it (see sign_undetermined)
@@ -90,6 +90,15 @@ def _log_evidence_grid_dual(psi: np.ndarray, Y: np.ndarray, prior_vars, noise_va
 
 
 WIDTH_RULES = ("mean_variance", "total_variance")
+REFERENCES = ("auto", "incoming", "approximation")
+
+
+class ApproximationOverflowError(ValueError):
+    """A factor's approximation of the belief — a learned operator's reference — is not finite for ``rows``."""
+
+    def __init__(self, message: str, rows):
+        super().__init__(message)
+        self.rows = np.asarray(rows, dtype=int).ravel()
 
 
 def _base_inner_widths(mean_variance, messages, treatment, rules) -> dict:
@@ -161,6 +170,14 @@ class KernelOperator(Operator):
     width_rules : base rules of the inner widths searched (each with its own pattern search; the
         log evidence picks one): "mean_variance" (the paper's) and "total_variance" (see
         :func:`_base_inner_widths`).  Default both.
+    reference : what relative targets are relative to.  "incoming": the recipient's incoming
+        message; "approximation": the factor's closed-form approximation of the belief
+        (:meth:`Factor.approximate_belief`), so the regression learns only its error; "auto"
+        (default): the approximation where the factor has one for this recipient, else the
+        incoming message.  The chosen one is ``reference_`` (persisted; states saved before it:
+        "incoming").  The regressed coordinates — and so the predictive variances and the JIT
+        threshold — are then in the approximation's units (a Gaussian mean in its standard
+        deviations).
     """
 
     def __init__(
@@ -179,8 +196,14 @@ class KernelOperator(Operator):
         target: str = "relative",
         canonical: bool = True,
         width_rules: Sequence[str] = WIDTH_RULES,
+        reference: str = "auto",
     ):
         self.canonical = bool(canonical)
+        if reference not in REFERENCES:
+            raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}")
+        if reference == "approximation" and target != "relative":
+            raise ValueError("`reference`='approximation' needs `target`='relative' (absolute targets have no reference)")
+        self.reference = reference
         width_rules = (width_rules,) if isinstance(width_rules, str) else tuple(width_rules)
         if not width_rules or any(r not in WIDTH_RULES for r in width_rules):
             raise ValueError(f"`width_rules` must be a non-empty subset of {WIDTH_RULES}, got {width_rules!r}")
@@ -248,6 +271,7 @@ class KernelOperator(Operator):
         probe = {v: m.ravel()[:1] for v, m in inc.items()}
         self.canonical_ = bool(self.canonical and self.target == "relative"
                                and self.factor.canonical_messages(probe) is not None)
+        self.reference_ = self._choose_reference(probe)
         messages = self.feature_inputs(inc)
         if len(shape) != 1 or shape[0] < 2:
             raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
@@ -376,10 +400,45 @@ class KernelOperator(Operator):
             raise ValueError("`beliefs` is required when `data` is a dict of incoming messages")
         return data, beliefs
 
+    def _choose_reference(self, probe) -> str:
+        if self.target != "relative" or self.reference == "incoming":
+            return "incoming"
+        if self.factor.approximate_belief(probe, self.to) is not None:
+            return "approximation"
+        if self.reference == "approximation":
+            raise ValueError(f"factor {self.factor.name!r} has no approximation of the belief on {self.to!r} "
+                             "(Factor.approximate_belief): use `reference`='incoming' or 'auto'")
+        return "incoming"
+
+    def _reference(self, incoming):
+        """Coordinates (n, k) of the reference of relative targets (``reference_``), unchecked: the
+        recipient's incoming message, or the factor's approximation of the belief (non-finite on
+        rows that overflow it).  ``incoming``: validated."""
+        if getattr(self, "reference_", "incoming") != "approximation":
+            return incoming[self.to].ravel().to_coords()
+        flat = {v: m.ravel() for v, m in incoming.items()}
+        with np.errstate(all="ignore"):
+            q = self.factor.approximate_belief(flat, self.to)
+            ok = np.asarray(q.is_proper, bool) & np.all([np.isfinite(p) for p in q.params], axis=0)
+            c = np.full((q.size, self.family.n_stats), np.nan)
+            if ok.any():
+                c[ok] = q[ok].to_coords()
+        return c
+
+    def reference_ok(self, incoming) -> np.ndarray:
+        """Rows (of the flat validated batch ``incoming``) whose reference of relative targets is finite."""
+        return np.all(np.isfinite(self._reference(incoming)), axis=-1)
+
     def _base(self, incoming):
-        """Coordinates of the recipient's incoming message (the frame of relative targets)."""
-        m = incoming[self.to].ravel()
-        c = m.to_coords()
+        """:meth:`_reference`, refusing by name the rows where it is not finite."""
+        c = self._reference(incoming)
+        bad = ~np.all(np.isfinite(c), axis=-1)
+        if bad.any():
+            rows = np.flatnonzero(bad)
+            raise ApproximationOverflowError(
+                f"factor {self.factor.name!r}: its approximation of the belief on {self.to!r} (the reference "
+                f"of this operator's targets) is not finite for rows {rows[:10].tolist()}"
+                f"{'…' if rows.size > 10 else ''}: the incoming messages overflow it", rows=rows)
         return c
 
     def _to_relative(self, coords, base):
@@ -433,7 +492,8 @@ class KernelOperator(Operator):
             coords = self._from_relative(coords, base)
         j, lc = _spread_bounds(self.factor, self.to, flat)
         if lc is not None:  # the factor bounds the spread by the incoming message's
-            coords[:, j] = np.where(lc, np.minimum(coords[:, j], base[:, j]), coords[:, j])
+            own = base if getattr(self, "reference_", "incoming") == "incoming" else flat[self.to].to_coords()
+            coords[:, j] = np.where(lc, np.minimum(coords[:, j], own[:, j]), coords[:, j])
         coords = coords.reshape(shape + (len(self.y_mean_),))
         if not return_var:
             return coords, flat, shape
@@ -500,6 +560,7 @@ class KernelOperator(Operator):
     def hyperparameters(self) -> dict:
         self._check_fitted()
         return {"width_rule": getattr(self, "width_rule_", "mean_variance"), "canonical": bool(self.canonical_),
+                "reference": getattr(self, "reference_", "incoming"),
                 "inner_factor": self.inner_factor_, "width_factor": self.width_factor_, "prior_var": self.prior_var_,
                 "noise_var": self.noise_var_, "gamma2": float(self.features_.gamma2_),
                 "inner_widths": np.asarray(self.features_.sigma2_).tolist(),
@@ -516,14 +577,14 @@ class KernelOperator(Operator):
             "prior_vars": np.asarray(self.prior_vars), "noise_vars": np.asarray(self.noise_vars),
             "random_state": self.random_state if isinstance(self.random_state, int) else None,
             "dtype": self.dtype.name, "target": self.target, "canonical": int(self.canonical),
-            "width_rules": json.dumps(list(self.width_rules)),
+            "width_rules": json.dumps(list(self.width_rules)), "reference": self.reference,
         }
         fitted = {
             "y_mean": self.y_mean_, "y_scale": self.y_scale_, "inner_factor": self.inner_factor_,
             "width_factor": self.width_factor_, "prior_var": self.prior_var_, "noise_var": self.noise_var_,
             "log_evidence": self.log_evidence_, "fit_seconds": self.fit_seconds_,
             "search": json.dumps(self.search_), "canonical": int(self.canonical_),
-            "width_rule": getattr(self, "width_rule_", "mean_variance"),
+            "width_rule": getattr(self, "width_rule_", "mean_variance"), "reference": self.reference_,
         }
         return {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                 "blr": self.blr_.state_dict()}
@@ -539,9 +600,13 @@ class KernelOperator(Operator):
                 prior_vars=p["prior_vars"], noise_vars=p["noise_vars"], random_state=p.get("random_state"),
                 dtype=p["dtype"], target=p.get("target", "absolute"), canonical=bool(p.get("canonical", False)),
                 width_rules=json.loads(p.get("width_rules", '["mean_variance"]')),
+                reference=str(p.get("reference", "incoming")),
             )
             op.width_rule_ = str(f.get("width_rule", "mean_variance"))
             op.canonical_ = bool(f.get("canonical", False))  # states saved before frames: none
+            op.reference_ = str(f.get("reference", "incoming"))  # states saved before references
+            if op.reference_ not in ("incoming", "approximation"):
+                raise ValueError(f"operator state has an unknown reference {op.reference_!r}")
             op.features_ = TwoStageFeatures.from_state_dict(state["features"])
             op.blr_ = BayesianLinearRegression.from_state_dict(state["blr"])
             op.y_mean_ = np.asarray(f["y_mean"], float)

@@ -117,6 +117,8 @@ def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
             # a row whose canonical frame overflows has an improper mapped message (the features
             # refuse those): that row is bad, the others are evaluated
             ok = np.logical_and.reduce([np.asarray(m.is_proper, bool).reshape(n) for m in msgs])
+            # and a row whose reference of relative targets (the factor's approximation) overflows
+            ok &= operator.reference_ok(inc)
             bad = ~ok
             if ok.any():
                 rows = np.flatnonzero(ok)

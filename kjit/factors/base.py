@@ -221,6 +221,21 @@ class Factor:
         """
         return None
 
+    def approximate_belief(self, incoming: Mapping[str, Family], to: str) -> Family | None:
+        """A cheap closed-form approximation of the belief on ``to`` (flat batches), or None (the
+        default: none is known).
+
+        A learned operator regresses the belief relative to a reference message
+        (``Family.to_relative``); by default the reference is the recipient's incoming message, and
+        where the belief lies far from it (a recipient whose message is much wider than what the
+        factor implies, e.g. the product's z) the regression must learn that whole move.  A
+        factor that knows an approximation (moment matching, a linearisation) returns it here, and
+        the operator learns only the approximation's error.  It must be proper and finite for
+        proper incoming messages (rows that overflow are refused by name), and transform with
+        :meth:`symmetry` if the factor declares one (relative targets must stay unchanged by it).
+        """
+        return None
+
     def symmetry(self, incoming: Mapping[str, Family]) -> dict[str, tuple] | None:
         """A per-row change of units under which the factor is invariant, or None (the default).
 
