@@ -138,3 +138,58 @@ def test_overflowing_approximation_is_refused_by_row():
         op.predict(test)
     assert info.value.rows.tolist() == [2]
     assert bad_feature_rows(op, test) == [2]
+
+
+def _exp_messages(n, seed):
+    return get_factor("exp").default_incoming(n, np.random.default_rng(seed))
+
+
+@pytest.mark.parametrize("projection", ["kl", "moments"])
+@pytest.mark.parametrize("to", ["x", "y"])
+def test_exp_laplace_is_exact_when_the_tilted_density_is_gaussian(to, projection):
+    """With y's rate β → 0 the tilted density of x, exp(−(x − m)²/2v + (α − 1)x − βe^x), is the
+    Gaussian N(m + v(α − 1), v): Laplace's approximation is then exact, and so is the belief on y
+    (its log-normal projected as the factor projects).  β = 1e-10 perturbs the mode by
+    ~v β e^{m+v(α−1)} ≲ 1e-8 here; the exact rule (quadrature) is accurate to ~1e-8."""
+    from kjit.families import Gamma
+
+    f = get_factor("exp", projection=projection)
+    rng = np.random.default_rng(11)
+    # m + v(α − 1) ≤ 3 + 1·2 = 5: β e^t ≤ 1.5e-8 at the mode
+    inc = {"x": Gaussian(rng.uniform(-3, 3, 30), 10.0 ** rng.uniform(-2, 0, 30)),
+           "y": Gamma(10.0 ** rng.uniform(0, np.log10(3.0), 30), np.full(30, 1e-10))}
+    exact = f.exact_belief(inc, to)
+    approx = f.approximate_belief(inc, to)
+    np.testing.assert_allclose(approx.to_coords(), exact.to_coords(), rtol=1e-5, atol=1e-5)
+
+
+def test_exp_laplace_finds_the_mode_on_extreme_messages():
+    """Over messages far outside the training range the approximation is proper and finite, and
+    its x mean is the tilted density's mode: the derivative (written out here) vanishes there."""
+    from kjit.families import Gamma
+
+    rng = np.random.default_rng(12)
+    n = 4000
+    m, v = rng.uniform(-30, 30, n), 10.0 ** rng.uniform(-6, 3, n)
+    a, b = 10.0 ** rng.uniform(-3, 3, n), 10.0 ** rng.uniform(-6, 6, n)
+    inc = {"x": Gaussian(m, v), "y": Gamma(a, b)}
+    f = get_factor("exp")
+    for to in ("x", "y"):
+        q = f.approximate_belief(inc, to)
+        assert np.all(q.is_proper) and np.all(np.isfinite(q.to_coords())), to
+    t = f.approximate_belief(inc, "x").mean()
+    grad = -(t - m) / v + (a - 1.0) - b * np.exp(t)
+    curv = 1.0 / v + b * np.exp(t)
+    assert np.max(np.abs(grad / curv)) < 1e-8  # a Newton step from t would move it by < 1e-8
+
+
+def test_exp_approximation_moves_with_the_symmetry():
+    """Relative targets must be unchanged by the factor's symmetry (the operator's features see the
+    canonical frame): the approximation of the mapped messages is the map of the approximation."""
+    f = get_factor("exp")
+    inc = _exp_messages(50, 13)
+    mapped = f.canonical_messages(inc)
+    sym = f.symmetry(inc)
+    for to in ("x", "y"):
+        q, q_map = f.approximate_belief(inc, to), f.approximate_belief(mapped, to)
+        np.testing.assert_allclose(q_map.to_coords(), q.affine(*sym[to]).to_coords(), rtol=1e-9, atol=1e-9)

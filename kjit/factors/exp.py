@@ -19,6 +19,8 @@ from .base import Factor, check_projection, exact_rules, register_factor
 
 __all__ = ["Exp", "exp_incoming"]
 
+_LAPLACE_MAX_ITER = 100  # Newton from the right of a concave mode: ~5–30 steps on the suite's messages
+
 
 class Exp(Factor):
     """y = e^x, deterministic; x Gaussian, y Gamma.  ``projection`` of the Gamma belief on y."""
@@ -46,6 +48,52 @@ class Exp(Factor):
 
     def sample(self, inputs, size, rng):
         return _exact.sample(inputs, size, rng)
+
+    def approximate_belief(self, incoming, to):
+        """Laplace's approximation of the tilted distribution in x, the reference of a learned
+        operator's relative targets.
+
+        With x's message N(m, v) and y's Gamma(α, β), the tilted density of x is
+        N(x; m, v)·m_y(e^x) ∝ exp(−(x − m)²/2v + c x − β e^x), c = α − 1 — strictly log-concave
+        — so it has one mode t*, found by Newton's method from the right of it (t₀ = m + vc,
+        and where c > 0 also at most max(m, log(c/β)); the derivative is concave and
+        decreasing, so the iterates decrease monotonically to t* without overshooting and e^t
+        never exceeds e^{t₀}); curvature h = 1/v + β e^{t*}.  x: N(t*, 1/h);
+        y: the log-normal of that Gaussian projected onto the Gamma family as the factor projects
+        (KL: E[y] = e^{t* + 1/2h}, E[log y] = t*; moments: mean and variance).  Exact as β → 0
+        (the tilted density is then Gaussian).  It moves with :meth:`symmetry` (a shift of t),
+        so relative targets keep their invariance.  Measured on the factor suite's Poisson
+        regression messages (5 000 pairs, D 125/250), mean log KL of the learned operator relative
+        to it vs to the incoming message: x −19.83 vs −12.09, y −17.88 vs −6.85 (the
+        approximation alone: −11.65, −11.60).
+        """
+        to = self.check_to(to)
+        m, v = incoming["x"].mean(), incoming["x"].var()
+        a, b = (np.asarray(p, dtype=float) for p in incoming["y"].params)
+        with np.errstate(all="ignore"):
+            c = a - 1.0
+            t = m + v * c
+            t = np.where(c > 0, np.minimum(t, np.maximum(m, np.log(np.where(c > 0, c, 1.0) / b))), t)
+            for _ in range(_LAPLACE_MAX_ITER):
+                h = 1.0 / v + b * np.exp(t)
+                step = (c - (t - m) / v - b * np.exp(t)) / h
+                t = t + step
+                if not np.any(np.abs(step) > 1e-12 * np.maximum(1.0, np.abs(t))):
+                    break
+            s = 1.0 / (1.0 / v + b * np.exp(t))
+            if to == "x":
+                return Gaussian._unchecked(t, s)
+            if self.projection == "kl":
+                # log a − ψ(a) = log E y − E log y = s/2 (Gamma.project's equation, solved there)
+                ok = np.isfinite(t) & (s > 0)
+                shape = np.full(t.shape, np.nan)
+                rate = np.full(t.shape, np.nan)
+                if ok.any():
+                    g = Gamma.project(np.stack([np.exp(t[ok] + 0.5 * s[ok]), t[ok]], axis=-1))
+                    shape[ok], rate[ok] = g.params
+                return Gamma._unchecked(shape, rate)
+            shape = 1.0 / np.expm1(s)
+            return Gamma._unchecked(shape, shape / np.exp(t + 0.5 * s))
 
     def symmetry(self, incoming):
         # x -> x − c, y -> y·e^{−c} leave δ(y − e^x) unchanged up to e^{−c}: the frame puts x's
