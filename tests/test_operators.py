@@ -280,8 +280,9 @@ def test_partial_fit_equals_fit_on_the_union(factor, data):
     test = data["test"]
     m_ref, v_ref = ref.predict(op1.features_.transform(_msgs(test)), return_var=True)
     coords, var = op1.predict_coords(test.incoming)
-    # the regression is on coordinates relative to the incoming x-message: map the reference back
-    expected = op1._from_relative(m_ref * op1.y_scale_ + op1.y_mean_, test.incoming["x"].to_coords())
+    # the regression is on coordinates relative to the operator's reference (the factor's
+    # approximation of the belief, or the incoming x-message): map the reference back
+    expected = op1._from_relative(m_ref * op1.y_scale_ + op1.y_mean_, op1._base(test.incoming))
     np.testing.assert_allclose(coords, expected, rtol=0, atol=1e-7)
     # log variances: the online Sigma differs from the batch one by ~1e-11 ‖Sigma‖ (Woodbury drift,
     # see test_blr), and x^T Sigma x is ~e^-15 ‖Sigma‖ for the most certain rows, so their log

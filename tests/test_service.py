@@ -128,7 +128,7 @@ def test_observations_update_the_operator(live, store_dir, pristine_store):
         b = c.post("/v1/operators/logistic-x/observations", json=payload, headers=hdr).json()
         assert a["version"] == b["version"] == 2 and not a["duplicate"] and b["duplicate"]
         payload2 = copy.deepcopy(payload)
-        payload2["beliefs"]["mean"][0] += 1.0
+        payload2["beliefs"]["mean"][0] += 1e-6  # a different body that is still a plausible belief
         conflict = c.post("/v1/operators/logistic-x/observations", json=payload2, headers=hdr)
         assert conflict.status_code == 409 and conflict.json()["detail"][0]["loc"] == ["header", "Idempotency-Key"]
         assert c.get("/v1/operators/logistic-x").json()["version"] == 2

@@ -45,6 +45,7 @@ from ..families import Family
 
 __all__ = [
     "Factor",
+    "tilted_laplace",
     "SampledFactor",
     "rule",
     "partition",
@@ -547,3 +548,38 @@ def check_projection(projection) -> str:
     if projection not in PROJECTIONS:
         raise ValueError(f"`projection` must be one of {', '.join(map(repr, PROJECTIONS))}, got {projection!r}")
     return projection
+
+
+def tilted_laplace(m, v, dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):
+    """Laplace's approximation ``(t*, s)`` of the tilted density N(t; m, v)·exp(ℓ(t)), vectorised.
+
+    ``dlog(t) -> (ℓ'(t), ℓ''(t))``; ``[lo, hi]`` must bracket a root of the log density's
+    derivative g(t) = −(t − m)/v + ℓ'(t) (g(lo) ≥ 0 ≥ g(hi)).  Newton's method, kept inside the
+    bracket (a step that leaves it, or a point of non-negative curvature, bisects instead), which
+    shrinks on every iterate: where the density is log-concave this is its mode; elsewhere a
+    stationary point.  ``start``: the first iterate (default m clipped to the bracket).  Each row
+    stops at its first step below ``tol`` (relative), so its answer does not depend on the other
+    rows of the batch.  ``s`` = 1/(1/v − ℓ''(t*)), or v where that is not positive.  Used by
+    factors' :meth:`Factor.approximate_belief`.
+    """
+    m, v = np.asarray(m, dtype=float), np.asarray(v, dtype=float)
+    lo, hi = np.array(lo, dtype=float), np.array(hi, dtype=float)
+    with np.errstate(all="ignore"):
+        t = np.clip(m if start is None else np.asarray(start, dtype=float), lo, hi)
+        active = np.ones(t.shape, dtype=bool)
+        for _ in range(max_iter):
+            d1, d2 = dlog(t)
+            g1, g2 = -(t - m) / v + d1, -1.0 / v + d2
+            right = g1 > 0  # the root is to the right of t
+            lo, hi = np.where(right, t, lo), np.where(right, hi, t)
+            new = t - g1 / g2
+            new = np.where((new > lo) & (new < hi) & (g2 < 0), new, 0.5 * (lo + hi))
+            new = np.where(g1 == 0, t, new)
+            # a row stops at its first small step, so its answer never depends on the other rows
+            small = ~(np.abs(new - t) > tol * np.maximum(1.0, np.abs(t)))
+            t = np.where(active, new, t)
+            active &= ~small
+            if not active.any():
+                break
+        h = 1.0 / v - dlog(t)[1]
+        return t, np.where(h > 0, 1.0 / h, v)

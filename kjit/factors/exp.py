@@ -15,11 +15,9 @@ import numpy as np
 
 from ..exact import exp as _exact
 from ..families import Family, Gamma, Gaussian
-from .base import Factor, check_projection, exact_rules, register_factor
+from .base import Factor, check_projection, exact_rules, register_factor, tilted_laplace
 
 __all__ = ["Exp", "exp_incoming"]
-
-_LAPLACE_MAX_ITER = 100  # Newton from the right of a concave mode: ~5–30 steps on the suite's messages
 
 
 class Exp(Factor):
@@ -55,10 +53,9 @@ class Exp(Factor):
 
         With x's message N(m, v) and y's Gamma(α, β), the tilted density of x is
         N(x; m, v)·m_y(e^x) ∝ exp(−(x − m)²/2v + c x − β e^x), c = α − 1 — strictly log-concave
-        — so it has one mode t*, found by Newton's method from the right of it (t₀ = m + vc,
-        and where c > 0 also at most max(m, log(c/β)); the derivative is concave and
-        decreasing, so the iterates decrease monotonically to t* without overshooting and e^t
-        never exceeds e^{t₀}); curvature h = 1/v + β e^{t*}.  x: N(t*, 1/h);
+        — so it has one mode t*, found by :func:`tilted_laplace` in the bracket
+        [m + v(c − βe^{hi}), hi], hi = m + vc and where c > 0 also at most max(m, log(c/β))
+        (e^t never exceeds e^{hi}); curvature h = 1/v + β e^{t*}.  x: N(t*, 1/h);
         y: the log-normal of that Gaussian projected onto the Gamma family as the factor projects
         (KL: E[y] = e^{t* + 1/2h}, E[log y] = t*; moments: mean and variance).  Exact as β → 0
         (the tilted density is then Gaussian).  It moves with :meth:`symmetry` (a shift of t),
@@ -70,17 +67,14 @@ class Exp(Factor):
         to = self.check_to(to)
         m, v = incoming["x"].mean(), incoming["x"].var()
         a, b = (np.asarray(p, dtype=float) for p in incoming["y"].params)
+        c = a - 1.0
         with np.errstate(all="ignore"):
-            c = a - 1.0
-            t = m + v * c
-            t = np.where(c > 0, np.minimum(t, np.maximum(m, np.log(np.where(c > 0, c, 1.0) / b))), t)
-            for _ in range(_LAPLACE_MAX_ITER):
-                h = 1.0 / v + b * np.exp(t)
-                step = (c - (t - m) / v - b * np.exp(t)) / h
-                t = t + step
-                if not np.any(np.abs(step) > 1e-12 * np.maximum(1.0, np.abs(t))):
-                    break
-            s = 1.0 / (1.0 / v + b * np.exp(t))
+            hi = m + v * c
+            hi = np.where(c > 0, np.minimum(hi, np.maximum(m, np.log(np.where(c > 0, c, 1.0) / b))), hi)
+            lo = m + v * (c - b * np.exp(hi))  # g(t) ≥ −(t − m)/v + c − βe^{hi} > 0 below it
+            # from hi, the right of the mode: g is concave and decreasing there, so Newton's
+            # iterates decrease monotonically to it, never leaving the bracket
+            t, s = tilted_laplace(m, v, lambda t: (c - b * np.exp(t), -b * np.exp(t)), lo, hi, start=hi)
             if to == "x":
                 return Gaussian._unchecked(t, s)
             if self.projection == "kl":
