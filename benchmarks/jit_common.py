@@ -35,7 +35,7 @@ import numpy as np
 
 from kjit.ep.models import BayesianLogisticRegression
 from kjit.factors import Logistic
-from kjit.operators import WIDTH_RULES, JITOperator
+from kjit.operators import REFERENCES, WIDTH_RULES, JITOperator
 from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
 
 
@@ -103,6 +103,8 @@ def add_args(ap):
     ap.add_argument("--d-out", type=int, default=500)
     ap.add_argument("--max-iter", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reference", default="auto", choices=REFERENCES,
+                    help="what the operator's relative targets are relative to (KernelOperator's `reference`)")
     ap.add_argument("--width-rules", nargs="+", default=list(WIDTH_RULES), choices=WIDTH_RULES,
                     help="inner-width rules the JIT operator's evidence search may choose from (KernelOperator)")
     ap.add_argument("--malloc-default", action="store_true",
@@ -137,7 +139,8 @@ def run_sequence(problems, names, args, is_problems):
         threshold=args.threshold, initial_batch=args.initial_batch, to="x", target_kl=args.target_kl,
         selection=getattr(args, "selection", "greedy"),
         operator_kwargs={"n_inner": args.d_in, "n_outer": args.d_out, "random_state": args.seed,
-                         "dtype": "float32", "width_rules": tuple(getattr(args, "width_rules", WIDTH_RULES))},
+                         "dtype": "float32", "width_rules": tuple(getattr(args, "width_rules", WIDTH_RULES)),
+                         "reference": getattr(args, "reference", "auto")},
     )
     rows = []
     is_rate = None  # measured IS seconds per requested message
