@@ -893,6 +893,25 @@ class Gamma(Family):
                 break
         return cls(a, a / ex)
 
+    @classmethod
+    def from_log_normal(cls, mean_log, var_log, projection: str = "kl") -> "Gamma":
+        """The Gamma closest to the log-normal with log-mean ``mean_log`` and log-variance
+        ``var_log`` (arrays): by KL (E[x] = e^{μ + σ²/2}, E[log x] = μ; :meth:`project`) or by
+        ``"moments"`` (mean and variance).  Unvalidated: rows that overflow are NaN."""
+        mu, s2 = np.asarray(mean_log, dtype=float), np.asarray(var_log, dtype=float)
+        with np.errstate(all="ignore"):
+            if projection == "moments":
+                shape = 1.0 / np.expm1(s2)
+                return cls._unchecked(shape, np.exp(np.log(shape) - mu - 0.5 * s2))
+            # log a − ψ(a) = log E x − E log x = σ²/2: Gamma.project's equation, solved there at E x = 1
+            # (the shape does not depend on the scale), then b = a / E x
+            ok = np.isfinite(mu) & (s2 > 0) & np.isfinite(s2)
+            shape = np.full(mu.shape, np.nan)
+            if ok.any():
+                shape[ok] = cls.project(np.stack([np.ones(int(ok.sum())), -0.5 * s2[ok]], axis=-1)).params[0]
+            rate = np.exp(np.log(shape) - mu - 0.5 * s2)  # in logs: E[x] itself may underflow
+        return cls._unchecked(shape, rate)
+
     def to_coords(self):
         self._require_proper("to_coords")
         return np.stack([np.log(self._shape), np.log(self._rate)], axis=-1)

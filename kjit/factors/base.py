@@ -46,6 +46,8 @@ from ..families import Family
 __all__ = [
     "Factor",
     "tilted_laplace",
+    "laplace_mode",
+    "capped_log_var",
     "SampledFactor",
     "rule",
     "partition",
@@ -550,26 +552,29 @@ def check_projection(projection) -> str:
     return projection
 
 
-def tilted_laplace(m, v, dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):
-    """Laplace's approximation ``(t*, s)`` of the tilted density N(t; m, v)·exp(ℓ(t)), vectorised.
+def capped_log_var(mean_log, var_log):
+    """A log-normal reference's log-variance, capped where its mean e^{μ + σ²/2} would pass e^700
+    (:meth:`Gamma.from_log_normal` could not represent it; an approximation that is only a
+    learned operator's reference need only be proper)."""
+    return np.minimum(var_log, np.maximum(2.0 * (700.0 - np.asarray(mean_log, dtype=float)), 0.0))
 
-    ``dlog(t) -> (ℓ'(t), ℓ''(t))``; ``[lo, hi]`` must bracket a root of the log density's
-    derivative g(t) = −(t − m)/v + ℓ'(t) (g(lo) ≥ 0 ≥ g(hi)).  Newton's method, kept inside the
-    bracket (a step that leaves it, or a point of non-negative curvature, bisects instead), which
-    shrinks on every iterate: where the density is log-concave this is its mode; elsewhere a
-    stationary point.  ``start``: the first iterate (default m clipped to the bracket).  Each row
-    stops at its first step below ``tol`` (relative), so its answer does not depend on the other
-    rows of the batch.  ``s`` = 1/(1/v − ℓ''(t*)), or v where that is not positive.  Used by
-    factors' :meth:`Factor.approximate_belief`.
+
+def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):
+    """Mode t* of a univariate log density g (vectorised over rows) and −g''(t*).
+
+    ``dlog(t) -> (g'(t), g''(t))``; ``[lo, hi]`` must bracket a root of g' (g'(lo) ≥ 0 ≥ g'(hi)).
+    Newton's method, kept inside the bracket (a step that leaves it, or a point of non-negative
+    curvature, bisects instead), which shrinks on every iterate: where g is concave this is its
+    mode; elsewhere a stationary point.  ``start``: the first iterate (default the bracket's
+    midpoint).  Each row stops at its first step below ``tol`` (relative), so its answer does not
+    depend on the other rows of the batch.  Returns ``(t*, −g''(t*))``.
     """
-    m, v = np.asarray(m, dtype=float), np.asarray(v, dtype=float)
     lo, hi = np.array(lo, dtype=float), np.array(hi, dtype=float)
     with np.errstate(all="ignore"):
-        t = np.clip(m if start is None else np.asarray(start, dtype=float), lo, hi)
+        t = np.clip(0.5 * (lo + hi) if start is None else np.asarray(start, dtype=float), lo, hi)
         active = np.ones(t.shape, dtype=bool)
         for _ in range(max_iter):
-            d1, d2 = dlog(t)
-            g1, g2 = -(t - m) / v + d1, -1.0 / v + d2
+            g1, g2 = dlog(t)
             right = g1 > 0  # the root is to the right of t
             lo, hi = np.where(right, t, lo), np.where(right, hi, t)
             new = t - g1 / g2
@@ -581,5 +586,24 @@ def tilted_laplace(m, v, dlog: Callable, lo, hi, start=None, max_iter: int = 200
             active &= ~small
             if not active.any():
                 break
-        h = 1.0 / v - dlog(t)[1]
+        return t, -dlog(t)[1]
+
+
+def tilted_laplace(m, v, dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):
+    """Laplace's approximation ``(t*, s)`` of the tilted density N(t; m, v)·exp(ℓ(t)), vectorised.
+
+    ``dlog(t) -> (ℓ'(t), ℓ''(t))``; ``[lo, hi]`` must bracket a root of −(t − m)/v + ℓ'(t);
+    :func:`laplace_mode` finds it (``start`` default: m clipped to the bracket).  ``s`` =
+    1/(1/v − ℓ''(t*)), or v where that is not positive.  Used by factors'
+    :meth:`Factor.approximate_belief`.
+    """
+    m, v = np.asarray(m, dtype=float), np.asarray(v, dtype=float)
+
+    def full(t):
+        d1, d2 = dlog(t)
+        return -(t - m) / v + d1, -1.0 / v + d2
+
+    t, h = laplace_mode(full, lo, hi, start=np.clip(m, lo, hi) if start is None else start,
+                        max_iter=max_iter, tol=tol)
+    with np.errstate(all="ignore"):
         return t, np.where(h > 0, 1.0 / h, v)

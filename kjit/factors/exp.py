@@ -15,7 +15,7 @@ import numpy as np
 
 from ..exact import exp as _exact
 from ..families import Family, Gamma, Gaussian
-from .base import Factor, check_projection, exact_rules, register_factor, tilted_laplace
+from .base import Factor, capped_log_var, check_projection, exact_rules, register_factor, tilted_laplace
 
 __all__ = ["Exp", "exp_incoming"]
 
@@ -77,17 +77,7 @@ class Exp(Factor):
             t, s = tilted_laplace(m, v, lambda t: (c - b * np.exp(t), -b * np.exp(t)), lo, hi, start=hi)
             if to == "x":
                 return Gaussian._unchecked(t, s)
-            if self.projection == "kl":
-                # log a − ψ(a) = log E y − E log y = s/2 (Gamma.project's equation, solved there)
-                ok = np.isfinite(t) & (s > 0)
-                shape = np.full(t.shape, np.nan)
-                rate = np.full(t.shape, np.nan)
-                if ok.any():
-                    g = Gamma.project(np.stack([np.exp(t[ok] + 0.5 * s[ok]), t[ok]], axis=-1))
-                    shape[ok], rate[ok] = g.params
-                return Gamma._unchecked(shape, rate)
-            shape = 1.0 / np.expm1(s)
-            return Gamma._unchecked(shape, shape / np.exp(t + 0.5 * s))
+        return Gamma.from_log_normal(t, capped_log_var(t, s), self.projection)
 
     def symmetry(self, incoming):
         # x -> x − c, y -> y·e^{−c} leave δ(y − e^x) unchanged up to e^{−c}: the frame puts x's

@@ -16,8 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..exact import gamma_rate as _exact
+from scipy.special import expit
+
 from ..families import Family, Gamma
-from .base import Factor, check_projection, exact_rules, register_factor
+from .base import Factor, capped_log_var, check_projection, exact_rules, laplace_mode, register_factor
 
 __all__ = ["GammaRate", "gamma_rate_incoming"]
 
@@ -47,6 +49,41 @@ class GammaRate(Factor):
 
     def sample(self, inputs, size, rng):
         return _exact.sample(inputs, size, rng, shape=self.shape)
+
+    def approximate_belief(self, incoming, to):
+        """Laplace's approximation in log space, the reference of a learned operator's targets.
+
+        With r's message Gamma(α, β), x's Gamma(a, b) and shape s, either variable integrates out
+        in closed form: the belief on r ∝ Gamma(r; α, β)·r^s (r + b)^{−(s+a)}, on x ∝
+        Gamma(x; a, b)·x^{s−1} (x + β)^{−(s+α)}.  In u = log of the recipient both log densities
+        are c u − B e^u − K log(e^u + D) — (c, B, K, D) = (α + s, β, s + a, b) for r and
+        (a + s − 1, b, s + α, β) for x — strictly concave, with one mode found by
+        :func:`laplace_mode` in [log(c/(B + K/D)), min(log(c/B), log(cD/(K − c)) where K > c)];
+        the log-normal N(u*, 1/h) is projected onto the Gamma family as the factor projects
+        (:meth:`Gamma.from_log_normal`).  Where a + s ≤ 1 the density of log x has no mode (c ≤ 0):
+        c is taken as ½ there — a reference need only be proper and smooth.  It moves with
+        :meth:`symmetry` (a shift of u).  Measured on the factor suite's Poisson–Gamma messages
+        (5 000 pairs, D 125/250), mean log KL of the learned operator relative to it vs to the
+        incoming message: r −23.91 vs −20.21, x −25.39 vs −22.87 (the approximation alone: −7.70,
+        −3.70).
+        """
+        to = self.check_to(to)
+        (al, be), (a, b) = ([np.asarray(p, dtype=float) for p in incoming[v].params] for v in ("r", "x"))
+        s = self.shape
+        c, B, K, D = (al + s, be, s + a, b) if to == "r" else (np.maximum(a + s - 1.0, 0.5), b, s + al, be)
+        log_d = np.log(D)
+
+        def dlog(u):
+            w = expit(u - log_d)  # e^u / (e^u + D)
+            return c - B * np.exp(u) - K * w, -B * np.exp(u) - K * w * (1.0 - w)
+
+        with np.errstate(all="ignore"):
+            lo = np.log(c / (B + K / D))
+            hi = np.log(c / B)
+            hi = np.where(K > c, np.minimum(hi, np.log(c * D / np.where(K > c, K - c, 1.0))), hi)
+            u, h = laplace_mode(dlog, lo, hi, start=hi)
+            # capped where the log-normal's mean would overflow (e.g. α ≈ a ≈ 0.002 with shape 0.3)
+            return Gamma.from_log_normal(u, capped_log_var(u, 1.0 / h), self.projection)
 
     def symmetry(self, incoming):
         # x -> k·x, r -> r/k leave Gamma(x; shape, r) unchanged up to 1/k: the frame gives x's
