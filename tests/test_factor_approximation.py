@@ -163,21 +163,29 @@ def test_exp_laplace_is_exact_when_the_tilted_density_is_gaussian(to, projection
     np.testing.assert_allclose(approx.to_coords(), exact.to_coords(), rtol=1e-5, atol=1e-5)
 
 
+def _extreme(seed, b_decades, n=4000):
+    """A Gaussian message (means ±30, variances 1e-6..1e3) and a second message's two parameters
+    (1e-3..1e3, and 10^±b_decades): far outside every training range."""
+    rng = np.random.default_rng(seed)
+    return (rng.uniform(-30, 30, n), 10.0 ** rng.uniform(-6, 3, n), 10.0 ** rng.uniform(-3, 3, n),
+            10.0 ** rng.uniform(-b_decades, b_decades, n))
+
+
+def _proper_everywhere(f, inc):
+    """Every direction's approximation is proper and finite on ``inc``; returns x's mean."""
+    for to in f.variables:
+        q = f.approximate_belief(inc, to)
+        assert np.all(q.is_proper) and np.all(np.isfinite(q.to_coords())), to
+    return f.approximate_belief(inc, "x").mean()
+
+
 def test_exp_laplace_finds_the_mode_on_extreme_messages():
     """Over messages far outside the training range the approximation is proper and finite, and
     its x mean is the tilted density's mode: the derivative (written out here) vanishes there."""
     from kjit.families import Gamma
 
-    rng = np.random.default_rng(12)
-    n = 4000
-    m, v = rng.uniform(-30, 30, n), 10.0 ** rng.uniform(-6, 3, n)
-    a, b = 10.0 ** rng.uniform(-3, 3, n), 10.0 ** rng.uniform(-6, 6, n)
-    inc = {"x": Gaussian(m, v), "y": Gamma(a, b)}
-    f = get_factor("exp")
-    for to in ("x", "y"):
-        q = f.approximate_belief(inc, to)
-        assert np.all(q.is_proper) and np.all(np.isfinite(q.to_coords())), to
-    t = f.approximate_belief(inc, "x").mean()
+    f, (m, v, a, b) = get_factor("exp"), _extreme(12, b_decades=6)
+    t = _proper_everywhere(f, {"x": Gaussian(m, v), "y": Gamma(a, b)})
     grad = -(t - m) / v + (a - 1.0) - b * np.exp(t)
     curv = 1.0 / v + b * np.exp(t)
     assert np.max(np.abs(grad / curv)) < 1e-8  # a Newton step from t would move it by < 1e-8
@@ -238,16 +246,8 @@ def test_logistic_laplace_on_extreme_messages():
     log-concave (α + β ≥ 2) the x mean is its mode (a Newton step from it moves < 1e-8)."""
     from kjit.families import Beta
 
-    rng = np.random.default_rng(16)
-    n = 4000
-    m, v = rng.uniform(-30, 30, n), 10.0 ** rng.uniform(-6, 3, n)
-    a, b = 10.0 ** rng.uniform(-3, 3, n), 10.0 ** rng.uniform(-3, 3, n)
-    inc = {"x": Gaussian(m, v), "z": Beta(a, b)}
-    f = get_factor("logistic")
-    for to in ("x", "z"):
-        q = f.approximate_belief(inc, to)
-        assert np.all(q.is_proper) and np.all(np.isfinite(q.to_coords())), to
-    t = f.approximate_belief(inc, "x").mean()
+    f, (m, v, a, b) = get_factor("logistic"), _extreme(16, b_decades=3)
+    t = _proper_everywhere(f, {"x": Gaussian(m, v), "z": Beta(a, b)})
     from scipy.special import expit
 
     sp, sn = expit(t), expit(-t)
