@@ -217,7 +217,7 @@ def test_tilted_laplace_is_exact_for_a_gaussian_log_factor():
     # a bracket from the slopes: g(t) = −(t − m)/v − (t − a)/w changes sign between min and max of (m, a)
     lo, hi = np.minimum(m, a) - 1.0, np.maximum(m, a) + 1.0
     for start in (None, lo, hi):
-        t, s = tilted_laplace(m, v, lambda t: (-(t - a) / w, -1.0 / w + 0 * t), lo, hi, start=start)
+        t, s = tilted_laplace(m, v, lambda t, i: (-(t - a[i]) / w[i], -1.0 / w[i]), lo, hi, start=start)
         np.testing.assert_allclose(t, mode, rtol=1e-10, atol=1e-10 * np.abs(mode).max())
         np.testing.assert_allclose(s, 1 / prec, rtol=1e-12)
 

@@ -562,46 +562,58 @@ def capped_log_var(mean_log, var_log):
 def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):
     """Mode t* of a univariate log density g (vectorised over rows) and −g''(t*).
 
-    ``dlog(t) -> (g'(t), g''(t))``; ``[lo, hi]`` must bracket a root of g' (g'(lo) ≥ 0 ≥ g'(hi)).
+    ``dlog(t, rows) -> (g'(t), g''(t))`` for the rows ``rows`` (an index array into the batch;
+    ``t`` holds their points); ``[lo, hi]`` must bracket a root of g' (g'(lo) ≥ 0 ≥ g'(hi)).
     Newton's method, kept inside the bracket (a step that leaves it, or a point of non-negative
     curvature, bisects instead), which shrinks on every iterate: where g is concave this is its
     mode; elsewhere a stationary point.  ``start``: the first iterate (default the bracket's
-    midpoint).  Each row stops at its first step below ``tol`` (relative), so its answer does not
-    depend on the other rows of the batch.  Returns ``(t*, −g''(t*))``.
+    midpoint).  Each row stops at its first step below ``tol`` (relative) and is not evaluated
+    again, so its answer does not depend on the other rows of the batch and a batch costs what its
+    rows' own iterations cost.  Returns ``(t*, −g''(t*))``.
     """
     lo, hi = np.array(lo, dtype=float), np.array(hi, dtype=float)
     with np.errstate(all="ignore"):
         t = np.clip(0.5 * (lo + hi) if start is None else np.asarray(start, dtype=float), lo, hi)
-        active = np.ones(t.shape, dtype=bool)
+        t = np.array(np.broadcast_to(t, lo.shape), dtype=float)
+        idx = np.arange(t.size)
+        t, lo, hi = t.ravel(), lo.ravel().copy(), hi.ravel().copy()
+        dx_old = np.abs(hi - lo)  # the step before last, per row (rtsafe's safeguard)
         for _ in range(max_iter):
-            g1, g2 = dlog(t)
-            right = g1 > 0  # the root is to the right of t
-            lo, hi = np.where(right, t, lo), np.where(right, hi, t)
-            new = t - g1 / g2
-            new = np.where((new > lo) & (new < hi) & (g2 < 0), new, 0.5 * (lo + hi))
-            new = np.where(g1 == 0, t, new)
-            # a row stops at its first small step, so its answer never depends on the other rows
-            small = ~(np.abs(new - t) > tol * np.maximum(1.0, np.abs(t)))
-            t = np.where(active, new, t)
-            active &= ~small
-            if not active.any():
+            if idx.size == 0:
                 break
-        return t, -dlog(t)[1]
+            ti, li, hi_, d_old = t[idx], lo[idx], hi[idx], dx_old[idx]
+            g1, g2 = dlog(ti, idx)
+            right = g1 > 0  # the root is to the right of t
+            li, hi_ = np.where(right, ti, li), np.where(right, hi_, ti)
+            step = -g1 / g2
+            # Newton where it stays in the bracket, the curvature is negative and the step at most
+            # half the one before last (else it may cycle); bisection otherwise
+            newton = ti + step
+            use = (newton >= li) & (newton <= hi_) & (g2 < 0) & (np.abs(step) <= 0.5 * d_old)
+            new = np.where(use, newton, 0.5 * (li + hi_))
+            new = np.where(g1 == 0, ti, new)
+            dx = np.abs(new - ti)
+            small = ~(dx > tol * np.maximum(1.0, np.abs(ti)))
+            t[idx], lo[idx], hi[idx], dx_old[idx] = new, li, hi_, np.where(use, np.abs(step), 0.5 * np.abs(hi_ - li))
+            idx = idx[~small]
+        every = np.arange(t.size)
+        return t.reshape(lo.shape), -dlog(t, every)[1]
 
 
 def tilted_laplace(m, v, dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):
     """Laplace's approximation ``(t*, s)`` of the tilted density N(t; m, v)·exp(ℓ(t)), vectorised.
 
-    ``dlog(t) -> (ℓ'(t), ℓ''(t))``; ``[lo, hi]`` must bracket a root of −(t − m)/v + ℓ'(t);
+    ``dlog(t, rows) -> (ℓ'(t), ℓ''(t))`` for the batch rows ``rows``; ``[lo, hi]`` must bracket a
+    root of −(t − m)/v + ℓ'(t);
     :func:`laplace_mode` finds it (``start`` default: m clipped to the bracket).  ``s`` =
     1/(1/v − ℓ''(t*)), or v where that is not positive.  Used by factors'
     :meth:`Factor.approximate_belief`.
     """
-    m, v = np.asarray(m, dtype=float), np.asarray(v, dtype=float)
+    m, v = np.asarray(m, dtype=float).ravel(), np.asarray(v, dtype=float).ravel()
 
-    def full(t):
-        d1, d2 = dlog(t)
-        return -(t - m) / v + d1, -1.0 / v + d2
+    def full(t, rows):
+        d1, d2 = dlog(t, rows)
+        return -(t - m[rows]) / v[rows] + d1, -1.0 / v[rows] + d2
 
     t, h = laplace_mode(full, lo, hi, start=np.clip(m, lo, hi) if start is None else start,
                         max_iter=max_iter, tol=tol)

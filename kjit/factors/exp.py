@@ -74,7 +74,7 @@ class Exp(Factor):
             lo = m + v * (c - b * np.exp(hi))  # g(t) ≥ −(t − m)/v + c − βe^{hi} > 0 below it
             # from hi, the right of the mode: g is concave and decreasing there, so Newton's
             # iterates decrease monotonically to it, never leaving the bracket
-            t, s = tilted_laplace(m, v, lambda t: (c - b * np.exp(t), -b * np.exp(t)), lo, hi, start=hi)
+            t, s = tilted_laplace(m, v, lambda t, i: (c[i] - b[i] * np.exp(t), -b[i] * np.exp(t)), lo, hi, start=hi)
             if to == "x":
                 return Gaussian._unchecked(t, s)
         return Gamma.from_log_normal(t, capped_log_var(t, s), self.projection)

@@ -71,11 +71,13 @@ class GammaRate(Factor):
         (al, be), (a, b) = ([np.asarray(p, dtype=float) for p in incoming[v].params] for v in ("r", "x"))
         s = self.shape
         c, B, K, D = (al + s, be, s + a, b) if to == "r" else (np.maximum(a + s - 1.0, 0.5), b, s + al, be)
+        c, B, K, D = (np.broadcast_to(q, al.shape).ravel() for q in (c, B, K, D))
         log_d = np.log(D)
 
-        def dlog(u):
-            w = expit(u - log_d)  # e^u / (e^u + D)
-            return c - B * np.exp(u) - K * w, -B * np.exp(u) - K * w * (1.0 - w)
+        def dlog(u, i):
+            w = expit(u - log_d[i])  # e^u / (e^u + D)
+            eb = B[i] * np.exp(u)
+            return c[i] - eb - K[i] * w, -eb - K[i] * w * (1.0 - w)
 
         with np.errstate(all="ignore"):
             lo = np.log(c / (B + K / D))

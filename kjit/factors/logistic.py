@@ -186,8 +186,8 @@ class Logistic(Factor):
         z = incoming["z"]
         a, b = np.asarray(z.alpha, dtype=float), np.asarray(z.beta, dtype=float)
         k = np.maximum(np.abs(a - 1.0), np.abs(b - 1.0))
-        density = LogisticLogDensity()
-        t, s = tilted_laplace(m, v, lambda t: density.derivatives(t, {"z": z})[1:], m - v * k, m + v * k)
+        af, bf = a.ravel(), b.ravel()
+        t, s = tilted_laplace(m, v, lambda t, i: LogisticLogDensity.slopes(t, af[i], bf[i]), m - v * k, m + v * k)
         if to == "x":
             return Gaussian._unchecked(t, s)
         # the Laplace bridge: the Beta whose logit has (asymptotically) mean t* and variance s; its
@@ -379,11 +379,14 @@ class LogisticLogDensity:
     def derivatives(self, x, observed):
         z = observed["z"]
         a, b = np.asarray(z.alpha, float), np.asarray(z.beta, float)
-        sp, sn = special.expit(x), special.expit(-x)
         ell = -(a - 1.0) * np.logaddexp(0.0, -x) - (b - 1.0) * np.logaddexp(0.0, x) - special.betaln(a, b)
-        d1 = (a - 1.0) * sn - (b - 1.0) * sp
-        d2 = -(a + b - 2.0) * sp * sn
-        return ell, d1, d2
+        return (ell, *self.slopes(x, a, b))
+
+    @staticmethod
+    def slopes(x, a, b):
+        """``(d/dx, d²/dx²)`` of log t(x) for label message Beta(a, b)."""
+        sp, sn = special.expit(x), special.expit(-x)
+        return (a - 1.0) * sn - (b - 1.0) * sp, -(a + b - 2.0) * sp * sn
 
 
 register_factor(Logistic)
