@@ -320,3 +320,26 @@ def special_digamma(a):
     from scipy.special import digamma
 
     return digamma(a)
+
+
+def test_a_sampled_factor_can_bring_its_own_approximation():
+    """A user's SampledFactor with ``approximate``: its operators learn the approximation's error
+    (here the product's own stand-ins, so the accuracy must match the registered product's
+    operator on the same pairs bit for bit); without it, the incoming message; a recipient the
+    callable does not cover (None) keeps the incoming message; a non-callable is refused."""
+    from kjit.factors import SampledFactor
+
+    prod = get_factor("product")
+    mine = SampledFactor("approx_product_test", inputs={"x": Gaussian, "y": Gaussian}, output=("z", Gaussian),
+                         sampler=lambda v, rng: v["x"] * v["y"],
+                         approximate=lambda inc, to: prod.approximate_belief(inc, to) if to == "z" else None)
+    train, test = _data(prod, "z", 400, 21), prod.default_incoming(50, np.random.default_rng(22))
+    kw = dict(n_inner=30, n_outer=60, random_state=0)
+    ref = KernelOperator(prod, "z", **kw).fit(train)
+    op = KernelOperator(mine, "z", **kw).fit(TrainingSet(mine.name, "z", train.incoming, train.beliefs))
+    assert op.reference_ == "approximation"
+    np.testing.assert_array_equal(op.predict(test)[0].to_coords(), ref.predict(test)[0].to_coords())
+    xs = TrainingSet(mine.name, "x", train.incoming, prod.exact_belief(train.incoming, "x"))
+    assert KernelOperator(mine, "x", **kw).fit(xs).reference_ == "incoming"
+    with pytest.raises(ValueError, match="`approximate`"):
+        SampledFactor("bad", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, r: v["x"], approximate=3)

@@ -385,6 +385,10 @@ class SampledFactor(Factor):
                              output=("z", Gaussian),
                              sampler=lambda v, rng: v["x"] * v["y"])
         register_factor(prod)
+
+    ``approximate(incoming, to)``, optional: a cheap closed-form approximation of the belief on
+    ``to`` (or None for a recipient it does not cover); learned operators then regress only its
+    error (:meth:`Factor.approximate_belief`).
     """
 
     def __init__(
@@ -393,9 +397,12 @@ class SampledFactor(Factor):
         inputs: Mapping[str, type[Family]],
         output: tuple[str, type[Family]],
         sampler: Callable[[Mapping[str, np.ndarray], np.random.Generator], np.ndarray],
+        approximate: Callable[[Mapping[str, Family], str], Family | None] | None = None,
     ):
         if not name or not isinstance(name, str):
             raise ValueError("`name` must be a non-empty string")
+        if approximate is not None and not callable(approximate):
+            raise ValueError("`approximate` must be None or a callable (incoming, to) -> Family or None")
         out_name, out_family = output
         for v, fam in list(inputs.items()) + [(out_name, out_family)]:
             if not (isinstance(fam, type) and issubclass(fam, Family)):
@@ -407,6 +414,12 @@ class SampledFactor(Factor):
         self.output = out_name
         self.families = {**dict(inputs), out_name: out_family}
         self._sampler = sampler
+        self._approximate = approximate
+
+    def approximate_belief(self, incoming, to):
+        """The ``approximate`` callable's answer (see :meth:`Factor.approximate_belief`), or None."""
+        to = self.check_to(to)
+        return None if self._approximate is None else self._approximate(incoming, to)
 
     def sample(self, inputs, size, rng):
         out = np.asarray(self._sampler({k: inputs[k] for k in self.inputs}, rng), dtype=float)
