@@ -423,6 +423,8 @@ class KernelOperator(Operator):
         with np.errstate(all="ignore"):
             q = self.factor.approximate_belief(flat, self.to)
             ok = np.asarray(q.is_proper, bool) & np.all([np.isfinite(p) for p in q.params], axis=0)
+            if ok.all():
+                return q.to_coords()
             c = np.full((q.size, self.family.n_stats), np.nan)
             if ok.any():
                 c[ok] = q[ok].to_coords()
