@@ -451,6 +451,7 @@ def summarise(five, syn, uci_rows, args, seconds):
 def combine(paths, args):
     """The summary of earlier runs' JSON lines (e.g. sections or noise levels run in parallel)."""
     five, syn, uci_rows, readings, reading_c, noise = None, [], [], [], [], []
+    grid = {}  # reading -> the c values some run used for it
     seen = set()  # a data set run twice (same seed) is counted once
     for path in paths:
         for line in open(path):
@@ -459,6 +460,9 @@ def combine(paths, args):
             if sec == "config":
                 readings += [r for r in row.get("readings", []) if r not in readings]
                 reading_c += [c for c in row.get("reading_c", []) if c not in reading_c]
+                for rd, cs in row.get("reading_grid_", {}).items():  # each run's --reading-grid
+                    grid.setdefault(rd, [])
+                    grid[rd] += [c for c in cs if c not in grid[rd]]
                 noise += [x for x in row.get("noise", []) if x not in noise] if "synthetic" in row["sections"] else []
             elif sec == "five_point":
                 five = row
@@ -469,6 +473,8 @@ def combine(paths, args):
                 seen.add(("uci", row["dataset"], row["label_flip"], row["repeat"]))
                 uci_rows.append(row)
     args.readings, args.reading_c, args.noise = readings, sorted(reading_c), sorted(noise)
+    for rd, cs in grid.items():  # --reading-grid given to --combine itself wins
+        args.reading_grid_.setdefault(rd, sorted(cs))
     args.quick = False
     summarise(five, syn, uci_rows, args, None)
 

@@ -230,3 +230,32 @@ def test_benchmark_summary_has_rep_readings():
     for rd in ("projection_kl", "appendix_q"):
         for key in ("test_error", "divergences", "five_point_mean_mse", "five_point_cov_mse"):
             assert np.isfinite(rr[rd][key])
+
+
+def test_combine_uses_each_runs_reading_grid(tmp_path, capsys):
+    """--combine takes each reading's c values from the runs' config rows (their --reading-grid), not
+    only --reading-c: a run with ``--reading-c 0.3 --reading-grid appendix_q=3`` is summarised at c = 3."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "rep_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "rep.py")
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+
+    def res(err, div):
+        return {"test_error": err, "diverged": div, "converged": not div, "iterations": 7, "relaxed_updates": 2}
+
+    cfg = {"section": "config", "sections": ["synthetic"], "noise": [0.1], "readings": ["projection_kl", "appendix_q"],
+           "reading_c": [0.3], "reading_grid_": {"appendix_q": [3.0]}}
+    rows = [{"section": "synthetic", "noise": 0.1, "repeat": r, "ep": res(0.1, False), "ep_damped": res(0.1, False),
+             "pep": res(0.1, False), "rep": res(0.1, False), "rep_projection_kl_c0.3": res(0.2, r == 0),
+             "rep_appendix_q_c3": res(0.05 + 0.01 * r, False)} for r in range(2)]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in [cfg, *rows]) + "\n")
+    rep.main(["--combine", str(path)])
+    rr = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rep_readings"]
+    assert rr["appendix_q"]["c"] == 3.0 and rr["appendix_q"]["test_error"] == pytest.approx(0.055)
+    assert rr["projection_kl"]["c"] == 0.3 and rr["projection_kl"]["divergences"] == 1
+    assert rr["best_reading"] == "appendix_q"
