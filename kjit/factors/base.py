@@ -48,6 +48,7 @@ __all__ = [
     "tilted_laplace",
     "laplace_mode",
     "capped_log_var",
+    "MAX_LOG_PARAM",
     "SampledFactor",
     "rule",
     "partition",
@@ -565,11 +566,15 @@ def check_projection(projection) -> str:
     return projection
 
 
+# e^700 ≈ 1e304: the largest exponential an approximation of a belief (a learned operator's reference,
+# which need only be proper) lets a parameter or a mean reach
+MAX_LOG_PARAM = 700.0
+
+
 def capped_log_var(mean_log, var_log):
-    """A log-normal reference's log-variance, capped where its mean e^{μ + σ²/2} would pass e^700
-    (:meth:`Gamma.from_log_normal` could not represent it; an approximation that is only a
-    learned operator's reference need only be proper)."""
-    return np.minimum(var_log, np.maximum(2.0 * (700.0 - np.asarray(mean_log, dtype=float)), 0.0))
+    """A log-normal reference's log-variance, capped where its mean e^{μ + σ²/2} would pass
+    e^MAX_LOG_PARAM (:meth:`Gamma.from_log_normal` could not represent it)."""
+    return np.minimum(var_log, np.maximum(2.0 * (MAX_LOG_PARAM - np.asarray(mean_log, dtype=float)), 0.0))
 
 
 def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):

@@ -14,10 +14,9 @@ shape > 0).
 from __future__ import annotations
 
 import numpy as np
-
-from ..exact import gamma_rate as _exact
 from scipy.special import expit
 
+from ..exact import gamma_rate as _exact
 from ..families import Family, Gamma
 from .base import Factor, capped_log_var, check_projection, exact_rules, laplace_mode, register_factor
 
@@ -64,8 +63,8 @@ class GammaRate(Factor):
         c is taken as ½ there — a reference need only be proper and smooth.  It moves with
         :meth:`symmetry` (a shift of u).  Measured on the factor suite's Poisson–Gamma messages
         (5 000 pairs, D 125/250), mean log KL of the learned operator relative to it vs to the
-        incoming message: r −23.91 vs −20.21, x −25.39 vs −22.87 (the approximation alone: −7.70,
-        −3.70).
+        incoming message: r −23.98 vs −20.21, x −25.14 vs −22.87 (x: the 2 940 of 3 000 rows whose
+        KL does not round to ≤ 0; the approximation alone: −7.70, −3.70).
         """
         to = self.check_to(to)
         (al, be), (a, b) = ([np.asarray(p, dtype=float) for p in incoming[v].params] for v in ("r", "x"))

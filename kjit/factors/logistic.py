@@ -21,9 +21,7 @@ from ..errors import OracleError, gaussian_or_error
 from ..families import Beta, Family, Gaussian
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
-from .base import Factor, broadcast_messages, check_power, partition, register_factor, rule, tilted_laplace
-
-_MAX_LOG_PARAM = 700.0  # e^700 ≈ 1e304: the largest Beta parameter the approximation returns
+from .base import MAX_LOG_PARAM, Factor, broadcast_messages, check_power, partition, register_factor, rule, tilted_laplace
 
 __all__ = ["Logistic", "logistic_tilted_rule", "logistic_laplace_limit", "logistic_incoming", "LogisticOperator",
            "LogisticLogDensity"]
@@ -170,8 +168,8 @@ class Logistic(Factor):
         N(x; m, v)·σ(x)^{α−1} σ(−x)^{β−1} (:class:`LogisticLogDensity`; log-concave for
         α + β ≥ 2, which EP's labels give); its stationary point t* is found by
         :func:`tilted_laplace` in [m − vK, m + vK], K = max(|α − 1|, |β − 1|) (the log factor's
-        slope is at most K), curvature h = 1/v + (α + β − 2) σ(t*) σ(−t*).  x: N(t*, 1/h), exact as α, β → 1 (the
-        tilted density is then x's message).  z: the Laplace bridge of that Gaussian in logit
+        slope is at most K), curvature h = 1/v + (α + β − 2) σ(t*) σ(−t*).  x: N(t*, 1/h), exact
+        as α, β → 1 (the tilted density is then x's message).  z: the Laplace bridge of that Gaussian in logit
         space, Beta((1 + e^{t*})/s, (1 + e^{−t*})/s), s = 1/h — the Beta whose logit has mean
         log(α/β) = t* and variance ≈ 1/α + 1/β = s; closed form and proper for every finite t*,
         where projecting the logit-normal onto the Beta family by E log z, E log(1 − z) loses the
@@ -191,12 +189,12 @@ class Logistic(Factor):
         if to == "x":
             return Gaussian._unchecked(t, s)
         # the Laplace bridge: the Beta whose logit has (asymptotically) mean t* and variance s; its
-        # log parameters capped at 700 (a label message Beta(α, β) with α + β < 2 can put the
+        # log parameters capped at MAX_LOG_PARAM (a label message Beta(α, β) with α + β < 2 can put the
         # stationary point of a broad message's tilted density near ±v: e^{t*} then overflows)
         with np.errstate(all="ignore"):
             log_s = np.log(s)
-            log_a = np.minimum(np.logaddexp(0.0, t) - log_s, _MAX_LOG_PARAM)
-            log_b = np.minimum(np.logaddexp(0.0, -t) - log_s, _MAX_LOG_PARAM)
+            log_a = np.minimum(np.logaddexp(0.0, t) - log_s, MAX_LOG_PARAM)
+            log_b = np.minimum(np.logaddexp(0.0, -t) - log_s, MAX_LOG_PARAM)
         return Beta._unchecked(np.exp(log_a), np.exp(log_b))
 
     def suff_stats(self, var, draws):
