@@ -1001,14 +1001,18 @@ class JITOperator(Operator):
         an outgoing message whose precision's sign is undetermined — so a client whose oracle runs
         elsewhere (a served operator's ``mode=predict``) consults exactly the rows ``predict`` with
         ``selection="all"`` would."""
-        q, logvar, uncertain, _ = self._screen(incoming, to)
-        return q, logvar, uncertain
+        q, var, uncertain, _ = self._screen(incoming, to)
+        return q, np.log(var), uncertain
 
     def screen_certified(self, incoming: Mapping[str, Family], to: str | None = None):
         """:meth:`screen` with the answer's certificates instead of the bare log variance:
-        ``(belief, Certificates (learned, with the threshold), uncertain mask)``."""
-        q, logvar, uncertain, flat = self._screen(incoming, to)
-        return q, self.operator._certify(q, logvar, flat, threshold=self.threshold), uncertain
+        ``(belief, Certificates (learned, with the threshold), uncertain mask)``; the certificates'
+        ``log_var`` is the one the threshold applies to (see ``uncertainty``), as in :meth:`certified`."""
+        q, var, uncertain, flat = self._screen(incoming, to)
+        # rated on the variance the threshold applies to, as predict's certificates are (the
+        # epistemic part with uncertainty="epistemic": the predictive one never falls below the
+        # noise floor, though the rule stops consulting there)
+        return q, self.operator._certify(q, self._decision_logvar(var), flat, threshold=self.threshold), uncertain
 
     def _screen(self, incoming, to):
         self._check_to(to)
@@ -1020,7 +1024,7 @@ class JITOperator(Operator):
         k = coords.shape[-1]
         c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
         uncertain = self._uncertain(flat, c2, self._decision_logvar(v2))
-        return q, np.log(var), uncertain.reshape(shape), flat
+        return q, var, uncertain.reshape(shape), flat
 
     def _restore_initial(self, pending, n_pending, threshold):
         self.operator = None

@@ -682,6 +682,32 @@ def test_epistemic_uncertainty_stops_consulting_where_the_noise_floor_is_above_t
         JITOperator(op, QuadratureOracle(f), uncertainty="both")
 
 
+def test_screen_certificates_rate_the_variance_the_threshold_applies_to():
+    """An epistemic-rule operator whose noise floor is above its threshold: once it has learned a
+    batch, ``predict`` consults none of it and certifies every row confident; ``screen_certified``
+    (a served operator's mode=predict) must rate the same rows the same way — before, it compared
+    the predictive log variance (never below the floor) with the threshold: all uncertain."""
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import logistic_incoming, make_training_set
+
+    f = Logistic()
+    pairs = make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=200, random_state=0)
+    inc = logistic_incoming(10, np.random.default_rng(5))
+    op = KernelOperator(f, "x", n_inner=30, n_outer=60, noise_vars=(1e-2,), random_state=0).fit(pairs)
+    floor = float(np.log(op.noise_var_ * np.max(op.y_scale_) ** 2))
+    jit = JITOperator(op, QuadratureOracle(f), threshold=floor - 1.0, uncertainty="epistemic")
+    for _ in range(8):
+        _, cert = jit.certified(inc)
+    assert (cert.source == "learned").all() and cert.confident.all()
+    _, lv, marked = jit.screen(inc)
+    _, cert_s, marked_s = jit.screen_certified(inc)
+    assert not marked.any() and not marked_s.any()
+    assert np.all(lv.max(axis=-1) > jit.threshold)  # the predictive variance alone would say uncertain
+    assert cert_s.confident.all()
+    np.testing.assert_array_equal(cert_s.log_var, cert.log_var)  # the same computation on the same state
+
+
 @pytest.mark.parametrize("uncertainty", ["predictive", "epistemic"])
 def test_screen_marks_the_rows_predict_would_consult_and_learns_nothing(op, oracle, uncertainty):
     """``screen`` (what a served operator with its oracle on the clients answers in mode=predict):
