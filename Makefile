@@ -24,13 +24,16 @@ demo: $(STAMP)
 
 ## test: the fast test suite
 # BLAS pinned to one thread: the suites are full of small matrices and loky worker processes,
-# where multi-threaded BLAS on two cores oversubscribes (measured 10-20x slower under load)
+# where multi-threaded BLAS on two cores oversubscribes (measured 10-20x slower under load).
+# One pytest worker per core (pytest-xdist; TEST_WORKERS=0 runs the suite in this process), each test
+# file in one worker, in order, as in a single process; the longest files first (tests/conftest.py).
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q
+	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-## test-slow: the slow tests only (notebook execution, first start of the service, ...)
+## test-slow: the slow tests only (notebook execution, the hostile-input fuzzer, the 5e5-particle oracle, ...)
 test-slow: $(STAMP)
-	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -m slow || [ $$? -eq 5 ]
+	OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m slow || [ $$? -eq 5 ]
 
 ## notebook: execute notebooks/train_operator.ipynb top to bottom (nbclient); the executed copy and the
 ##           figures go to notebooks/out/, the operator into the service's store (KJIT_STORE)

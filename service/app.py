@@ -19,7 +19,7 @@ from .audit import AuditCollector, Auditor
 from .jobs import JobManager
 from .metrics import Metrics
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from .routes import router
+from .routers import router
 from .settings import Settings
 from .shared import open_shared
 from .store import OperatorStore
@@ -42,7 +42,7 @@ server has a token (`KJIT_TOKEN`).  Updates are on disk before the response is s
 """
 
 
-#: the bearer scheme's name in OpenAPI (service.routes.bearer)
+#: the bearer scheme's name in OpenAPI (service.app._security)
 _BEARER = "HTTPBearer"
 
 

@@ -48,22 +48,9 @@ class RWLock:
 
     @contextmanager
     def write(self):
-        with self._cond:
-            while self._updater:  # (not yet a waiting writer: readers go on during a long update)
-                self._cond.wait()
-            self._waiting_writers += 1
-            try:
-                while self._writer or self._readers or self._updater:
-                    self._cond.wait()
-            finally:
-                self._waiting_writers -= 1
-            self._writer = True
-        try:
+        # (while an update is prepared aside, not yet a waiting writer: readers go on meanwhile)
+        with self._exclusive(lambda: self._writer or self._readers or self._updater, first=lambda: self._updater):
             yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
     @contextmanager
     def update(self):
@@ -83,11 +70,20 @@ class RWLock:
     @contextmanager
     def upgrade(self):
         """Inside :meth:`update` only: wait for the readers to leave, hold the lock exclusively."""
+        assert self._updater, "upgrade() outside update()"
+        with self._exclusive(lambda: self._readers):
+            yield
+
+    @contextmanager
+    def _exclusive(self, busy, first=None):
+        """Hold the lock as the writer once ``busy()`` is false, counted as a waiting writer until
+        then (new readers queue behind it) — but only once ``first()`` is false, if given."""
         with self._cond:
-            assert self._updater, "upgrade() outside update()"
+            while first is not None and first():
+                self._cond.wait()
             self._waiting_writers += 1
             try:
-                while self._readers:
+                while busy():
                     self._cond.wait()
             finally:
                 self._waiting_writers -= 1

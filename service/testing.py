@@ -45,7 +45,7 @@ class ThreadedServer:
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def start(self, timeout: float = 30.0, ready: bool = True) -> "ThreadedServer":
+    def start(self, timeout: float = 120.0, ready: bool = True) -> "ThreadedServer":
         """Start; wait until ``/ready`` says 200 unless ``ready`` is False."""
         self.thread.start()
         t_end = time.monotonic() + timeout
@@ -57,7 +57,7 @@ class ThreadedServer:
             self.wait_ready(t_end - time.monotonic())
         return self
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 120.0) -> None:
         import httpx
 
         t_end = time.monotonic() + max(timeout, 1.0)
@@ -96,7 +96,7 @@ class SubprocessServer:
         self.url = None
         self.output: list[str] = []
 
-    def start(self, timeout: float = 120.0) -> "SubprocessServer":
+    def start(self, timeout: float = 300.0) -> "SubprocessServer":
         self.proc = subprocess.Popen([sys.executable, "-m", "service", *self.args], env=self.env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         t_end = time.monotonic() + timeout

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 
 import numpy as np
@@ -25,6 +24,7 @@ from service.store import OperatorStore
 from test_service_fixtures import (  # noqa: F401 - fixtures
     TOKEN,
     app_client,
+    copy_store,
     load_pristine,
     pristine_store,
     probe,
@@ -139,8 +139,7 @@ def test_audit_statistics_survive_a_crash_and_a_restart(store_dir, tmp_path):
         assert before["audit"]["count"] == 45 and before["version"] >= 2  # at most 16 rows per record
         # a crash now: no snapshot since the audits; the log alone rebuilds the statistics
         crashed = tmp_path / "crashed"
-        shutil.copytree(store_dir, crashed)
-        (crashed / ".lock").unlink(missing_ok=True)
+        copy_store(store_dir, crashed)
     st = OperatorStore(crashed)
     st.open()
     try:

@@ -79,7 +79,7 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
               "source": {"kind": "client", "variables": VARIABLES, "output": "z",
                          "incoming": {v: _cols(m) for v, m in inc0.items()}, "beliefs": _cols(q0)}}
     store = tmp_path / "store"
-    srv = SubprocessServer(store).start(timeout=120)
+    srv = SubprocessServer(store).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             assert "my_noisy_product" not in c.get("/v1/operators").json()["factors"]
@@ -164,7 +164,7 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
         # observations that do not fit the declared families: 422 naming the field, nothing learned
         r = httpx.post(srv.url + "/v1/operators/client-product-z/observations",
                        json={"incoming": {v: _cols(m) for v, m in far.items()},
-                             "beliefs": {"family": "gamma", "shape": [1.0] * 3, "rate": [1.0] * 3}})
+                             "beliefs": {"family": "gamma", "shape": [1.0] * 3, "rate": [1.0] * 3}}, timeout=60)
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][:3] == ["body", "beliefs", "family"], r.text
         assert plain.info(refresh=True)["version"] == v1
         final = plain.belief(inc)
@@ -174,7 +174,7 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
         srv.stop()
 
     # after a restart (still without the client's code) the operator is the one learned
-    srv = SubprocessServer(store).start(timeout=120)
+    srv = SubprocessServer(store).start()
     try:
         with RemoteOperator(srv.url, "client-product-z", mode="predict") as again:
             np.testing.assert_array_equal(again.belief(inc).mean(), final.mean())

@@ -27,7 +27,6 @@ import copy
 import importlib
 import os
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -41,6 +40,8 @@ from kjit.families import Beta, Gaussian, family_name
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import MessageImportanceSampler
 from kjit.training import TrainingSet
+
+from test_service_fixtures import wait_job
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
 
@@ -138,10 +139,7 @@ def _create(c, name, pairs):
         "source": {"kind": "client", "variables": VARIABLES, "output": "z",
                    "incoming": {v: _wire(m) for v, m in inc.items()}, "beliefs": _wire(bel)}})
     assert r.status_code == 202, r.text
-    t_end = time.monotonic() + 120
-    while (job := c.get(r.headers["location"]).json())["status"] not in ("succeeded", "failed"):
-        assert time.monotonic() < t_end, job
-        time.sleep(0.05)
+    job = wait_job(c, r.headers["location"])
     assert job["status"] == "succeeded", job
 
 
@@ -160,7 +158,7 @@ def _server(tmp_path, code_dir, **env):
 
     srv = SubprocessServer(tmp_path, env={"KJIT_LOG_LEVEL": "warning", "OPENBLAS_NUM_THREADS": "1", **env})
     assert str(code_dir) not in srv.env.get("PYTHONPATH", "")  # the client's code is not on its path
-    return srv.start(timeout=120)
+    return srv.start()
 
 
 def _assert_never_imported_by(markers, *servers):

@@ -160,15 +160,8 @@ def _check_random_graphs(n, seed, max_iter=15):
 
 
 def test_random_small_graphs_never_crash_or_return_nan():
-    out = _check_random_graphs(25, seed=7)
+    out = _check_random_graphs(15, seed=7)  # 1000 in benchmarks/soak.py
     assert out["converged"] > 0
-
-
-@pytest.mark.slow
-def test_1000_random_small_graphs_never_crash_or_return_nan():
-    # at most 3 iterations each (exact rules on random, often hard messages: ~0.2 s a graph)
-    out = _check_random_graphs(1000, seed=2026, max_iter=3)
-    assert sum(out.values()) > 900
 
 
 # ----------------------------------------------------------------------------- log evidence

@@ -330,14 +330,8 @@ def _check_random(n_problems, seed, op):
 
 
 def test_random_problems_with_a_poor_learned_operator_never_return_nan(small_op):
-    out = _check_random(150, seed=19, op=small_op)
+    out = _check_random(60, seed=19, op=small_op)  # 1000 in benchmarks/soak.py
     assert out["converged"] > 0
-
-
-@pytest.mark.slow
-def test_1000_random_problems_with_a_poor_learned_operator_never_return_nan(small_op):
-    out = _check_random(1000, seed=2026, op=small_op)
-    assert sum(out.values()) == 1000
 
 
 def test_wrappers_that_forward_attributes_keep_their_belief_calls(small_op):

@@ -23,6 +23,7 @@ from test_service_fixtures import (  # noqa: F401 - fixtures
     app_client,
     pristine_store,
     settings_for,
+    poll,
     store_dir,
     wait_ready,
 )
@@ -283,11 +284,7 @@ def test_an_operator_that_cannot_predict_is_reported_failed(store_dir):
     with open(path / "log-00000000.jsonl", "ab") as fh:
         fh.write(encode_record(rec))
     with TestClient(create_app(settings_for(store_dir))) as c:
-        for _ in range(200):
-            r = c.get("/ready")
-            if not r.json()["loading"]:
-                break
-            __import__("time").sleep(0.05)
+        r = poll(lambda: c.get("/ready"), lambda r: not r.json()["loading"], timeout=120)
         assert r.status_code == 503
         assert "logistic-x" in r.json()["failed"], r.text
         assert "cannot predict" in r.json()["failed"]["logistic-x"] or "not finite" in r.json()["failed"]["logistic-x"]

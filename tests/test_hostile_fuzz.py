@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from service import Settings, create_app  # noqa: E402
 from service.testing import ThreadedServer  # noqa: E402
 
-from test_service_fixtures import TOKEN, pristine_store, settings_for  # noqa: E402,F401
+from test_service_fixtures import copy_store, pristine_store, settings_for, TOKEN  # noqa: E402,F401
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -24,11 +24,8 @@ schema = schemathesis.openapi.from_dict(create_app(Settings(store="/nonexistent"
 
 @pytest.fixture(scope="module")
 def live(pristine_store, tmp_path_factory):
-    import shutil
-
     dst = tmp_path_factory.mktemp("fuzz") / "store"
-    shutil.copytree(pristine_store, dst)
-    (dst / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, dst)
     # jobs are accepted (202) and trained in the background: keep them tiny
     with ThreadedServer(settings_for(dst, max_train_n=200, max_n_inner=20, max_n_outer=40, max_queued_jobs=2)) as srv:
         yield srv

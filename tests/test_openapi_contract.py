@@ -11,7 +11,6 @@ One check is narrowed, not dropped (``positive_data_acceptance``): see tests/con
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
@@ -24,7 +23,7 @@ from contract_checks import semantic_positive_data_acceptance  # noqa: E402
 from service import create_app  # noqa: E402
 from service.testing import ThreadedServer  # noqa: E402
 
-from test_service_fixtures import TOKEN, pristine_store, settings_for  # noqa: E402,F401
+from test_service_fixtures import copy_store, pristine_store, settings_for, TOKEN  # noqa: E402,F401
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 EXAMPLES = int(os.environ.get("KJIT_CONTRACT_EXAMPLES", "12"))
@@ -38,8 +37,7 @@ schema = schemathesis.openapi.from_dict(create_app(settings_for("/nonexistent", 
 @pytest.fixture(scope="module")
 def live(pristine_store, tmp_path_factory):
     dst = tmp_path_factory.mktemp("contract") / "store"
-    shutil.copytree(pristine_store, dst)
-    (dst / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, dst)
     with ThreadedServer(settings_for(dst, **LIMITS)) as srv:
         yield srv
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+
+from test_service_fixtures import wait_job
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx`")
 
@@ -49,15 +50,6 @@ def _reference_belief_z(mx, vx, my, vy, mz, vz, n=1_000_000, seed=7):
     return np.array(out_m), np.array(out_v)
 
 
-def _wait_job(c, location, timeout=300):
-    t_end = time.monotonic() + timeout
-    while True:
-        job = c.get(location).json()
-        if job["status"] in ("succeeded", "failed") or time.monotonic() > t_end:
-            return job
-        time.sleep(0.2)
-
-
 def _body(mx, vx, my, vy, mz, vz):
     g = lambda m, v: {"family": "gaussian", "mean": list(map(float, m)), "var": list(map(float, v))}  # noqa: E731
     return {"to": "z", "incoming": {"x": g(mx, vx), "y": g(my, vy), "z": g(mz, vz)}}
@@ -77,9 +69,9 @@ def test_plugin_factor_without_exact_rule_is_trained_served_and_survives_restart
     body = _body(*probe)
     ref_m, ref_v = _reference_belief_z(*probe)
     train = {"name": "noisy-product-z", "factor": "noisy_product", "to": "z", "n_inner": 100, "n_outer": 200,
-             "threshold": -2.0, "source": {"kind": "oracle", "n": 1500, "distribution": RANGES}}
+             "threshold": -2.0, "source": {"kind": "oracle", "n": 500, "distribution": RANGES}}
     predicted = []
-    srv = SubprocessServer(store, env=env).start(timeout=120)
+    srv = SubprocessServer(store, env=env).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             assert "noisy_product" in c.get("/v1/operators").json()["factors"]
@@ -101,7 +93,7 @@ def test_plugin_factor_without_exact_rule_is_trained_served_and_survives_restart
 
             r = c.post("/v1/operators", json=train)
             assert r.status_code == 202, r.text
-            job = _wait_job(c, r.headers["Location"])
+            job = wait_job(c, r.headers["Location"], timeout=1800)
             assert job["status"] == "succeeded", job
             assert job["request"]["source"]["oracle"] == "auto"
             listed = {o["name"]: o for o in c.get("/v1/operators").json()["operators"]}
@@ -122,7 +114,7 @@ def test_plugin_factor_without_exact_rule_is_trained_served_and_survives_restart
             r = c.post("/v1/operators/noisy-product-z/messages", params={"mode": "predict"}, json=body)
             assert r.status_code == 200, r.text
             predicted.append(r.json())
-            # the learned operator is in the right place (1500 pairs, D_in = 100): mean error in sd units
+            # the learned operator is in the right place (500 pairs, D_in = 100; 0.15 measured): mean error in sd units
             err = np.abs(np.array(r.json()["beliefs"]["mean"]) - ref_m) / sd
             assert err.mean() < 0.5, err
             # a wrong family for the plugin's variable is a 422 naming it
@@ -133,7 +125,7 @@ def test_plugin_factor_without_exact_rule_is_trained_served_and_survives_restart
     finally:
         srv.stop()
 
-    srv = SubprocessServer(store, env=env).start(timeout=120)
+    srv = SubprocessServer(store, env=env).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             names = [o["name"] for o in c.get("/v1/operators").json()["operators"]]

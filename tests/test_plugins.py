@@ -175,7 +175,7 @@ def test_server_trains_persists_reloads_and_serves_a_factor_given_by_module(tmp_
         try:
             out = "".join(srv.output)
             assert ("first start" in out) == (start == "first"), out
-            with httpx.Client(base_url=srv.url) as c:
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
                 names = [o["name"] for o in c.get("/v1/operators").json()["operators"]]
                 assert names == ["test_plugin_shift_mod-x"]
                 r = c.post("/v1/operators/test_plugin_shift_mod-x/messages", params={"mode": "oracle"}, json=body)
@@ -204,7 +204,7 @@ def test_server_trains_persists_reloads_and_serves_a_factor_given_by_module(tmp_
 
         t_end = time.monotonic() + 60
         while True:
-            r = httpx.get(srv.url + "/ready")
+            r = httpx.get(srv.url + "/ready", timeout=60)
             if r.json()["loading"] == [] and r.json()["failed"] or time.monotonic() > t_end:
                 break
             time.sleep(0.05)
@@ -213,8 +213,8 @@ def test_server_trains_persists_reloads_and_serves_a_factor_given_by_module(tmp_
         assert ready["missing_factors"] == {"test_plugin_shift_mod-x": "test_plugin_shift_mod"}
         why = ready["failed"]["test_plugin_shift_mod-x"]
         assert "factor 'test_plugin_shift_mod' is not available" in why and "KJIT_FACTORS" in why
-        assert httpx.get(srv.url + "/health").status_code == 200  # the server itself runs
-        r = httpx.post(srv.url + "/v1/operators/test_plugin_shift_mod-x/messages", json=body)
+        assert httpx.get(srv.url + "/health", timeout=60).status_code == 200  # the server itself runs
+        r = httpx.post(srv.url + "/v1/operators/test_plugin_shift_mod-x/messages", json=body, timeout=60)
         assert r.status_code == 503 and "test_plugin_shift_mod" in r.text
 
 

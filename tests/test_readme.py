@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from test_service_fixtures import pristine_store, settings_for  # noqa: F401 - fixtures
+from test_service_fixtures import copy_store, pristine_store, settings_for  # noqa: F401 - fixtures
 from service.testing import ThreadedServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,14 +39,11 @@ def test_readme_opens_with_the_two_setup_commands():
 
 
 def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # noqa: F811 - fixture
-    import shutil
-
     from service.store import OperatorStore
     from service.training import TrainSpec, train_operator
 
     store = tmp_path / "store"
-    shutil.copytree(pristine_store, store)
-    (store / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, store)
     # the served-model example asks for exp-x (served by default by `kjit serve`): a small one here
     s = OperatorStore(store)
     s.open()
@@ -78,15 +75,12 @@ def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # no
 
 
 def test_curl_block_is_a_valid_request(pristine_store, tmp_path):  # noqa: F811 - fixture
-    import shutil
-
     (curl,) = [b for b in blocks("bash") if b.lstrip().startswith("curl")]
     args = shlex.split(curl.replace("\\\n", " "))
     url = next(a for a in args if a.startswith("http://"))
     body = json.loads(args[args.index("-d") + 1])
     store = tmp_path / "store"
-    shutil.copytree(pristine_store, store)
-    (store / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, store)
     with ThreadedServer(settings_for(store, token=None)) as srv:
         r = httpx.post(url.replace("http://127.0.0.1:8000", srv.url), json=body, timeout=30)
     assert r.status_code == 200, r.text

@@ -10,7 +10,6 @@ a different rounding that the refactor then spread into every prediction (~1e-8 
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from kjit.training import DEFAULT_DISTRIBUTIONS
 from service.shared import open_shared
 from service.store import OperatorStore
 
-from test_service_fixtures import pristine_store  # noqa: F401 - fixture
+from test_service_fixtures import copy_store, pristine_store  # noqa: F401 - fixture
 
 N_RECORDS, ROWS = 230, 5  # 1150 rows: past one refactor (1000) and four folds (256)
 
@@ -47,8 +46,7 @@ def _open(root, shared):
 def _run(pristine, tmp, updates, stops: dict[int, str], shared=None):
     inc, q, probe = updates
     root = tmp / "store"
-    shutil.copytree(pristine, root)
-    (root / ".lock").unlink(missing_ok=True)
+    copy_store(pristine, root)
     s = _open(root, shared)
     for i in range(N_RECORDS):
         how = stops.get(i)

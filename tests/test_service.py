@@ -28,6 +28,7 @@ from test_service_fixtures import (  # noqa: F401 - fixtures
     probe,
     settings_for,
     store_dir,
+    wait_job,
 )
 from service.testing import ThreadedServer
 
@@ -49,7 +50,7 @@ def as_gaussian(d):
 
 # ------------------------------------------------------------------------------ real server
 def test_health_ready_and_listing(live):
-    with httpx.Client(base_url=live.url) as c:
+    with httpx.Client(base_url=live.url, timeout=60) as c:
         h = c.get("/health")
         assert h.status_code == 200 and h.json()["status"] == "ok"
         r = c.get("/ready")
@@ -73,7 +74,7 @@ def test_messages_three_modes_match_the_library(live, store_dir, pristine_store)
     local = load_pristine(pristine_store, "logistic-x")
     inc = probe("logistic", 40)
     oracle = QuadratureOracle(local.factor)
-    with httpx.Client(base_url=live.url, headers=AUTH) as c:
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         # predict: exactly the learned operator, never the oracle, read-only
         r = c.post("/v1/operators/logistic-x/messages", params={"mode": "predict"}, json=body(inc, "x")).json()
         q_loc, lv_loc = local.operator.predict(inc)
@@ -111,7 +112,7 @@ def test_observations_update_the_operator(live, store_dir, pristine_store):
     rng = np.random.default_rng(5)
     inc = probe("logistic", 12, seed=99)
     q = QuadratureOracle(local.factor).belief(inc, "x")
-    with httpx.Client(base_url=live.url, headers=AUTH) as c:
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         r = c.post("/v1/operators/logistic-x/observations", json={"incoming": body(inc, "x")["incoming"],
                                                                    "beliefs": beliefs_body(q)})
         assert r.status_code == 200, r.text
@@ -135,7 +136,7 @@ def test_observations_update_the_operator(live, store_dir, pristine_store):
 
 
 def test_training_job_with_progress(live, store_dir):
-    with httpx.Client(base_url=live.url, headers=AUTH) as c:
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         req = {"name": "tiny-x", "factor": "logistic", "to": "x", "n_inner": 20, "n_outer": 30, "threshold": -3.0,
                "source": {"kind": "oracle", "n": 80}}
         r = c.post("/v1/operators", json=req)
@@ -144,12 +145,7 @@ def test_training_job_with_progress(live, store_dir):
         assert job["status"] in ("queued", "running", "succeeded") and job["operator"] == "tiny-x"
         loc = r.headers["Location"]
         seen = set()
-        for _ in range(600):
-            job = c.get(loc).json()
-            seen.add(job["progress"]["stage"])
-            if job["status"] in ("succeeded", "failed"):
-                break
-            time.sleep(0.05)
+        job = wait_job(c, loc, on_each=lambda j: seen.add(j["progress"]["stage"]))
         assert job["status"] == "succeeded", job
         assert job["progress"]["fraction"] == 1.0 and job["result"]["n_train"] == 80
         d = c.get("/v1/operators/tiny-x").json()
@@ -163,11 +159,7 @@ def test_training_job_with_progress(live, store_dir):
         r = c.post("/v1/operators", json={"name": "tiny-z", "factor": "logistic", "to": "z", "n_inner": 20,
                                           "n_outer": 30, "source": {"kind": "file", "path": "z60.npz"}})
         assert r.status_code == 202, r.text
-        for _ in range(600):
-            job = c.get(r.headers["Location"]).json()
-            if job["status"] in ("succeeded", "failed"):
-                break
-            time.sleep(0.05)
+        job = wait_job(c, r.headers["Location"])
         assert job["status"] == "succeeded", job
         names = [o["name"] for o in c.get("/v1/operators").json()["operators"]]
         assert {"tiny-x", "tiny-z"} <= set(names)
@@ -179,20 +171,16 @@ def test_job_records_survive_a_restart_and_interrupted_jobs_are_failed(store_dir
     that a crash left running is reported failed ("interrupted") instead of running forever."""
     req = {"name": "tiny-x", "factor": "logistic", "to": "x", "n_inner": 20, "n_outer": 30, "threshold": -3.0,
            "source": {"kind": "oracle", "n": 60}}
-    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, headers=AUTH) as c:
+    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
         r = c.post("/v1/operators", json=req)
         assert r.status_code == 202, r.text
         loc = r.headers["Location"]
-        for _ in range(600):
-            job = c.get(loc).json()
-            if job["status"] in ("succeeded", "failed"):
-                break
-            time.sleep(0.05)
+        job = wait_job(c, loc)
         assert job["status"] == "succeeded", job
     # a record a crash left behind mid-job
     ghost = dict(job, id="0123456789abcdef", status="running", finished=None, result=None, operator="ghost")
     (store_dir / "jobs" / "0123456789abcdef.json").write_text(json.dumps(ghost))
-    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, headers=AUTH) as c:
+    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
         again = c.get(loc).json()
         assert again == job  # the same record, result included
         g = c.get("/v1/jobs/0123456789abcdef").json()
@@ -202,7 +190,7 @@ def test_job_records_survive_a_restart_and_interrupted_jobs_are_failed(store_dir
 
 def test_metrics_in_prometheus_format(live):
     inc = probe("logistic", 10)
-    with httpx.Client(base_url=live.url, headers=AUTH) as c:
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         for mode in ("predict", "predict", "jit"):
             c.post(f"/v1/operators/logistic-x/messages?mode={mode}", json=body(inc, "x")).raise_for_status()
         c.get("/v1/operators/nope")
@@ -240,7 +228,7 @@ def test_concurrent_predictions_never_see_half_applied_updates(live, store_dir, 
     stop = threading.Event()
 
     def reader():
-        with httpx.Client(base_url=live.url) as c:
+        with httpx.Client(base_url=live.url, timeout=60) as c:
             while not stop.is_set():
                 r = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(test, "x")).json()
                 seen.append((r["version"], np.array(r["beliefs"]["mean"]), np.array(r["beliefs"]["var"])))
@@ -248,7 +236,7 @@ def test_concurrent_predictions_never_see_half_applied_updates(live, store_dir, 
     threads = [threading.Thread(target=reader) for _ in range(2)]
     for t in threads:
         t.start()
-    with httpx.Client(base_url=live.url, headers=AUTH) as c:
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         for b, q in zip(batches, beliefs):
             r = c.post("/v1/operators/logistic-x/observations", json={"incoming": body(b, "x")["incoming"],
                                                                        "beliefs": beliefs_body(q)})

@@ -18,6 +18,7 @@ from service.testing import SubprocessServer, ThreadedServer
 from test_service_fixtures import (  # noqa: F401 - fixtures
     TOKEN,
     load_pristine,
+    poll,
     pristine_store,
     probe,
     settings_for,
@@ -74,7 +75,7 @@ def test_kill_9_mid_stream_loses_no_acknowledged_observation(store_dir, pristine
 
     srv2 = SubprocessServer(store_dir, env=env).start()
     try:
-        with httpx.Client(base_url=srv2.url, headers=AUTH) as c:
+        with httpx.Client(base_url=srv2.url, headers=AUTH, timeout=60) as c:
             d = c.get("/v1/operators/logistic-x").json()
             # every acknowledged observation is there; at most the one in flight on top
             assert n_acked <= d["version"] <= n_acked + 1, (n_acked, d["version"])
@@ -107,7 +108,7 @@ def _thread_server(store_dir, **kw):
 def test_jit_learning_survives_a_restart(store_dir):
     inc = probe("logistic", 40, seed=5)
     test = probe("logistic", 30, seed=6)
-    with _thread_server(store_dir) as srv, httpx.Client(base_url=srv.url, headers=AUTH) as c:
+    with _thread_server(store_dir) as srv, httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
         r = c.post("/v1/operators/logistic-x/messages?mode=jit", json=body(inc, "x")).json()
         assert r["n_consulted"] > 0
         after = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(test, "x")).json()
@@ -166,17 +167,38 @@ def test_torn_tail_is_cut_and_damage_elsewhere_is_refused(store_dir, pristine_st
     lines = log_path.read_bytes().splitlines(keepends=True)
     lines[1] = lines[1][:20] + b"X" + lines[1][21:]
     log_path.write_bytes(b"".join(lines))
-    with ThreadedServer(settings_for(store_dir)).start(ready=False) as srv, httpx.Client(base_url=srv.url) as c:
-        for _ in range(200):
-            r = c.get("/ready")
-            if r.json()["loading"] == []:
-                break
-            time.sleep(0.02)
+    with ThreadedServer(settings_for(store_dir)).start(ready=False) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = poll(lambda: c.get("/ready"), lambda r: r.json()["loading"] == [], timeout=120, every=0.02)
         assert r.status_code == 503
         assert "logistic-x" in r.json()["failed"] and "damaged" in r.json()["failed"]["logistic-x"]
         assert "logistic-z" in r.json()["operators"]
         m = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(probe("logistic", 2), "x"))
         assert m.status_code == 503 and m.json()["detail"][0]["loc"] == ["path", "name"]
+
+
+def test_a_newest_snapshot_that_does_not_load_keeps_the_older_generation(store_dir, pristine_store):
+    """A crash between writing snapshot G and deleting the generations below it leaves both; if
+    snapshot G then does not load (damaged), the operator is reported failed and the older
+    generation — the only state that does load — stays on disk for the operator to recover it."""
+    d = store_dir / "operators" / "logistic-x"
+    (d / "snapshot-00000001.npz").write_bytes(b"not a snapshot")
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
+    try:
+        assert "logistic-x" in store.failed and "logistic-z" in store.names()
+    finally:
+        store.abandon()
+    assert (d / "snapshot-00000000.npz").exists()
+    # moving the damaged snapshot away serves the older state again
+    (d / "snapshot-00000001.npz").unlink()
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
+    try:
+        assert not store.failed and store.get("logistic-x").version == 0
+    finally:
+        store.abandon()
 
 
 def test_one_server_per_store(store_dir):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import time
 
+import httpx
 import numpy as np
 import pytest
 
@@ -55,11 +56,17 @@ def pristine_store(tmp_path_factory):
     return root
 
 
+def copy_store(src, dst):
+    """A copy of the store ``src`` at ``dst`` (without its lock file: a store no server holds)."""
+    shutil.copytree(src, dst)
+    (dst / ".lock").unlink(missing_ok=True)
+    return dst
+
+
 @pytest.fixture
 def store_dir(pristine_store, tmp_path):
     dst = tmp_path / "store"
-    shutil.copytree(pristine_store, dst)
-    (dst / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, dst)
     return dst
 
 
@@ -76,14 +83,43 @@ def live(store_dir):
         yield srv
 
 
-def wait_ready(client, timeout=30.0):
+def poll(get, done, timeout=900.0, every=0.05):
+    """``get()`` until ``done(answer)`` or ``timeout`` seconds have passed (a hang guard sized for a
+    slow machine); returns the last answer."""
     t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        r = client.get("/ready")
-        if r.status_code == 200:
-            return r
-        time.sleep(0.02)
-    raise AssertionError(f"not ready: {r.text}")
+    failures = 0
+    while True:
+        try:
+            answer = get()
+        except httpx.TransportError:
+            # a keep-alive connection the server closed as it was reused (on a starved machine the
+            # client can sit idle past uvicorn's keep-alive): a read is safe to repeat, a few times
+            failures += 1
+            if failures > 5 or time.monotonic() > t_end:
+                raise
+            time.sleep(every)
+            continue
+        failures = 0
+        if done(answer) or time.monotonic() > t_end:
+            return answer
+        time.sleep(every)
+
+
+def wait_job(client, location, timeout=900.0, on_each=None) -> dict:
+    """The job at ``location`` once it has finished (or the last record seen after ``timeout`` s)."""
+    def get():
+        job = client.get(location).json()
+        if on_each is not None:
+            on_each(job)
+        return job
+    return poll(get, lambda job: job["status"] in ("succeeded", "failed"), timeout)
+
+
+def wait_ready(client, timeout=120.0):
+    r = poll(lambda: client.get("/ready"), lambda r: r.status_code == 200, timeout, every=0.02)
+    if r.status_code != 200:
+        raise AssertionError(f"not ready: {r.text}")
+    return r
 
 
 @pytest.fixture

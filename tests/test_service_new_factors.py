@@ -3,7 +3,6 @@ a 422 naming the variable and the field, and nothing is learned from it."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 from fastapi.testclient import TestClient
@@ -12,7 +11,7 @@ from service import create_app
 from service.store import OperatorStore
 from service.training import TrainSpec, train_operator
 
-from test_service_fixtures import TOKEN, pristine_store, settings_for, wait_ready  # noqa: F401 - fixtures
+from test_service_fixtures import copy_store, pristine_store, settings_for, TOKEN, wait_ready  # noqa: F401 - fixtures
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -20,8 +19,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture(scope="module")
 def new_factor_store(pristine_store, tmp_path_factory):  # noqa: F811 - fixture
     root = tmp_path_factory.mktemp("newfactors") / "store"
-    shutil.copytree(pristine_store, root)
-    (root / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, root)
     s = OperatorStore(root)
     s.open()
     try:
@@ -37,8 +35,7 @@ def new_factor_store(pristine_store, tmp_path_factory):  # noqa: F811 - fixture
 @pytest.fixture
 def client(new_factor_store, tmp_path):
     dst = tmp_path / "store"
-    shutil.copytree(new_factor_store, dst)
-    (dst / ".lock").unlink(missing_ok=True)
+    copy_store(new_factor_store, dst)
     with TestClient(create_app(settings_for(dst))) as c:
         wait_ready(c)
         yield c

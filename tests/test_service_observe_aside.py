@@ -6,7 +6,6 @@ answered at once, at the version before."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import numpy as np
@@ -19,7 +18,7 @@ from kjit.training import DEFAULT_DISTRIBUTIONS
 from service.locks import RWLock, WouldBlock
 from service.store import ASIDE_ROWS, OperatorStore
 
-from test_service_fixtures import load_pristine, pristine_store  # noqa: F401 - fixture
+from test_service_fixtures import copy_store, load_pristine, pristine_store  # noqa: F401 - fixture
 
 
 def _open(root):
@@ -33,8 +32,7 @@ def _open(root):
 @pytest.fixture
 def root(pristine_store, tmp_path):
     dst = tmp_path / "store"
-    shutil.copytree(pristine_store, dst)
-    (dst / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, dst)
     return dst
 
 

@@ -28,6 +28,7 @@ from service.testing import SubprocessServer, ThreadedServer, free_port
 
 from test_service_fixtures import (  # noqa: F401 - fixtures
     TOKEN,
+    copy_store,
     load_pristine,
     pristine_store,
     probe,
@@ -66,7 +67,7 @@ def redis_url(tmp_path):
                              "--appendonly", "yes", "--appendfsync", "always", "--save", "",
                              "--protected-mode", "no"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    t_end = time.monotonic() + 20
+    t_end = time.monotonic() + 60
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
@@ -213,7 +214,7 @@ def test_concurrent_writers_on_two_replicas_get_one_order(store_dir, pristine_st
         test = probe("logistic", 30, seed=8)
         out = []
         for srv in (a, b):
-            with httpx.Client(base_url=srv.url, headers=AUTH) as c:
+            with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
                 assert c.post("/v1/operators/logistic-x/merge").json()["version"] == 24
                 out.append(_predict(c, test))
     assert out[0]["beliefs"] == out[1]["beliefs"]
@@ -226,7 +227,7 @@ def test_concurrent_writers_on_two_replicas_get_one_order(store_dir, pristine_st
 def test_idempotency_key_counts_once_across_replicas(store_dir, tmp_path, shared_url):
     (inc, q), (inc2, q2) = _oracle_pairs(2, rows=4, seed=70)
     with _replica(store_dir, shared_url) as a, _replica(tmp_path / "b", shared_url) as b:
-        with httpx.Client(base_url=a.url, headers=AUTH) as ca, httpx.Client(base_url=b.url, headers=AUTH) as cb:
+        with httpx.Client(base_url=a.url, headers=AUTH, timeout=60) as ca, httpx.Client(base_url=b.url, headers=AUTH, timeout=60) as cb:
             r1 = _observe(ca, inc, q, key="key-1")
             r2 = _observe(cb, inc, q, key="key-1")  # the client retried on the other replica
             assert r2["duplicate"] and r2["version"] == r1["version"] and r2["accepted"] == 4
@@ -242,17 +243,17 @@ def test_background_merge_and_restarted_replica_catches_up(store_dir, tmp_path):
     pairs = _oracle_pairs(6, rows=2, seed=300)
     b_store = tmp_path / "b"
     with _replica(store_dir, shared, merge_interval=0.05) as a:
-        with httpx.Client(base_url=a.url, headers=AUTH) as ca:
+        with httpx.Client(base_url=a.url, headers=AUTH, timeout=60) as ca:
             with _replica(b_store, shared, merge_interval=0.05) as b:
-                with httpx.Client(base_url=b.url, headers=AUTH) as cb:
+                with httpx.Client(base_url=b.url, headers=AUTH, timeout=60) as cb:
                     _observe(ca, *pairs[0])
-                    t_end = time.monotonic() + 20
+                    t_end = time.monotonic() + 120
                     while cb.get("/v1/operators/logistic-x").json()["version"] < 1:  # merged in the background
                         assert time.monotonic() < t_end, "replica B never merged A's update"
                         time.sleep(0.02)
             for inc, q in pairs[1:]:  # B is down
                 _observe(ca, inc, q)
-            with _replica(b_store, shared) as b2, httpx.Client(base_url=b2.url, headers=AUTH) as cb:
+            with _replica(b_store, shared) as b2, httpx.Client(base_url=b2.url, headers=AUTH, timeout=60) as cb:
                 test = probe("logistic", 30, seed=31)
                 pa, pb = _predict(ca, test), _predict(cb, test)
                 assert pa["version"] == pb["version"] == 6  # caught up on start
@@ -263,10 +264,10 @@ def test_an_operator_published_later_is_adopted_on_first_use(store_dir, tmp_path
     """Replica B starts before anything is published (and never merges in the background): the
     first request naming A's operator adopts it from the shared store."""
     shared = str(tmp_path / "shared")
-    with _replica(tmp_path / "b", shared) as b, httpx.Client(base_url=b.url, headers=AUTH) as cb:
+    with _replica(tmp_path / "b", shared) as b, httpx.Client(base_url=b.url, headers=AUTH, timeout=60) as cb:
         assert cb.get("/ready").json()["operators"] == []
         assert cb.get("/v1/operators/logistic-x").status_code == 404
-        with _replica(store_dir, shared) as a, httpx.Client(base_url=a.url, headers=AUTH) as ca:
+        with _replica(store_dir, shared) as a, httpx.Client(base_url=a.url, headers=AUTH, timeout=60) as ca:
             (inc, q), = _oracle_pairs(1, rows=2, seed=11)
             _observe(ca, inc, q)
             r = cb.post("/v1/operators/logistic-x/merge")
@@ -281,18 +282,17 @@ def test_a_standalone_store_with_updates_does_not_silently_lose_them(store_dir, 
     copy of the operator, refuses that operator (failed in /ready, with the reason) instead of
     dropping the updates; with no copy in the shared store it publishes its state, updates kept."""
     (inc, q), = _oracle_pairs(1, rows=3, seed=21)
-    with ThreadedServer(settings_for(store_dir)) as s, httpx.Client(base_url=s.url, headers=AUTH) as c:
+    with ThreadedServer(settings_for(store_dir)) as s, httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
         assert _observe(c, inc, q)["version"] == 1
     other = tmp_path / "other"
-    shutil.copytree(pristine_store, other)
-    (other / ".lock").unlink(missing_ok=True)
+    copy_store(pristine_store, other)
     shared = str(tmp_path / "shared")
     with _replica(other, shared):
         pass  # publishes the pristine operators
     srv = _replica(store_dir, shared).start(ready=False)
     try:
-        with httpx.Client(base_url=srv.url) as c:
-            t_end = time.monotonic() + 30
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            t_end = time.monotonic() + 120
             while (r := c.get("/ready").json())["loading"] and time.monotonic() < t_end:
                 time.sleep(0.05)
             assert "logistic-x" in r["failed"] and "outside the shared store" in r["failed"]["logistic-x"]
@@ -300,13 +300,13 @@ def test_a_standalone_store_with_updates_does_not_silently_lose_them(store_dir, 
     finally:
         srv.stop()
     fresh = str(tmp_path / "shared2")
-    with _replica(store_dir, fresh) as s, httpx.Client(base_url=s.url, headers=AUTH) as c:
+    with _replica(store_dir, fresh) as s, httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
         d = c.get("/v1/operators/logistic-x").json()
         assert d["n_train"] == 303 and d["version"] == 0  # the learned pairs are in the published base
 
 
 def test_merge_without_a_shared_store_is_409(live):
-    with httpx.Client(base_url=live.url) as c:
+    with httpx.Client(base_url=live.url, timeout=60) as c:
         assert c.post("/v1/operators/logistic-x/merge").status_code == 401  # state-changing: token first
         r = c.post("/v1/operators/logistic-x/merge", headers=AUTH)
         assert r.status_code == 409 and r.json()["detail"][0]["type"] == "not_replicated"
@@ -371,7 +371,7 @@ def test_two_kjit_serve_processes_share_redis(store_dir, pristine_store, tmp_pat
     pairs = _oracle_pairs(6, rows=2, seed=800)
     with SubprocessServer(store_dir, env=env) as a, SubprocessServer(tmp_path / "b", env=env) as b:
         assert a.url != b.url
-        with httpx.Client(base_url=a.url, headers=AUTH) as ca, httpx.Client(base_url=b.url, headers=AUTH) as cb:
+        with httpx.Client(base_url=a.url, headers=AUTH, timeout=60) as ca, httpx.Client(base_url=b.url, headers=AUTH, timeout=60) as cb:
             versions = [_observe((ca, cb)[i % 2], inc, q)["version"] for i, (inc, q) in enumerate(pairs)]
             assert versions == list(range(1, 7))
             for c in (ca, cb):

@@ -1,0 +1,204 @@
+"""Messages through an operator (``mode=predict|jit|oracle``) and observations to learn from."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Header, Query, Response
+from starlette.concurrency import run_in_threadpool
+
+from kjit.oracles import ClientOracle
+
+from .. import schemas
+from ..deps import EntryDep, MetricsDep, OracleSlotDep, SettingsDep, StoreDep
+from ..errors import ApiError, internal_error
+from ..locks import WouldBlock
+from ..metrics import Metrics
+from ..settings import Settings
+from ..store import Conflict, Entry, OperatorStore, OracleFailure, PersistError, Unprocessable
+from ..validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
+from ..wire import beliefs_from, columns, matrix_columns, to_families
+from .base import answers, canonical_hash, json_response, request_body, row_errors
+
+router = APIRouter(tags=["messages"])
+
+Mode = Literal["predict", "jit", "oracle"]
+
+#: largest ``mode=predict`` batch answered on the event loop
+INLINE_ROWS = 16
+
+
+@router.post(
+    "/v1/operators/{name}/messages", response_model=None,
+    responses=answers(schemas.MessagesResponse, body=True),
+    openapi_extra=request_body(schemas.MessagesRequest),
+    summary="outgoing messages and beliefs for a batch of incoming messages",
+    description=(
+        "`mode=predict`: the learned operator answers every row (never the oracle; read-only).\n\n"
+        "`mode=jit` (default): rows whose log predictive variance exceeds the operator's threshold in any "
+        "coordinate go to the oracle, whose answers are returned and learned (durably, before the response; "
+        "needs the token when one is configured).\n\n"
+        "`mode=oracle`: the oracle answers every row; nothing is learned (needs the token when one is "
+        "configured; at most KJIT_MAX_ORACLE_BATCH rows, KJIT_ORACLE_CONCURRENCY requests at a time).\n\n"
+        "`beliefs` are the projected beliefs q; `messages` are q / incoming[to], whose natural parameters are "
+        "always given (an outgoing message can be improper; then its parameters are not a distribution and "
+        "`is_proper` is false)."),
+)
+async def messages(
+    entry: EntryDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    metrics: MetricsDep,
+    oracle_slot: OracleSlotDep,
+    req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
+    mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
+):
+    # A small read-only batch is answered on the event loop (two small matrix-vector products:
+    # less than the thread hops it would otherwise cost), unless an update holds or waits for
+    # the operator's lock — then, and for everything else, in the thread pool.
+    args = (entry, settings, store, metrics, oracle_slot, req, mode)
+    if mode == "predict" and _rows(req) <= INLINE_ROWS:
+        try:
+            return _messages(*args, wait=False)
+        except WouldBlock:
+            pass
+    return await run_in_threadpool(_messages, *args)
+
+
+def _rows(req: schemas.MessagesRequest) -> int:
+    """The longest column of the request (its rows, if valid)."""
+    return max((len(c) for b in req.incoming.values() for c in b.__dict__.values() if isinstance(c, list)),
+               default=0)
+
+
+def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
+    factor = entry.jit.factor
+    if to not in factor.variables:
+        raise ApiError(422, ["body", "to"], f"unknown recipient {to!r} for factor {factor.name!r}; its variables are "
+                                            f"{', '.join(factor.variables)}", "unknown_recipient")
+    if to != entry.jit.to:
+        others = [n for n in store.names() if (e := store.entries.get(n)) is not None
+                  and e.jit.factor.name == factor.name and e.jit.to == to]
+        hint = f"; operator {others[0]!r} sends to {to!r}" if others else ""
+        raise ApiError(422, ["body", "to"], f"operator {entry.name!r} sends messages to {entry.jit.to!r}, not "
+                                            f"{to!r}{hint}", "wrong_recipient")
+
+
+def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
+              req: schemas.MessagesRequest, mode: str, wait: bool = True) -> Response:
+    if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
+        raise ApiError(422, ["query", "mode"], f"operator {entry.name!r} has no oracle on the server (its clients run "
+                                               f"it): use mode=predict and send the oracle's answers to "
+                                               f"/v1/operators/{entry.name}/observations", "no_server_oracle")
+    _check_to(entry, store, req.to)
+    inc = to_families(entry.jit.factor, req.incoming, settings.max_batch)
+    n_rows = len(next(iter(inc.values())))
+    if mode == "oracle" and n_rows > settings.max_oracle_batch:
+        v = entry.jit.factor.variables[0]
+        raise ApiError(422, ["body", "incoming", v, entry.jit.factor.families[v].param_names[0]],
+                       f"batch of {n_rows} messages exceeds the limit of {settings.max_oracle_batch} per "
+                       f"mode=oracle request (KJIT_MAX_ORACLE_BATCH); split it", "too_long")
+    try:
+        if mode == "oracle":
+            with oracle_slot():
+                q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode)
+        else:  # mode=predict also marks the rows the just-in-time rule would consult ("uncertain")
+            q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode, wait=wait)
+    except OracleFailure as exc:
+        raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
+    except Unprocessable as exc:
+        rows = bad_feature_rows(entry.jit.operator, inc)
+        if rows:
+            raise row_errors(rows, ["body", "incoming"], "the operator cannot evaluate these messages (their "
+                             "random features are not finite numbers)", "not_computable") from None
+        raise ApiError(422, ["body", "incoming"], f"these messages cannot be answered: {exc}", "not_computable") from None
+    except PersistError as exc:
+        if exc.unknown:
+            raise ApiError(503, [], f"{exc}; the oracle's answers may or may not have been learned",
+                           "outcome_unknown") from None
+        raise ApiError(503, [], f"{exc}; nothing was learned", "not_persisted") from None
+    if mode != "jit":  # (read-only modes; a jit answer was learned already, and is finite: from_coords checks)
+        rows = bad_output_rows(q, logvar)
+        if rows:
+            raise row_errors(rows, ["body", "incoming"], "the answer for these messages is not a finite belief",
+                             "not_computable")
+    msg = q / inc[entry.jit.to]
+    n = len(q)
+    n_cons = int(np.count_nonzero(consulted))
+    metrics.messages.labels(entry.name, mode).inc(n)
+    if n_cons:
+        metrics.consultations.labels(entry.name).inc(n_cons)
+    if n_learned:
+        metrics.updates.labels(entry.name, "jit").inc(n_learned)
+        metrics.records.labels(entry.name).inc()
+    out_msgs = columns(msg)
+    out_msgs["natural"] = matrix_columns(msg.natural().reshape(n, -1))
+    out_msgs["is_proper"] = np.asarray(msg.is_proper).tolist()
+    payload = {
+        "operator": entry.name, "to": entry.jit.to, "mode": mode, "version": version, "n": n, "n_consulted": n_cons,
+        "coords": list(entry.jit.family.coord_names),
+        # the factor's projection convention (a factor parameter where it offers a choice)
+        "projection": str(entry.jit.factor.params().get("projection", "kl")),
+        "beliefs": columns(q), "messages": out_msgs,
+        "log_var": None if logvar is None else matrix_columns(logvar),
+        "consulted": np.asarray(consulted).tolist(),
+        "certificates": cert.to_json(),  # per row: source, quality, propriety (kjit.certificates)
+        "uncertain": None if uncertain is None else np.asarray(uncertain).tolist(),
+    }
+    return json_response(payload)
+
+
+@router.post(
+    "/v1/operators/{name}/observations", response_model=None,
+    responses=answers(schemas.ObservationsResponse, body=True, **{
+        "409": {"model": schemas.ErrorResponse, "description": "Idempotency-Key reused with another body"}}),
+    openapi_extra=request_body(schemas.ObservationsRequest),
+    summary="add (incoming, belief) pairs computed elsewhere (online update, durable before the response)",
+    description=("Send an `Idempotency-Key` header (any unique string, e.g. a UUID) to make retries safe: a request "
+                 "whose key was seen before adds nothing and returns the first response with `duplicate: true`."),
+)
+def observations(
+    entry: EntryDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    oracle_slot: OracleSlotDep,
+    req: Annotated[schemas.ObservationsRequest, Depends(body_dependency(schemas.ObservationsRequest))],
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
+):
+    factor = entry.jit.factor
+    inc = to_families(factor, req.incoming, settings.max_batch)
+    n_inc = len(next(iter(inc.values())))
+    beliefs = beliefs_from(req.beliefs, entry.jit.family, n_inc, ["body", "beliefs"], recipient=entry.jit.to)
+    jit = entry.jit
+    rows = bad_feature_rows(jit.operator, inc)
+    if rows:
+        raise row_errors(rows, ["body", "incoming"], "the operator cannot evaluate these messages (their random "
+                         "features are not finite numbers)", "not_computable")
+    bad = implausible_rows(jit, inc, beliefs, settings.observation_max_z, settings.observation_max_kl,
+                           slot=oracle_slot)
+    if bad:
+        raise ApiError.many(422, [{"loc": ["body", "beliefs", i], "type": "implausible_belief",
+                                   "msg": f"row {i}: not a belief the factor can produce from these incoming "
+                                          f"messages: {why}"} for i, why in bad])
+    try:
+        version, accepted, dup = entry.observe(inc, beliefs, idempotency_key,
+                                               canonical_hash(req) if idempotency_key else None)
+    except Conflict as exc:
+        raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
+    except PersistError as exc:
+        if exc.unknown:
+            raise ApiError(503, [], f"{exc}; retry with the same Idempotency-Key to apply it exactly once",
+                           "outcome_unknown") from None
+        raise ApiError(503, [], f"{exc}; nothing was added", "not_persisted") from None
+    except Unprocessable as exc:  # the operator was rebuilt from the store: nothing was added
+        raise ApiError(422, ["body"], f"these observations cannot be learned: {exc}", "not_computable") from None
+    except Exception as exc:  # the operator was rebuilt from the store: nothing was added
+        raise internal_error("the update failed and was rolled back", exc, type_="update_failed") from None
+    if not dup:
+        metrics.updates.labels(entry.name, "observations").inc(accepted)
+        metrics.records.labels(entry.name).inc()
+    with entry.lock.read():
+        n_train = int(entry.jit.operator.n_train_)
+    return json_response({"operator": entry.name, "accepted": accepted, "version": version, "n_train": n_train,
+                          "duplicate": dup})

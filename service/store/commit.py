@@ -1,0 +1,342 @@
+"""How an operator's updates become durable: one strategy per deployment shape.
+
+Both strategies give the same guarantee — an update is durable before it is visible, and
+memory never runs ahead of the source of truth — and the same interface:
+
+* ``update(make, apply, aside=False)``: build a record (``make``, under the operator's
+  exclusive lock; None: nothing to do, e.g. a duplicate key), make it durable and apply it;
+  returns the record (its ``seq`` is the version it made), or None;
+* ``jit(incoming)``: answer a ``mode=jit`` request and make what it learned durable;
+* ``join(...)`` after the operator is loaded, ``merge()`` on request.
+
+:class:`Standalone`: the operator's own log (:class:`service.store.log.OperatorLog`) is the source
+of truth: apply, append and fsync, then acknowledge; a failure rebuilds the operator from disk.
+Large observations are learned aside (on a copy) so predictions are not held up.
+
+:class:`Replicated` (``KJIT_SHARED_STORE``, :mod:`service.shared`): the shared log is: a record
+is appended there (compare-and-set on the version) before it is applied and acknowledged; the
+local directory keeps snapshots only, each naming the shared base it grew from.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import uuid
+from typing import Callable
+
+from kjit.oracles import OracleError
+
+from ..files import decode_record, encode_record
+from ..shared import SharedLog, SharedLogError
+from ..validation import NUMERIC_ERRORS
+from .errors import Conflict, OracleFailure, PersistError, Unprocessable
+from .records import jit_record, record_rows, sha256
+
+log = logging.getLogger("kjit.service.store")
+
+__all__ = ["Standalone", "Replicated", "ASIDE_ROWS"]
+
+#: observations of at least this many rows are learned aside (``Standalone.update``): predictions
+#: are not held up behind them; smaller ones are learned in place (a copy costs more than they do)
+ASIDE_ROWS = 256
+
+#: ``make`` builds a record (None: nothing to add); ``apply(jit)`` is the in-memory update it stands for
+MakeRecord = Callable[[], "dict | None"]
+Apply = Callable[[object], None]
+
+
+def _answer(jit, incoming, revertible: bool = False):
+    """``jit.certified`` for a ``mode=jit`` request, its failures as the store's errors (after
+    which nothing was learned or counted: JITOperator.predict is atomic)."""
+    try:
+        q, cert = jit.certified(incoming, jit.to, revertible=revertible)
+    except OracleError as exc:
+        raise OracleFailure(str(exc)) from None
+    except NUMERIC_ERRORS as exc:
+        raise Unprocessable(str(exc)) from None
+    return q, cert, cert.log_var, cert.source != "learned"
+
+
+class Standalone:
+    """Updates are made durable in the operator's own log."""
+
+    def __init__(self, entry):
+        self.entry = entry
+
+    def join(self, recorded_base: str | None, snapshot: bytes, n_local: int) -> None:
+        """Nothing to join: the local log is the whole history."""
+
+    def merge(self) -> int:
+        raise Conflict("this server has no shared store (KJIT_SHARED_STORE): there is nothing to merge")
+
+    def update(self, make: MakeRecord, apply: Apply, aside: bool = False) -> dict | None:
+        if aside:
+            return self._update_aside(make, apply)
+        e = self.entry
+        with e.lock.write():
+            rec = make()
+            if rec is None:
+                return None
+            rec["seq"] = e.version + 1
+            self._commit(rec, lambda: apply(e.jit))
+            return rec
+
+    def jit(self, incoming):
+        e = self.entry
+        with e.lock.write():
+            jit = e.jit
+            try:
+                q, cert, logvar, consulted = _answer(jit, incoming)
+            except (OracleFailure, Unprocessable):
+                raise
+            except Exception as exc:
+                e._recover(f"a just-in-time request failed ({type(exc).__name__}: {exc})")
+                raise
+            rec, n_learned = jit_record(jit, incoming, q)
+            if rec is not None:
+                rec["seq"] = e.version + 1
+                rec["counters"] = jit.raw_counters()
+                self._commit(rec, None)  # JITOperator.predict already learned the pairs
+            return q, logvar, consulted, e.version, n_learned, cert
+
+    def _commit(self, rec: dict, apply: Callable[[], None] | None) -> None:
+        """Apply (if ``apply``) and log ``rec`` atomically w.r.t. readers; exclusive lock held."""
+        e = self.entry
+        try:
+            if apply is not None:
+                apply()
+            e.log.append(rec)
+        except PersistError:
+            e._recover("an update could not be written")
+            raise
+        except Exception as exc:
+            e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})")
+            if isinstance(exc, NUMERIC_ERRORS):
+                raise Unprocessable(str(exc)) from exc
+            raise
+        e._account(rec, record_rows(rec))
+        e._snapshot_if_due()
+
+    def _update_aside(self, make: MakeRecord, apply: Apply) -> dict | None:
+        """A long update: the same record and the same ``partial_fit`` (so the same state, bit for
+        bit) on a copy of the operator while predictions go on with the current one; the copy
+        replaces it, exclusively for an instant, once the record is on disk."""
+        e = self.entry
+        with e.lock.update():
+            rec = make()
+            if rec is None:
+                return None
+            rec["seq"] = e.version + 1
+            new = copy.deepcopy(e.jit)
+            try:
+                apply(new)
+            except NUMERIC_ERRORS as exc:  # nothing changed: the served operator is untouched
+                raise Unprocessable(str(exc)) from exc
+            try:
+                e.log.append(rec)
+            except PersistError:
+                with e.lock.upgrade():
+                    e._recover("an update could not be written")
+                raise
+            with e.lock.upgrade():
+                e.jit = new
+                e._account(rec, record_rows(rec))
+                e._snapshot_if_due()
+            return rec
+
+
+class Replicated:
+    """Updates are made durable in the shared log, in one order all replicas apply."""
+
+    MAX_APPEND_ATTEMPTS = 100
+
+    def __init__(self, entry, shared: SharedLog):
+        self.entry = entry
+        self.shared = shared
+
+    # ---------------------------------------------------------------- joining and catching up
+    def join(self, recorded_base: str | None, snapshot: bytes, n_local: int) -> None:
+        """Make the loaded state a prefix of the shared log: publish or adopt the base, then catch up.
+
+        ``snapshot`` is the loaded snapshot's blob; ``recorded_base`` the shared base it grew from
+        (None for a snapshot written outside replication — the base blob itself, or a standalone
+        server's);
+        ``n_local`` counts records replayed from this store's own log (taken standalone).
+        """
+        e = self.entry
+        base = self.shared.get_base(e.name)
+        if base is None:
+            # the first replica to publish this operator: its current state becomes the base
+            # (a standalone store joining a shared one keeps what it learned, at version 0)
+            blob = e.base_blob()
+            base = self.shared.publish_base(e.name, blob)
+            if base == blob:
+                e.restart_at_base(blob)
+                return self.catch_up()
+        if n_local:
+            raise ValueError(
+                f"operator {e.name!r} learned {n_local} update(s) in this store's own log (served without the "
+                f"shared store) that are not in the shared store {self.shared.url}: serving it as a replica would "
+                f"mix them into the shared order — move this store's copy away, or serve it under another name")
+        if sha256(base) != (recorded_base or sha256(snapshot)):
+            if recorded_base is None and e.version > 0:
+                raise ValueError(
+                    f"operator {e.name!r} learned {e.version} update(s) in this store outside the shared "
+                    f"store {self.shared.url}, which already holds another {e.name!r}: serving the shared one "
+                    f"would drop them — move this store's copy away, or serve it under another name")
+            # another replica's base: start from it
+            log.info("operator %s: adopting the shared base from %s", e.name, self.shared.url)
+            e.adopt_base(base, f"{self.shared.url}/{e.name}/base")
+        e.base_hash = sha256(base)
+        self.catch_up()
+
+    def catch_up(self, rid: str | None = None) -> int | None:
+        """Apply the shared log's records after ``version`` in order (exclusive lock held).
+
+        Returns the sequence number of the record whose ``rid`` is ``rid``, if it was among them.
+        """
+        e = self.entry
+        found = None
+        n = 0
+        t = time.perf_counter()
+        try:
+            raws = self.shared.read(e.name, max(e.version - 1, 0))
+            if e.version > 0:
+                # the record at our version must still be the one we applied: a shared log that
+                # lost its tail (a Redis without fsync restarted) or was rewritten is not ours
+                if not raws:
+                    raise ValueError(f"the shared log holds fewer than {e.version} records, the version of this "
+                                     f"replica's state: the shared store lost updates or was reset")
+                prev = decode_record(raws[0].rstrip(b"\n"))
+                if int(prev["seq"]) != e.version or (e.last_rid is not None and prev.get("rid") != e.last_rid):
+                    raise ValueError(f"record {e.version} of the shared log is not the one this replica applied: "
+                                     f"the shared log was rewritten")
+                raws = raws[1:]
+        except (ValueError, KeyError) as exc:
+            why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            e.store._fail(e.name, why)
+            raise ValueError(why) from exc
+        for raw in raws:
+            try:
+                rec = decode_record(raw.rstrip(b"\n"))
+                seq = int(rec["seq"])
+                if seq != e.version + 1:
+                    raise ValueError(f"record {seq} follows version {e.version}")
+                e._apply_record(rec)
+            except Exception as exc:
+                why = f"the shared log could not be applied after version {e.version}: {type(exc).__name__}: {exc}"
+                e.store._fail(e.name, why)
+                raise ValueError(why) from exc
+            n += 1
+            if rid is not None and rec.get("rid") == rid:
+                found = seq
+            self.applied()
+        if n:
+            e.store.observe("merge", time.perf_counter() - t)
+        return found
+
+    def applied(self) -> None:
+        """One more record applied: the local snapshot cadence counts it."""
+        e = self.entry
+        e.log.n_records += 1
+        e._snapshot_if_due()
+
+    def merge(self) -> int:
+        """Apply the other replicas' records now; returns how many were applied."""
+        e = self.entry
+        if self.shared.length(e.name) == e.version:
+            return 0  # (a shorter log is a loss the catch-up reports)
+        with e.lock.write():
+            before = e.version
+            self.catch_up()
+            return e.version - before
+
+    # ---------------------------------------------------------------- updates
+    def update(self, make: MakeRecord, apply: Apply, aside: bool = False) -> dict | None:
+        """``make`` runs after each catch-up (a duplicate key may have arrived from another
+        replica); the record is in the shared store before it is applied here, and is applied by
+        the same code as every other replica's records (``apply`` is not used: bit-identical states).
+        ``aside`` is not supported here (the update is applied under the exclusive lock)."""
+        with self.entry.lock.write():
+            return self._commit(make, uuid.uuid4().hex)
+
+    def _commit(self, make: MakeRecord, rid: str) -> dict | None:
+        e = self.entry
+        for _ in range(self.MAX_APPEND_ATTEMPTS):
+            try:
+                found = self.catch_up(rid)
+            except SharedLogError as exc:
+                raise PersistError(f"the shared store is unavailable: {exc}") from exc
+            if found is not None:
+                return {"seq": found, "found": True}
+            rec = make()
+            if rec is None:
+                return None
+            rec["seq"], rec["rid"] = e.version + 1, rid
+            ok, found = self._place(rec)
+            if found is not None:
+                return {"seq": found, "found": True}
+            if ok:
+                try:
+                    e._apply_record(rec)
+                except Exception as exc:  # the record is in the shared log: the rebuilt state has it
+                    e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})")
+                    return rec
+                self.applied()
+                return rec
+        raise PersistError(f"the shared log of {e.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends were "
+                           f"refused; nothing was added")
+
+    def _place(self, rec: dict, before_catch_up: Callable[[], None] | None = None):
+        """Append ``rec`` as record ``version + 1``: ``(True, None)`` if it is there now,
+        ``(False, None)`` if another record took the place.  If the append itself failed, the
+        log is read to see whether the record landed anyway — ``before_catch_up`` first undoes
+        what the caller already applied — and ``(None, seq)`` says it did (applied now by the
+        catch-up); otherwise the outcome is unknown: PersistError(unknown=True)."""
+        e = self.entry
+        try:
+            return self.shared.append(e.name, e.version, encode_record(rec)), None
+        except SharedLogError as exc:
+            if before_catch_up is not None:
+                before_catch_up()
+            try:
+                found = self.catch_up(rec["rid"])
+            except Exception:
+                found = None
+            if found is not None:
+                return None, found
+            raise PersistError(f"{exc}: the update may or may not have been recorded", unknown=True) from exc
+
+    def jit(self, incoming):
+        """``jit`` on a replica: answer and learn as a standalone server does (greedy selection
+        learns in rounds), then place the learned pairs in the shared log; if another replica's
+        record took that place first, undo, apply it, and answer again."""
+        e = self.entry
+        rid = uuid.uuid4().hex
+        with e.lock.write():
+            for _ in range(self.MAX_APPEND_ATTEMPTS):
+                try:
+                    self.catch_up()
+                except SharedLogError as exc:
+                    raise PersistError(f"the shared store is unavailable: {exc}") from exc
+                jit = e.jit
+                q, cert, logvar, consulted = _answer(jit, incoming, revertible=True)
+                rec, n_learned = jit_record(jit, incoming, q)
+                if rec is None:
+                    return q, logvar, consulted, e.version, 0, cert
+                rec["seq"], rec["rid"] = e.version + 1, rid
+                ok, found = self._place(rec, before_catch_up=jit.revert_last_)
+                if found is not None:  # it landed after all; the catch-up applied it from the log
+                    return q, logvar, consulted, e.version, n_learned, cert
+                if ok:  # learned already, exactly as the record replays
+                    e._account(rec, n_learned)
+                    e.last_rid = rid
+                    self.applied()
+                    return q, logvar, consulted, e.version, n_learned, cert
+                jit.revert_last_()  # another replica's update came first
+            raise PersistError(f"the shared log of {e.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
+                               f"were refused; nothing was learned")
+
+

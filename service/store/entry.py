@@ -1,0 +1,353 @@
+"""One operator of the store: its JIT operator, lock, version and bookkeeping; how it is loaded
+(newest snapshot + the log after it), how a request is answered, and the records it applies.
+How its updates become durable is its commit strategy (:mod:`service.store.commit`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kjit.certificates import certified
+from kjit.families import Family
+from kjit.operators import JITOperator, KernelOperator
+from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, OracleError, QuadratureOracle
+from kjit.persistence import dumps_state, loads_state
+
+from ..audit import AuditStats
+from ..files import write_atomic
+from ..locks import RWLock
+from ..schemas import PARAM_MAX
+from ..validation import NUMERIC_ERRORS
+from . import describe
+from .commit import ASIDE_ROWS, Replicated, Standalone
+from .errors import OracleFailure, Unprocessable
+from .idempotency import IdempotencyKeys
+from .log import OperatorLog, generation as _generation
+from .records import messages_from_record, pairs_record, sha256
+
+log = logging.getLogger("kjit.service.store")
+
+__all__ = ["Entry"]
+
+
+class Entry:
+    """One operator of the store: the JIT operator, its lock, its log and its version.
+
+    ``version`` counts the update records applied since the operator was created; every
+    response carries the version it was computed from.
+    """
+
+    def __init__(self, store, name: str, path: Path):
+        self.store = store
+        self.name = name
+        self.path = path
+        self.lock = RWLock()
+        self.meta: dict = json.loads((path / "meta.json").read_text())
+        self.jit: JITOperator | None = None
+        self.version = 0
+        self.observed_pairs = 0
+        self.learned_pairs = 0
+        self.keys = IdempotencyKeys()
+        self.log = OperatorLog(path, name, store.observe)
+        self.snapshot_version = 0
+        self.shared = store.shared
+        self.base_hash: str | None = None  # replicas: sha256 of the shared base this state grew from
+        self.last_rid: str | None = None   # replicas: id of the last shared-log record applied
+        self.audit = getattr(store, "audit", None)  # service.audit.Auditor, or None (KJIT_AUDIT_RATE = 0)
+        self.audit_stats = AuditStats()  # folded from the operator's audit records (service.audit)
+        self.audited_pairs = 0
+        self.commit = Standalone(self) if self.shared is None else Replicated(self, self.shared)
+
+    # ---------------------------------------------------------------- loading and recovery
+    def load(self) -> None:
+        """(Re)build the operator from its newest snapshot and the logs after it."""
+        snap, logs, stale = self.log.newest()
+        snap_bytes = snap.read_bytes()
+        svc = self._load_state(snap_bytes, str(snap))
+        self.log.delete(stale)  # (only once the newest snapshot has loaded: until then they may be needed)
+        n_replayed = 0
+        for i, path in enumerate(logs):
+            n_replayed += self._replay(path, last=i == len(logs) - 1)
+        self.log.resume(max([_generation(snap)] + [_generation(p) for p in logs]))
+        self._counters_at_snapshot = self.jit.raw_counters() if not n_replayed else None
+        if n_replayed:
+            log.info("operator %s: replayed %d update record(s) to version %d", self.name, n_replayed, self.version)
+        self.commit.join(svc.get("shared_base"), snap_bytes, n_replayed)
+        self._self_test()
+
+    def _replay(self, path: Path, last: bool) -> int:
+        n = 0
+        for rec in self.log.read_records(path, last):
+            seq = int(rec["seq"])
+            if seq <= self.version:
+                continue  # already in the snapshot
+            if seq != self.version + 1:
+                raise ValueError(f"{path}: update record {seq} follows version {self.version}: records are missing")
+            self._apply_record(rec)
+            n += 1
+        return n
+
+    def _self_test(self) -> None:
+        """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
+        failed): predict a fixed batch from the factor's default distribution, if it has one."""
+        sampler = self.jit.factor.default_incoming
+        if sampler is None:
+            return
+        incoming = sampler(16, np.random.default_rng(0))
+        try:
+            with np.errstate(all="ignore"):
+                q, logvar = self.jit.operator.predict(incoming)
+                ok = np.isfinite(q.to_coords()).all() and np.isfinite(logvar).all()
+                big = max(float(np.max(np.abs(p))) for p in q.params)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the operator cannot predict
+            raise ValueError(f"the operator cannot predict ordinary messages ({type(exc).__name__}: {exc})") from None
+        if not ok:
+            raise ValueError("the operator cannot predict ordinary messages: its predictions are not finite")
+        if big > PARAM_MAX:
+            raise ValueError(f"the operator cannot predict ordinary messages: its beliefs have parameters of "
+                             f"{big:.3g}, beyond the range requests may carry ({PARAM_MAX:g})")
+
+    def _load_state(self, blob: bytes, source: str) -> dict:
+        """Set the operator and the service's bookkeeping from a snapshot; returns its service dict."""
+        kind, state = loads_state(blob, source=source)
+        if kind == "JITOperator":
+            jit = JITOperator.from_state_dict(state)
+        elif kind == "KernelOperator":  # a plain learned operator dropped into the store
+            op = KernelOperator.from_state_dict(state)
+            jit = JITOperator(op, QuadratureOracle(op.factor), threshold=float(self.meta.get("threshold", -8.5)))
+        else:
+            raise ValueError(f"{source}: cannot serve an operator of kind {kind!r}")
+        if jit.operator is None:
+            raise ValueError(f"{source}: the operator has no learned model yet; the store serves fitted operators")
+        svc = state.get("service", {})
+        self.jit = jit
+        self.version = self.snapshot_version = int(svc.get("version", 0))
+        self.observed_pairs = int(svc.get("observed_pairs", 0))
+        self.learned_pairs = int(svc.get("learned_pairs", 0))
+        self.keys = IdempotencyKeys.from_json(svc.get("idempotency", "[]"))
+        self.last_rid = svc.get("shared_last_rid")
+        self.audit_stats = AuditStats.from_state(json.loads(svc.get("audit", "null")))
+        self.audited_pairs = int(svc.get("audited_pairs", 0))
+        return svc
+
+    def _recover(self, why: str) -> None:
+        log.error("operator %s: %s; rebuilding it from the store", self.name, why)
+        # the JIT counters in memory count the requests that succeeded; those on disk only
+        # reach the last snapshot or jit record: keep the former
+        counters = self.jit.raw_counters() if self.jit is not None else None
+        try:
+            self.load()
+            if counters is not None:
+                self.jit.set_counters(counters)
+        except Exception:  # pragma: no cover - disk unusable
+            log.exception("operator %s: could not be rebuilt", self.name)
+            self.store._fail(self.name, f"could not be rebuilt after: {why}")
+            raise
+
+    # ---------------------------------------------------------------- replicas' bases (commit.Replicated)
+    def base_blob(self) -> bytes:
+        """This operator's current state as a shared base: version 0, its meta inside."""
+        state = self.jit.state_dict()
+        state["service"] = {"version": 0, "observed_pairs": 0, "learned_pairs": 0, "idempotency": "[]",
+                            "meta": json.dumps(self.meta, default=str)}
+        return dumps_state("JITOperator", state)
+
+    def restart_at_base(self, blob: bytes) -> None:
+        """This state was just published as the shared base: it is version 0 of the shared log."""
+        self.version = self.snapshot_version = 0
+        self.observed_pairs = self.learned_pairs = 0
+        self.keys.clear()
+        self.last_rid = None
+        self.base_hash = sha256(blob)
+        self.log.n_records = self.store.snapshot_every  # a local snapshot at the next update
+
+    def adopt_base(self, blob: bytes, source: str) -> None:
+        """Start from another replica's base (and its creator's description of the operator)."""
+        svc = self._load_state(blob, source)
+        if "meta" in svc:
+            self.meta = json.loads(svc["meta"])
+            write_atomic(self.path / "meta.json", json.dumps(self.meta, indent=1, default=str).encode())
+        self.log.n_records = self.store.snapshot_every
+
+    # ---------------------------------------------------------------- records
+    def _apply_record(self, rec) -> None:
+        inc, bel = messages_from_record(self.jit, rec)
+        sizes = [int(g) for g in rec.get("groups", [len(bel)])]
+        if sum(sizes) != len(bel) or min(sizes) < 1:
+            raise ValueError(f"record {rec.get('seq')}: groups {sizes} for {len(bel)} beliefs")
+        start = 0
+        for size in sizes:  # one partial_fit per group, as the operator learned them
+            sl = slice(start, start + size)
+            self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl])
+            start += size
+        self._account(rec, len(bel))
+        self.last_rid = rec.get("rid")
+
+    def _account(self, rec, n: int) -> None:
+        self.version = int(rec["seq"])
+        if rec["kind"] == "observe":
+            self.observed_pairs += n
+        elif rec["kind"] == "audit":  # audited pairs (service.audit): statistics and threshold decisions
+            self.audited_pairs += n
+            self.audit_stats.fold(rec["audit"], self.version)
+            change = rec["audit"].get("threshold_change")
+            if change:
+                self.jit.threshold = float(change["to"])
+        else:
+            self.learned_pairs += n
+            if rec.get("counters"):
+                known = self.jit.raw_counters()
+                self.jit.set_counters({k: v for k, v in rec["counters"].items() if k in known})
+        if rec.get("key"):
+            self.keys.remember(rec["key"], rec.get("body_hash", ""), int(rec["seq"]), n)
+
+    # ---------------------------------------------------------------- snapshots
+    def _snapshot_if_due(self) -> None:
+        """Hand the state to the snapshot writer every ``snapshot_every`` records (lock held)."""
+        if self.log.n_records >= self.store.snapshot_every:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Start log G+1 and hand the state at this point to the snapshot writer (lock held)."""
+        t = time.perf_counter()
+        data = self._snapshot_bytes()
+        gen = self.log.next_generation()
+        self.store._enqueue_snapshot(self, gen, data)
+        self.store.observe("snapshot_serialise", time.perf_counter() - t)
+
+    def _snapshot_bytes(self) -> bytes:
+        state = self.jit.state_dict()
+        state["service"] = {
+            "version": self.version, "observed_pairs": self.observed_pairs, "learned_pairs": self.learned_pairs,
+            "idempotency": self.keys.to_json(),
+            "audit": json.dumps(self.audit_stats.state()), "audited_pairs": self.audited_pairs,
+        }
+        if self.base_hash is not None:
+            state["service"]["shared_base"] = self.base_hash
+            if self.last_rid is not None:
+                state["service"]["shared_last_rid"] = self.last_rid
+        self.snapshot_version = self.version
+        self._counters_at_snapshot = dict(state["counters"])
+        return dumps_state("JITOperator", state)
+
+    def snapshot_now(self) -> None:
+        """Write a snapshot synchronously if anything changed since the last one (shutdown)."""
+        with self.lock.write():
+            if self.jit is None:
+                return
+            data = self._snapshot_bytes()
+            gen = self.log.next_generation()
+            self.log.write_snapshot(gen, data)
+
+    def counters_changed(self) -> bool:
+        """The JIT counters moved since the last snapshot (they are durable only at snapshots)."""
+        return self.jit.raw_counters() != getattr(self, "_counters_at_snapshot", None)
+
+    def close(self) -> None:
+        self.log.close()
+
+    # ---------------------------------------------------------------- requests
+    def predict(self, incoming: dict[str, Family], mode: str, wait: bool = True):
+        """``(belief, log_var or None, consulted mask, version, n_learned)`` for one batch; the
+        answer's certificates (:mod:`kjit.certificates`, version = the response's) are in
+        :meth:`predict_certified`.  ``wait=False`` (``predict`` only): raise :class:`WouldBlock`
+        rather than wait for an update."""
+        return self.predict_certified(incoming, mode, wait=wait)[:5]
+
+    def predict_certified(self, incoming: dict[str, Family], mode: str, wait: bool = True):
+        """``(belief, log_var or None, consulted mask, version, n_learned, certificates, uncertain)``;
+        ``uncertain`` (mode=predict, else None): the rows the operator's just-in-time rule would
+        consult (:meth:`JITOperator.screen`) — what a client whose oracle runs on its side answers."""
+        if mode == "predict":
+            q, logvar, consulted, version, n_learned, cert, uncertain = self._screen(incoming, wait)
+        else:
+            q, logvar, consulted, version, n_learned, cert = self._predict(incoming, mode)
+            uncertain = None
+        # (the threshold is the one the answer was computed under: set under the operator's lock —
+        # by JITOperator.certified in mode=jit — not read here, after an audit may have changed it)
+        cert = cert.with_(version=version)
+        if mode != "oracle" and self.audit is not None:
+            self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
+        return q, logvar, consulted, version, n_learned, cert, uncertain
+
+    def _screen(self, incoming: dict[str, Family], wait: bool):
+        """mode=predict under the shared lock (``wait=False``: WouldBlock rather than wait): the
+        learned answer, its certificates (the threshold in force, set by screen_certified) and the
+        rows the just-in-time rule would consult."""
+        n = len(next(iter(incoming.values())))
+        with self.lock.read(blocking=wait):
+            try:
+                q, cert, uncertain = self.jit.screen_certified(incoming)
+            except NUMERIC_ERRORS as exc:
+                raise Unprocessable(str(exc)) from None
+            version = self.version
+        return q, cert.log_var, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
+
+    def _predict(self, incoming: dict[str, Family], mode: str):
+        """mode=oracle or mode=jit: ``(belief, log_var or None, consulted, version, n_learned, certificates)``."""
+        if mode != "oracle":
+            return self.commit.jit(incoming)
+        n = len(next(iter(incoming.values())))
+        # the importance sampler draws from a generator that is part of the state
+        sampling = isinstance(self.jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler))
+        with (self.lock.write() if sampling else self.lock.read()):
+            try:
+                q, cert = certified(self.jit.oracle, incoming, self.jit.to)
+                cert = cert.with_(threshold=self.jit.threshold)
+            except (OracleError, *NUMERIC_ERRORS) as exc:
+                raise OracleFailure(str(exc)) from None
+            version = self.version
+        return q, None, np.ones(n, dtype=bool), version, 0, cert
+
+    def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None):
+        """Add pairs durably; returns ``(version, n_accepted, duplicate)``."""
+        dup = []
+
+        def make():
+            seen = self.keys.seen(key, body_hash)
+            if seen is not None:
+                dup.append(seen)
+                return None
+            rec = pairs_record("observe", incoming, beliefs)
+            if key is not None:
+                rec["key"], rec["body_hash"] = key, body_hash
+            return rec
+
+        rec = self.commit.update(make, lambda jit: jit.operator.partial_fit(incoming, beliefs),
+                                 aside=len(beliefs) >= ASIDE_ROWS)
+        if rec is None:
+            return dup[0][0], dup[0][1], True
+        return int(rec["seq"]), len(beliefs), False
+
+    def audit_update(self, incoming: dict[str, Family], beliefs: Family, make_payload) -> int | None:
+        """Learn audited pairs (the oracle's beliefs) with their audit statistics, durably: one
+        ``audit`` record, in the log (or the shared log) before it is applied and counted — the
+        same path as observations.  ``make_payload(stats, threshold)`` builds the record's ``audit``
+        part under the exclusive lock (the threshold decision sees every earlier audit).  Returns
+        the version."""
+        def make():
+            return pairs_record("audit", incoming, beliefs,
+                                audit=make_payload(self.audit_stats, float(self.jit.threshold)))
+
+        rec = self.commit.update(make, lambda jit: jit.operator.partial_fit(incoming, beliefs))
+        version = int(rec["seq"])
+        change = rec.get("audit", {}).get("threshold_change")
+        if change:
+            log.warning("operator %s (version %d): %s", self.name, version, change["reason"])
+        return version
+
+    def merge(self) -> int:
+        """Replicas: apply the other replicas' records now; returns how many were applied."""
+        return self.commit.merge()
+
+    # ---------------------------------------------------------------- description (service.store.describe)
+    def summary(self) -> dict:
+        return describe.summary(self)
+
+    def detail(self) -> dict:
+        return describe.detail(self)
+

@@ -1,0 +1,33 @@
+"""What the store's operations raise; the routes map each to one HTTP answer."""
+
+from __future__ import annotations
+
+__all__ = ["NotFound", "NotReady", "Conflict", "PersistError", "OracleFailure", "Unprocessable"]
+
+
+class NotFound(LookupError):
+    pass
+
+
+class NotReady(RuntimeError):
+    pass
+
+
+class Conflict(RuntimeError):
+    pass
+
+
+class PersistError(RuntimeError):
+    """An update was not made durable; ``unknown``: it may still have landed (shared store)."""
+
+    def __init__(self, msg: str, unknown: bool = False):
+        super().__init__(msg)
+        self.unknown = unknown
+
+
+class OracleFailure(RuntimeError):
+    pass
+
+
+class Unprocessable(ValueError):
+    """The input is valid but the numerics cannot carry it (nothing was changed)."""

@@ -1,0 +1,183 @@
+"""One operator's directory on disk: snapshot generations and the update log after each.
+
+::
+
+    <store>/operators/<name>/meta.json          factor, direction, how it was trained (written once)
+    <store>/operators/<name>/snapshot-G.npz     operator state after every update of logs < G
+    <store>/operators/<name>/log-G.jsonl        update records appended after snapshot G
+
+A record is appended and fsync'ed before the update it holds is acknowledged
+(:func:`service.files.append_durably`: a failed write is cut off again).  Reading a log back
+accepts a damaged record only at the very end of the newest log — a write a crash cut short,
+never acknowledged — and cuts it off; anywhere else it is corruption, and reading refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
+from .errors import PersistError
+
+log = logging.getLogger("kjit.service.store")
+
+__all__ = ["OperatorLog"]
+
+_SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
+_LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
+
+
+class OperatorLog:
+    """The generations of one operator's directory and the open log of the newest one.
+
+    ``gen`` is the current generation, ``n_records`` the records in its log (a replica, whose
+    log is the shared one, counts the records it applied instead: the snapshot cadence).
+    """
+
+    def __init__(self, path: Path, name: str, observe: Callable[[str, float], None]):
+        self.path = Path(path)
+        self.name = name
+        self._observe = observe
+        self.gen = 0
+        self.n_records = 0
+        self._fh = None
+
+    # ---------------------------------------------------------------- reading
+    def generations(self) -> tuple[dict[int, Path], dict[int, Path]]:
+        snaps, logs = {}, {}
+        for p in self.path.iterdir():
+            if (m := _SNAP_RE.match(p.name)):
+                snaps[int(m.group(1))] = p
+            elif (m := _LOG_RE.match(p.name)):
+                logs[int(m.group(1))] = p
+        return snaps, logs
+
+    def newest(self) -> tuple[Path, list[Path], list[Path]]:
+        """The newest snapshot, the logs to replay after it (oldest first), and the stale files:
+        generations older than the snapshot (a crash between a snapshot and the clean-up), which
+        the caller deletes once the snapshot has loaded (:meth:`delete`)."""
+        self.close()
+        snaps, logs = self.generations()
+        if not snaps:
+            raise ValueError(f"operator {self.name!r}: no snapshot in {self.path}")
+        g = max(snaps)
+        stale = [p for old, p in list(snaps.items()) + list(logs.items()) if old < g]
+        replay = sorted(k for k in logs if k >= g)
+        return snaps[g], [logs[k] for k in replay], stale
+
+    @staticmethod
+    def delete(paths) -> None:
+        for p in paths:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+    def read_records(self, path: Path, last: bool) -> list[dict]:
+        """The records of one log, in order; a torn or damaged tail of the newest log (``last``)
+        is cut off the file, damage anywhere else raises ValueError."""
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        # the final element is b"" after a complete last line, else a torn write
+        good_end = 0
+        pos = 0
+        records = []
+        bad_at = None
+        for j, line in enumerate(lines):
+            end = pos + len(line) + 1
+            if j == len(lines) - 1:
+                if line:
+                    bad_at = bad_at if bad_at is not None else pos  # torn: no newline
+                break
+            try:
+                rec = decode_record(line)
+            except (ValueError, json.JSONDecodeError):
+                if bad_at is None:
+                    bad_at = pos
+                pos = end
+                continue
+            if bad_at is not None:
+                raise ValueError(
+                    f"{path}: damaged update record at byte {bad_at} followed by valid records: "
+                    f"refusing to serve a state that skips an acknowledged update"
+                )
+            records.append(rec)
+            good_end = end
+            pos = end
+        if bad_at is not None:
+            if not last:
+                raise ValueError(f"{path}: damaged update record at byte {bad_at} in a closed log")
+            log.warning("operator %s: cutting an incomplete update record off %s (%d bytes; never acknowledged)",
+                        self.name, path.name, len(data) - good_end)
+            with open(path, "r+b") as fh:
+                fh.truncate(good_end)
+                fh.flush()
+                os.fsync(fh.fileno())
+        return records
+
+    # ---------------------------------------------------------------- writing
+    def resume(self, gen: int) -> None:
+        """Open generation ``gen``'s log for appending (created, and made durable, if new)."""
+        self.close()
+        self.gen = gen
+        p = self._log_path(self.gen)
+        self.n_records = 0
+        if p.exists():
+            with open(p, "rb") as fh:
+                self.n_records = sum(1 for _ in fh)
+        created = not p.exists()
+        self._fh = open(p, "ab", buffering=0)
+        if created:
+            os.fsync(self._fh.fileno())
+            fsync_dir(self.path)
+
+    def append(self, rec: Mapping[str, Any]) -> None:
+        """Append one record and fsync it; on failure cut the partial write off and raise PersistError."""
+        data = encode_record(rec)
+        t = time.perf_counter()
+        try:
+            append_durably(self._fh, data)
+        except OSError as exc:
+            raise PersistError(f"could not write the update log of {self.name!r}: {exc}") from exc
+        self._observe("fsync", time.perf_counter() - t)
+        self.n_records += 1
+
+    def next_generation(self) -> int:
+        """Start log G+1 (the snapshot of the state at this point is ``snapshot-(G+1)``)."""
+        self.resume(self.gen + 1)
+        return self.gen
+
+    def write_snapshot(self, gen: int, data: bytes) -> None:
+        """Write ``snapshot-gen`` atomically, then delete the generations below it."""
+        t = time.perf_counter()
+        write_atomic(self.path / f"snapshot-{gen:08d}.npz", data)
+        for p in self.path.iterdir():
+            m = _SNAP_RE.match(p.name) or _LOG_RE.match(p.name)
+            if m and int(m.group(1)) < gen:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+        self._observe("snapshot_write", time.perf_counter() - t)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def _log_path(self, gen: int) -> Path:
+        return self.path / f"log-{gen:08d}.jsonl"
+
+
+def generation(path: Path) -> int:
+    """The generation G of ``snapshot-G.npz`` or ``log-G.jsonl``."""
+    m = _SNAP_RE.match(path.name) or _LOG_RE.match(path.name)
+    if m is None:
+        raise ValueError(f"{path}: not a snapshot or log of the store")
+    return int(m.group(1))
