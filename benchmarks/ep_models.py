@@ -32,7 +32,12 @@ part: the sampler's noise is a floor the predictive variance never goes below). 
 with the sampler alone (timed on the first ``--sampling-problems``) and with the exact rule:
 ``jit_speedup_vs_sampling`` (problems 2… that both ran), ``jit_over_exact``,
 ``consultation_rate_after_first``, ``max_posterior_gap_sd`` (JIT vs exact-rule EP, in posterior sd,
-over problems 2… and every variable).  Not on ``normal_mean_precision``: its outputs are observed
+over problems 2… and every variable).  ``--posterior-tol TOL``: on the factor-graph models each
+direction's threshold and sampler standard error come from ``FactorGraph.jit_budget`` (the m
+messages a variable receives from one operator share its error, so each answer must be within
+TOL / m of the belief's sd; on Poisson–Gamma, r has m = 25: threshold −11.0, SE 0.004) where
+that is stricter than ``--threshold`` / ``--target-se``; each JIT row reports the ``jit_budget``
+it used.  Not on ``normal_mean_precision``: its outputs are observed
 (x_i enters as a point mass), and a sampler that weights x ~ f(· | m, τ) by the output's message
 has an ESS of ~1 there — the per-message proposal needs a broad output message (measured: every
 request failed with a low ESS).
@@ -192,6 +197,12 @@ def _graph_moments(res):
     return {v: (float(b.mean()), float(b.var())) for v, b in res.beliefs.items()}
 
 
+def _graphs():
+    """The factor-graph models of the JIT experiment: problem -> FactorGraph."""
+    return {"poisson_gamma": lambda k: poisson_gamma(k, shape=2.0, prior_rate=Gamma(2.0, 1.0)),
+            "rank_one": lambda Y: rank_one(Y, 0.25, Gaussian(0.0, 1.0), Gaussian(1.0, 1.0))}
+
+
 def _jit_specs(args):
     """Per model: (factor, directions, problems, run(problem, {direction: operator}) -> (moments,
     counts of EP iterations and skipped messages))."""
@@ -223,11 +234,11 @@ def _jit_specs(args):
         "poisson_gamma": (get_factor("gamma_rate", shape=2.0), ("r", "x"),
                           [rng.poisson(rng.gamma(2.0, 1 / float(10 ** rng.uniform(-0.7, 0.3)), 25))
                            for _ in range(args.problems)],
-                          run_graph(lambda k: poisson_gamma(k, shape=2.0, prior_rate=Gamma(2.0, 1.0)))),
+                          run_graph(_graphs()["poisson_gamma"])),
         "poisson_regression": (get_factor("exp"), ("x",), [poisson_problem(rng) for _ in range(args.problems)],
                                run_poisson),
         "rank_one": (get_factor("product"), ("x", "y"), [rank_one_problem(rng) for _ in range(args.problems)],
-                     run_graph(lambda Y: rank_one(Y, 0.25, Gaussian(0.0, 1.0), Gaussian(1.0, 1.0)))),
+                     run_graph(_graphs()["rank_one"])),
     }
 
 
@@ -235,8 +246,14 @@ def jit_experiment(model, args):
     """The JIT experiment on one model (module docstring, part 2)."""
     f, directions, problems, run = _jit_specs(args)[model]
     sampler = MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed)
-    jits = {to: JITOperator(None, MessageImportanceSampler(f, target_se=args.target_se, random_state=args.seed + i),
-                            to=to, initial_batch=200, threshold=args.threshold, uncertainty=args.uncertainty,
+    budget = {to: (args.threshold, args.target_se) for to in directions}
+    if args.posterior_tol is not None:
+        graph = _graphs().get(model)  # (LinearEP models keep the defaults: see the row's jit_budget)
+        for to in directions if graph is not None else ():  # the graph's budget where stricter than the defaults
+            th, se = graph(problems[0]).jit_budget(f.name, to, args.posterior_tol)
+            budget[to] = (min(th, args.threshold), min(se, args.target_se))
+    jits = {to: JITOperator(None, MessageImportanceSampler(f, target_se=budget[to][1], random_state=args.seed + i),
+                            to=to, initial_batch=200, threshold=budget[to][0], uncertainty=args.uncertainty,
                             operator_kwargs={"random_state": args.seed, **json.loads(args.operator_kwargs)})
             for i, to in enumerate(directions)}
     exact = QuadratureOracle(f)
@@ -279,6 +296,7 @@ def jit_experiment(model, args):
         "consultation_rate_after_first": sum(r["jit_consultations"] for r in after) / max(1, sum(r["jit_requests"] for r in after)),
         "max_posterior_gap_sd": float(max(gaps[1:])) if len(gaps) > 1 else float(gaps[0]),
         "jit_problems": len(rows), "sampling_problems_timed": len(samp) + 1,
+        "jit_budget": {to: {"threshold": round(th, 3), "target_se": round(se, 5)} for to, (th, se) in budget.items()},
     }
 
 
@@ -303,6 +321,11 @@ def main(argv=None):
     ap.add_argument("--threshold", type=float, default=-8.0)
     ap.add_argument("--uncertainty", choices=("predictive", "epistemic"), default="epistemic",
                     help="what the JIT threshold is applied to (JITOperator(uncertainty=...))")
+    ap.add_argument("--posterior-tol", type=float, default=None,
+                    help="factor-graph models: each direction's threshold and oracle standard error from "
+                         "FactorGraph.jit_budget (the errors of the m messages one variable receives from an "
+                         "operator add up: each within posterior_tol / m posterior sd), where stricter than "
+                         "--threshold / --target-se")
     ap.add_argument("--max-iter", type=int, default=50)
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--no-jit", action="store_true")

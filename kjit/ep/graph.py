@@ -82,6 +82,44 @@ class FactorGraph:
         """The (factor name, factor variable) pairs EP sends messages to: those bound to a variable."""
         return {(f.name, fv) for f, bind in self.factors for fv, b in bind.items() if isinstance(b, str)}
 
+    def multiplicity(self, factor: str, to: str) -> int:
+        """The most messages one operator of (``factor``, ``to``) sends to a single graph variable:
+        over the variables, the number of factors named ``factor`` whose ``to`` is bound to it
+        (0 if none is)."""
+        counts: dict[str, int] = {}
+        for f, bind in self.factors:
+            b = bind.get(to)
+            if f.name == factor and isinstance(b, str):
+                counts[b] = counts.get(b, 0) + 1
+        return max(counts.values(), default=0)
+
+    def jit_budget(self, factor: str, to: str, posterior_tol: float = 0.1) -> tuple[float, float]:
+        """``(threshold, target_se)`` for a just-in-time operator of (``factor``, ``to``) whose
+        errors must move no posterior mean by more than ``posterior_tol`` posterior standard
+        deviations, when the errors of the messages one variable receives from it add up.
+
+        Why: at an EP fixed point every site's belief on a variable is close to its posterior, so
+        a belief whose mean is off by ε of its standard deviation moves the site's message, and
+        the posterior mean, by ε posterior standard deviations; the ``m`` (:meth:`multiplicity`)
+        messages a variable receives from one operator are answers to nearly the same question
+        (their cavities differ by one site of ``m``), so a learned operator's errors there are
+        one shared error, and add up to ``m ε`` rather than ``√m ε``.  Hence each answer must be
+        within ε = ``posterior_tol`` / m: the operator consults its oracle where the epistemic
+        standard deviation of a regressed coordinate exceeds ε (``threshold`` = 2 log ε on the
+        log variance), and its oracle answers to a standard error ε (``target_se``, a per-message
+        sampler's :class:`~kjit.oracles.MessageImportanceSampler` setting) — one noisy answer
+        learned and reused for all m sites is a shared error too.  Measured on the Poisson–Gamma
+        model (25 sites on the rate; ``benchmarks/ep_models.py --posterior-tol``), see there.
+        The regressed coordinates are in the units of the operator's reference (for a mean, the
+        standard deviation of the reference belief), which is the belief's scale to first order."""
+        if not (np.isfinite(posterior_tol) and posterior_tol > 0):
+            raise ValueError(f"`posterior_tol` must be a positive number, got {posterior_tol!r}")
+        m = self.multiplicity(factor, to)
+        if m == 0:
+            raise ValueError(f"no factor {factor!r} of this graph sends messages to a variable through {to!r}")
+        eps = posterior_tol / m
+        return float(2.0 * np.log(eps)), float(eps)
+
     def add_factor(self, factor: Factor | str, bind: Mapping[str, str | Family], **params) -> int:
         """Add ``factor`` (an instance or a registered name built with ``params``) with each of its
         variables bound to a graph variable (by name) or to a fixed message.  Returns its index."""
