@@ -178,13 +178,20 @@ class Family:
         for i in range(len(self)):
             yield self[i]
 
+    # A message is immutable (read-only arrays), so a reshape or broadcast to its own shape
+    # returns it as it is: no copy (a batch-1 prediction does a dozen of these).
     def reshape(self, *shape):
+        p0 = self.params[0]
+        if p0.reshape(*shape).shape == p0.shape:
+            return self
         return self._map(lambda p: p.reshape(*shape))
 
     def ravel(self):
-        return self.reshape(-1)
+        return self if self.ndim == 1 else self.reshape(-1)
 
     def broadcast_to(self, shape):
+        if self.shape == tuple(np.broadcast_shapes(shape)):
+            return self
         return self._map(lambda p: np.broadcast_to(p, shape))
 
     @classmethod

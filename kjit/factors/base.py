@@ -370,7 +370,7 @@ class Factor:
             desc = ", ".join(f"{v}{s}" for v, s in shapes.items())
             raise ValueError(f"mismatched batch shapes in `incoming`: {desc}")
         shape = nonscalar.pop() if nonscalar else ()
-        return {v: incoming[v].broadcast_to(shape) for v in self.variables}, shape
+        return {v: incoming[v] if shapes[v] == shape else incoming[v].broadcast_to(shape) for v in self.variables}, shape
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
