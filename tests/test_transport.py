@@ -1,0 +1,186 @@
+"""kjit.transport.Session: keep-alive, a server's close of an idle connection, errors that say
+whether the request can have reached the server, one write per request — against a small
+socket server written here (what it receives and when it closes are under the test's control)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from kjit.transport import ConnectError, ReadTimeout, RemoteProtocolError, Session
+
+
+class _Server:
+    """HTTP/1.1 on 127.0.0.1: answers each request with its path as the body.  ``close_after``:
+    close the connection after that many answers on it (without saying so: what a server's idle
+    timeout does); ``silent``: read requests, never answer; ``close_header``: answer with
+    ``Connection: close`` and close."""
+
+    def __init__(self, close_after: int | None = None, silent: bool = False, close_header: bool = False):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.close_after, self.silent, self.close_header = close_after, silent, close_header
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self._stop = False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        c.settimeout(5)
+        buf, answered = b"", 0
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    d = c.recv(65536)
+                    if not d:
+                        return
+                    buf += d
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                n = 0
+                for line in head.split(b"\r\n")[1:]:
+                    if line.lower().startswith(b"content-length:"):
+                        n = int(line.split(b":")[1])
+                while len(rest) < n:
+                    rest += c.recv(65536)
+                self.requests.append(head + b"\r\n\r\n" + rest[:n])
+                buf = rest[n:]
+                if self.silent:
+                    continue
+                path = head.split(b" ")[1]
+                extra = b"Connection: close\r\n" if self.close_header else b""
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n" + extra
+                          + f"Content-Length: {len(path)}\r\n\r\n".encode() + path)
+                answered += 1
+                if self.close_header or (self.close_after is not None and answered >= self.close_after):
+                    return
+        except OSError:
+            return
+        finally:
+            c.close()
+
+    def close(self):
+        self._stop = True
+        self.t.join()
+        self.sock.close()
+
+
+def test_keep_alive_one_connection_and_the_query_and_prefix():
+    srv = _Server()
+    try:
+        s = Session(srv.url + "/api/", {"Accept": "application/json"}, timeout=5)
+        for i in range(3):
+            r = s.request("GET", f"/v1/x{i}", params={"mode": "predict"})
+            assert r.status_code == 200 and r.content == f"/api/v1/x{i}?mode=predict".encode()
+        assert srv.connections == 1
+        assert b"Accept: application/json" in srv.requests[0] and b"Host: 127.0.0.1:" in srv.requests[0]
+        s.close()
+    finally:
+        srv.close()
+
+
+def test_an_idle_connection_the_server_closed_is_replaced_not_an_error():
+    """uvicorn closes idle keep-alive connections after a few seconds: the next request must go
+    out on a new connection — not fail, and not be sent into the closed one."""
+    srv = _Server(close_after=1)
+    try:
+        s = Session(srv.url, timeout=5)
+        assert s.request("GET", "/a").content == b"/a"
+        time.sleep(0.2)  # the server has closed its end by now
+        assert s.request("POST", "/b", content=b"{}").content == b"/b"
+        assert srv.connections == 2 and len(srv.requests) == 2
+    finally:
+        srv.close()
+
+
+def test_connection_close_is_honoured():
+    srv = _Server(close_header=True)
+    try:
+        s = Session(srv.url, timeout=5)
+        assert s.request("GET", "/a").content == b"/a"
+        assert s._conn is None  # closed on our side too
+        assert s.request("GET", "/b").content == b"/b" and srv.connections == 2
+    finally:
+        srv.close()
+
+
+def test_head_and_body_go_out_in_one_write():
+    srv = _Server()
+    try:
+        s = Session(srv.url, timeout=5)
+        s.request("GET", "/warm")
+        conn = s._conn
+        writes = []
+        send = conn.send
+        conn.send = lambda data: (writes.append(len(data)), send(data))[1]
+        body = b'{"x": [1.0, 2.0]}'
+        assert s.request("POST", "/m", content=body, headers={"Content-Type": "application/json"}).status_code == 200
+        assert len(writes) == 1
+        assert srv.requests[-1].endswith(b"\r\n\r\n" + body) and b"Content-Length: 17" in srv.requests[-1]
+    finally:
+        srv.close()
+
+
+def test_errors_say_whether_the_request_can_have_reached_the_server():
+    srv = _Server(silent=True)
+    port = srv.url.rsplit(":", 1)[1]
+    try:
+        s = Session(srv.url, timeout=0.2)
+        seen = []
+        s.on_request.append(lambda method, url, timeouts: seen.append(timeouts))
+        with pytest.raises(ReadTimeout) as exc:
+            s.request("POST", "/m", content=b"{}")
+        assert exc.value.sent and seen == [{"connect": 5.0, "read": 0.2}]
+        assert len(srv.requests) == 1  # it did arrive
+        assert s._conn is None  # a connection in an unknown state is not reused
+    finally:
+        srv.close()
+    s = Session(f"http://127.0.0.1:{port}", timeout=1)  # nothing listens there now
+    with pytest.raises(ConnectError) as exc:
+        s.request("GET", "/health")
+    assert not exc.value.sent
+
+
+def test_a_connection_broken_mid_answer_is_a_protocol_error():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+
+    def serve():
+        c, _ = sock.accept()
+        c.recv(65536)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        s = Session(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=5)
+        with pytest.raises(RemoteProtocolError) as exc:
+            s.request("GET", "/x")
+        assert exc.value.sent
+    finally:
+        t.join(5)
+        sock.close()
+
+
+def test_bad_urls_are_refused():
+    with pytest.raises(ValueError, match="url"):
+        Session("ftp://example.org")
+    with pytest.raises(ValueError, match="url"):
+        Session("127.0.0.1:8000")
