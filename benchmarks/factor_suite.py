@@ -22,7 +22,10 @@ exp             Poisson regression with a log link (d 2–4, n 30–80)
 
 Per (factor, direction) one JSON line: ``mean_log_kl``, ``median_kl``, ``p95_kl`` (KL[exact ‖
 learned] on test pairs; a KL that rounding makes ≤ 0 — a near-exact row — is floored at 1e-300 and
-counted in ``n_kl_nonpositive``; ``mean_log_kl_positive`` leaves those rows out), ``oracle_us_per_msg`` (the exact rule on the test batch),
+counted in ``n_kl_nonpositive``; ``mean_log_kl_positive`` leaves those rows out); ``reference`` and
+``reference_mean_log_kl`` / ``reference_median_kl`` / ``reference_p95_kl`` (the operator's reference of
+relative targets alone — the factor's approximation or the incoming message — against the exact belief:
+what the learned correction adds), ``oracle_us_per_msg`` (the exact rule on the test batch),
 ``predict_us_per_msg`` (the operator with its variances, same batch), and the uncertainty check:
 the threshold is calibrated on the calibration set (``calibrate_threshold``, mean KL ≤
 ``--target-kl``; the 90th percentile of calibration uncertainties when no threshold meets it),
@@ -189,6 +192,12 @@ def direction_rows(f, recs, args, rng):
         q_hat, logvar = op.predict(test.incoming)
         t_pr = time.perf_counter() - t
         kl_raw = test.beliefs.kl(q_hat)
+        # the operator's reference alone (the factor's approximation, or the incoming message): what
+        # the learned correction adds to it
+        with np.errstate(all="ignore"):
+            ref = (f.approximate_belief(test.incoming, to) if op.reference_ == "approximation"
+                   else test.incoming[to])
+            kl_ref = np.maximum(np.nan_to_num(test.beliefs.kl(ref), nan=np.inf), 1e-300)
         kl = np.maximum(kl_raw, 1e-300)  # rounding can make a near-exact row's KL ≤ 0: counted below
         # the calibration set's 90th percentile of the uncertainty: the budget (flag at most
         # 10 % of in-distribution rows), and the fallback where no threshold meets the KL target
@@ -211,6 +220,8 @@ def direction_rows(f, recs, args, rng):
                "mean_log_kl": float(np.mean(np.log(kl))), "median_kl": float(np.median(kl)),
                "p95_kl": float(np.quantile(kl, 0.95)), "n_kl_nonpositive": int(np.sum(~(kl_raw > 0))),
                "mean_log_kl_positive": float(np.mean(np.log(kl_raw[kl_raw > 0]))),
+               "reference": op.reference_, "reference_mean_log_kl": float(np.mean(np.log(kl_ref))),
+               "reference_median_kl": float(np.median(kl_ref)), "reference_p95_kl": float(np.quantile(kl_ref, 0.95)),
                "oracle_us_per_msg": 1e6 * t_or / n, "predict_us_per_msg": 1e6 * t_pr / n,
                "threshold": float(thr), "threshold_source": how,
                "flagged_fraction": float(np.mean(flagged)), "worst1pct_flagged": float(np.mean(flagged[worst])),

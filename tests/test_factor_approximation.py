@@ -1,9 +1,10 @@
 """Factor approximations (Factor.approximate_belief) as the reference of a learned operator's targets.
 
-The product factor's Gaussian stand-ins are checked against its exact rule (quadrature,
-independent of the approximation code) in the limits where the factor is linear in the recipient
-— there they must be exact — and, on the factor's default messages, must be closer to the exact
-belief than the incoming message they replace as the reference.  The operator's `reference`
+The product factor's approximation (Gauss–Hermite nodes on its Gaussian stand-ins) and the
+stand-ins themselves are checked against its exact rule (adaptive panel quadrature, independent of
+the approximation code) in the limits where the factor is linear in the recipient — there they
+must be exact — and, on the factor's default messages, must be closer to the exact belief than
+the incoming message they replace as the reference; the quadrature closer than the stand-ins.  The operator's `reference`
 option is checked for choice, persistence, refusal of bad rows and its measured effect.
 """
 
@@ -30,8 +31,9 @@ def _point_mass(inc, v, var=1e-12):
     return out
 
 
+@pytest.mark.parametrize("method", ["approximate_belief", "stand_in"])
 @pytest.mark.parametrize("to, point", [("z", "x"), ("z", "y"), ("x", "y"), ("y", "x")])
-def test_product_approximation_is_exact_where_the_factor_is_linear(to, point):
+def test_product_approximation_is_exact_where_the_factor_is_linear(to, point, method):
     """With x (or y) a near point mass, z = x·y is linear in the other input: y (or z) is then
     exactly Gaussian and the belief is a product of Gaussians; the approximation's error is
     O(point variance / the linear term's variance) — at most ~1e-7 relative on these rows (the
@@ -39,24 +41,43 @@ def test_product_approximation_is_exact_where_the_factor_is_linear(to, point):
     f = get_factor("product")
     inc = _point_mass(f.default_incoming(30, np.random.default_rng(7)), point)
     exact = f.exact_belief(inc, to)
-    approx = f.approximate_belief(inc, to)
+    approx = getattr(f, method)(inc, to)
     np.testing.assert_allclose(approx.mean(), exact.mean(), rtol=1e-5, atol=1e-6 * np.sqrt(exact.var()).max())
     np.testing.assert_allclose(approx.var(), exact.var(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["approximate_belief", "stand_in"])
 @pytest.mark.parametrize("to", ["x", "y", "z"])
-def test_product_approximation_beats_the_incoming_message(to):
+def test_product_approximation_beats_the_incoming_message(to, method):
     """Away from those limits it is an approximation, but a better reference than the incoming
     message: smaller KL to the exact belief on most rows and on average (log KL)."""
     f = get_factor("product")
     inc = f.default_incoming(400, np.random.default_rng(8))
     exact = f.exact_belief(inc, to)
-    approx = f.approximate_belief(inc, to)
+    approx = getattr(f, method)(inc, to)
     assert np.all(approx.is_proper) and np.all(np.isfinite(approx.to_coords()))
     kl_a = np.maximum(exact.kl(approx), 1e-300)
     kl_i = np.maximum(exact.kl(inc[to]), 1e-300)
     assert np.mean(np.log(kl_a)) < np.mean(np.log(kl_i)) - 1.0
     assert np.mean(kl_a < kl_i) > 0.75
+
+
+@pytest.mark.parametrize("to", ["x", "y", "z"])
+def test_product_quadrature_reference_is_near_exact_on_most_rows(to):
+    """16 Gauss–Hermite nodes on the stand-in integrate w exactly where w / stand-in is a
+    polynomial of degree < 32: on the default messages the median KL to the exact rule is at the
+    rules' rounding level (measured 2e-12 – 7e-12, asserted < 1e-9; the stand-ins' is ~1e-3), and
+    the quadrature is closer than the stand-in on most rows (measured 99 %, 99.75 %, 94.75 %). It
+    is not exact everywhere: where w is bimodal and the stand-in sits on one mode the nodes miss
+    the other (measured max KL 4.5 on x) — the learned operator's correction is for those."""
+    f = get_factor("product")
+    inc = f.default_incoming(400, np.random.default_rng(8))
+    exact = f.exact_belief(inc, to)
+    kl_q = np.maximum(exact.kl(f.approximate_belief(inc, to)), 1e-300)
+    kl_s = np.maximum(exact.kl(f.stand_in(inc, to)), 1e-300)
+    assert np.median(kl_q) < 1e-9 and np.median(kl_s) > 1e-5
+    assert np.mean(kl_q < kl_s) > 0.9
+    assert np.mean(np.log(kl_q)) < np.mean(np.log(kl_s)) - 20.0
 
 
 def _data(f, to, n, seed):
@@ -106,7 +127,8 @@ def test_learning_the_approximations_error_is_more_accurate():
     """Product → z on the default messages (z's message up to 100 times wider than x·y): the
     regression relative to the incoming message must learn the whole move from it; relative to
     the approximation only its error.  Measured here (seeded, 1 500 pairs, D 60/150): the
-    mean log KL −2.60 (incoming) vs −4.49 (approximation); asserted: better by at least 1 nat."""
+    mean log KL −2.60 (incoming) vs −10.50 (approximation; −4.49 with the Gaussian stand-ins alone);
+    asserted: better by at least 1 nat."""
     f = get_factor("product")
     train, test = _data(f, "z", 1500, 3), _data(f, "z", 500, 4)
     out = {}

@@ -75,6 +75,23 @@ def _no_power(power):
         )
 
 
+def log_weight(t, m1, v1, m2, v2, mz, vz):
+    """log w(t) up to a constant: −(t − m1)²/(2 v1) − ½ log V − (t m2 − mz)²/(2V), V = t² v2 + vz
+    (NaN where it overflows; the callers treat those nodes as carrying no mass)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        V = t * t * v2 + vz
+        return -0.5 * (t - m1) ** 2 / v1 - 0.5 * np.log(V) - 0.5 * (t * m2 - mz) ** 2 / V
+
+
+def z_given(t, m2, v2, mz, vz):
+    """Mean and variance of z's Gaussian posterior given the integrated input t:
+    ((t m2 vz + mz t² v2) / V, t² v2 vz / V)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        t2v = t * t * v2
+        V = t2v + vz
+        return (t * m2 * vz + mz * t2v) / V, t2v * vz / V
+
+
 def _rule(m1, v1, m2, v2, mz, vz):
     """Panel rule over t (the integrated input, message N(m1, v1); the other input N(m2, v2)).
 
@@ -82,10 +99,7 @@ def _rule(m1, v1, m2, v2, mz, vz):
     Returns (t, lw, raw log integral)."""
 
     def logf(t, rows=None):
-        a1, b1, a2, b2, az, bz = (col(p, t, rows) for p in (m1, v1, m2, v2, mz, vz))
-        with np.errstate(over="ignore", invalid="ignore"):
-            V = t * t * b2 + bz
-            out = -0.5 * (t - a1) ** 2 / b1 - 0.5 * np.log(V) - 0.5 * (t * a2 - az) ** 2 / V
+        out = log_weight(t, *(col(p, t, rows) for p in (m1, v1, m2, v2, mz, vz)))
         return np.where(np.isnan(out), -np.inf, out)
 
     def dlogf(t, rows=None):
@@ -173,11 +187,7 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     if to in ("x", "y"):
         mean, var = gaussian_from_nodes(t, lw)
     else:
-        with np.errstate(over="ignore", invalid="ignore"):
-            t2v = t * t * v2[:, None]
-            V = t2v + vz[:, None]
-            mu = (t * m2[:, None] * vz[:, None] + mz[:, None] * t2v) / V
-            var_ = t2v * vz[:, None] / V
+        mu, var_ = z_given(t, m2[:, None], v2[:, None], mz[:, None], vz[:, None])
         # nodes whose weight underflowed may hold inf/nan terms: they carry no mass
         keep = np.isfinite(mu) & np.isfinite(var_) & np.isfinite(lw)
         lw = np.where(keep, lw, -np.inf)
