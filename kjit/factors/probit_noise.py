@@ -74,6 +74,10 @@ class ProbitNoise(Factor):
         p = np.asarray(incoming["y"].p, dtype=float)
         return np.broadcast_to((p == 0.0) | (p == 1.0), incoming["f"].shape)
 
+    def symmetry(self, incoming):
+        # f -> f/s leaves Θ(y f) unchanged: the frame gives f's message unit variance
+        return {"f": (1.0 / np.sqrt(incoming["f"].var()), 0.0)}
+
     def sample(self, inputs, size, rng):
         y = np.where(inputs["f"] >= 0, 1.0, -1.0)
         flip = rng.random(size) < self.eps
