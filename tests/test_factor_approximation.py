@@ -280,7 +280,7 @@ def test_logistic_laplace_on_extreme_messages():
 
 
 @pytest.mark.parametrize("name, to", [("logistic", "x"), ("logistic", "z"), ("exp", "x"), ("exp", "y"),
-                                      ("gamma_rate", "r"), ("gamma_rate", "x")])
+                                      ("gamma_rate", "r"), ("gamma_rate", "x"), ("product", "x"), ("product", "z")])
 def test_approximation_of_a_row_does_not_depend_on_its_batch(name, to):
     """The Newton solve runs on a batch; every row must get bit for bit what it gets alone (an
     operator's answer — and the durable replay of its updates — may not depend on the batching)."""
@@ -306,7 +306,7 @@ def test_gamma_rate_laplace_error_is_the_log_normal_mismatch(shape, projection):
     n = 200
     lo = 2.5 if shape > 100 else 0.0
     inc = {v: Gamma(10.0 ** rng.uniform(lo, lo + 1, n), 10.0 ** rng.uniform(-1, 1, n)) for v in ("r", "x")}
-    q = f.approximate_belief(inc, "x")
+    q = f.laplace_belief(inc, "x")
     kl = f.exact_belief(inc, "x").kl(q)
     assert np.max(kl * q.params[0]) < 0.15, np.max(kl * q.params[0])
 
@@ -323,8 +323,9 @@ def test_gamma_rate_laplace_finds_the_mode_and_moves_with_the_symmetry():
     al, be = 10.0 ** rng.uniform(-3, 3, n), 10.0 ** rng.uniform(-6, 6, n)
     a, b = 10.0 ** rng.uniform(-3, 3, n), 10.0 ** rng.uniform(-6, 6, n)
     inc = {"r": Gamma(al, be), "x": Gamma(a, b)}
-    for to, (c, B, K, D) in (("r", (al + 0.3, be, 0.3 + a, b)), ("x", (np.maximum(a - 0.7, 0.5), b, 0.3 + al, be))):
-        q = f.approximate_belief(inc, to)
+    for to, (c, B, K, D) in (("r", (al + 0.3, be, np.where(a > 0.7, a - 0.7, a + 0.3), b)),
+                             ("x", (np.maximum(a - 0.7, 0.5), b, 0.3 + al, be))):
+        q = f.laplace_belief(inc, to)
         assert np.all(q.is_proper) and np.all(np.isfinite(q.to_coords())), to
         # the log-normal's log-mean: the KL projection keeps E log = u*
         u = special_digamma(q.params[0]) - np.log(q.params[1])
@@ -334,8 +335,25 @@ def test_gamma_rate_laplace_finds_the_mode_and_moves_with_the_symmetry():
     inc = f.default_incoming(50, np.random.default_rng(20))
     mapped, sym = f.canonical_messages(inc), f.symmetry(inc)
     for to in ("r", "x"):
-        q, q_map = f.approximate_belief(inc, to), f.approximate_belief(mapped, to)
-        np.testing.assert_allclose(q_map.to_coords(), q.affine(*sym[to]).to_coords(), rtol=1e-9, atol=1e-9)
+        for method in ("laplace_belief", "approximate_belief"):
+            q, q_map = getattr(f, method)(inc, to), getattr(f, method)(mapped, to)
+            np.testing.assert_allclose(q_map.to_coords(), q.affine(*sym[to]).to_coords(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("projection", ["kl", "moments"])
+def test_gamma_rate_quadrature_reference_matches_the_exact_rule(projection):
+    """16 Gauss–Hermite nodes on the log-space Laplace approximation: on the default messages the
+    KL to the exact rule (panel quadrature, independent code) is at rounding level on most rows
+    (measured, KL projection: median 1.2e-13 / 5e-13, max 5e-7 / 1.5e-6 for r / x over 2 000 rows),
+    far below the Laplace approximation's (median ~1e-2)."""
+    f = get_factor("gamma_rate", shape=2.0, projection=projection)
+    inc = f.default_incoming(500, np.random.default_rng(21))
+    for to in ("r", "x"):
+        exact = f.exact_belief(inc, to)
+        kl_q = np.maximum(exact.kl(f.approximate_belief(inc, to)), 1e-300)
+        kl_l = np.maximum(exact.kl(f.laplace_belief(inc, to)), 1e-300)
+        assert np.median(kl_q) < 1e-10 and np.max(kl_q) < 1e-4, (to, np.median(kl_q), np.max(kl_q))
+        assert np.median(kl_l) > 1e-4 and np.mean(kl_q < kl_l) > 0.99
 
 
 def special_digamma(a):

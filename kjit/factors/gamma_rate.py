@@ -23,6 +23,20 @@ from .base import Factor, capped_log_var, check_projection, exact_rules, laplace
 __all__ = ["GammaRate", "gamma_rate_incoming"]
 
 
+#: Gauss–Hermite nodes of GammaRate's reference (0: Laplace's approximation alone)
+GH_NODES = 16
+
+
+def _gauss_hermite():
+    global _GH
+    if _GH is None or len(_GH[0]) != GH_NODES:
+        _GH = np.polynomial.hermite.hermgauss(GH_NODES)
+    return _GH
+
+
+_GH = None
+
+
 class GammaRate(Factor):
     """x ~ Gamma(shape, rate=r); r, x Gamma.  ``projection`` of the Gamma beliefs."""
 
@@ -50,27 +64,73 @@ class GammaRate(Factor):
         return _exact.sample(inputs, size, rng, shape=self.shape)
 
     def approximate_belief(self, incoming, to):
-        """Laplace's approximation in log space, the reference of a learned operator's targets.
+        """A near-exact belief, the reference of a learned operator's relative targets: Gauss–Hermite
+        quadrature (:data:`GH_NODES` nodes) of the exact rule's 1-D integral in u = log of the
+        recipient, on :meth:`laplace_belief`'s Gaussian in u (adaptive quadrature), projected onto
+        the Gamma family as the factor projects, with the exact rule's careful statistics
+        (log E[v] − E[log v] from centred node sums).  Rows where the tilted distribution is
+        improper, or the quadrature's statistics are not finite, keep the Laplace answer.
+        Measured against the exact rule: on the factor suite's Poisson–Gamma messages mean log KL
+        r −296, x −24.7 (median 3e-15, 5e-10; Laplace alone −5.2, −3.6); on the default messages
+        −128, −115.  Used as the reference of a JIT operator on the Poisson–Gamma model
+        (``benchmarks/ep_models.py``), EP with the reference alone is within 0.001 sd of exact-rule EP.
+        """
+        u, h, (c, B, K, D), proper, laplace = self._laplace(incoming, to)
+        if not GH_NODES:
+            return laplace
+        xi, omega = _gauss_hermite()
+        with np.errstate(all="ignore"):
+            t = u[:, None] + np.sqrt(2.0 / h)[:, None] * xi
+            g = c[:, None] * t - B[:, None] * np.exp(t) - K[:, None] * np.logaddexp(t, np.log(D)[:, None])
+            lw = np.log(omega) + xi * xi + g
+            w = np.exp(lw - np.max(lw, axis=1, keepdims=True))
+            w /= np.sum(w, axis=1, keepdims=True)
+            ubar = np.sum(w * t, axis=1)
+            dev = t - ubar[:, None]
+            stat = np.log1p(np.sum(w * np.expm1(dev), axis=1))  # log E[v] − E[log v], no cancellation
+            ok = proper & np.isfinite(stat) & (stat > 0) & np.isfinite(ubar)
+            shape_, log_mean = np.ones_like(stat), ubar + stat
+            if self.projection == "kl":
+                if ok.any():
+                    shape_[ok] = Gamma.project(np.stack([np.ones(ok.sum()), -stat[ok]], axis=-1)).shape_param
+            else:
+                rel_var = np.sum(w * np.expm1(dev - stat[:, None]) ** 2, axis=1)  # Var / E²
+                ok &= np.isfinite(rel_var) & (rel_var > 0)
+                shape_ = np.where(ok, 1.0 / np.where(ok, rel_var, 1.0), 1.0)
+            rate = shape_ * np.exp(-log_mean)
+            ok &= np.isfinite(shape_) & (shape_ > 0) & np.isfinite(rate) & (rate > 0)
+        keep = ok.reshape(laplace.shape)
+        return Gamma._unchecked(np.where(keep, shape_.reshape(laplace.shape), laplace.shape_param),
+                                np.where(keep, rate.reshape(laplace.shape), laplace.rate))
+
+    def laplace_belief(self, incoming, to):
+        """Laplace's approximation in log space (the nodes of :meth:`approximate_belief`).
 
         With r's message Gamma(α, β), x's Gamma(a, b) and shape s, either variable integrates out
-        in closed form: the belief on r ∝ Gamma(r; α, β)·r^s (r + b)^{−(s+a)}, on x ∝
+        in closed form: the belief on r ∝ Gamma(r; α, β)·r^s (r + b)^{−(s+a−1)}, on x ∝
         Gamma(x; a, b)·x^{s−1} (x + β)^{−(s+α)}.  In u = log of the recipient both log densities
-        are c u − B e^u − K log(e^u + D) — (c, B, K, D) = (α + s, β, s + a, b) for r and
+        are c u − B e^u − K log(e^u + D) — (c, B, K, D) = (α + s, β, s + a − 1, b) for r and
         (a + s − 1, b, s + α, β) for x — strictly concave, with one mode found by
         :func:`laplace_mode` in [log(c/(B + K/D)), min(log(c/B), log(cD/(K − c)) where K > c)];
         the log-normal N(u*, 1/h) is projected onto the Gamma family as the factor projects
-        (:meth:`Gamma.from_log_normal`).  Where a + s ≤ 1 the density of log x has no mode (c ≤ 0):
-        c is taken as ½ there — a reference need only be proper and smooth.  It moves with
-        :meth:`symmetry` (a shift of u).  Measured on the factor suite's Poisson–Gamma messages
-        (5 000 pairs, D 125/250), mean log KL of the learned operator relative to it vs to the
-        incoming message: r −23.98 vs −20.21, x −25.14 vs −22.87 (x: the 2 940 of 3 000 rows whose
-        KL does not round to ≤ 0; the approximation alone: −7.70, −3.70).
+        (:meth:`Gamma.from_log_normal`).  Where a + s ≤ 1 the tilted distribution is improper (the
+        exact rule refuses the row): c (for x) is taken as ½ and K (for r) as s + a there — a
+        reference need only be proper and smooth.  It moves with :meth:`symmetry` (a shift of u).
+        (Until this session K for r was s + a, the exponent off by one: the approximation was a
+        little off and the learned operators corrected it.)
         """
+        return self._laplace(incoming, to)[-1]
+
+    def _laplace(self, incoming, to):
+        """``(u*, h, (c, B, K, D), rows whose tilted distribution is proper, the Laplace belief)``, flat
+        arrays but the belief."""
         to = self.check_to(to)
         (al, be), (a, b) = ([np.asarray(p, dtype=float) for p in incoming[v].params] for v in ("r", "x"))
         s = self.shape
-        c, B, K, D = (al + s, be, s + a, b) if to == "r" else (np.maximum(a + s - 1.0, 0.5), b, s + al, be)
+        c, B, K, D = ((al + s, be, np.where(a + s > 1.0, a + s - 1.0, a + s), b) if to == "r"
+                      else (np.maximum(a + s - 1.0, 0.5), b, s + al, be))
         c, B, K, D = (np.broadcast_to(q, al.shape).ravel() for q in (c, B, K, D))
+        proper = np.broadcast_to(a + s > 1.0, al.shape).ravel()  # the tilted distribution (either recipient)
         log_d = np.log(D)
 
         def dlog(u, i):
@@ -84,7 +144,8 @@ class GammaRate(Factor):
             hi = np.where(K > c, np.minimum(hi, np.log(c * D / np.where(K > c, K - c, 1.0))), hi)
             u, h = laplace_mode(dlog, lo, hi, start=hi)
             # capped where the log-normal's mean would overflow (e.g. α ≈ a ≈ 0.002 with shape 0.3)
-            return Gamma.from_log_normal(u, capped_log_var(u, 1.0 / h), self.projection)
+            q = Gamma.from_log_normal(u, capped_log_var(u, 1.0 / h), self.projection)
+        return u.ravel(), h.ravel(), (c, B, K, D), proper, q
 
     def symmetry(self, incoming):
         # x -> k·x, r -> r/k leave Gamma(x; shape, r) unchanged up to 1/k: the frame gives x's
