@@ -166,9 +166,10 @@ def _exp_messages(n, seed):
     return get_factor("exp").default_incoming(n, np.random.default_rng(seed))
 
 
+@pytest.mark.parametrize("method", ["approximate_belief", "laplace_belief"])
 @pytest.mark.parametrize("projection", ["kl", "moments"])
 @pytest.mark.parametrize("to", ["x", "y"])
-def test_exp_laplace_is_exact_when_the_tilted_density_is_gaussian(to, projection):
+def test_exp_laplace_is_exact_when_the_tilted_density_is_gaussian(to, projection, method):
     """With y's rate β → 0 the tilted density of x, exp(−(x − m)²/2v + (α − 1)x − βe^x), is the
     Gaussian N(m + v(α − 1), v): Laplace's approximation is then exact, and so is the belief on y
     (its log-normal projected as the factor projects).  β = 1e-10 perturbs the mode by
@@ -181,7 +182,7 @@ def test_exp_laplace_is_exact_when_the_tilted_density_is_gaussian(to, projection
     inc = {"x": Gaussian(rng.uniform(-3, 3, 30), 10.0 ** rng.uniform(-2, 0, 30)),
            "y": Gamma(10.0 ** rng.uniform(0, np.log10(3.0), 30), np.full(30, 1e-10))}
     exact = f.exact_belief(inc, to)
-    approx = f.approximate_belief(inc, to)
+    approx = getattr(f, method)(inc, to)
     np.testing.assert_allclose(approx.to_coords(), exact.to_coords(), rtol=1e-5, atol=1e-5)
 
 
@@ -207,7 +208,9 @@ def test_exp_laplace_finds_the_mode_on_extreme_messages():
     from kjit.families import Gamma
 
     f, (m, v, a, b) = get_factor("exp"), _extreme(12, b_decades=6)
-    t = _proper_everywhere(f, {"x": Gaussian(m, v), "y": Gamma(a, b)})
+    inc = {"x": Gaussian(m, v), "y": Gamma(a, b)}
+    _proper_everywhere(f, inc)  # the quadrature reference too
+    t = f.laplace_belief(inc, "x").mean()
     grad = -(t - m) / v + (a - 1.0) - b * np.exp(t)
     curv = 1.0 / v + b * np.exp(t)
     assert np.max(np.abs(grad / curv)) < 1e-8  # a Newton step from t would move it by < 1e-8
@@ -221,8 +224,26 @@ def test_exp_approximation_moves_with_the_symmetry():
     mapped = f.canonical_messages(inc)
     sym = f.symmetry(inc)
     for to in ("x", "y"):
-        q, q_map = f.approximate_belief(inc, to), f.approximate_belief(mapped, to)
-        np.testing.assert_allclose(q_map.to_coords(), q.affine(*sym[to]).to_coords(), rtol=1e-9, atol=1e-9)
+        for method in ("approximate_belief", "laplace_belief"):
+            q, q_map = getattr(f, method)(inc, to), getattr(f, method)(mapped, to)
+            np.testing.assert_allclose(q_map.to_coords(), q.affine(*sym[to]).to_coords(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("projection", ["kl", "moments"])
+def test_exp_quadrature_reference_matches_the_exact_rule(projection):
+    """16 Gauss–Hermite nodes on the Laplace approximation of x's tilted density: on the default
+    messages the KL to the exact rule (panel quadrature, independent code) is at rounding level
+    on most rows (measured, KL projection, 2 000 rows: median 2e-22 / 2e-15, max 6e-8 / 6e-7 for
+    x / y; on the factor suite's Poisson-regression messages mean log KL −101 / −322), far below
+    Laplace's alone (median ~1e-3)."""
+    f = get_factor("exp", projection=projection)
+    inc = _exp_messages(500, 22)
+    for to in ("x", "y"):
+        exact = f.exact_belief(inc, to)
+        kl_q = np.maximum(exact.kl(f.approximate_belief(inc, to)), 1e-300)
+        kl_l = np.maximum(exact.kl(f.laplace_belief(inc, to)), 1e-300)
+        assert np.median(kl_q) < 1e-10 and np.max(kl_q) < 1e-4, (to, np.median(kl_q), np.max(kl_q))
+        assert np.median(kl_l) > 1e-5 and np.mean(kl_q < kl_l) > 0.99
 
 
 def test_tilted_laplace_is_exact_for_a_gaussian_log_factor():

@@ -18,23 +18,10 @@ from scipy.special import expit
 
 from ..exact import gamma_rate as _exact
 from ..families import Family, Gamma
-from .base import Factor, capped_log_var, check_projection, exact_rules, laplace_mode, register_factor
+from .base import (GH_NODES, Factor, capped_log_var, check_projection, exact_rules, gamma_from_log_nodes,
+                   gauss_hermite, laplace_mode, register_factor)
 
 __all__ = ["GammaRate", "gamma_rate_incoming"]
-
-
-#: Gauss–Hermite nodes of GammaRate's reference (0: Laplace's approximation alone)
-GH_NODES = 16
-
-
-def _gauss_hermite():
-    global _GH
-    if _GH is None or len(_GH[0]) != GH_NODES:
-        _GH = np.polynomial.hermite.hermgauss(GH_NODES)
-    return _GH
-
-
-_GH = None
 
 
 class GammaRate(Factor):
@@ -65,8 +52,8 @@ class GammaRate(Factor):
 
     def approximate_belief(self, incoming, to):
         """A near-exact belief, the reference of a learned operator's relative targets: Gauss–Hermite
-        quadrature (:data:`GH_NODES` nodes) of the exact rule's 1-D integral in u = log of the
-        recipient, on :meth:`laplace_belief`'s Gaussian in u (adaptive quadrature), projected onto
+        quadrature (:data:`~kjit.factors.base.GH_NODES` nodes) of the exact rule's 1-D integral in
+        u = log of the recipient, on :meth:`laplace_belief`'s Gaussian in u (adaptive quadrature), projected onto
         the Gamma family as the factor projects, with the exact rule's careful statistics
         (log E[v] − E[log v] from centred node sums).  Rows where the tilted distribution is
         improper, or the quadrature's statistics are not finite, keep the Laplace answer.
@@ -76,30 +63,12 @@ class GammaRate(Factor):
         (``benchmarks/ep_models.py``), EP with the reference alone is within 0.001 sd of exact-rule EP.
         """
         u, h, (c, B, K, D), proper, laplace = self._laplace(incoming, to)
-        if not GH_NODES:
-            return laplace
-        xi, omega = _gauss_hermite()
+        xi, omega = gauss_hermite(GH_NODES)
         with np.errstate(all="ignore"):
             t = u[:, None] + np.sqrt(2.0 / h)[:, None] * xi
             g = c[:, None] * t - B[:, None] * np.exp(t) - K[:, None] * np.logaddexp(t, np.log(D)[:, None])
-            lw = np.log(omega) + xi * xi + g
-            w = np.exp(lw - np.max(lw, axis=1, keepdims=True))
-            w /= np.sum(w, axis=1, keepdims=True)
-            ubar = np.sum(w * t, axis=1)
-            dev = t - ubar[:, None]
-            stat = np.log1p(np.sum(w * np.expm1(dev), axis=1))  # log E[v] − E[log v], no cancellation
-            ok = proper & np.isfinite(stat) & (stat > 0) & np.isfinite(ubar)
-            shape_, log_mean = np.ones_like(stat), ubar + stat
-            if self.projection == "kl":
-                if ok.any():
-                    shape_[ok] = Gamma.project(np.stack([np.ones(ok.sum()), -stat[ok]], axis=-1)).shape_param
-            else:
-                rel_var = np.sum(w * np.expm1(dev - stat[:, None]) ** 2, axis=1)  # Var / E²
-                ok &= np.isfinite(rel_var) & (rel_var > 0)
-                shape_ = np.where(ok, 1.0 / np.where(ok, rel_var, 1.0), 1.0)
-            rate = shape_ * np.exp(-log_mean)
-            ok &= np.isfinite(shape_) & (shape_ > 0) & np.isfinite(rate) & (rate > 0)
-        keep = ok.reshape(laplace.shape)
+        shape_, rate, ok = gamma_from_log_nodes(t, np.log(omega) + xi * xi + g, self.projection)
+        keep = (ok & proper).reshape(laplace.shape)
         return Gamma._unchecked(np.where(keep, shape_.reshape(laplace.shape), laplace.shape_param),
                                 np.where(keep, rate.reshape(laplace.shape), laplace.rate))
 
@@ -116,8 +85,8 @@ class GammaRate(Factor):
         (:meth:`Gamma.from_log_normal`).  Where a + s ≤ 1 the tilted distribution is improper (the
         exact rule refuses the row): c (for x) is taken as ½ and K (for r) as s + a there — a
         reference need only be proper and smooth.  It moves with :meth:`symmetry` (a shift of u).
-        (Until this session K for r was s + a, the exponent off by one: the approximation was a
-        little off and the learned operators corrected it.)
+        (Before 2026-11-26 K for r was s + a, the exponent off by one: the approximation was a
+        little off, and the learned operators corrected it.)
         """
         return self._laplace(incoming, to)[-1]
 

@@ -14,25 +14,13 @@ import numpy as np
 
 from ..exact import product as _exact
 from ..families import Family, Gaussian
-from .base import Factor, exact_rules, register_factor
+from .base import GH_NODES, Factor, exact_rules, gauss_hermite, register_factor
 
 __all__ = ["Product", "product_incoming"]
 
 
-#: Gauss–Hermite nodes of the product's reference (Product.approximate_belief) and the widening
-#: of the stand-in they are placed on
-GH_NODES = 16
+#: the widening of the stand-in the Gauss–Hermite nodes of Product's reference are placed on
 GH_WIDEN = 1.0
-
-
-def _gauss_hermite():
-    global _GH
-    if _GH is None:
-        _GH = np.polynomial.hermite.hermgauss(GH_NODES)
-    return _GH
-
-
-_GH = None
 
 
 class Product(Factor):
@@ -54,8 +42,8 @@ class Product(Factor):
         """A cheap near-exact belief, the reference of a learned operator's relative targets:
         Gauss–Hermite quadrature of the exact rule's 1-D integral (:mod:`kjit.exact.product`:
         w(t) = N(t; m_1, v_1) N(t m_2; m_z, t² v_2 + v_z) over the integrated input t, x for the
-        recipients x and z, y for y), with :data:`GH_NODES` nodes placed on the Gaussian stand-in
-        of t's belief (:meth:`stand_in`, widened by :data:`GH_WIDEN`) — adaptive quadrature, exact
+        recipients x and z, y for y), with :data:`~kjit.factors.base.GH_NODES` nodes placed on the
+        Gaussian stand-in of t's belief (:meth:`stand_in`, widened by :data:`GH_WIDEN`) — adaptive quadrature, exact
         for w / stand-in polynomial of degree < 2·GH_NODES.  x, y: the moments of w; z: the
         w-mixture of z's Gaussian posterior given t, as the exact rule.  Where w is bimodal and
         the stand-in sits on one mode the nodes miss the other: the learned operator corrects
@@ -68,7 +56,7 @@ class Product(Factor):
         m1, v1, m2, v2, mz, vz = (np.asarray(p, dtype=float)[..., None] for p in
                                   (a.mean(), a.var(), b.mean(), b.var(), z.mean(), z.var()))
         c = self.stand_in(incoming, over)
-        xi, omega = _gauss_hermite()
+        xi, omega = gauss_hermite(GH_NODES)
         with np.errstate(all="ignore"):
             s = np.sqrt(2.0 * GH_WIDEN * np.asarray(c.var(), dtype=float))[..., None]
             t = np.asarray(c.mean(), dtype=float)[..., None] + s * xi
