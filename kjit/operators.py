@@ -275,6 +275,8 @@ class KernelOperator(Operator):
         self.canonical_ = bool(self.canonical and self.target == "relative"
                                and self.factor.canonical_messages(probe) is not None)
         self.reference_ = self._choose_reference(probe)
+        # the approximation's revision the targets are relative to (an upgraded factor keeps it)
+        self.reference_revision_ = int(self.factor.approximation_revision)
         messages = self.feature_inputs(inc)
         if len(shape) != 1 or shape[0] < 2:
             raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
@@ -421,7 +423,7 @@ class KernelOperator(Operator):
             return incoming[self.to].ravel().to_coords()
         flat = {v: m.ravel() for v, m in incoming.items()}
         with np.errstate(all="ignore"):
-            q = self.factor.approximate_belief(flat, self.to)
+            q = self.factor.reference_belief(flat, self.to, getattr(self, "reference_revision_", 1))
             ok = np.asarray(q.is_proper, bool) & np.all([np.isfinite(p) for p in q.params], axis=0)
             if ok.all():
                 return q.to_coords()
@@ -590,6 +592,7 @@ class KernelOperator(Operator):
             "log_evidence": self.log_evidence_, "fit_seconds": self.fit_seconds_,
             "search": json.dumps(self.search_), "canonical": int(self.canonical_),
             "width_rule": getattr(self, "width_rule_", "mean_variance"), "reference": self.reference_,
+            "reference_revision": int(getattr(self, "reference_revision_", 1)),
         }
         return {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                 "blr": self.blr_.state_dict()}
@@ -612,6 +615,8 @@ class KernelOperator(Operator):
             op.reference_ = str(f.get("reference", "incoming"))  # states saved before references
             if op.reference_ not in ("incoming", "approximation"):
                 raise ValueError(f"operator state has an unknown reference {op.reference_!r}")
+            # states saved before revisions were fitted relative to revision 1
+            op.reference_revision_ = int(f.get("reference_revision", 1))
             op.features_ = TwoStageFeatures.from_state_dict(state["features"])
             op.blr_ = BayesianLinearRegression.from_state_dict(state["blr"])
             op.y_mean_ = np.asarray(f["y_mean"], float)

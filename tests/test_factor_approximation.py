@@ -404,3 +404,31 @@ def test_a_sampled_factor_can_bring_its_own_approximation():
     assert KernelOperator(mine, "x", **kw).fit(xs).reference_ == "incoming"
     with pytest.raises(ValueError, match="`approximate`"):
         SampledFactor("bad", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, r: v["x"], approximate=3)
+
+
+@pytest.mark.parametrize("name, to", [("product", "x"), ("exp", "x"), ("gamma_rate", "r")])
+def test_operators_fitted_relative_to_an_earlier_approximation_keep_it(name, to, monkeypatch):
+    """The approximations of product, exp and gamma_rate changed (revision 2: quadrature on the
+    earlier ones; gamma_rate's r exponent fixed).  An operator fitted relative to revision 1 —
+    as every stored operator of an earlier kjit was, its state without the key — must keep
+    predicting relative to revision 1, not silently relative to the new reference."""
+    f = get_factor(name)
+    data = _data(f, to, 300, 30)
+    test = f.default_incoming(40, np.random.default_rng(31))
+    monkeypatch.setattr(type(f), "approximation_revision", 1)  # fitted by the earlier kjit
+    old = KernelOperator(f, to, n_inner=20, n_outer=40, random_state=0).fit(data)
+    assert old.reference_ == "approximation" and old.reference_revision_ == 1
+    q_old = old.predict(test)[0].to_coords()
+    monkeypatch.undo()
+    state = old.state_dict()
+    del state["fitted"]["reference_revision"]  # a state saved before revisions
+    loaded = KernelOperator.from_state_dict(loads_state(dumps_state("KernelOperator", state))[1])
+    assert loaded.reference_revision_ == 1
+    np.testing.assert_array_equal(loaded.predict(test)[0].to_coords(), q_old)
+    loaded.reference_revision_ = 2  # what the state would have predicted without the revision
+    assert np.max(np.abs(loaded.predict(test)[0].to_coords() - q_old)) > 1e-6
+    new = KernelOperator(f, to, n_inner=20, n_outer=40, random_state=0).fit(data)
+    assert new.reference_revision_ == f.approximation_revision == 2
+    assert _round_trip(new).reference_revision_ == 2
+    with pytest.raises(ValueError, match="revision 7"):
+        f.reference_belief(test, to, revision=7)

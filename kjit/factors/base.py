@@ -238,8 +238,23 @@ class Factor:
         the operator learns only the approximation's error.  It must be proper and finite for
         proper incoming messages (rows that overflow are refused by name), and transform with
         :meth:`symmetry` if the factor declares one (relative targets must stay unchanged by it).
+        A factor that changes its approximation raises :attr:`approximation_revision` and keeps the
+        earlier ones in :meth:`reference_belief`: operators fitted relative to them stay valid.
         """
         return None
+
+    #: the revision of :meth:`approximate_belief`; a learned operator records the one it was fitted
+    #: relative to (its targets are relative to that approximation)
+    approximation_revision: ClassVar[int] = 1
+
+    def reference_belief(self, incoming: Mapping[str, Family], to: str, revision: int | None = None) -> Family | None:
+        """:meth:`approximate_belief` as it was at ``revision`` (None: the current one).  A factor
+        whose approximation changed overrides this to keep its earlier revisions; by default only
+        the current one exists, and asking for another is an error naming both."""
+        if revision is None or int(revision) == self.approximation_revision:
+            return self.approximate_belief(incoming, to)
+        raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "
+                         f"operator fitted relative to revision {revision} cannot be evaluated with it")
 
     def symmetry(self, incoming: Mapping[str, Family]) -> dict[str, tuple] | None:
         """A per-row change of units under which the factor is invariant, or None (the default).

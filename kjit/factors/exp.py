@@ -80,6 +80,14 @@ class Exp(Factor):
         return Gaussian._unchecked(np.where(keep, mean.reshape(laplace.shape), laplace.mean()),
                                    np.where(keep, var.reshape(laplace.shape), laplace.var()))
 
+    #: 2: Gauss–Hermite quadrature on Laplace's approximation (2026-11-26); 1: Laplace's alone
+    approximation_revision = 2
+
+    def reference_belief(self, incoming, to, revision=None):
+        if revision is not None and int(revision) == 1:
+            return self.laplace_belief(incoming, to)
+        return super().reference_belief(incoming, to, revision)
+
     def laplace_belief(self, incoming, to):
         """Laplace's approximation of the tilted distribution in x (the nodes of
         :meth:`approximate_belief`).

@@ -72,6 +72,15 @@ class GammaRate(Factor):
         return Gamma._unchecked(np.where(keep, shape_.reshape(laplace.shape), laplace.shape_param),
                                 np.where(keep, rate.reshape(laplace.shape), laplace.rate))
 
+    #: 2: Gauss–Hermite quadrature on Laplace's approximation with r's exponent s + a − 1
+    #: (2026-11-26); 1: Laplace's alone, with r's exponent s + a
+    approximation_revision = 2
+
+    def reference_belief(self, incoming, to, revision=None):
+        if revision is not None and int(revision) == 1:
+            return self._laplace(incoming, to, revision=1)[-1]
+        return super().reference_belief(incoming, to, revision)
+
     def laplace_belief(self, incoming, to):
         """Laplace's approximation in log space (the nodes of :meth:`approximate_belief`).
 
@@ -90,14 +99,14 @@ class GammaRate(Factor):
         """
         return self._laplace(incoming, to)[-1]
 
-    def _laplace(self, incoming, to):
+    def _laplace(self, incoming, to, revision: int = 2):
         """``(u*, h, (c, B, K, D), rows whose tilted distribution is proper, the Laplace belief)``, flat
         arrays but the belief."""
         to = self.check_to(to)
         (al, be), (a, b) = ([np.asarray(p, dtype=float) for p in incoming[v].params] for v in ("r", "x"))
         s = self.shape
-        c, B, K, D = ((al + s, be, np.where(a + s > 1.0, a + s - 1.0, a + s), b) if to == "r"
-                      else (np.maximum(a + s - 1.0, 0.5), b, s + al, be))
+        k_r = np.where(a + s > 1.0, a + s - 1.0, a + s) if revision >= 2 else a + s  # (1: off by one)
+        c, B, K, D = (al + s, be, k_r, b) if to == "r" else (np.maximum(a + s - 1.0, 0.5), b, s + al, be)
         c, B, K, D = (np.broadcast_to(q, al.shape).ravel() for q in (c, B, K, D))
         proper = np.broadcast_to(a + s > 1.0, al.shape).ravel()  # the tilted distribution (either recipient)
         log_d = np.log(D)
