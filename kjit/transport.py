@@ -110,7 +110,14 @@ class Session:
         self.scheme, self.host = u.scheme, u.hostname
         self.port = u.port or (443 if u.scheme == "https" else 80)
         self.prefix = u.path.rstrip("/")
-        self.headers = {"Host": u.netloc, "Connection": "keep-alive", **(headers or {})}
+        host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+        self.headers = {"Host": host + (f":{u.port}" if u.port else ""), "Connection": "keep-alive"}
+        if u.username is not None:  # as httpx: userinfo becomes Basic auth, never part of Host
+            import base64
+            from urllib.parse import unquote
+            cred = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
+            self.headers["Authorization"] = "Basic " + base64.b64encode(cred).decode()
+        self.headers.update(headers or {})
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self.on_request: list[Callable] = []
@@ -127,7 +134,9 @@ class Session:
         c = self._conn
         if c is not None and c.sock is not None:
             try:  # an idle connection the server closed reads as ready (EOF): replace it
-                stale = bool(select.select([c.sock], [], [], 0)[0])
+                p = select.poll()  # not select.select: it refuses fds >= 1024
+                p.register(c.sock, select.POLLIN)
+                stale = bool(p.poll(0))
             except (OSError, ValueError):
                 stale = True
             if not stale:
@@ -159,7 +168,8 @@ class Session:
             hook(method, url, {"connect": self.connect_timeout, "read": self.timeout})
         conn = self._connection()
         conn.sock.settimeout(self.timeout)
-        hdrs = {**self.headers, **(headers or {})}
+        own = {k.lower() for k in (headers or {})}
+        hdrs = {**{k: v for k, v in self.headers.items() if k.lower() not in own}, **(headers or {})}
         try:
             conn.request(method, url, body=content, headers=hdrs)
         except socket.timeout as exc:
@@ -168,6 +178,9 @@ class Session:
         except OSError as exc:
             self.close()
             raise WriteError(f"sending to {self.host}:{self.port} failed: {exc}") from exc
+        except BaseException:  # refused before sending (bad header, path) or interrupted: unknown state
+            self.close()
+            raise
         try:
             r = conn.getresponse()
             data = r.read()
@@ -178,6 +191,9 @@ class Session:
             self.close()
             raise RemoteProtocolError(f"the connection to {self.host}:{self.port} broke before a complete "
                                       f"answer ({type(exc).__name__}: {exc})") from exc
+        except BaseException:  # e.g. KeyboardInterrupt: the answer may still come on this connection
+            self.close()
+            raise
         if r.will_close:
             self.close()
         return Response(r.status, r.headers, data)

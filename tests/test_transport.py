@@ -4,6 +4,9 @@ socket server written here (what it receives and when it closes are under the te
 
 from __future__ import annotations
 
+import os
+import resource
+import signal
 import socket
 import threading
 import time
@@ -184,3 +187,149 @@ def test_bad_urls_are_refused():
         Session("ftp://example.org")
     with pytest.raises(ValueError, match="url"):
         Session("127.0.0.1:8000")
+
+
+# ---------------------------------------------------------------- found by a review (each failed before its fix)
+class _SlowServer:
+    """HTTP/1.1 on one socket: answers each request with its path as the body, ``delay`` s later,
+    in order (as uvicorn does on one keep-alive connection); records the raw heads."""
+
+    def __init__(self, delay=0.0):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.delay, self.connections, self.heads, self._stop = delay, 0, [], False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        c.settimeout(5)
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    d = c.recv(65536)
+                    if not d:
+                        return
+                    buf += d
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                n = 0
+                for line in head.split(b"\r\n")[1:]:
+                    if line.lower().startswith(b"content-length:"):
+                        n = int(line.split(b":")[1])
+                while len(rest) < n:
+                    rest += c.recv(65536)
+                buf = rest[n:]
+                self.heads.append(head)
+                time.sleep(self.delay)
+                path = head.split(b" ")[1]
+                c.sendall(b"HTTP/1.1 200 OK\r\n" + f"Content-Length: {len(path)}\r\n\r\n".encode() + path)
+        except OSError:
+            return
+        finally:
+            c.close()
+
+    def close(self):
+        self._stop = True
+        self.t.join()
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------- transport
+def test_an_interrupted_request_does_not_wedge_the_session():
+    """KeyboardInterrupt (Ctrl-C in a notebook) while waiting for an answer: the exception is not
+    caught, the connection is neither closed nor dropped, http.client's state stays
+    'Request-sent', and every request on this Session (every call of the RemoteOperator) until the
+    abandoned answer arrives -- a jit call can take seconds -- raises http.client.CannotSendRequest,
+    which is not a TransportError: RemoteOperator neither retries nor wraps it."""
+    srv = _SlowServer(delay=0.4)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        s = Session(srv.url, timeout=5)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            s.request("POST", "/first", content=b"{}")
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert s.request("GET", "/second").content == b"/second"  # CannotSendRequest: Request-sent
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        srv.close()
+
+
+def test_a_request_refused_before_it_is_sent_does_not_wedge_the_session():
+    """http.client refuses a bad header value (or a path with a space) after putrequest: the
+    connection is left mid-request and every later request raises CannotSendRequest (not even a
+    TransportError) until the Session is recreated."""
+    srv = _SlowServer()
+    try:
+        s = Session(srv.url, timeout=5)
+        assert s.request("GET", "/ok").content == b"/ok"
+        with pytest.raises(ValueError):
+            s.request("GET", "/x", headers={"X-Bad": "a\r\nb"})
+        time.sleep(0.2)
+        for path in ("/again", "/and-again"):  # permanently: nothing will ever make the socket readable
+            assert s.request("GET", path).content == path.encode()  # CannotSendRequest: Request-started
+    finally:
+        srv.close()
+
+
+def test_keep_alive_with_a_socket_above_fd_1024():
+    """select.select refuses fds >= FD_SETSIZE (ValueError): the staleness check then calls every
+    connection stale, and each request opens a new connection (keep-alive silently lost)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            pytest.skip(f"the file descriptor limit ({hard}) is below 1200")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if hard == resource.RLIM_INFINITY else min(hard, 4096), hard))
+    srv = _SlowServer()
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        s = Session(srv.url, timeout=5)
+        for i in range(3):
+            assert s.request("GET", f"/{i}").content == f"/{i}".encode()
+        assert s._conn.sock.fileno() >= 1024
+        assert srv.connections == 1, srv.connections  # 3
+    finally:
+        for fd in fds:
+            os.close(fd)
+        srv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_userinfo_is_not_sent_as_part_of_the_host_header():
+    srv = _SlowServer()
+    try:
+        s = Session(f"http://user:secret@127.0.0.1:{srv.port}", timeout=5)
+        s.request("GET", "/a")
+        host = [l for l in srv.heads[0].split(b"\r\n") if l.lower().startswith(b"host:")]
+        assert host == [f"Host: 127.0.0.1:{srv.port}".encode()], host  # [b"Host: user:secret@127.0.0.1:..."]
+    finally:
+        srv.close()
+
+
+def test_per_request_headers_override_session_headers_case_insensitively():
+    srv = _SlowServer()
+    try:
+        s = Session(srv.url, {"Accept": "application/json"}, timeout=5)
+        s.request("GET", "/a", headers={"accept": "text/plain"})
+        accept = [l for l in srv.heads[0].split(b"\r\n") if l.lower().startswith(b"accept:")]
+        assert accept == [b"accept: text/plain"], accept  # both Accept headers are sent
+    finally:
+        srv.close()

@@ -106,7 +106,9 @@ class GammaRate(Factor):
         (al, be), (a, b) = ([np.asarray(p, dtype=float) for p in incoming[v].params] for v in ("r", "x"))
         s = self.shape
         k_r = np.where(a + s > 1.0, a + s - 1.0, a + s) if revision >= 2 else a + s  # (1: off by one)
-        c, B, K, D = (al + s, be, k_r, b) if to == "r" else (np.maximum(a + s - 1.0, 0.5), b, s + al, be)
+        # x: c = a + s − 1; ½ only where that is not positive (improper rows; revision 1 also clipped (1, 1.5))
+        c_x = np.where(a + s > 1.0, a + s - 1.0, 0.5) if revision >= 2 else np.maximum(a + s - 1.0, 0.5)
+        c, B, K, D = (al + s, be, k_r, b) if to == "r" else (c_x, b, s + al, be)
         c, B, K, D = (np.broadcast_to(q, al.shape).ravel() for q in (c, B, K, D))
         proper = np.broadcast_to(a + s > 1.0, al.shape).ravel()  # the tilted distribution (either recipient)
         log_d = np.log(D)

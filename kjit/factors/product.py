@@ -66,7 +66,10 @@ class Product(Factor):
             mu, var = _exact.z_given(t, m2, v2, mz, vz) if to == "z" else (t, 0.0)
             mean = np.sum(w * mu, axis=-1)
             var = np.sum(w * (var + (mu - mean[..., None]) ** 2), axis=-1)
-            return Gaussian._unchecked(mean, var)
+            # the nodes missed the mass (all of it on one node, or on the outermost ones): the stand-in
+            ok = np.isfinite(mean) & np.isfinite(var) & (var > 0) & (np.maximum(w[..., 0], w[..., -1]) < 1e-3)
+            fb = c if to != "z" else self.stand_in(incoming, "z")
+            return Gaussian._unchecked(np.where(ok, mean, fb.mean()), np.where(ok, var, fb.var()))
 
     #: 2: Gauss–Hermite quadrature on the stand-ins (2026-11-26); 1: the stand-ins alone
     approximation_revision = 2
