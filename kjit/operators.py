@@ -390,8 +390,11 @@ class KernelOperator(Operator):
         if len(shape) != 1:
             raise ValueError("`incoming` must be 1-D batches")
         Y = self._targets(beliefs, shape[0], incoming)
+        with np.errstate(all="ignore"):
+            Z = (Y - self.y_mean_) / self.y_scale_
+        _require_finite_rows(Z, "standardised regression targets")
         psi = self.features_.transform(messages).astype(np.float64, copy=False)
-        self.blr_.partial_fit(psi, (Y - self.y_mean_) / self.y_scale_)
+        self.blr_.partial_fit(psi, Z)
         return self
 
     def _unpack(self, data, beliefs):
@@ -464,7 +467,9 @@ class KernelOperator(Operator):
         Y = self._check_beliefs(beliefs, n)
         if self.target == "relative":
             inc, _ = self.factor.check_incoming(incoming, self.to)
-            Y = self._to_relative(Y, self._base(inc))
+            with np.errstate(all="ignore"):
+                Y = self._to_relative(Y, self._base(inc))
+        _require_finite_rows(Y, "regression targets")
         return Y
 
     def _check_beliefs(self, beliefs, n):
@@ -629,6 +634,16 @@ class KernelOperator(Operator):
         if op.features_.n_outer != op.blr_.coef_.shape[0]:
             raise ValueError("operator state is inconsistent: feature size differs from regression size")
         return op
+
+
+def _require_finite_rows(Y: np.ndarray, what: str) -> None:
+    """ValueError naming the rows of ``Y`` (n, k) that are not finite (beliefs too far from their
+    reference to be represented)."""
+    bad = ~np.all(np.isfinite(Y), axis=-1)
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        raise ValueError(f"the {what} of rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} are not finite: "
+                         "beliefs too far from their reference to be represented")
 
 
 def _spread_bounds(factor: Factor, to: str, inc: Mapping[str, Family]):

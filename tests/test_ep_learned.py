@@ -36,12 +36,14 @@ def _labels(y):
 
 @pytest.fixture(scope="module")
 def small_op():
-    """A deliberately small logistic→x operator (200 pairs, D 30/60, the paper's width rule):
-    answers of modest accuracy (with the total-variance rule in the search this one happens to
-    be accurate enough that no answer is negative even without the factor's bound)."""
+    """A deliberately small logistic→x operator (200 pairs, D 30/60, the paper's width rule and
+    frame — relative to the incoming message): answers of modest accuracy (with the total-variance
+    rule in the search, or relative to the factor's near-exact quadrature reference, it is
+    accurate enough that no answer is negative even without the factor's bound)."""
     f = Logistic()
     pairs = make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=200, random_state=0)
-    return KernelOperator(f, "x", n_inner=30, n_outer=60, width_rules="mean_variance", random_state=0).fit(pairs)
+    return KernelOperator(f, "x", n_inner=30, n_outer=60, width_rules="mean_variance", reference="incoming",
+                          random_state=0).fit(pairs)
 
 
 # ----------------------------------------------------------------------------- factor bounds
