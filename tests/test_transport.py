@@ -17,20 +17,24 @@ from kjit.transport import ConnectError, ReadTimeout, RemoteProtocolError, Sessi
 
 
 class _Server:
-    """HTTP/1.1 on 127.0.0.1: answers each request with its path as the body.  ``close_after``:
+    """HTTP/1.1 on 127.0.0.1: answers each request with its path as the body (``delay`` s later),
+    recording them (``requests``, ``heads``).  ``close_after``:
     close the connection after that many answers on it (without saying so: what a server's idle
     timeout does); ``silent``: read requests, never answer; ``close_header``: answer with
     ``Connection: close`` and close."""
 
-    def __init__(self, close_after: int | None = None, silent: bool = False, close_header: bool = False):
+    def __init__(self, close_after: int | None = None, silent: bool = False, close_header: bool = False,
+                 delay: float = 0.0):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
         self.sock.settimeout(0.1)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.close_after, self.silent, self.close_header = close_after, silent, close_header
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.close_after, self.silent, self.close_header, self.delay = close_after, silent, close_header, delay
         self.connections = 0
         self.requests: list[bytes] = []
+        self.heads: list[bytes] = []
         self._stop = False
         self.t = threading.Thread(target=self._run, daemon=True)
         self.t.start()
@@ -62,9 +66,11 @@ class _Server:
                 while len(rest) < n:
                     rest += c.recv(65536)
                 self.requests.append(head + b"\r\n\r\n" + rest[:n])
+                self.heads.append(head)
                 buf = rest[n:]
                 if self.silent:
                     continue
+                time.sleep(self.delay)
                 path = head.split(b" ")[1]
                 extra = b"Connection: close\r\n" if self.close_header else b""
                 c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n" + extra
@@ -190,64 +196,11 @@ def test_bad_urls_are_refused():
 
 
 # ---------------------------------------------------------------- found by a review (each failed before its fix)
-class _SlowServer:
-    """HTTP/1.1 on one socket: answers each request with its path as the body, ``delay`` s later,
-    in order (as uvicorn does on one keep-alive connection); records the raw heads."""
-
-    def __init__(self, delay=0.0):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.delay, self.connections, self.heads, self._stop = delay, 0, [], False
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
-
-    def _run(self):
-        while not self._stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
-
-    def _serve(self, c):
-        c.settimeout(5)
-        buf = b""
-        try:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    d = c.recv(65536)
-                    if not d:
-                        return
-                    buf += d
-                head, _, rest = buf.partition(b"\r\n\r\n")
-                n = 0
-                for line in head.split(b"\r\n")[1:]:
-                    if line.lower().startswith(b"content-length:"):
-                        n = int(line.split(b":")[1])
-                while len(rest) < n:
-                    rest += c.recv(65536)
-                buf = rest[n:]
-                self.heads.append(head)
-                time.sleep(self.delay)
-                path = head.split(b" ")[1]
-                c.sendall(b"HTTP/1.1 200 OK\r\n" + f"Content-Length: {len(path)}\r\n\r\n".encode() + path)
-        except OSError:
-            return
-        finally:
-            c.close()
-
-    def close(self):
-        self._stop = True
-        self.t.join()
-        self.sock.close()
+def _SlowServer(delay=0.0):
+    """The review's server: answers in order, ``delay`` s after each request."""
+    return _Server(delay=delay)
 
 
-# --------------------------------------------------------------------------- transport
 def test_an_interrupted_request_does_not_wedge_the_session():
     """KeyboardInterrupt (Ctrl-C in a notebook) while waiting for an answer: the exception is not
     caught, the connection is neither closed nor dropped, http.client's state stays

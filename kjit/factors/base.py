@@ -648,16 +648,43 @@ def gauss_hermite(n: int = GH_NODES) -> tuple[np.ndarray, np.ndarray]:
     return xi, omega
 
 
-def gamma_from_log_nodes(t, lw, projection: str):
+def _node_weights(lw):
+    """Normalised weights p ∝ e^{lw} over the last axis (the nodes)."""
+    w = np.exp(lw - np.max(lw, axis=-1, keepdims=True))
+    return w / np.sum(w, axis=-1, keepdims=True)
+
+
+def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
+    """A Gaussian belief by the moments of the node mixture Σ p_k N(mu_k, var_k), p ∝ e^{lw} over the
+    last axis (``var`` 0: point nodes).  Rows whose moments are not finite or whose variance is not
+    positive — and, with ``max_node_weight`` < 1, rows where one node holds at least that share of
+    the weight (the nodes missed the mass) — take ``fallback``'s parameters (its batch shape is the
+    answer's)."""
+    from ..families import Gaussian
+
+    with np.errstate(all="ignore"):
+        w = _node_weights(lw)
+        mean = np.sum(w * mu, axis=-1)
+        v = np.sum(w * (var + (mu - mean[..., None]) ** 2), axis=-1)
+        ok = np.isfinite(mean) & np.isfinite(v) & (v > 0)
+        if max_node_weight < 1.0:
+            ok &= np.max(w, axis=-1) < max_node_weight
+    shape = fallback.shape
+    ok = ok.reshape(shape)
+    return Gaussian._unchecked(np.where(ok, mean.reshape(shape), fallback.mean()),
+                               np.where(ok, v.reshape(shape), fallback.var()))
+
+
+def gamma_from_log_nodes(t, lw, projection: str, fallback, rows_ok=None):
     """A Gamma belief on v = e^t from a quadrature rule over t (nodes ``t`` (n, k), unnormalised log
-    weights ``lw``), by the KL projection (E[v], E[log v]) or by ``"moments"``: ``(shape, rate, ok)``,
-    ``ok`` False on rows whose statistics are not finite or positive.  log E[v] − E[log v] is
-    formed from centred node sums (log Σ p e^{t − t̄}, no cancellation), as the exact rules do."""
+    weights ``lw``), by the KL projection (E[v], E[log v]) or by ``"moments"``.  Rows whose
+    statistics are not finite or positive, or where ``rows_ok`` (n,) is False, take ``fallback``'s
+    parameters (its batch shape is the answer's).  log E[v] − E[log v] is formed from centred node
+    sums (log Σ p e^{t − t̄}, no cancellation), as the exact rules do."""
     from ..families import Gamma
 
     with np.errstate(all="ignore"):
-        w = np.exp(lw - np.max(lw, axis=1, keepdims=True))
-        w /= np.sum(w, axis=1, keepdims=True)
+        w = _node_weights(lw)
         tbar = np.sum(w * t, axis=1)
         dev = t - tbar[:, None]
         stat = np.log1p(np.sum(w * np.expm1(dev), axis=1))  # log E[v] − E[log v]
@@ -672,7 +699,11 @@ def gamma_from_log_nodes(t, lw, projection: str):
             shape = np.where(ok, 1.0 / np.where(ok, rel_var, 1.0), 1.0)
         rate = shape * np.exp(-(tbar + stat))
         ok &= np.isfinite(shape) & (shape > 0) & np.isfinite(rate) & (rate > 0)
-    return shape, rate, ok
+    if rows_ok is not None:
+        ok &= rows_ok
+    keep = ok.reshape(fallback.shape)
+    return Gamma._unchecked(np.where(keep, shape.reshape(fallback.shape), fallback.shape_param),
+                            np.where(keep, rate.reshape(fallback.shape), fallback.rate))
 
 
 def tilted_laplace(m, v, dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):

@@ -15,8 +15,8 @@ import numpy as np
 
 from ..exact import exp as _exact
 from ..families import Family, Gamma, Gaussian
-from .base import (GH_NODES, Factor, capped_log_var, check_projection, exact_rules, gamma_from_log_nodes, gauss_hermite,
-                   register_factor, tilted_laplace)
+from .base import (GH_NODES, Factor, capped_log_var, check_projection, exact_rules, gamma_from_log_nodes,
+                   gauss_hermite, gaussian_from_nodes, register_factor, tilted_laplace)
 
 __all__ = ["Exp", "exp_incoming"]
 
@@ -66,19 +66,9 @@ class Exp(Factor):
         with np.errstate(all="ignore"):
             t = t0.ravel()[:, None] + np.sqrt(2.0 * s0.ravel())[:, None] * xi
             lw = np.log(omega) + xi * xi - 0.5 * (t - m) ** 2 / v + (a - 1.0) * t - b * np.exp(t)
-            if to == "y":
-                shape_, rate, ok = gamma_from_log_nodes(t, lw, self.projection)
-                keep = ok.reshape(laplace.shape)
-                return Gamma._unchecked(np.where(keep, shape_.reshape(laplace.shape), laplace.shape_param),
-                                        np.where(keep, rate.reshape(laplace.shape), laplace.rate))
-            w = np.exp(lw - np.max(lw, axis=1, keepdims=True))
-            w /= np.sum(w, axis=1, keepdims=True)
-            mean = np.sum(w * t, axis=1)
-            var = np.sum(w * (t - mean[:, None]) ** 2, axis=1)
-            ok = np.isfinite(mean) & np.isfinite(var) & (var > 0)
-        keep = ok.reshape(laplace.shape)
-        return Gaussian._unchecked(np.where(keep, mean.reshape(laplace.shape), laplace.mean()),
-                                   np.where(keep, var.reshape(laplace.shape), laplace.var()))
+        if to == "y":
+            return gamma_from_log_nodes(t, lw, self.projection, laplace)
+        return gaussian_from_nodes(lw, t, 0.0, laplace)
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation (2026-11-26); 1: Laplace's alone
     approximation_revision = 2

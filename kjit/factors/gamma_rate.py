@@ -67,10 +67,7 @@ class GammaRate(Factor):
         with np.errstate(all="ignore"):
             t = u[:, None] + np.sqrt(2.0 / h)[:, None] * xi
             g = c[:, None] * t - B[:, None] * np.exp(t) - K[:, None] * np.logaddexp(t, np.log(D)[:, None])
-        shape_, rate, ok = gamma_from_log_nodes(t, np.log(omega) + xi * xi + g, self.projection)
-        keep = (ok & proper).reshape(laplace.shape)
-        return Gamma._unchecked(np.where(keep, shape_.reshape(laplace.shape), laplace.shape_param),
-                                np.where(keep, rate.reshape(laplace.shape), laplace.rate))
+        return gamma_from_log_nodes(t, np.log(omega) + xi * xi + g, self.projection, laplace, rows_ok=proper)
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation with r's exponent s + a − 1
     #: (2026-11-26); 1: Laplace's alone, with r's exponent s + a

@@ -21,8 +21,8 @@ from ..errors import OracleError, gaussian_or_error
 from ..families import Beta, Family, Gaussian
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
-from .base import (GH_NODES, MAX_LOG_PARAM, Factor, broadcast_messages, check_power, gauss_hermite, partition,
-                   register_factor, rule, tilted_laplace)
+from .base import (GH_NODES, MAX_LOG_PARAM, Factor, broadcast_messages, check_power, gauss_hermite,
+                   gaussian_from_nodes, partition, register_factor, rule, tilted_laplace)
 
 __all__ = ["Logistic", "logistic_tilted_rule", "logistic_laplace_limit", "logistic_incoming", "LogisticOperator",
            "LogisticLogDensity"]
@@ -186,14 +186,7 @@ class Logistic(Factor):
             # log σ(t) = −softplus(−t), log σ(−t) = −softplus(t)
             lw = (np.log(omega) + xi * xi - 0.5 * (t - m) ** 2 / v
                   - (a - 1.0) * np.logaddexp(0.0, -t) - (b - 1.0) * np.logaddexp(0.0, t))
-            w = np.exp(lw - np.max(lw, axis=1, keepdims=True))
-            w /= np.sum(w, axis=1, keepdims=True)
-            mean = np.sum(w * t, axis=1)
-            var = np.sum(w * (t - mean[:, None]) ** 2, axis=1)
-            ok = np.isfinite(mean) & np.isfinite(var) & (var > 0)
-        keep = ok.reshape(lap.shape)
-        return Gaussian._unchecked(np.where(keep, mean.reshape(lap.shape), lap.mean()),
-                                   np.where(keep, var.reshape(lap.shape), lap.var()))
+        return gaussian_from_nodes(lw, t, 0.0, lap)
 
     def reference_belief(self, incoming, to, revision=None):
         if revision is not None and int(revision) == 1:
