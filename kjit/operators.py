@@ -46,6 +46,9 @@ DEFAULT_PRIOR_VARS = tuple(10.0 ** np.arange(-1.0, 5.5, 1.0))
 # and a good reference the answers' noise can be most of the targets' variance, and a grid capped at 0.1
 # made such operators overconfident (issue 15: Poisson–Gamma JIT posterior gap 6.3 sd → 1.2 sd)
 DEFAULT_NOISE_VARS = tuple(10.0 ** np.arange(-12.0, 0.5, 1.0))
+#: smallest scale of relative regression targets (in the reference's units: a tenth of its sd in a
+#: mean, 0.1 in a log variance): the prior's error scale far from the training inputs
+MIN_TARGET_SCALE = 0.1
 # "auto" width search: a pattern search on the log2 lattice of (inner, outer) width factors
 _LOG2_BOUNDS = (-10, 6)
 _MAX_EVALS = 40
@@ -286,6 +289,11 @@ class KernelOperator(Operator):
         self.y_mean_ = Y.mean(axis=0)
         sd = Y.std(axis=0)
         self.y_scale_ = np.where(sd > 0, sd, 1.0)
+        if self.target == "relative":
+            # far from the training inputs the regression's prior is the only error scale, and it is
+            # the targets' spread: relative to a near-exact reference that is ~1e-3, so the operator
+            # would be confident (and wrong) wherever the reference fails.  Not below MIN_TARGET_SCALE.
+            self.y_scale_ = np.maximum(self.y_scale_, MIN_TARGET_SCALE)
         Z = (Y - self.y_mean_) / self.y_scale_
         families = [self.factor.families[v] for v in self.factor.variables]
 
@@ -636,14 +644,22 @@ class KernelOperator(Operator):
         return op
 
 
+class TargetsNotFiniteError(ValueError):
+    """Beliefs whose regression targets are not finite (too far from their reference to be
+    represented); ``rows``: their positions in the batch."""
+
+    def __init__(self, message: str, rows=None):
+        super().__init__(message)
+        self.rows = None if rows is None else np.asarray(rows)
+
+
 def _require_finite_rows(Y: np.ndarray, what: str) -> None:
-    """ValueError naming the rows of ``Y`` (n, k) that are not finite (beliefs too far from their
-    reference to be represented)."""
+    """:class:`TargetsNotFiniteError` naming the rows of ``Y`` (n, k) that are not finite."""
     bad = ~np.all(np.isfinite(Y), axis=-1)
     if bad.any():
         rows = np.flatnonzero(bad)
-        raise ValueError(f"the {what} of rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} are not finite: "
-                         "beliefs too far from their reference to be represented")
+        raise TargetsNotFiniteError(f"the {what} of rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} are "
+                                    "not finite: beliefs too far from their reference to be represented", rows=rows)
 
 
 def _spread_bounds(factor: Factor, to: str, inc: Mapping[str, Family]):
@@ -1117,7 +1133,13 @@ class JITOperator(Operator):
                 # a later round's oracle call may fail: keep what to restore (atomic request)
                 op, blr = self.operator, copy.deepcopy(self.operator.blr_)
                 self._undo = lambda: setattr(op, "blr_", blr)
-            self.operator.partial_fit(sub, q_or)
+            try:
+                self.operator.partial_fit(sub, q_or)
+            except TargetsNotFiniteError as exc:  # rows of the sub-batch: name the request's
+                rows = (offset + idx)[exc.rows]
+                raise TargetsNotFiniteError(f"the oracle's beliefs for rows {rows[:10].tolist()}"
+                                            f"{'…' if rows.size > 10 else ''} cannot be learned: their regression "
+                                            "targets are not finite (too far from their reference)", rows=rows) from None
             self._counts["seconds_update"] += time.perf_counter() - t
             self._counts["updates"] += idx.size
             rest = np.flatnonzero(uncertain & ~consulted)

@@ -29,6 +29,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from kjit.families import Family
+from kjit.operators import TargetsNotFiniteError
 from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 
 from .errors import ApiError, clean_errors
@@ -158,6 +159,8 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
     with np.errstate(all="ignore"):
         try:
             Y = op.regression_targets(incoming, beliefs)
+        except TargetsNotFiniteError as exc:
+            return [(int(i), "its regression coordinates are not finite numbers") for i in exc.rows]
         except NUMERIC_ERRORS as exc:
             return [(0, f"the beliefs cannot be regressed: {exc}")]
         Z = (np.asarray(Y, float).reshape(n, -1) - op.y_mean_) / op.y_scale_

@@ -15,7 +15,7 @@ import copy
 import numpy as np
 import pytest
 
-from kjit.factors import CompoundGamma, Logistic
+from kjit.factors import CompoundGamma, Logistic, get_factor
 from kjit.families import Beta, Gaussian
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
@@ -674,7 +674,9 @@ def test_epistemic_uncertainty_stops_consulting_where_the_noise_floor_is_above_t
     inc = logistic_incoming(10, np.random.default_rng(5))
     counts = {}
     for mode in ("predictive", "epistemic"):
-        op = KernelOperator(f, "x", n_inner=30, n_outer=60, noise_vars=(1e-2,), random_state=0).fit(pairs)
+        # relative to the incoming message, as KW (module header): uncertain on new rows at first
+        op = KernelOperator(f, "x", n_inner=30, n_outer=60, noise_vars=(1e-2,), reference="incoming",
+                            random_state=0).fit(pairs)
         floor = float(np.log(op.noise_var_ * np.max(op.y_scale_) ** 2))
         jit = JITOperator(op, QuadratureOracle(f), threshold=floor - 1.0, uncertainty=mode)
         counts[mode] = [int(jit.predict(inc)[2].sum()) for _ in range(8)]
@@ -733,3 +735,78 @@ def test_screen_marks_the_rows_predict_would_consult_and_learns_nothing(op, orac
         jit.screen(inc, to="z")
     with pytest.raises(ValueError, match="no operator yet"):
         JITOperator(None, oracle, threshold=THRESHOLD, to="x").screen(inc)
+
+
+# ---------------------------------------------------------------- found by a review (each failed before its fix)
+@pytest.fixture(scope="module")
+def review_jit():
+    f = get_factor("logistic")
+    pairs = make_training_set(f, "x", f.default_incoming, QuadratureOracle(f), n=60, random_state=0)
+    op = KernelOperator(f, "x", n_inner=20, n_outer=40, inner_factors=[1.0], width_factors=[1.0],
+                        random_state=0).fit(pairs)
+    return JITOperator(op, QuadratureOracle(f), threshold=-5.0)
+
+
+def test_implausible_rows_names_the_row_whose_targets_are_not_finite(review_jit):
+    """service.validation.implausible_rows names each row whose regression coordinates are not
+    finite.  Since 5ac0448 KernelOperator.regression_targets raises on such rows, and
+    implausible_rows turns any raise into a single complaint about row 0."""
+    from service.validation import implausible_rows
+
+    n = 4
+    inc = {"x": Gaussian(np.zeros(n), np.full(n, 1e-4)), "z": Beta(np.full(n, 2.0), np.ones(n))}
+    mean = np.zeros(n)
+    mean[2] = 1e308  # relative mean (1e308 - c) / sd_ref, sd_ref ~ 1e-2: overflows
+    beliefs = Gaussian(mean, np.full(n, 1e-4))
+    bad = implausible_rows(review_jit, inc, beliefs, max_z=1e300, max_kl=1e300)
+    assert [i for i, _ in bad] == [2], bad
+
+
+def test_default_logistic_x_operator_is_uncertain_where_its_answer_is_wrong():
+    """The service's logistic-x operator (train_operator, reference 'auto' -> the factor's
+    approximation, revision 2) must not be confident on messages where its answer is nats away from
+    the exact belief: the JIT consults only where log var > threshold (-8.95 for logistic).  With
+    the quadrature reference the targets' spread y_scale is ~1e-3, the BLR picks noise_var 1 and
+    the log predictive variance is log(y_scale^2) ~ -13.6 on every input, near or far."""
+    from service.training import TrainSpec, train_operator
+
+    f = get_factor("logistic")
+    jit, _, _ = train_operator(TrainSpec("logistic", "x", n=300, n_inner=50, n_outer=100, threshold=-8.95,
+                                         random_state=0))
+    inc = {"x": Gaussian([5.0, 0.0, 0.0, 30.0], [1e3, 1e3, 1e3, 1e3]),
+           "z": Beta([0.5, 0.5, 1e-3, 1.0], [0.5, 0.5, 1e-3, 2.0])}
+    q, logvar = jit.operator.predict(inc)
+    kl = f.exact_belief(inc, "x").kl(q)
+    wrong = kl > 0.1
+    assert wrong.any()
+    assert np.all(logvar.max(-1)[wrong] > jit.threshold), (kl, logvar.max(-1))
+
+
+class _WildOracle(QuadratureOracle):
+    """The quadrature oracle, except that rows whose x message has variance 1e-4 get a belief mean
+    of 1e308 (a client oracle's or a plugin's answer the relative targets cannot represent)."""
+
+    def _belief_flat(self, incoming, to, power=1.0):
+        q = super()._belief_flat(incoming, to, power)
+        mean = np.where(np.asarray(incoming["x"].var()) == 1e-4, 1e308, q.mean())
+        return Gaussian(mean, q.var())
+
+
+def test_jit_names_the_request_row_whose_oracle_belief_cannot_be_learned():
+    """JITOperator maps an oracle's failing rows to the request's rows (LowESSError); the new
+    'targets not finite' refusal from partial_fit(sub, ...) names rows of the consulted sub-batch."""
+    f = get_factor("logistic")
+    pairs = make_training_set(f, "x", f.default_incoming, QuadratureOracle(f), n=60, random_state=0)
+    op = KernelOperator(f, "x", n_inner=20, n_outer=40, inner_factors=[1.0], width_factors=[1.0],
+                        reference="incoming", random_state=0).fit(pairs)
+    inc = f.default_incoming(6, np.random.default_rng(1))
+    m, v = np.array(inc["x"].mean()), np.array(inc["x"].var())
+    m[5], v[5] = 0.0, 1e-4  # far from the training data
+    inc["x"] = Gaussian(m, v)
+    lv = op.predict(inc)[1].max(-1)
+    assert lv[5] > lv[:5].max()
+    # rows 0-4 answered by the operator, row 5 consulted
+    jit = JITOperator(op, _WildOracle(f), threshold=float(0.5 * (lv[5] + lv[:5].max())))
+    with pytest.raises(ValueError) as err:
+        jit.predict(inc)
+    assert "rows [5]" in str(err.value), str(err.value)
