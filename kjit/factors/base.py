@@ -239,18 +239,24 @@ class Factor:
         proper incoming messages (rows that overflow are refused by name), and transform with
         :meth:`symmetry` if the factor declares one (relative targets must stay unchanged by it).
         A factor that changes its approximation raises :attr:`approximation_revision` and keeps the
-        earlier ones in :meth:`reference_belief`: operators fitted relative to them stay valid.
+        earlier ones in :attr:`earlier_approximations`: operators fitted relative to them stay valid.
         """
         return None
 
     #: the revision of :meth:`approximate_belief`; a learned operator records the one it was fitted
     #: relative to (its targets are relative to that approximation)
     approximation_revision: ClassVar[int] = 1
+    #: earlier revisions still available, ``{revision: name of the method computing it}`` (same
+    #: signature as :meth:`approximate_belief`)
+    earlier_approximations: ClassVar[dict[int, str]] = {}
 
     def reference_belief(self, incoming: Mapping[str, Family], to: str, revision: int | None = None) -> Family | None:
-        """:meth:`approximate_belief` as it was at ``revision`` (None: the current one).  A factor
-        whose approximation changed overrides this to keep its earlier revisions; by default only
-        the current one exists, and asking for another is an error naming both."""
+        """:meth:`approximate_belief` as it was at ``revision`` (None: the current one), from
+        :attr:`earlier_approximations`; asking for a revision the factor no longer has is an error
+        naming both."""
+        method = None if revision is None else self.earlier_approximations.get(int(revision))
+        if method is not None:
+            return getattr(self, method)(incoming, to)
         if revision is None or int(revision) == self.approximation_revision:
             return self.approximate_belief(incoming, to)
         raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "

@@ -72,11 +72,7 @@ class Exp(Factor):
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation (2026-11-26); 1: Laplace's alone
     approximation_revision = 2
-
-    def reference_belief(self, incoming, to, revision=None):
-        if revision is not None and int(revision) == 1:
-            return self.laplace_belief(incoming, to)
-        return super().reference_belief(incoming, to, revision)
+    earlier_approximations = {1: "laplace_belief"}
 
     def laplace_belief(self, incoming, to):
         """Laplace's approximation of the tilted distribution in x (the nodes of

@@ -72,11 +72,11 @@ class GammaRate(Factor):
     #: 2: Gauss–Hermite quadrature on Laplace's approximation with r's exponent s + a − 1
     #: (2026-11-26); 1: Laplace's alone, with r's exponent s + a
     approximation_revision = 2
+    earlier_approximations = {1: "_laplace_revision_1"}
 
-    def reference_belief(self, incoming, to, revision=None):
-        if revision is not None and int(revision) == 1:
-            return self._laplace(incoming, to, revision=1)[-1]
-        return super().reference_belief(incoming, to, revision)
+    def _laplace_revision_1(self, incoming, to):
+        """Revision 1 of the reference: Laplace's approximation with r's exponent s + a."""
+        return self._laplace(incoming, to, revision=1)[-1]
 
     def laplace_belief(self, incoming, to):
         """Laplace's approximation in log space (the nodes of :meth:`approximate_belief`).

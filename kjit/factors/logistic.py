@@ -164,6 +164,7 @@ class Logistic(Factor):
     #: 2: x by Gauss–Hermite quadrature on the Laplace approximation (2026-11-26), z unchanged;
     #: 1: Laplace's approximation for x
     approximation_revision = 2
+    earlier_approximations = {1: "laplace_belief"}
 
     def approximate_belief(self, incoming, to):
         """The reference of a learned operator's relative targets.  x: the first two moments of the
@@ -187,11 +188,6 @@ class Logistic(Factor):
             lw = (np.log(omega) + xi * xi - 0.5 * (t - m) ** 2 / v
                   - (a - 1.0) * np.logaddexp(0.0, -t) - (b - 1.0) * np.logaddexp(0.0, t))
         return gaussian_from_nodes(lw, t, 0.0, lap)
-
-    def reference_belief(self, incoming, to, revision=None):
-        if revision is not None and int(revision) == 1:
-            return self.laplace_belief(incoming, to)
-        return super().reference_belief(incoming, to, revision)
 
     def laplace_belief(self, incoming, to):
         """Laplace's approximation of the tilted distribution in x, the reference of a learned

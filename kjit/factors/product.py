@@ -69,11 +69,7 @@ class Product(Factor):
 
     #: 2: Gauss–Hermite quadrature on the stand-ins (2026-11-26); 1: the stand-ins alone
     approximation_revision = 2
-
-    def reference_belief(self, incoming, to, revision=None):
-        if revision is not None and int(revision) == 1:
-            return self.stand_in(incoming, to)
-        return super().reference_belief(incoming, to, revision)
+    earlier_approximations = {1: "stand_in"}
 
     def stand_in(self, incoming, to):
         """Gaussian stand-ins of the factor (closed form; the nodes of :meth:`approximate_belief`).
