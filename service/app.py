@@ -16,6 +16,7 @@ from kjit import __version__ as kjit_version
 
 from . import errors, schemas
 from .audit import AuditCollector, Auditor
+from .fastpath import PredictFastPath
 from .jobs import JobManager
 from .metrics import Metrics
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -156,7 +157,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(router)
     _document_bodies(app, settings)
-    # added last = outermost: metrics, then authentication, then the body limit
+    # added last = outermost: metrics, then authentication, then the body limit, then the
+    # one-message hot path (service/fastpath.py)
+    app.add_middleware(PredictFastPath)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, token=settings.token)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -54,6 +54,12 @@ async def messages(
     req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
     mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
 ):
+    return await answer(entry, settings, store, metrics, oracle_slot, req, mode)
+
+
+async def answer(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
+                 req: schemas.MessagesRequest, mode: str) -> Response:
+    """The messages route's answer (also :mod:`service.fastpath`'s, which calls it without FastAPI)."""
     # A small read-only batch is answered on the event loop (two small matrix-vector products:
     # less than the thread hops it would otherwise cost), unless an update holds or waits for
     # the operator's lock — then, and for everything else, in the thread pool.

@@ -1,0 +1,125 @@
+"""``service.fastpath``: ``POST /v1/operators/{name}/messages?mode=predict`` answered outside FastAPI
+gives exactly what the FastAPI route gives — status, content type and body, byte for byte — on
+answers and on every kind of error, and it is the path such requests take."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+import service.fastpath as fastpath
+from service.app import create_app
+
+from test_service_fixtures import TOKEN, copy_store, pristine_store, probe, settings_for, wait_ready  # noqa: F401
+
+PATH = "/v1/operators/{}/messages"
+
+
+def _body(incoming, to="x"):
+    return {"to": to, "incoming": {v: {"family": type(m).__name__.lower(), **m.to_dict()} for v, m in incoming.items()}}
+
+
+@pytest.fixture(scope="module")
+def clients(pristine_store, tmp_path_factory):
+    """(with the fast path, without it): two apps on two copies of one store."""
+    root = tmp_path_factory.mktemp("fastpath")
+    fast = create_app(settings_for(copy_store(pristine_store, root / "a")))
+    slow = create_app(settings_for(copy_store(pristine_store, root / "b")))
+    slow.user_middleware = [m for m in slow.user_middleware if m.cls is not fastpath.PredictFastPath]
+    with TestClient(fast) as a, TestClient(slow) as b:
+        wait_ready(a)
+        wait_ready(b)
+        yield a, b
+
+
+def _cases():
+    good = _body(probe("logistic", 3))
+    one = _body(probe("logistic", 1))
+    neg = json.loads(json.dumps(good))
+    neg["incoming"]["x"]["var"][1] = -1.0
+    short = json.loads(json.dumps(good))
+    short["incoming"]["z"]["alpha"] = short["incoming"]["z"]["alpha"][:2]
+    missing = {"to": "x", "incoming": {"x": good["incoming"]["x"]}}
+    wrong_family = json.loads(json.dumps(good))
+    wrong_family["incoming"]["z"]["family"] = "gaussian"
+    long = _body(probe("logistic", 501))  # max_batch is 500
+    j = "application/json"
+    return {
+        "three rows": ("logistic-x", json.dumps(good), j),
+        "one row": ("logistic-x", json.dumps(one), j),
+        "the other operator": ("logistic-z", json.dumps({**good, "to": "z"}), j),
+        "unknown operator": ("nope", json.dumps(good), j),
+        "percent-encoded name": ("logistic%2Dx", json.dumps(good), j),
+        "wrong recipient": ("logistic-x", json.dumps({**good, "to": "z"}), j),
+        "unknown recipient": ("logistic-x", json.dumps({**good, "to": "w"}), j),
+        "negative variance": ("logistic-x", json.dumps(neg), j),
+        "length mismatch": ("logistic-x", json.dumps(short), j),
+        "missing variable": ("logistic-x", json.dumps(missing), j),
+        "wrong family": ("logistic-x", json.dumps(wrong_family), j),
+        "batch too long": ("logistic-x", json.dumps(long), j),
+        "NaN token": ("logistic-x", json.dumps(good).replace(str(good["incoming"]["x"]["mean"][0]), "NaN", 1), j),
+        "malformed JSON": ("logistic-x", json.dumps(good)[:-3], j),
+        "empty body": ("logistic-x", "", j),
+        "not JSON": ("logistic-x", json.dumps(good), "text/plain"),
+        "no content type": ("logistic-x", json.dumps(good), None),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_the_fast_path_answers_as_the_route(clients, monkeypatch, case):
+    name, content, ctype = _cases()[case]
+    calls = []
+    real = fastpath.answer
+
+    async def counted(*args):
+        calls.append(args[0].name)
+        return await real(*args)
+
+    monkeypatch.setattr(fastpath, "answer", counted)
+    headers = {} if ctype is None else {"content-type": ctype}
+    fast, slow = (c.post(PATH.format(name), params={"mode": "predict"}, content=content.encode(), headers=headers)
+                  for c in clients)
+    assert fast.status_code == slow.status_code, (fast.text, slow.text)
+    assert fast.headers.get("content-type") == slow.headers.get("content-type")
+    if fast.status_code == 200:
+        assert fast.content == slow.content
+        assert calls == [name.replace("%2D", "-")]  # answered by the fast path (the slow app's never reach it)
+    else:
+        # identical, except an internal error's id
+        assert fast.json() == slow.json()
+    assert fast.status_code in (200, 400, 404, 422), fast.text
+
+
+def test_other_requests_go_to_fastapi(clients, monkeypatch):
+    """Another mode, an extra query parameter, another method: the route, as before."""
+    fast, _ = clients
+    calls = []
+    real = fastpath.answer
+
+    async def counted(*args):
+        calls.append(args)
+        return await real(*args)
+
+    monkeypatch.setattr(fastpath, "answer", counted)
+    good = _body(probe("logistic", 2))
+    r = fast.post(PATH.format("logistic-x"), params={"mode": "predict", "extra": "1"}, json=good)
+    assert r.status_code == 200 and r.json()["mode"] == "predict"
+    r = fast.post(PATH.format("logistic-x"), params={"mode": "jit"}, json=good)  # no token: 401, by the middleware
+    assert r.status_code == 401
+    r = fast.post(PATH.format("logistic-x"), params={"mode": "bogus"}, json=good)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "mode"]
+    r = fast.get(PATH.format("logistic-x"), params={"mode": "predict"})
+    assert r.status_code == 405
+    assert calls == []
+
+
+def test_fast_path_requests_are_counted_under_the_route(clients):
+    fast, _ = clients
+    good = _body(probe("logistic", 1))
+    fast.post(PATH.format("logistic-x"), params={"mode": "predict"}, json=good)
+    text = fast.get("/metrics").text
+    line = next(ln for ln in text.splitlines() if ln.startswith("kjit_http_requests_total{")
+                and 'route="/v1/operators/{name}/messages"' in ln and 'status="200"' in ln)
+    assert float(line.rsplit(" ", 1)[1]) >= 1
