@@ -67,9 +67,9 @@ def _cases():
     }
 
 
-@pytest.mark.parametrize("case", list(_cases()))
-def test_the_fast_path_answers_as_the_route(clients, monkeypatch, case):
-    name, content, ctype = _cases()[case]
+@pytest.fixture
+def fast_calls(monkeypatch):
+    """The names of the operators whose requests the fast path answered (from now on)."""
     calls = []
     real = fastpath.answer
 
@@ -78,6 +78,12 @@ def test_the_fast_path_answers_as_the_route(clients, monkeypatch, case):
         return await real(*args)
 
     monkeypatch.setattr(fastpath, "answer", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_the_fast_path_answers_as_the_route(clients, fast_calls, case):
+    name, content, ctype = _cases()[case]
     headers = {} if ctype is None else {"content-type": ctype}
     fast, slow = (c.post(PATH.format(name), params={"mode": "predict"}, content=content.encode(), headers=headers)
                   for c in clients)
@@ -85,24 +91,16 @@ def test_the_fast_path_answers_as_the_route(clients, monkeypatch, case):
     assert fast.headers.get("content-type") == slow.headers.get("content-type")
     if fast.status_code == 200:
         assert fast.content == slow.content
-        assert calls == [name.replace("%2D", "-")]  # answered by the fast path (the slow app's never reach it)
+        assert fast_calls == [name.replace("%2D", "-")]  # answered by the fast path (the slow app's never reach it)
     else:
         # identical, except an internal error's id
         assert fast.json() == slow.json()
     assert fast.status_code in (200, 400, 404, 422), fast.text
 
 
-def test_other_requests_go_to_fastapi(clients, monkeypatch):
+def test_other_requests_go_to_fastapi(clients, fast_calls):
     """Another mode, an extra query parameter, another method: the route, as before."""
     fast, _ = clients
-    calls = []
-    real = fastpath.answer
-
-    async def counted(*args):
-        calls.append(args)
-        return await real(*args)
-
-    monkeypatch.setattr(fastpath, "answer", counted)
     good = _body(probe("logistic", 2))
     r = fast.post(PATH.format("logistic-x"), params={"mode": "predict", "extra": "1"}, json=good)
     assert r.status_code == 200 and r.json()["mode"] == "predict"
@@ -112,7 +110,7 @@ def test_other_requests_go_to_fastapi(clients, monkeypatch):
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "mode"]
     r = fast.get(PATH.format("logistic-x"), params={"mode": "predict"})
     assert r.status_code == 405
-    assert calls == []
+    assert fast_calls == []
 
 
 def test_fast_path_requests_are_counted_under_the_route(clients):
