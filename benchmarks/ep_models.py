@@ -221,8 +221,11 @@ def _jit_specs(args):
     counts of EP iterations and skipped messages))."""
     rng = np.random.default_rng(args.seed + 10)
 
+    def sweeps(model):
+        return args.max_iter or JIT_MAX_ITER.get(model, 30 if args.quick else 50)
+
     def run_graph(make, model):
-        max_iter = args.max_iter or JIT_MAX_ITER.get(model, 30 if args.quick else 50)
+        max_iter = sweeps(model)
 
         def run(problem, ops, damping):
             g = make(problem)
@@ -236,7 +239,7 @@ def _jit_specs(args):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             m = PoissonRegression(ops["x"], prior_var=1.0, damping=damping, tol=1e-6,
-                                  max_iter=args.max_iter or (30 if args.quick else 50),
+                                  max_iter=sweeps("poisson_regression"),
                                   compute_evidence=False).fit(X, y)
         mu, var = m.posterior_.mean, np.diag(m.posterior_.cov)
         return ({f"w{i}": (float(a), float(b)) for i, (a, b) in enumerate(zip(mu, var))}, m.n_iter_, m.converged_,
