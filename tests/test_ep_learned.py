@@ -131,10 +131,61 @@ def test_jit_consults_where_the_message_sign_is_undetermined(small_op):
     jit = JITOperator(op, QuadratureOracle(f), threshold=float(np.max(np.log(var))) + 1.0)  # nothing above it
     flat = {k: v.ravel() for k, v in inc.items()}
     unc = jit._uncertain(flat, coords, np.log(var))
-    expect = sign_undetermined(f, "x", flat, coords, np.maximum(var - op.noise_var_ * op.y_scale_**2, 0))
+    epistemic = np.maximum(var - op.noise_var_ * op.y_scale_**2, 0)
+    expect = sign_undetermined(f, "x", flat, coords, epistemic)
+    assert expect.any()  # the case is exercised (an exact oracle: its noise is below every row's)
+    np.testing.assert_array_equal(unc, expect & (epistemic[:, 1] > op.noise_var_ * op.y_scale_[1] ** 2))
     np.testing.assert_array_equal(unc, expect)
     _, _, consulted = jit.predict(inc)
     np.testing.assert_array_equal(consulted, expect)
+
+
+def test_jit_leaves_an_undetermined_sign_to_the_prediction_once_it_is_surer_than_the_oracle(small_op):
+    """The rule on the same rows, with an oracle whose noise (σ_y², the evidence's estimate, in the
+    spread coordinate's units σ_y² s²) is above the prediction's epistemic variance: an answer of
+    the oracle would be no surer of the sign, so the row is not consulted; below it, it is."""
+    import copy
+
+    f = Logistic()
+    op = copy.deepcopy(small_op)
+    inc = {"x": Gaussian(np.array([30.0, 0.0]), np.array([1.0, 1.0])), "z": Beta(np.array([0.7, 2.0]), np.array([0.7, 1.0]))}
+    flat = {k: v.ravel() for k, v in inc.items()}
+    coords, var = op.predict_coords(inc)
+    epistemic = var - op.noise_var_ * op.y_scale_**2
+    jit = JITOperator(op, QuadratureOracle(f), threshold=float(np.max(np.log(epistemic))) + 1.0, uncertainty="epistemic")
+    und = sign_undetermined(f, "x", flat, coords, epistemic)
+    np.testing.assert_array_equal(und, [True, False])
+    for factor, consulted in ((2.0, False), (0.5, True)):
+        op.noise_var_ = factor * epistemic[0, 1] / op.y_scale_[1] ** 2
+        np.testing.assert_array_equal(jit._uncertain(flat, coords, np.log(epistemic)), [consulted, False])
+
+
+def test_jit_with_a_sampled_oracle_stops_consulting_a_flat_message():
+    """product → x where y's message is centred on 0: x's outgoing message has a precision of ~0,
+    whose sign neither the learned operator nor a sampled answer determines.  The JIT used to
+    consult such a row on every call forever (each time feeding EP a fresh draw; measured on
+    the rank-one model of benchmarks/ep_models.py: 2 rows a sweep for 200 sweeps, no
+    convergence); once the operator has learned as much as an oracle answer could tell, it answers."""
+    from kjit.factors import get_factor
+    from kjit.oracles import MessageImportanceSampler
+
+    f = get_factor("product")
+    rng = np.random.default_rng(0)
+    n = 300
+    xm, ym = rng.normal(0, 1, n), rng.normal(0, 1, n)
+    train = {"x": Gaussian(xm, np.exp(rng.uniform(-3, 0, n))), "y": Gaussian(ym, np.exp(rng.uniform(-3, 0, n))),
+             "z": Gaussian(xm * ym + rng.normal(0, 0.5, n), np.exp(rng.uniform(-2, 0, n)))}  # where x·y lands
+    jit = JITOperator(None, MessageImportanceSampler(f, target_se=0.03, random_state=0), to="x", initial_batch=200,
+                      threshold=-8.0, uncertainty="epistemic", operator_kwargs={"random_state": 0})
+    jit.predict(train)
+    flat_case = {"x": Gaussian(0.2, 0.05), "y": Gaussian(0.0, 0.02), "z": Gaussian(0.3, 0.25)}
+    consulted = [bool(jit.predict(flat_case)[2]) for _ in range(30)]
+    assert jit.operator is not None  # past the initial batch: the learned operator decides
+    assert sum(consulted[-10:]) == 0, consulted
+    # and the case is one the sign rule alone would consult: its sign is undetermined
+    flat = {k: v.reshape((1,)) for k, v in flat_case.items()}
+    coords, var = jit.operator.predict_coords(flat)
+    assert sign_undetermined(f, "x", flat, coords, np.exp(jit._decision_logvar(var)))[0]
 
 
 # ----------------------------------------------------------------------------- engine
