@@ -28,6 +28,7 @@ Each family has
 
 from __future__ import annotations
 
+import operator
 from typing import ClassVar
 
 import numpy as np
@@ -56,6 +57,13 @@ def _rng(random_state) -> np.random.Generator:
     if isinstance(random_state, np.random.Generator):
         return random_state
     return np.random.default_rng(random_state)
+
+
+def trigamma(x):
+    """ψ'(x), as ``special.polygamma(1, x)`` computes it (ζ(2, x) times (−1)²·1!: the same doubles,
+    checked) without its Python wrapper: ~7 µs a call less, and a batch-1 prediction of a Beta
+    message's features makes two."""
+    return special.zeta(2.0, x)
 
 
 class Family:
@@ -132,9 +140,22 @@ class Family:
                 f"{int(np.argmax(bad.ravel()))})"
             )
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # ``params`` is read a few dozen times per batch-1 prediction: one C-level getter per family
+        attrs = tuple("_" + n for n in cls.param_names)
+        if len(attrs) > 1:
+            get = operator.attrgetter(*attrs)
+        elif attrs:
+            one = operator.attrgetter(attrs[0])
+            get = lambda obj: (one(obj),)  # noqa: E731
+        else:
+            get = lambda obj: ()  # noqa: E731
+        cls._params_getter = staticmethod(get)
+
     @property
     def params(self) -> tuple[np.ndarray, ...]:
-        return tuple(getattr(self, "_" + n) for n in self.param_names)
+        return self._params_getter(self)
 
     @classmethod
     def _unchecked(cls, *params):
@@ -621,7 +642,7 @@ def _trigamma_diff(x, y):
         + ((1.0 / xs) ** 3 - (1.0 / xy) ** 3) / 6.0
         - ((1.0 / xs) ** 5 - (1.0 / xy) ** 5) / 30.0
     )
-    return np.where(big, series, special.polygamma(1, x) - special.polygamma(1, x + y))
+    return np.where(big, series, trigamma(x) - trigamma(x + y))
 
 
 class Beta(Family):
@@ -703,7 +724,7 @@ class Beta(Family):
             xa, xb = la[idx], lb[idx]
             r1, r2 = resid(xa, xb, idx)
             a, b = np.exp(xa), np.exp(xb)
-            tab = special.polygamma(1, a + b)
+            tab = trigamma(a + b)
             j11 = _trigamma_diff(a, b) * a
             j12 = -tab * b
             j21 = -tab * a
@@ -806,7 +827,7 @@ class Beta(Family):
     def unconstrained_moments(self):
         # logit z: (ψ(α) − ψ(β), ψ'(α) + ψ'(β))
         a, b = self._alpha, self._beta
-        return special.digamma(a) - special.digamma(b), special.polygamma(1, a) + special.polygamma(1, b)
+        return special.digamma(a) - special.digamma(b), trigamma(a) + trigamma(b)
 
     def characteristic_function(self, omega):
         self._require_proper("characteristic_function")
@@ -890,7 +911,7 @@ class Gamma(Family):
         active = np.ones(np.shape(a), dtype=bool)
         for _ in range(max_iter):
             f = np.log(a) - special.digamma(a) - s
-            fp = 1.0 / a - special.polygamma(1, a)
+            fp = 1.0 / a - trigamma(a)
             inv = 1.0 / a + f / (a * a * fp)
             new = np.where(active & (inv > 0), 1.0 / inv, a)
             change = np.abs(new - a) / a
@@ -978,7 +999,7 @@ class Gamma(Family):
     def unconstrained_moments(self):
         # log τ: (ψ(a) − log b, ψ'(a))
         a, b = self._shape, self._rate
-        return special.digamma(a) - np.log(b), special.polygamma(1, a)
+        return special.digamma(a) - np.log(b), trigamma(a)
 
     def characteristic_function(self, omega):
         self._require_proper("characteristic_function")

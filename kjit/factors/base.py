@@ -602,8 +602,9 @@ def capped_log_var(mean_log, var_log):
 def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: float = 1e-12):
     """Mode t* of a univariate log density g (vectorised over rows) and −g''(t*).
 
-    ``dlog(t, rows) -> (g'(t), g''(t))`` for the rows ``rows`` (an index array into the batch;
-    ``t`` holds their points); ``[lo, hi]`` must bracket a root of g' (g'(lo) ≥ 0 ≥ g'(hi)).
+    ``dlog(t, rows) -> (g'(t), g''(t))`` for the rows ``rows`` (an index array into the batch, or
+    ``slice(None)`` while every row is evaluated; ``t`` holds their points); ``[lo, hi]`` must
+    bracket a root of g' (g'(lo) ≥ 0 ≥ g'(hi)).
     Newton's method, kept inside the bracket (a step that leaves it, or a point of non-negative
     curvature, bisects instead), which shrinks on every iterate: where g is concave this is its
     mode; elsewhere a stationary point.  ``start``: the first iterate (default the bracket's
@@ -612,15 +613,14 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
     rows' own iterations cost.  Returns ``(t*, −g''(t*))``.
     """
     lo, hi = np.array(lo, dtype=float), np.array(hi, dtype=float)
+    every = slice(None)
     with np.errstate(all="ignore"):
         t = np.clip(0.5 * (lo + hi) if start is None else np.asarray(start, dtype=float), lo, hi)
-        t = np.array(np.broadcast_to(t, lo.shape), dtype=float)
-        idx = np.arange(t.size)
-        t, lo, hi = t.ravel(), lo.ravel().copy(), hi.ravel().copy()
+        t = np.array(np.broadcast_to(t, lo.shape), dtype=float).ravel()
+        lo, hi = lo.ravel().copy(), hi.ravel().copy()
         dx_old = np.abs(hi - lo)  # the step before last, per row (rtsafe's safeguard)
+        idx = every  # the rows still iterating: all of them (no gathers) until the first stops
         for _ in range(max_iter):
-            if idx.size == 0:
-                break
             ti, li, hi_, d_old = t[idx], lo[idx], hi[idx], dx_old[idx]
             g1, g2 = dlog(ti, idx)
             right = g1 > 0  # the root is to the right of t
@@ -633,11 +633,14 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
             new = np.where(use, newton, 0.5 * (li + hi_))
             new = np.where(g1 == 0, ti, new)
             dx = np.abs(new - ti)
-            small = ~(dx > tol * np.maximum(1.0, np.abs(ti)))
+            going = dx > tol * np.maximum(1.0, np.abs(ti))
             t[idx], lo[idx], hi[idx], dx_old[idx] = new, li, hi_, np.where(use, np.abs(step), 0.5 * np.abs(hi_ - li))
-            idx = idx[~small]
-        every = np.arange(t.size)
-        return t.reshape(lo.shape), -dlog(t, every)[1]
+            if going.all():
+                continue
+            idx = (np.arange(t.size) if idx is every else idx)[going]
+            if idx.size == 0:
+                break
+        return t, -dlog(t, every)[1]  # (flat, as the rows)
 
 
 #: Gauss–Hermite nodes of the factors' quadrature references (product, gamma_rate, exp)
