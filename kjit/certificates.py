@@ -63,6 +63,8 @@ def _col(a, n: int, k: int | None, what: str) -> np.ndarray:
     if a is None:
         return np.full(shape, np.nan)
     a = np.asarray(a, dtype=float)
+    if a.shape == shape:
+        return a.copy()
     if k is not None and a.ndim == 1 and a.size == n * k:
         a = a.reshape(n, k)
     try:
@@ -148,10 +150,13 @@ class Certificates:
 
     @classmethod
     def concatenate(cls, parts: Sequence["Certificates"]) -> "Certificates":
-        """Rows of several batches; the scalar fields are the last part's (its version is the newest)."""
+        """Rows of several batches; the scalar fields are the last part's (its version is the newest).
+        One part is returned as it is."""
         if not parts:
             raise ValueError("nothing to concatenate")
         last = parts[-1]
+        if len(parts) == 1:
+            return last
         return cls(np.concatenate([p.source for p in parts]), last.coords,
                    log_var=np.concatenate([p.log_var for p in parts]), threshold=last.threshold,
                    ess=np.concatenate([p.ess for p in parts]), mc_se=np.concatenate([p.mc_se for p in parts]),

@@ -351,16 +351,19 @@ class RemoteOperator:
             parts.append(self._request("POST", f"/v1/operators/{self.name}/messages", json_body=body,
                                        params={"mode": mode}, retry=retry))
         fam = self.family
-        beliefs = fam.concatenate([fam(*(p["beliefs"][k] for k in fam.param_names)) for p in parts])
-        natural = np.concatenate([_columns_array(p["messages"]["natural"], p["n"]) for p in parts])
         k = len(fam.coord_names)
-        logvar = np.concatenate([
-            np.full((p["n"], k), np.nan) if p["log_var"] is None else _columns_array(p["log_var"], p["n"])
-            for p in parts])
-        consulted = np.concatenate([np.asarray(p["consulted"], dtype=bool) for p in parts])
+
+        def joined(fn):  # one part (every batch up to the server's limit): no concatenation
+            return fn(parts[0]) if len(parts) == 1 else np.concatenate([fn(p) for p in parts])
+
+        beliefs = fam.concatenate([fam(*(p["beliefs"][k] for k in fam.param_names)) for p in parts])
+        natural = joined(lambda p: _columns_array(p["messages"]["natural"], p["n"]))
+        logvar = joined(lambda p: np.full((p["n"], k), np.nan) if p["log_var"] is None
+                        else _columns_array(p["log_var"], p["n"]))
+        consulted = joined(lambda p: np.asarray(p["consulted"], dtype=bool))
         # mode=predict: the rows the served operator's just-in-time rule would consult (None from
         # a server that does not say)
-        uncertain = (np.concatenate([np.asarray(p["uncertain"], dtype=bool) for p in parts])
+        uncertain = (joined(lambda p: np.asarray(p["uncertain"], dtype=bool))
                      if all(p.get("uncertain") is not None for p in parts) else None)
         self.last_version_ = parts[-1]["version"]
         self.last_consulted_ = int(consulted.sum())

@@ -59,6 +59,16 @@ def _rng(random_state) -> np.random.Generator:
     return np.random.default_rng(random_state)
 
 
+def _last_axis(a, b):
+    """``np.stack([a, b], axis=-1)`` for two float arrays of one shape (a family's parameters), in
+    a quarter of its time (the natural parameters and coordinates of a batch-1 message are
+    computed ~10 times a served prediction)."""
+    out = np.empty(np.shape(a) + (2,))
+    out[..., 0] = a
+    out[..., 1] = b
+    return out
+
+
 def trigamma(x):
     """ψ'(x), as ``special.polygamma(1, x)`` computes it (ζ(2, x) times (−1)²·1!: the same doubles,
     checked) without its Python wrapper: ~7 µs a call less, and a batch-1 prediction of a Beta
@@ -226,6 +236,8 @@ class Family:
                     f"concatenate: all messages must be {cls.__name__}, got {type(m).__name__}"
                 )
         kind = type(messages[0])
+        if len(messages) == 1 and messages[0].ndim == 1 and axis == 0:
+            return messages[0]  # (immutable: its own concatenation)
         if any(m._extras is not None for m in messages):
             return kind.from_natural(
                 np.concatenate([np.atleast_1d(m.natural()) if m.ndim else m.natural()[None] for m in messages], axis=axis)
@@ -495,7 +507,7 @@ class Gaussian(Family):
         if self._extras is not None:  # built from natural parameters: exact even at precision 0
             return np.stack(self._extras, axis=-1)
         prec = 1.0 / self._var
-        return np.stack([self._mean * prec, -0.5 * prec], axis=-1)
+        return _last_axis(self._mean * prec, -0.5 * prec)
 
     @classmethod
     def from_natural(cls, eta):
@@ -524,7 +536,7 @@ class Gaussian(Family):
 
     def expected_suff_stats(self):
         self._require_proper("expected_suff_stats")
-        return np.stack([self._mean, self._var + self._mean**2], axis=-1)
+        return _last_axis(self._mean, self._var + self._mean**2)
 
     @classmethod
     def project(cls, ess):
@@ -540,7 +552,7 @@ class Gaussian(Family):
 
     def to_coords(self):
         self._require_proper("to_coords")
-        return np.stack([self._mean, np.log(self._var)], axis=-1)
+        return _last_axis(self._mean, np.log(self._var))
 
     @classmethod
     def from_coords(cls, coords):
@@ -668,7 +680,7 @@ class Beta(Family):
         return (self._alpha > 0) & (self._beta > 0) & np.isfinite(self._alpha) & np.isfinite(self._beta)
 
     def natural(self):
-        return np.stack([self._alpha - 1.0, self._beta - 1.0], axis=-1)
+        return _last_axis(self._alpha - 1.0, self._beta - 1.0)
 
     @classmethod
     def from_natural(cls, eta):
@@ -765,7 +777,7 @@ class Beta(Family):
 
     def to_coords(self):
         self._require_proper("to_coords")
-        return np.stack([np.log(self._alpha), np.log(self._beta)], axis=-1)
+        return _last_axis(np.log(self._alpha), np.log(self._beta))
 
     @classmethod
     def from_coords(cls, coords):
@@ -875,7 +887,7 @@ class Gamma(Family):
         return (self._shape > 0) & (self._rate > 0) & np.isfinite(self._shape) & np.isfinite(self._rate)
 
     def natural(self):
-        return np.stack([-self._rate, self._shape - 1.0], axis=-1)
+        return _last_axis(-self._rate, self._shape - 1.0)
 
     @classmethod
     def from_natural(cls, eta):
@@ -942,7 +954,7 @@ class Gamma(Family):
 
     def to_coords(self):
         self._require_proper("to_coords")
-        return np.stack([np.log(self._shape), np.log(self._rate)], axis=-1)
+        return _last_axis(np.log(self._shape), np.log(self._rate))
 
     @classmethod
     def from_coords(cls, coords):

@@ -670,7 +670,8 @@ def _spread_bounds(factor: Factor, to: str, inc: Mapping[str, Family]):
     lc = factor.log_concave(to, inc)
     if lc is None:
         return j, None
-    return j, np.broadcast_to(np.asarray(lc, dtype=bool), inc[to].shape)
+    lc, shape = np.asarray(lc, dtype=bool), inc[to].shape
+    return j, lc if lc.shape == shape else np.broadcast_to(lc, shape)
 
 
 def respect_factor_bounds(factor: Factor, to: str, incoming: Mapping[str, Family], beliefs: Family):
