@@ -619,6 +619,8 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
         t = np.array(np.broadcast_to(t, lo.shape), dtype=float).ravel()
         lo, hi = lo.ravel().copy(), hi.ravel().copy()
         dx_old = np.abs(hi - lo)  # the step before last, per row (rtsafe's safeguard)
+        if t.size == 1:  # one row (a served batch-1 request): the same steps on scalars
+            return _laplace_mode_one(dlog, t, lo[0], hi[0], dx_old[0], max_iter, tol)
         idx = every  # the rows still iterating: all of them (no gathers) until the first stops
         for _ in range(max_iter):
             ti, li, hi_, d_old = t[idx], lo[idx], hi[idx], dx_old[idx]
@@ -641,6 +643,33 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
             if idx.size == 0:
                 break
         return t, -dlog(t, every)[1]  # (flat, as the rows)
+
+
+def _laplace_mode_one(dlog, t, li, hi_, d_old, max_iter, tol):
+    """:func:`laplace_mode`'s iteration for a batch of one row, step for step on numpy scalars (the
+    same IEEE operations as on arrays, so the same doubles; ~3x faster than one-element arrays).
+    ``t``: the row's start as an array of one (updated in place; ``dlog`` reads it)."""
+    every = slice(None)
+    ti = t[0]
+    for _ in range(max_iter):
+        g1, g2 = dlog(t, every)
+        g1, g2 = g1[0], g2[0]
+        if g1 > 0:  # the root is to the right of t
+            li = ti
+        else:
+            hi_ = ti
+        step = -g1 / g2
+        newton = ti + step
+        use = (newton >= li) and (newton <= hi_) and (g2 < 0) and (abs(step) <= 0.5 * d_old)
+        new = ti if g1 == 0 else (newton if use else 0.5 * (li + hi_))
+        a = abs(ti)
+        scale = a if (a > 1.0 or a != a) else 1.0  # np.maximum(1.0, |t|), NaN included
+        going = abs(new - ti) > tol * scale
+        d_old = abs(step) if use else 0.5 * abs(hi_ - li)
+        t[0] = ti = new
+        if not going:
+            break
+    return t, -dlog(t, every)[1]
 
 
 #: Gauss–Hermite nodes of the factors' quadrature references (product, gamma_rate, exp)
