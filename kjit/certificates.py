@@ -133,14 +133,23 @@ class Certificates:
         rows = np.asarray(rows, dtype=int).reshape(-1)
         if len(other) != rows.size:
             raise ValueError(f"{len(other)} certificates for {rows.size} rows")
-        out = self.take(np.arange(len(self)))
+        out = self._copy()
         for name in ("source", "log_var", "ess", "mc_se", "proper"):
             getattr(out, name)[rows] = getattr(other, name)
         return out
 
+    def _copy(self) -> "Certificates":
+        """A copy with its own arrays (what ``take`` of every row gives, without re-checking them)."""
+        out = object.__new__(Certificates)
+        for name in self.__slots__:
+            value = getattr(self, name)
+            setattr(out, name, value.copy() if isinstance(value, np.ndarray) else value)
+        out.of = None
+        return out
+
     def with_(self, **kw) -> "Certificates":
         """A copy with some scalar fields changed (``threshold``, ``version``, ``projection``)."""
-        out = self.take(np.arange(len(self)))
+        out = self._copy()
         for key, value in kw.items():
             if key not in ("threshold", "version", "projection"):
                 raise ValueError(f"cannot set {key!r}")
