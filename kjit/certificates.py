@@ -51,10 +51,10 @@ def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
     with np.errstate(all="ignore"):
         nat = np.asarray(q.natural(), float) - np.asarray(incoming_to.natural(), float)
         nat = nat.reshape(-1, nat.shape[-1])
-        ok = np.all(np.isfinite(nat), axis=1)
+        ok = np.isfinite(nat).all(axis=1)
         out = np.zeros(len(ok), dtype=bool)
         if ok.any():
-            out[ok] = np.asarray(type(q).from_natural(nat[ok]).is_proper, bool).reshape(-1)
+            out[ok] = type(q).natural_is_proper(nat[ok]).reshape(-1)
     return out
 
 

@@ -106,7 +106,7 @@ def _columns(m: Family, what: str) -> dict:
     out = {"family": family_name(m)}
     for n, p in zip(m.param_names, m.params):
         a = np.asarray(p, dtype=float).ravel()
-        if not np.all(np.isfinite(a)):
+        if not np.isfinite(a).all():
             i = int(np.argmin(np.isfinite(a)))
             raise ValueError(f"{what}.{n}[{i}] is {a[i]!r}: JSON carries finite numbers only")
         out[n] = a.tolist()

@@ -296,9 +296,14 @@ class Family:
         """Boolean array: which messages are normalisable distributions."""
         raise NotImplementedError
 
+    @classmethod
+    def natural_is_proper(cls, eta) -> np.ndarray:
+        """``from_natural(eta).is_proper`` (families may answer without building the messages)."""
+        return np.asarray(cls.from_natural(eta).is_proper, dtype=bool)
+
     def _require_proper(self, what: str) -> None:
         ok = self.is_proper
-        if not np.all(ok):
+        if not np.asarray(ok).all():
             raise ValueError(
                 f"{what}: {type(self).__name__} message is improper at "
                 f"{int(np.size(ok) - np.count_nonzero(ok))} position(s) "
@@ -455,7 +460,7 @@ def _check_coords(cls, coords) -> np.ndarray:
             f"{cls.__name__}.from_coords: `coords` must have last axis of length "
             f"{len(cls.coord_names)} ({', '.join(cls.coord_names)}), got shape {c.shape}"
         )
-    if not np.all(np.isfinite(c)):
+    if not np.isfinite(c).all():
         raise ValueError(f"{cls.__name__}.from_coords: `coords` must be finite")
     return c
 
@@ -467,7 +472,7 @@ def _check_ess(cls, ess) -> np.ndarray:
             f"{cls.__name__}.project: `ess` must have last axis of length {cls.n_stats}, "
             f"got shape {s.shape}"
         )
-    if not np.all(np.isfinite(s)):
+    if not np.isfinite(s).all():
         raise ValueError(f"{cls.__name__}.project: `ess` must be finite")
     return s
 
@@ -522,6 +527,15 @@ class Gaussian(Family):
         e2.flags.writeable = False
         obj._extras = (e1, e2)
         return obj
+
+    @classmethod
+    def natural_is_proper(cls, eta) -> np.ndarray:
+        # from_natural's mean and variance, and is_proper on them, without the message
+        eta = np.asarray(eta, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            var = 1.0 / (-2.0 * eta[..., 1])
+            mean = eta[..., 0] * var
+        return np.isfinite(var) & (var > 0) & np.isfinite(mean)
 
     @classmethod
     def from_mean_precision(cls, mean, precision):

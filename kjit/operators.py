@@ -435,6 +435,12 @@ class KernelOperator(Operator):
         flat = {v: m.ravel() for v, m in incoming.items()}
         with np.errstate(all="ignore"):
             q = self.factor.reference_belief(flat, self.to, getattr(self, "reference_revision_", 1))
+            try:  # (to_coords refuses a batch with an improper row)
+                c = q.to_coords()  # finite exactly where q is proper with finite parameters
+            except ValueError:
+                c = None
+            if c is not None and np.isfinite(c).all():
+                return c
             ok = np.asarray(q.is_proper, bool) & np.all([np.isfinite(p) for p in q.params], axis=0)
             if ok.all():
                 return q.to_coords()
@@ -450,7 +456,7 @@ class KernelOperator(Operator):
     def _base(self, incoming):
         """:meth:`_reference`, refusing by name the rows where it is not finite."""
         c = self._reference(incoming)
-        bad = ~np.all(np.isfinite(c), axis=-1)
+        bad = ~np.isfinite(c).all(axis=-1)
         if bad.any():
             rows = np.flatnonzero(bad)
             raise ApproximationOverflowError(

@@ -885,3 +885,20 @@ def test_log_normalizer_against_quadrature():
         eta = m.natural().ravel()
         val = integrate.quad(lambda x: np.exp(type(m).suff_stats(np.array([x]))[0] @ eta), lo, hi, limit=200)[0]
         assert float(m.log_normalizer()) == pytest.approx(np.log(val), rel=1e-10, abs=1e-10)
+
+
+@pytest.mark.parametrize("fam", [Gaussian, Beta, Gamma, Bernoulli])
+def test_natural_is_proper_is_from_natural_is_proper(fam):
+    """The shortcut a family may take (Gaussian: no message built) answers what building the
+    message and asking it does — on random natural parameters of both signs, zeros, infinities,
+    NaN and values whose inverse overflows."""
+    rng = np.random.default_rng(31)
+    k = fam.n_stats
+    specials = np.array([0.0, -0.0, 1e-320, -1e-320, 1e308, -1e308, np.inf, -np.inf, np.nan, 1.0, -1.0, 0.5])
+    grid = np.array(np.meshgrid(*[specials] * k, indexing="ij")).reshape(k, -1).T
+    eta = np.concatenate([grid, rng.standard_normal((500, k)) * 10.0 ** rng.uniform(-3, 3, (500, k))])
+    with np.errstate(all="ignore"):
+        expect = np.asarray(fam.from_natural(eta).is_proper, dtype=bool)
+        got = fam.natural_is_proper(eta)
+    assert expect.any() and not expect.all()
+    np.testing.assert_array_equal(got, expect)

@@ -384,7 +384,7 @@ class Factor:
                 raise ValueError(
                     f"`incoming[{v!r}]` must be a {fam.__name__} message, got {type(incoming[v]).__name__}"
                 )
-            if not np.all(incoming[v].is_proper):
+            if not np.asarray(incoming[v].is_proper).all():
                 raise ValueError(f"`incoming[{v!r}]` contains improper messages")
         shapes = {v: incoming[v].shape for v in self.variables}
         nonscalar = {s for s in shapes.values() if s != ()}
