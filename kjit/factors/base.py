@@ -686,6 +686,16 @@ def gauss_hermite(n: int = GH_NODES) -> tuple[np.ndarray, np.ndarray]:
     return xi, omega
 
 
+@functools.lru_cache(maxsize=8)
+def gauss_hermite_log_base(n: int = GH_NODES) -> np.ndarray:
+    """log ω + ξ² of :func:`gauss_hermite`'s rule (read-only): the part of adaptive quadrature's log
+    weights that does not depend on the density — what every factor's reference starts from."""
+    xi, omega = gauss_hermite(n)
+    out = np.log(omega) + xi * xi
+    out.flags.writeable = False
+    return out
+
+
 def _node_weights(lw):
     """Normalised weights p ∝ e^{lw} over the last axis (the nodes)."""
     w = np.exp(lw - np.max(lw, axis=-1, keepdims=True))
@@ -708,6 +718,8 @@ def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
         if max_node_weight < 1.0:
             ok &= np.max(w, axis=-1) < max_node_weight
     shape = fallback.shape
+    if ok.all():
+        return Gaussian._unchecked(mean.reshape(shape), v.reshape(shape))
     ok = ok.reshape(shape)
     return Gaussian._unchecked(np.where(ok, mean.reshape(shape), fallback.mean()),
                                np.where(ok, v.reshape(shape), fallback.var()))

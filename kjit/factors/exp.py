@@ -16,7 +16,7 @@ import numpy as np
 from ..exact import exp as _exact
 from ..families import Family, Gamma, Gaussian
 from .base import (GH_NODES, Factor, capped_log_var, check_projection, exact_rules, gamma_from_log_nodes,
-                   gauss_hermite, gaussian_from_nodes, register_factor, tilted_laplace)
+                   gauss_hermite, gauss_hermite_log_base, gaussian_from_nodes, register_factor, tilted_laplace)
 
 __all__ = ["Exp", "exp_incoming"]
 
@@ -62,10 +62,10 @@ class Exp(Factor):
         t0, s0, laplace = self._laplace(incoming, to)
         m, v = (np.asarray(p, dtype=float).ravel()[:, None] for p in (incoming["x"].mean(), incoming["x"].var()))
         a, b = (np.broadcast_to(np.asarray(p, dtype=float), laplace.shape).ravel()[:, None] for p in incoming["y"].params)
-        xi, omega = gauss_hermite(GH_NODES)
+        xi = gauss_hermite(GH_NODES)[0]
         with np.errstate(all="ignore"):
             t = t0.ravel()[:, None] + np.sqrt(2.0 * s0.ravel())[:, None] * xi
-            lw = np.log(omega) + xi * xi - 0.5 * (t - m) ** 2 / v + (a - 1.0) * t - b * np.exp(t)
+            lw = gauss_hermite_log_base(GH_NODES) - 0.5 * (t - m) ** 2 / v + (a - 1.0) * t - b * np.exp(t)
         if to == "y":
             return gamma_from_log_nodes(t, lw, self.projection, laplace)
         return gaussian_from_nodes(lw, t, 0.0, laplace)

@@ -19,7 +19,7 @@ from scipy.special import expit
 from ..exact import gamma_rate as _exact
 from ..families import Family, Gamma
 from .base import (GH_NODES, Factor, capped_log_var, check_projection, exact_rules, gamma_from_log_nodes,
-                   gauss_hermite, laplace_mode, register_factor)
+                   gauss_hermite, gauss_hermite_log_base, laplace_mode, register_factor)
 
 __all__ = ["GammaRate", "gamma_rate_incoming"]
 
@@ -63,11 +63,11 @@ class GammaRate(Factor):
         (``benchmarks/ep_models.py``), EP with the reference alone is within 0.001 sd of exact-rule EP.
         """
         u, h, (c, B, K, D), proper, laplace = self._laplace(incoming, to)
-        xi, omega = gauss_hermite(GH_NODES)
+        xi = gauss_hermite(GH_NODES)[0]
         with np.errstate(all="ignore"):
             t = u[:, None] + np.sqrt(2.0 / h)[:, None] * xi
             g = c[:, None] * t - B[:, None] * np.exp(t) - K[:, None] * np.logaddexp(t, np.log(D)[:, None])
-        return gamma_from_log_nodes(t, np.log(omega) + xi * xi + g, self.projection, laplace, rows_ok=proper)
+        return gamma_from_log_nodes(t, gauss_hermite_log_base(GH_NODES) + g, self.projection, laplace, rows_ok=proper)
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation with r's exponent s + a − 1
     #: (2026-11-26); 1: Laplace's alone, with r's exponent s + a

@@ -21,7 +21,7 @@ from ..errors import OracleError, gaussian_or_error
 from ..families import Beta, Family, Gaussian
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
-from .base import (GH_NODES, MAX_LOG_PARAM, Factor, broadcast_messages, check_power, gauss_hermite,
+from .base import (GH_NODES, MAX_LOG_PARAM, Factor, broadcast_messages, check_power, gauss_hermite, gauss_hermite_log_base,
                    gaussian_from_nodes, partition, register_factor, rule, tilted_laplace)
 
 __all__ = ["Logistic", "logistic_tilted_rule", "logistic_laplace_limit", "logistic_incoming", "LogisticOperator",
@@ -178,14 +178,14 @@ class Logistic(Factor):
         if to != "x":
             return lap
         m, v = (np.asarray(p, dtype=float).ravel()[:, None] for p in (incoming["x"].mean(), incoming["x"].var()))
-        a, b = (np.broadcast_to(np.asarray(p, dtype=float), lap.shape).ravel()[:, None]
-                for p in (incoming["z"].alpha, incoming["z"].beta))
-        xi, omega = gauss_hermite(GH_NODES)
+        a, b = (np.asarray(p, dtype=float) for p in (incoming["z"].alpha, incoming["z"].beta))
+        a, b = ((p if p.shape == lap.shape else np.broadcast_to(p, lap.shape)).ravel()[:, None] for p in (a, b))
+        xi = gauss_hermite(GH_NODES)[0]
         with np.errstate(all="ignore"):
             c, sd = np.asarray(lap.mean(), float).ravel(), np.sqrt(np.asarray(lap.var(), float).ravel())
             t = c[:, None] + np.sqrt(2.0) * sd[:, None] * xi
             # log σ(t) = −softplus(−t), log σ(−t) = −softplus(t)
-            lw = (np.log(omega) + xi * xi - 0.5 * (t - m) ** 2 / v
+            lw = (gauss_hermite_log_base(GH_NODES) - 0.5 * (t - m) ** 2 / v
                   - (a - 1.0) * np.logaddexp(0.0, -t) - (b - 1.0) * np.logaddexp(0.0, t))
         return gaussian_from_nodes(lw, t, 0.0, lap)
 

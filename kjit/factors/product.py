@@ -14,7 +14,8 @@ import numpy as np
 
 from ..exact import product as _exact
 from ..families import Family, Gaussian
-from .base import GH_NODES, Factor, exact_rules, gauss_hermite, gaussian_from_nodes, register_factor
+from .base import (GH_NODES, Factor, exact_rules, gauss_hermite, gauss_hermite_log_base, gaussian_from_nodes,
+                   register_factor)
 
 __all__ = ["Product", "product_incoming"]
 
@@ -56,11 +57,11 @@ class Product(Factor):
         m1, v1, m2, v2, mz, vz = (np.asarray(p, dtype=float)[..., None] for p in
                                   (a.mean(), a.var(), b.mean(), b.var(), z.mean(), z.var()))
         c = self.stand_in(incoming, over)
-        xi, omega = gauss_hermite(GH_NODES)
+        xi = gauss_hermite(GH_NODES)[0]
         with np.errstate(all="ignore"):
             s = np.sqrt(2.0 * GH_WIDEN * np.asarray(c.var(), dtype=float))[..., None]
             t = np.asarray(c.mean(), dtype=float)[..., None] + s * xi
-            lw = np.log(omega) + xi * xi + _exact.log_weight(t, m1, v1, m2, v2, mz, vz)
+            lw = gauss_hermite_log_base(GH_NODES) + _exact.log_weight(t, m1, v1, m2, v2, mz, vz)
             mu, var = _exact.z_given(t, m2, v2, mz, vz) if to == "z" else (t, 0.0)
         # where the nodes missed the mass (≥ 90 % of it on one node), the stand-in.  (Weight on the
         # outermost nodes alone is no sign of a miss: a belief wider than its stand-in has some;
