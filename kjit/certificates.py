@@ -207,7 +207,11 @@ class Certificates:
         """Columns, like the response's messages: lists of n values per field (null: none)."""
         def floats(a):
             a = np.asarray(a, float).ravel()
-            return [float(x) if np.isfinite(x) else None for x in a]
+            out, finite = a.tolist(), np.isfinite(a)
+            if not finite.all():
+                for i in np.flatnonzero(~finite).tolist():
+                    out[i] = None
+            return out
 
         has = lambda a: bool(np.isfinite(a).any())  # noqa: E731
         return {
@@ -227,11 +231,11 @@ class Certificates:
         def arr(cols):
             if cols is None:
                 return None
-            return np.array([[np.nan if x is None else float(x) for x in c] for c in cols], dtype=float).T
+            return np.array(cols, dtype=float).T  # (null -> NaN: numpy's float conversion of None)
 
         ess = d.get("ess")
         return cls(d["source"], d["coords"], log_var=arr(d.get("log_var")), threshold=d.get("threshold"),
-                   ess=None if ess is None else [np.nan if x is None else float(x) for x in ess],
+                   ess=None if ess is None else np.array(ess, dtype=float),
                    mc_se=arr(d.get("mc_se")), projection=d.get("projection", "kl"), proper=d.get("proper"),
                    version=d.get("version"))
 

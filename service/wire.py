@@ -15,9 +15,12 @@ __all__ = ["columns", "matrix_columns", "to_families", "beliefs_from"]
 
 def _floats(a) -> list:
     a = np.asarray(a, dtype=float).ravel()
-    if np.isfinite(a).all():
-        return a.tolist()
-    return [float(x) if np.isfinite(x) else None for x in a]
+    out = a.tolist()
+    finite = np.isfinite(a)
+    if not finite.all():
+        for i in np.flatnonzero(~finite).tolist():
+            out[i] = None
+    return out
 
 
 def columns(m: Family) -> dict:
