@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from kjit.families import FAMILIES
 
@@ -37,15 +37,9 @@ Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Param = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-PARAM_MAX, le=PARAM_MAX)]
 
 
-def _not_tiny(x: float) -> float:
-    if x < POSITIVE_MIN:
-        raise ValueError(f"a positive parameter must be at least {POSITIVE_MIN:g}, got {x:g}")
-    return x
-
-
-# (the schema states the lower bound too: a number in (0, 1e-100) is a 422)
-Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=PARAM_MAX,
-                                  json_schema_extra={"minimum": POSITIVE_MIN}), AfterValidator(_not_tiny)]
+# (a bound pydantic checks in Rust: a per-number Python validator cost ~0.3 us an element, ~0.1 ms
+# of a 100-message request)
+Positive = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=POSITIVE_MIN, le=PARAM_MAX)]
 def _integral(x):
     """JSON Schema's ``integer`` includes ``100.0``: an integral float is that integer (strict
     mode would refuse it; strings and booleans still are refused)."""
