@@ -87,7 +87,7 @@ def test_server_errors_are_surfaced_with_the_field(live):
         assert isinstance(ei.value, ValueError)
     with RemoteOperator(live.url, "logistic-x", mode="predict") as op:
         # bypass local validation to see the server's answer
-        with pytest.raises(RemoteValidationError, match=r"422.*body\.incoming\.x\.var\.1: Input should be greater than 0"):
+        with pytest.raises(RemoteValidationError, match=r"422.*body\.incoming\.x\.var\.1: Input should be greater than or equal to 1e-100"):
             op._request("POST", "/v1/operators/logistic-x/messages", params={"mode": "predict"}, json_body={
                 "to": "x", "incoming": {"x": {"family": "gaussian", "mean": [0, 0], "var": [1, -1]},
                                         "z": {"family": "beta", "alpha": [2, 2], "beta": [1, 1]}}})
