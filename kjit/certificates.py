@@ -98,8 +98,11 @@ class Certificates:
         self.ess = _col(ess, n, None, "ess")
         self.mc_se = _col(mc_se, n, k, "mc_se")
         self.projection = str(projection)
-        self.proper = np.ones(n, dtype=bool) if proper is None else np.array(
-            np.broadcast_to(np.asarray(proper, dtype=bool), (n,)))
+        if proper is None:
+            self.proper = np.ones(n, dtype=bool)
+        else:
+            p = np.asarray(proper, dtype=bool)
+            self.proper = p.copy() if p.shape == (n,) else np.array(np.broadcast_to(p, (n,)))
         self.version = None if version is None else int(version)
         self.of = None  # the belief object these certificates were issued with (see certified())
 
