@@ -18,9 +18,13 @@ prediction and nothing else (inner phases ``M ω``, ``cos``; outer ``φ ν + c``
 ``ψ W``; variance ``rowsum((ψ Σ) ∘ ψ)``), timed the same way.  Reported per batch size: p50 and
 p99 of the per-call wall time (ms), throughput (messages per second = batch / mean call time),
 ``ratio_to_inprocess`` = remote p50 / in-process p50 and ``inprocess_to_floor`` = in-process
-p50 / floor p50.  Then the durable observation round trip (batch of 1: validate, apply, append to
-the log, fsync, respond), and a summary line.  Calls of the three kinds are interleaved
-(remote, in-process, floor, remote, …) so that the load of a shared machine hits them alike:
+p50 / floor p50; ``http_floor_p50_ms``: the same client call against a bare ASGI app under the
+same uvicorn set-up that answers with the bytes the service answered (``_http_floor.py``: all the
+client's work and the HTTP exchange, none of the server's), and ``server_p50_ms`` = remote p50 −
+that floor, what the service adds.  Then the durable observation round trip (batch of 1:
+validate, apply, append to the log, fsync, respond), and a summary line.  Calls of the five kinds
+are interleaved (remote, in-process predict, in-process belief, floor, HTTP floor, remote, …) so
+that the load of a shared machine hits them alike:
 only ratios within one run are comparable, never absolute times across runs.
 
 ``--clients``: concurrency instead.  N = 1, 4, 16 client processes (no GIL shared between clients),
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import threading
@@ -98,6 +103,57 @@ def _interleaved(fns, reps, warmup=2):
     return out
 
 
+class _HttpFloor:
+    """``_http_floor.py`` in its own process on a free port, answering ``get_body`` / ``other_body``."""
+
+    def __init__(self, get_body: bytes, other_body: bytes):
+        self.dir = tempfile.TemporaryDirectory(prefix="kjit-floor-")
+        paths = [Path(self.dir.name) / n for n in ("get.json", "other.json")]
+        for path, body in zip(paths, (get_body, other_body)):
+            path.write_bytes(body)
+        from service.testing import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = Path(__file__).resolve().parent / "_http_floor.py"
+        self.proc = subprocess.Popen([sys.executable, str(script), str(self.port), *map(str, paths)])
+
+    def __enter__(self):
+        import socket
+
+        t_end = time.monotonic() + 60
+        while time.monotonic() < t_end:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("the HTTP floor server did not start")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.dir.cleanup()
+
+
+def _last_response(remote, call):
+    """``call()`` through ``remote`` with its session's answer kept: the raw bytes it received."""
+    got = {}
+    session = remote._session
+    original = session.request
+
+    def keep(*a, **k):
+        got["r"] = original(*a, **k)
+        return got["r"]
+
+    session.request = keep
+    try:
+        call()
+    finally:
+        session.request = original
+    return got["r"].content
+
+
 def latency(args, store: Path) -> None:
     from kjit.client import RemoteOperator
     from kjit.factors import logistic_incoming
@@ -118,12 +174,20 @@ def latency(args, store: Path) -> None:
             q_local = local.belief(inc)
             max_diff = float(np.max(np.abs(q_remote.mean() - q_local.mean())))
             floor = floor_fn(local, inc)
-            t_remote, t_local, t_belief, t_floor = _interleaved(
-                [lambda: remote.belief(inc), lambda: local.predict(inc), lambda: local.belief(inc), floor], r)
+            info = _last_response(remote, lambda: remote.info(refresh=True))
+            answer = _last_response(remote, lambda: remote.belief(inc))
+            with _HttpFloor(info, answer) as hf, RemoteOperator(hf.url, "logistic-x", mode="predict") as bare:
+                bare.info()
+                q_bare = bare.belief(inc)  # the same answer, from the fixed bytes
+                assert np.array_equal(q_bare.mean(), q_remote.mean())
+                t_remote, t_local, t_belief, t_floor, t_http = _interleaved(
+                    [lambda: remote.belief(inc), lambda: local.predict(inc), lambda: local.belief(inc), floor,
+                     lambda: bare.belief(inc)], r)
             rp50, rp99, rmean = _stats(t_remote)
             lp50, lp99, lmean = _stats(t_local)
             bp50, _, _ = _stats(t_belief)
             fp50, _, _ = _stats(t_floor)
+            hp50, _, _ = _stats(t_http)
             print(json.dumps({
                 "bench": "service_messages", "mode": "predict", "batch": batch, "reps": r,
                 "n_inner": local.n_inner, "n_outer": local.n_outer,
@@ -133,9 +197,10 @@ def latency(args, store: Path) -> None:
                 "inprocess_msgs_per_s": round(batch / lmean, 1), "inprocess_belief_p50_ms": round(bp50, 3),
                 "ratio_to_inprocess": round(rp50 / lp50, 2),
                 "floor_us_per_msg": round(fp50 * 1e3 / batch, 3), "inprocess_to_floor": round(lp50 / fp50, 2),
+                "http_floor_p50_ms": round(hp50, 3), "server_p50_ms": round(rp50 - hp50, 3),
                 "max_abs_diff_mean": max_diff,
             }), flush=True)
-            summary[batch] = (rp50, rp50 / lp50, lp50 / fp50)
+            summary[batch] = (rp50, rp50 / lp50, lp50 / fp50, hp50)
         # durable observation round trip (batch of 1)
         obs_inc = logistic_incoming(reps, rng)
         beliefs = QuadratureOracle(local.factor).belief(obs_inc, "x")
@@ -152,7 +217,7 @@ def latency(args, store: Path) -> None:
     print(json.dumps({
         "bench": "service_summary", "n_inner": local.n_inner, "n_outer": local.n_outer,
         "batch1_remote_p50_ms": round(summary[1][0], 3), "batch1_ratio_to_inprocess": round(summary[1][1], 2),
-        "batch1_inprocess_to_floor": round(summary[1][2], 2),
+        "batch1_inprocess_to_floor": round(summary[1][2], 2), "batch1_http_floor_p50_ms": round(summary[1][3], 3),
         "batch100_ratio_to_inprocess": round(summary[100][1], 2),
         "batch10000_ratio_to_inprocess": round(summary[10_000][1], 2),
         "observation_p50_ms": round(op50, 3), "observation_p99_ms": round(op99, 3),
