@@ -104,16 +104,19 @@ class Family:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{type(self).__name__}: `{name}` must be numeric ({exc})") from None
             arrays.append(a)
-        try:
-            arrays = np.broadcast_arrays(*arrays)
-        except ValueError:
-            shapes = ", ".join(f"{n}{np.shape(a)}" for n, a in zip(self.param_names, arrays))
-            raise ValueError(
-                f"{type(self).__name__}: parameter shapes do not broadcast: {shapes}"
-            ) from None
+        if any(a.shape != arrays[0].shape for a in arrays):  # (one shape: nothing to broadcast)
+            try:
+                arrays = np.broadcast_arrays(*arrays)
+            except ValueError:
+                shapes = ", ".join(f"{n}{np.shape(a)}" for n, a in zip(self.param_names, arrays))
+                raise ValueError(
+                    f"{type(self).__name__}: parameter shapes do not broadcast: {shapes}"
+                ) from None
         arrays = [np.array(a, dtype=float) for a in arrays]  # own, writeable copies
         if validate:
             for name, a in zip(self.param_names, arrays):
+                if np.isfinite(a).all():
+                    continue
                 bad = ~np.isfinite(a)
                 if bad.any():
                     raise ValueError(
