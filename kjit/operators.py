@@ -11,7 +11,10 @@ deviation) so that one prior and one noise variance serve every coordinate and a
 coordinates share one posterior covariance: a prediction with uncertainty costs one
 ``ψ Σ ψᵀ`` form, whatever the number of outputs.  The predictive variance reported by
 :meth:`KernelOperator.uncertainty` is in the original coordinate units:
-``sd_k² (ψᵀΣψ + σ_y²)``, and its log is what the just-in-time threshold is applied to.
+``sd_k² (ψᵀΣψ + σ_y²)`` — plus, for targets relative to a factor's approximation, that
+approximation's own estimated squared error where the factor gives one
+(:meth:`~kjit.factors.Factor.reference_error`) — and its log is what the just-in-time threshold
+is applied to.
 
 Hyperparameters — the outer kernel width factor, the prior variance σ₀² and the noise
 variance σ_y² — are chosen by the log marginal likelihood summed over coordinates, on a
@@ -524,6 +527,13 @@ class KernelOperator(Operator):
         if not return_var:
             return coords, flat, shape
         var = np.asarray(v, np.float64).reshape(-1, 1) * self.y_scale_**2
+        if self.target == "relative" and getattr(self, "reference_", "incoming") == "approximation":
+            # the reference's own error (Factor.reference_error, in the regressed coordinates'
+            # units): where it fails abruptly the smooth correction cannot follow, and the
+            # regression's variance (distance to the training inputs) does not see it
+            err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1))
+            if err is not None:
+                var = var + err
         var = var.reshape(shape + (len(self.y_mean_),))
         return ((coords, var, psi) if return_features else (coords, var)), flat, shape
 

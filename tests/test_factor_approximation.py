@@ -510,3 +510,61 @@ def test_product_reference_is_proper_where_the_stand_in_is():
     assert np.all(f.stand_in(inc, "x").is_proper)
     q = f.approximate_belief(inc, "x")
     assert np.all(q.is_proper), (q.mean(), q.var())  # var == 0.0 (exact belief: mean 0.0226, var 2.0e-4)
+
+
+# ------------------------------------------------------------------ the reference's own error
+@pytest.mark.parametrize("to", ["x", "y", "z"])
+def test_product_reference_error_tracks_the_references_actual_error(to):
+    """Product.reference_error (the squared change of the 16-node reference under a 24-node rule,
+    relative to it) against the reference's actual squared error from the exact rule, on the
+    default messages.  Measured (3 000 rows, seed 3): rank correlation 0.996 on x, y, z; on the
+    rows whose actual error is > 1e-4 (~20 %) the median ratio estimate/actual 1.01, 0.99, 1.10 and
+    the estimate is at least a tenth of the actual error on 97–98 % of them.  Rows where the
+    reference fell back to the stand-in (≥ 90 % of the weight on one node) get the stand-in's
+    distance to the finer rule's answer, not 0 (measured 1.4–78 where the actual is 3.4–89 on x;
+    on z 0.04–2.8)."""
+    f = get_factor("product")
+    inc = f.default_incoming(1500, np.random.default_rng(3))
+    ref = f.approximate_belief(inc, to)
+    est = f.reference_error(inc, to)
+    assert est.shape == (1500, 2) and np.all(est >= 0) and np.all(np.isfinite(est))
+    actual = Gaussian.to_relative(f.exact_belief(inc, to).to_coords(), ref.to_coords()) ** 2
+    e, a = est.sum(axis=1), actual.sum(axis=1)
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
+    assert np.corrcoef(rank(e), rank(a))[0, 1] > 0.95
+    big = a > 1e-4
+    assert big.sum() > 100
+    assert 0.5 < np.median(e[big] / a[big]) < 2.0
+    assert np.mean(e[big] >= 0.1 * a[big]) > 0.9
+    # the rows where the reference is the stand-in: the estimate sees them
+    c = f.stand_in(inc, "y" if to == "y" else "x") if to != "z" else f.stand_in(inc, "z")
+    fell_back = (ref.mean() == c.mean()) & (ref.var() == c.var())
+    assert fell_back.any()
+    assert np.all(e[fell_back] > 1e-2) and np.all(e[fell_back] >= 0.1 * a[fell_back])
+    # earlier revisions (the stand-ins alone) have no estimate
+    assert f.reference_error(inc, to, revision=1) is None
+    np.testing.assert_array_equal(f.reference_error(inc, to, revision=2), est)
+
+
+def test_operator_variance_adds_the_reference_error_and_leaves_predictions_alone(monkeypatch):
+    """A learned operator relative to the product's quadrature reference: its predictive variance
+    is the regression's plus the reference's estimated error, per coordinate; the predicted
+    coordinates are bit for bit those without it; a saved operator predicts the same variances; an
+    operator relative to the incoming message, or to a factor with no estimate, is unchanged."""
+    f = get_factor("product")
+    test = f.default_incoming(300, np.random.default_rng(5))
+    op = KernelOperator(f, "x", n_inner=20, n_outer=40, random_state=0).fit(_data(f, "x", 300, 1))
+    coords, var = op.predict_coords(test)
+    err = f.reference_error(test, "x")
+    with monkeypatch.context() as m:
+        m.setattr(type(f), "reference_error", lambda self, inc, to, revision=None: None)
+        coords0, var0 = op.predict_coords(test)
+    np.testing.assert_array_equal(coords, coords0)
+    np.testing.assert_allclose(var, var0 + err, rtol=1e-12)
+    assert np.any(err > var0)  # the reference's failures dominate somewhere on the default messages
+    back = _round_trip(op)
+    np.testing.assert_array_equal(back.predict_coords(test)[1], var)
+    inc_op = KernelOperator(f, "x", n_inner=20, n_outer=40, random_state=0, reference="incoming").fit(_data(f, "x", 300, 1))
+    with monkeypatch.context() as m:
+        m.setattr(type(f), "reference_error", lambda self, inc, to, revision=None: np.full((300, 2), np.inf))
+        assert np.all(np.isfinite(inc_op.predict_coords(test)[1]))

@@ -262,6 +262,20 @@ class Factor:
         raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "
                          f"operator fitted relative to revision {revision} cannot be evaluated with it")
 
+    def reference_error(self, incoming: Mapping[str, Family], to: str, revision: int | None = None) -> np.ndarray | None:
+        """A per-row estimate of the squared error of :meth:`reference_belief` (at ``revision``, None:
+        the current one), shape (n, k): in the recipient family's coordinates *relative to the
+        reference* (``Family.to_relative``), the units a learned operator regresses in, so it adds
+        to the operator's predictive variance per coordinate.  None (the default): no estimate.
+
+        A learned correction is smooth in the messages; where the reference fails abruptly (a
+        quadrature whose nodes miss a mode) the correction cannot follow, and the regression's
+        variance, which measures distance to the training inputs, does not see it.  A factor whose
+        reference can fail that way estimates the failure here, e.g. by a second, finer rule.
+        Deterministic and vectorised over the flat batch ``incoming``; rows with no finite
+        estimate are +inf."""
+        return None
+
     def symmetry(self, incoming: Mapping[str, Family]) -> dict[str, tuple] | None:
         """A per-row change of units under which the factor is invariant, or None (the default).
 
