@@ -34,8 +34,14 @@ test rows (by KL) above it; ``mean_log_kl_by_logvar_decile`` (mean log KL of the
 each decile of the predicted log variance, lowest first; ``logvar_decile_edges``) and
 ``rank_corr_logvar_kl`` (Spearman), and the same check at the issue's budget —
 ``worst1pct_flagged_at_q90`` / ``flagged_fraction_at_q90`` with the threshold at the 90th
-percentile of the calibration set's uncertainties (flag ~10 % in distribution): whether the variance ranks the errors; plus ``n_train``,
-``n_test``.  Last line: ``worst_mean_log_kl`` (the
+percentile of the calibration set's uncertainties (flag ~10 % in distribution): whether the variance ranks the errors.
+Two figures read these: ``flagged_fraction_needed`` (the share of test rows above the highest
+threshold that still flags 95 % of the worst 1 % — how well the variance ranks the errors, free of
+the calibration set: calibration and test are different problems, and a 90th percentile of one
+flags 10 % of the other only up to that shift) and ``kl_p99`` (the worst 1 %'s smallest KL: where
+it is below ``--target-kl`` the worst 1 % are rows a calibrated threshold rightly leaves alone),
+with ``worst1pct_above_target_flagged_at_q90`` (the worst 1 % rows with KL above the target,
+flagged at q90; null when none); plus ``n_train``, ``n_test``.  Last line: ``worst_mean_log_kl`` (the
 largest over rows), ``min_worst1pct_flagged``, ``max_flagged_fraction``, ``n_directions``.
 Goals (issue 14): mean log KL ≤ −10 on every direction; worst 1 % flagged ≥ 0.95 with ≤ 10 % of
 rows flagged.  Timings share the machine; the ratio oracle/predict is the comparable figure.
@@ -229,7 +235,11 @@ def direction_rows(f, recs, args, rng):
                "worst1pct_flagged_at_q90": float(np.mean(flagged10[worst])),
                "mean_log_kl_by_logvar_decile": by_decile,
                "logvar_decile_edges": [float(e) for e in edges],
-               "rank_corr_logvar_kl": float(_spearman(u, kl))}
+               "rank_corr_logvar_kl": float(_spearman(u, kl)),
+               "flagged_fraction_needed": float(np.mean(u >= np.quantile(u[worst], 0.05, method="lower"))),
+               "kl_p99": float(np.quantile(kl, 0.99)),
+               "worst1pct_above_target_flagged_at_q90": (float(np.mean(flagged10[worst & (kl > args.target_kl)]))
+                                                          if np.any(worst & (kl > args.target_kl)) else None)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
