@@ -531,7 +531,7 @@ class KernelOperator(Operator):
             # the reference's own error (Factor.reference_error, in the regressed coordinates'
             # units): where it fails abruptly the smooth correction cannot follow, and the
             # regression's variance (distance to the training inputs) does not see it
-            err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1))
+            err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
             if err is not None:
                 var = var + err
         var = var.reshape(shape + (len(self.y_mean_),))

@@ -544,6 +544,8 @@ def test_product_reference_error_tracks_the_references_actual_error(to):
     # earlier revisions (the stand-ins alone) have no estimate
     assert f.reference_error(inc, to, revision=1) is None
     np.testing.assert_array_equal(f.reference_error(inc, to, revision=2), est)
+    # the reference's coordinates from the caller (a learned operator has them): the same estimate
+    np.testing.assert_array_equal(f.reference_error(inc, to, reference=ref.to_coords()), est)
 
 
 def test_operator_variance_adds_the_reference_error_and_leaves_predictions_alone(monkeypatch):
@@ -557,7 +559,7 @@ def test_operator_variance_adds_the_reference_error_and_leaves_predictions_alone
     coords, var = op.predict_coords(test)
     err = f.reference_error(test, "x")
     with monkeypatch.context() as m:
-        m.setattr(type(f), "reference_error", lambda self, inc, to, revision=None: None)
+        m.setattr(type(f), "reference_error", lambda self, inc, to, revision=None, reference=None: None)
         coords0, var0 = op.predict_coords(test)
     np.testing.assert_array_equal(coords, coords0)
     np.testing.assert_allclose(var, var0 + err, rtol=1e-12)
@@ -566,5 +568,5 @@ def test_operator_variance_adds_the_reference_error_and_leaves_predictions_alone
     np.testing.assert_array_equal(back.predict_coords(test)[1], var)
     inc_op = KernelOperator(f, "x", n_inner=20, n_outer=40, random_state=0, reference="incoming").fit(_data(f, "x", 300, 1))
     with monkeypatch.context() as m:
-        m.setattr(type(f), "reference_error", lambda self, inc, to, revision=None: np.full((300, 2), np.inf))
+        m.setattr(type(f), "reference_error", lambda self, inc, to, revision=None, reference=None: np.full((300, 2), np.inf))
         assert np.all(np.isfinite(inc_op.predict_coords(test)[1]))

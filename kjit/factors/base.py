@@ -262,7 +262,8 @@ class Factor:
         raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "
                          f"operator fitted relative to revision {revision} cannot be evaluated with it")
 
-    def reference_error(self, incoming: Mapping[str, Family], to: str, revision: int | None = None) -> np.ndarray | None:
+    def reference_error(self, incoming: Mapping[str, Family], to: str, revision: int | None = None,
+                        reference=None) -> np.ndarray | None:
         """A per-row estimate of the squared error of :meth:`reference_belief` (at ``revision``, None:
         the current one), shape (n, k): in the recipient family's coordinates *relative to the
         reference* (``Family.to_relative``), the units a learned operator regresses in, so it adds
@@ -273,7 +274,9 @@ class Factor:
         variance, which measures distance to the training inputs, does not see it.  A factor whose
         reference can fail that way estimates the failure here, e.g. by a second, finer rule.
         Deterministic and vectorised over the flat batch ``incoming``; rows with no finite
-        estimate are +inf."""
+        estimate are +inf.  ``reference``: the coordinates (n, k) of ``reference_belief(incoming,
+        to, revision)`` when the caller has them already (a learned operator does), so they are not
+        computed again."""
         return None
 
     def symmetry(self, incoming: Mapping[str, Family]) -> dict[str, tuple] | None:

@@ -77,7 +77,7 @@ class Product(Factor):
         return gaussian_from_nodes(lw, mu, var, c if to != "z" else self.stand_in(incoming, "z"),
                                    max_node_weight=max_node_weight)
 
-    def reference_error(self, incoming, to, revision=None):
+    def reference_error(self, incoming, to, revision=None, reference=None):
         """The squared change of :meth:`approximate_belief` (revision 2) under a finer rule, in
         coordinates relative to it (mean in its standard deviations, log variance): the finer rule
         has :data:`REFERENCE_CHECK_NODES` nodes on the same stand-in and no max-node-weight
@@ -92,10 +92,13 @@ class Product(Factor):
         to = self.check_to(to)
         if revision is not None and int(revision) != self.approximation_revision:
             return None
-        ref = self.approximate_belief(incoming, to)
         fine = self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, max_node_weight=1.0)
         with np.errstate(all="ignore"):
-            base = np.stack([ref.mean(), np.log(ref.var())], axis=-1)
+            if reference is None:
+                ref = self.approximate_belief(incoming, to)
+                base = np.stack([ref.mean(), np.log(ref.var())], axis=-1)
+            else:
+                base = np.asarray(reference, dtype=float)
             alt = np.stack([fine.mean(), np.log(fine.var())], axis=-1)
             err = Gaussian.to_relative(alt, base) ** 2
         return np.where(np.isnan(err), np.inf, err)
