@@ -115,10 +115,9 @@ class Family:
         arrays = [np.array(a, dtype=float) for a in arrays]  # own, writeable copies
         if validate:
             for name, a in zip(self.param_names, arrays):
-                if np.isfinite(a).all():
-                    continue
-                bad = ~np.isfinite(a)
-                if bad.any():
+                finite = np.isfinite(a)
+                if not finite.all():
+                    bad = ~finite
                     raise ValueError(
                         f"{type(self).__name__}: `{name}` must be finite "
                         f"(got {a[bad].ravel()[0]!r} at {int(np.argmax(bad.ravel()))})"
