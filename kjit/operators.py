@@ -445,8 +445,6 @@ class KernelOperator(Operator):
             if c is not None and np.isfinite(c).all():
                 return c
             ok = np.asarray(q.is_proper, bool) & np.all([np.isfinite(p) for p in q.params], axis=0)
-            if ok.all():
-                return q.to_coords()
             c = np.full((q.size, self.family.n_stats), np.nan)
             if ok.any():
                 c[ok] = q[ok].to_coords()
