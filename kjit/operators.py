@@ -1210,9 +1210,10 @@ class JITOperator(Operator):
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         op = self.operator
+        noise = op.noise_var_ * np.asarray(op.y_scale_, float) ** 2  # σ_y² in each coordinate's units
         epistemic = np.exp(logvar)
         if self.uncertainty == "predictive":
-            epistemic = np.maximum(epistemic - op.noise_var_ * np.asarray(op.y_scale_) ** 2, 0.0)
+            epistemic = np.maximum(epistemic - noise, 0.0)
         sign = sign_undetermined(self.factor, self.to, flat, coords, epistemic)
         j = self.family.spread_coord
         if j is not None and sign.any():
@@ -1222,8 +1223,7 @@ class JITOperator(Operator):
             # a sign as undetermined as the prediction's, and consulting it every call feeds EP a
             # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
             # beliefs moving by ~2e-2 and never converging)
-            noise_j = op.noise_var_ * float(np.broadcast_to(np.asarray(op.y_scale_, float), coords.shape[-1:])[j]) ** 2
-            sign &= epistemic[:, j] > noise_j
+            sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
         return np.any(logvar > self.threshold, axis=-1) | sign
 
     def _differs(self, flat, ref):

@@ -178,8 +178,8 @@ class Logistic(Factor):
         if to != "x":
             return lap
         m, v = (np.asarray(p, dtype=float).ravel()[:, None] for p in (incoming["x"].mean(), incoming["x"].var()))
-        a, b = (np.asarray(p, dtype=float) for p in (incoming["z"].alpha, incoming["z"].beta))
-        a, b = ((p if p.shape == lap.shape else np.broadcast_to(p, lap.shape)).ravel()[:, None] for p in (a, b))
+        a, b = (np.broadcast_to(np.asarray(p, dtype=float), lap.shape).ravel()[:, None]
+                for p in (incoming["z"].alpha, incoming["z"].beta))
         xi = gauss_hermite(GH_NODES)[0]
         with np.errstate(all="ignore"):
             c, sd = np.asarray(lap.mean(), float).ravel(), np.sqrt(np.asarray(lap.var(), float).ravel())
