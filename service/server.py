@@ -103,12 +103,14 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
     import uvicorn
 
     from .app import create_app
+    from .protocol import OneWriteHttpToolsProtocol
 
     if train_defaults and settings.default_operators != ():
         ensure_defaults(settings)
     app = create_app(settings)
+    # a response's head and body in one write (service/protocol.py: one wake-up of the client, not two)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=10, http=OneWriteHttpToolsProtocol)
     server = uvicorn.Server(config)
 
     def announce():
