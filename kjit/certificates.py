@@ -25,6 +25,7 @@ ones, with ``source`` their class's ``certificate_source``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -52,6 +53,8 @@ def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
         nat = np.asarray(q.natural(), float) - np.asarray(incoming_to.natural(), float)
         nat = nat.reshape(-1, nat.shape[-1])
         ok = np.isfinite(nat).all(axis=1)
+        if ok.all():
+            return np.array(type(q).natural_is_proper(nat), dtype=bool).reshape(-1)
         out = np.zeros(len(ok), dtype=bool)
         if ok.any():
             out[ok] = type(q).natural_is_proper(nat[ok]).reshape(-1)
@@ -271,7 +274,7 @@ def certified(op, incoming: Mapping[str, Family], to, **kw) -> tuple[Family, Cer
             cert = Certificates.uniform(getattr(op, "certificate_source", "rule"), q, m.ravel() if ok else None,
                                         projection=projection_convention(factor) if factor is not None else "kl")
         except Exception:  # noqa: BLE001 - an odd answer: the caller validates it
-            cert = Certificates(np.full(int(np.prod(q.shape, dtype=int)), "rule", dtype=object), type(q).coord_names)
+            cert = Certificates(np.full(math.prod(q.shape), "rule", dtype=object), type(q).coord_names)
         cert.of = q
     return q, cert
 

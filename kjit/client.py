@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 import uuid
 from typing import Any, Mapping
@@ -340,7 +341,7 @@ class RemoteOperator:
 
     def _call(self, incoming, mode):
         flat, shape = self._flat(incoming)
-        n = int(np.prod(shape, dtype=int)) if shape else 1
+        n = math.prod(shape) if shape else 1
         step = self.max_batch
         if mode == "oracle":  # the server caps oracle work per request separately
             step = min(step, int(self.info().get("limits", {}).get("max_oracle_batch", step)))

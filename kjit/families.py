@@ -28,6 +28,7 @@ Each family has
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import ClassVar
 
@@ -197,7 +198,7 @@ class Family:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=int))
+        return math.prod(self.shape)
 
     def __len__(self) -> int:
         if not self.shape:

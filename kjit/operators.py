@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 from typing import Mapping, Sequence
 
@@ -476,7 +477,7 @@ class KernelOperator(Operator):
         """The coordinates the regression is fitted to (before standardisation), shape (n, k)."""
         inc, shape = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in inc.items()}
-        return self._targets(beliefs.ravel(), int(np.prod(shape, dtype=int)), flat)
+        return self._targets(beliefs.ravel(), math.prod(shape), flat)
 
     def _targets(self, beliefs, n, incoming):
         Y = self._check_beliefs(beliefs, n)
@@ -554,7 +555,7 @@ class KernelOperator(Operator):
     def _certify(self, q, logvar, flat, threshold=None):
         """The certificates of a prediction (kept in ``last_certificates_``): learned, with their
         log predictive variance (NaN from ``belief``, which computes none); version: pairs learned."""
-        n = int(np.prod(q.shape, dtype=int))
+        n = math.prod(q.shape)
         cert = Certificates.uniform("learned", q, flat[self.to], projection=projection_convention(self.factor),
                                     log_var=None if logvar is None else np.reshape(logvar, (n, -1)),
                                     threshold=threshold, version=int(self.blr_.n_))

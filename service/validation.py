@@ -20,6 +20,7 @@ carry, and observations that are plausible data (service/README.md, "Hostile inp
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import nullcontext
 from typing import Any, Awaitable, Callable, ContextManager, TypeVar
 
@@ -111,7 +112,7 @@ def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
     """Rows whose random features are not finite (e.g. moments that overflow)."""
     factor = operator.factor
     inc, shape = factor.check_incoming(incoming, operator.to)
-    n = int(np.prod(shape, dtype=int))
+    n = math.prod(shape)
     try:
         with np.errstate(all="ignore"):
             msgs = operator.feature_inputs(inc)

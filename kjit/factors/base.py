@@ -42,7 +42,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import numpy as np
 
-from ..families import Family
+from ..families import Family, Gamma, Gaussian
 
 __all__ = [
     "Factor",
@@ -620,8 +620,9 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
     """Mode t* of a univariate log density g (vectorised over rows) and −g''(t*).
 
     ``dlog(t, rows) -> (g'(t), g''(t))`` for the rows ``rows`` (an index array into the batch, or
-    ``slice(None)`` while every row is evaluated; ``t`` holds their points); ``[lo, hi]`` must
-    bracket a root of g' (g'(lo) ≥ 0 ≥ g'(hi)).
+    ``slice(None)`` while every row is evaluated; ``t`` holds their points; for a batch of one row
+    the iteration passes ``rows`` = 0 and ``t`` a scalar: elementwise code serves both); ``[lo, hi]``
+    must bracket a root of g' (g'(lo) ≥ 0 ≥ g'(hi)).
     Newton's method, kept inside the bracket (a step that leaves it, or a point of non-negative
     curvature, bisects instead), which shrinks on every iterate: where g is concave this is its
     mode; elsewhere a stationary point.  ``start``: the first iterate (default the bracket's
@@ -633,7 +634,7 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
     every = slice(None)
     with np.errstate(all="ignore"):
         t = np.clip(0.5 * (lo + hi) if start is None else np.asarray(start, dtype=float), lo, hi)
-        t = np.array(np.broadcast_to(t, lo.shape), dtype=float).ravel()
+        t = np.array(t if t.shape == lo.shape else np.broadcast_to(t, lo.shape), dtype=float).ravel()
         lo, hi = lo.ravel().copy(), hi.ravel().copy()
         dx_old = np.abs(hi - lo)  # the step before last, per row (rtsafe's safeguard)
         if t.size == 1:  # one row (a served batch-1 request): the same steps on scalars
@@ -663,14 +664,12 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
 
 
 def _laplace_mode_one(dlog, t, li, hi_, d_old, max_iter, tol):
-    """:func:`laplace_mode`'s iteration for a batch of one row, step for step on numpy scalars (the
-    same IEEE operations as on arrays, so the same doubles; ~3x faster than one-element arrays).
-    ``t``: the row's start as an array of one (updated in place; ``dlog`` reads it)."""
-    every = slice(None)
+    """:func:`laplace_mode`'s iteration for a batch of one row, step for step on numpy scalars —
+    ``dlog`` too (``rows`` = 0): the same IEEE operations as on arrays, so the same doubles, at a
+    fraction of one-element arrays' cost.  ``t``: the row's start as an array of one."""
     ti = t[0]
     for _ in range(max_iter):
-        g1, g2 = dlog(t, every)
-        g1, g2 = g1[0], g2[0]
+        g1, g2 = dlog(ti, 0)
         if g1 > 0:  # the root is to the right of t
             li = ti
         else:
@@ -683,10 +682,11 @@ def _laplace_mode_one(dlog, t, li, hi_, d_old, max_iter, tol):
         scale = a if (a > 1.0 or a != a) else 1.0  # np.maximum(1.0, |t|), NaN included
         going = abs(new - ti) > tol * scale
         d_old = abs(step) if use else 0.5 * abs(hi_ - li)
-        t[0] = ti = new
+        ti = new
         if not going:
             break
-    return t, -dlog(t, every)[1]
+    t[0] = ti
+    return t, np.array([-dlog(ti, 0)[1]], dtype=float)
 
 
 #: Gauss–Hermite nodes of the factors' quadrature references (product, gamma_rate, exp)
@@ -713,10 +713,18 @@ def gauss_hermite_log_base(n: int = GH_NODES) -> np.ndarray:
     return out
 
 
+def as_shape(p, shape) -> np.ndarray:
+    """``np.broadcast_to(np.asarray(p, dtype=float), shape)`` (read-only), without the broadcast's
+    ~5 µs where ``p`` has that shape already (a served one-message request's parameters)."""
+    a = np.asarray(p, dtype=float)
+    return a if a.shape == tuple(shape) else np.broadcast_to(a, shape)
+
+
 def _node_weights(lw):
     """Normalised weights p ∝ e^{lw} over the last axis (the nodes)."""
-    w = np.exp(lw - np.max(lw, axis=-1, keepdims=True))
-    return w / np.sum(w, axis=-1, keepdims=True)
+    w = np.exp(lw - lw.max(axis=-1, keepdims=True))
+    w /= w.sum(axis=-1, keepdims=True)
+    return w
 
 
 def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
@@ -725,12 +733,10 @@ def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
     positive — and, with ``max_node_weight`` < 1, rows where one node holds at least that share of
     the weight (the nodes missed the mass) — take ``fallback``'s parameters (its batch shape is the
     answer's)."""
-    from ..families import Gaussian
-
     with np.errstate(all="ignore"):
         w = _node_weights(lw)
-        mean = np.sum(w * mu, axis=-1)
-        v = np.sum(w * (var + (mu - mean[..., None]) ** 2), axis=-1)
+        mean = (w * mu).sum(axis=-1)
+        v = (w * (var + (mu - mean[..., None]) ** 2)).sum(axis=-1)
         ok = np.isfinite(mean) & np.isfinite(v) & (v > 0)
         if max_node_weight < 1.0:
             ok &= np.max(w, axis=-1) < max_node_weight
@@ -748,8 +754,6 @@ def gamma_from_log_nodes(t, lw, projection: str, fallback, rows_ok=None):
     statistics are not finite or positive, or where ``rows_ok`` (n,) is False, take ``fallback``'s
     parameters (its batch shape is the answer's).  log E[v] − E[log v] is formed from centred node
     sums (log Σ p e^{t − t̄}, no cancellation), as the exact rules do."""
-    from ..families import Gamma
-
     with np.errstate(all="ignore"):
         w = _node_weights(lw)
         tbar = np.sum(w * t, axis=1)

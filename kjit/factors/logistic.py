@@ -21,8 +21,8 @@ from ..errors import OracleError, gaussian_or_error
 from ..families import Beta, Family, Gaussian
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
-from .base import (GH_NODES, MAX_LOG_PARAM, Factor, broadcast_messages, check_power, gauss_hermite, gauss_hermite_log_base,
-                   gaussian_from_nodes, partition, register_factor, rule, tilted_laplace)
+from .base import (GH_NODES, MAX_LOG_PARAM, Factor, as_shape, broadcast_messages, check_power, gauss_hermite,
+                   gauss_hermite_log_base, gaussian_from_nodes, partition, register_factor, rule, tilted_laplace)
 
 __all__ = ["Logistic", "logistic_tilted_rule", "logistic_laplace_limit", "logistic_incoming", "LogisticOperator",
            "LogisticLogDensity"]
@@ -178,8 +178,7 @@ class Logistic(Factor):
         if to != "x":
             return lap
         m, v = (np.asarray(p, dtype=float).ravel()[:, None] for p in (incoming["x"].mean(), incoming["x"].var()))
-        a, b = (np.broadcast_to(np.asarray(p, dtype=float), lap.shape).ravel()[:, None]
-                for p in (incoming["z"].alpha, incoming["z"].beta))
+        a, b = (as_shape(p, lap.shape).ravel()[:, None] for p in (incoming["z"].alpha, incoming["z"].beta))
         xi = gauss_hermite(GH_NODES)[0]
         with np.errstate(all="ignore"):
             c, sd = np.asarray(lap.mean(), float).ravel(), np.sqrt(np.asarray(lap.var(), float).ravel())
