@@ -77,6 +77,23 @@ def trigamma(x):
     return special.zeta(2.0, x)
 
 
+def _cached_propriety(compute):
+    """``is_proper``'s getter computed once per message (see ``Family.__init_subclass__``)."""
+
+    def is_proper(self):
+        try:
+            return self._proper
+        except AttributeError:
+            ok = compute(self)
+            if isinstance(ok, np.ndarray):
+                ok.flags.writeable = False
+            self._proper = ok
+            return ok
+
+    is_proper._cached = True
+    return is_proper
+
+
 class Family:
     """Base class of array-valued exponential-family messages.
 
@@ -165,6 +182,13 @@ class Family:
         else:
             get = lambda obj: ()  # noqa: E731
         cls._params_getter = staticmethod(get)
+        if attrs:
+            cls._first_param = staticmethod(operator.attrgetter(attrs[0]))
+        # a message is immutable (owned read-only arrays), so its propriety is computed once: a
+        # batch-1 prediction asks for it ~7 times.  The cached array is read-only too.
+        prop = cls.__dict__.get("is_proper")
+        if isinstance(prop, property) and not getattr(prop.fget, "_cached", False):
+            cls.is_proper = property(_cached_propriety(prop.fget), doc=prop.__doc__)
 
     @property
     def params(self) -> tuple[np.ndarray, ...]:
@@ -190,7 +214,7 @@ class Family:
     # ------------------------------------------------------------------ batch protocol
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.params[0].shape
+        return self._first_param(self).shape
 
     @property
     def ndim(self) -> int:

@@ -303,7 +303,7 @@ class TwoStageFeatures:
         families = self.families
         if isinstance(messages, Family):
             messages = (messages,)
-        if isinstance(messages, Mapping) or not isinstance(messages, Sequence):
+        if type(messages) not in (tuple, list) and (isinstance(messages, Mapping) or not isinstance(messages, Sequence)):
             raise ValueError(
                 f"{what}: `messages` must be a tuple with one message batch per variable "
                 f"({', '.join(f.__name__ for f in families)}), got {type(messages).__name__}"

@@ -1225,7 +1225,7 @@ class JITOperator(Operator):
             # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
             # beliefs moving by ~2e-2 and never converging)
             sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
-        return np.any(logvar > self.threshold, axis=-1) | sign
+        return (logvar > self.threshold).any(axis=-1) | sign
 
     def _differs(self, flat, ref):
         """(n, c) booleans: does each row differ from the reference row in each coordinate of

@@ -382,7 +382,7 @@ class Factor:
         """
         if to is not None:
             self.check_to(to)
-        if not isinstance(incoming, Mapping):
+        if type(incoming) is not dict and not isinstance(incoming, Mapping):  # (dict: no ABC check)
             raise ValueError("`incoming` must be a mapping from variable name to message")
         unknown = [k for k in incoming if k not in self.variables]
         if unknown:
