@@ -348,7 +348,8 @@ class RemoteOperator:
         parts = []
         retry = "connection" if mode in ("predict", "oracle") else "connect"
         for s in range(0, n, step):
-            body = {"to": self.to, "incoming": {v: _columns(m[s:s + step], f"incoming[{v!r}]") for v, m in flat.items()}}
+            rows = flat if n <= step else {v: m[s:s + step] for v, m in flat.items()}  # (one part: no copies)
+            body = {"to": self.to, "incoming": {v: _columns(m, f"incoming[{v!r}]") for v, m in rows.items()}}
             parts.append(self._request("POST", f"/v1/operators/{self.name}/messages", json_body=body,
                                        params={"mode": mode}, retry=retry))
         fam = self.family
