@@ -16,7 +16,8 @@ from kjit import __version__ as kjit_version
 
 from . import errors, schemas
 from .audit import AuditCollector, Auditor
-from .fastpath import PredictFastPath
+from .deps import oracle_slot
+from .fastpath import HotPathApp, PredictFastPath
 from .jobs import JobManager
 from .metrics import Metrics
 from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -148,12 +149,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 store.audit.stop()
             store.close()
 
-    app = FastAPI(title="kjit message-operator service", version=kjit_version, description=DESCRIPTION,
+    app = HotPathApp(title="kjit message-operator service", version=kjit_version, description=DESCRIPTION,
                   lifespan=lifespan)
     app.state.settings = settings
     app.state.store = store
     app.state.metrics = metrics
     app.state.oracle_slots = threading.BoundedSemaphore(settings.oracle_concurrency)
+    app.state.oracle_slot = oracle_slot(app.state.oracle_slots, settings)
     errors.install(app)
     app.include_router(router)
     _document_bodies(app, settings)

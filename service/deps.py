@@ -59,11 +59,9 @@ async def get_entry(request: Request, name: Annotated[str, Path(description="ope
     return await run_in_threadpool(_entry, store, name)
 
 
-async def get_oracle_slot(request: Request) -> Callable[[], ContextManager[None]]:
-    """A context manager holding one of ``KJIT_ORACLE_CONCURRENCY`` slots for oracle work; 429
-    after ``KJIT_ORACLE_WAIT`` s."""
-    sem: threading.Semaphore = request.app.state.oracle_slots
-    settings: Settings = request.app.state.settings
+def oracle_slot(sem: threading.Semaphore, settings: Settings) -> Callable[[], ContextManager[None]]:
+    """A context manager holding one of ``KJIT_ORACLE_CONCURRENCY`` slots (``sem``) for oracle
+    work; 429 after ``KJIT_ORACLE_WAIT`` s.  Built once per app (``app.state.oracle_slot``)."""
 
     @contextmanager
     def slot():
@@ -76,6 +74,11 @@ async def get_oracle_slot(request: Request) -> Callable[[], ContextManager[None]
             sem.release()
 
     return slot
+
+
+async def get_oracle_slot(request: Request) -> Callable[[], ContextManager[None]]:
+    """The app's :func:`oracle_slot`."""
+    return request.app.state.oracle_slot
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

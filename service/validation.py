@@ -58,7 +58,7 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
     raw = getattr(request.state, "raw_body", None)
     if raw is None:  # pragma: no cover - BodyLimitMiddleware always sets it
         raw = b""
-    ctype = request.headers.get("content-type")
+    ctype = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"content-type"), None)
     if ctype is not None and not _is_json(ctype):
         raise ApiError(400, ["header", "content-type"], f"the body must be JSON (Content-Type: application/json), "
                                                          f"got {ctype.split(';')[0].strip()[:60]!r}", "not_json")

@@ -121,3 +121,62 @@ def test_fast_path_requests_are_counted_under_the_route(clients):
     line = next(ln for ln in text.splitlines() if ln.startswith("kjit_http_requests_total{")
                 and 'route="/v1/operators/{name}/messages"' in ln and 'status="200"' in ln)
     assert float(line.rsplit(" ", 1)[1]) >= 1
+
+
+@pytest.fixture
+def telemetry_layer(monkeypatch, clients):
+    """Requests that passed FastAPI's outer layers (its telemetry middleware), from now on; the
+    apps' stacks are rebuilt so that they see the spy."""
+    from fastapi.telemetry import _asgi
+
+    seen = []
+    real = _asgi.ExceptionTelemetryMiddleware.__call__
+
+    async def spy(self, scope, receive, send):
+        seen.append(scope["path"])
+        return await real(self, scope, receive, send)
+
+    monkeypatch.setattr(_asgi.ExceptionTelemetryMiddleware, "__call__", spy)
+    return seen
+
+
+def test_the_hot_path_skips_fastapis_outer_layers_and_keeps_the_apps_middleware(clients, telemetry_layer,
+                                                                                 fast_calls):
+    fast, slow = clients
+    good = _body(probe("logistic", 1))
+    assert fast.post(PATH.format("logistic-x"), params={"mode": "predict"}, json=good).status_code == 200
+    assert fast_calls == ["logistic-x"] and telemetry_layer == []
+    assert fast.get("/health").status_code == 200  # anything else: the whole stack
+    assert slow.post(PATH.format("logistic-x"), params={"mode": "predict"}, json=good).status_code == 200
+    assert telemetry_layer == ["/health", PATH.format("logistic-x")]
+    # the app's own middleware still applies on the hot path: the body limit (413) ...
+    huge = json.dumps(_body(probe("logistic", 3))) + " " * 2_000_000
+    r = fast.post(PATH.format("logistic-x"), params={"mode": "predict"}, content=huge.encode(),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["detail"][0]["type"] == "body_too_large"
+    assert telemetry_layer == ["/health", PATH.format("logistic-x")]
+
+
+def test_with_telemetry_on_the_hot_path_takes_the_whole_stack(clients, telemetry_layer, fast_calls, monkeypatch):
+    fast, _ = clients
+    monkeypatch.setattr(fastpath, "_telemetry", lambda app: True)  # an OpenTelemetry provider configured
+    good = _body(probe("logistic", 1))
+    assert fast.post(PATH.format("logistic-x"), params={"mode": "predict"}, json=good).status_code == 200
+    assert telemetry_layer == [PATH.format("logistic-x")]
+    assert fast_calls == ["logistic-x"]  # (the fast path inside the whole stack still answers)
+
+
+def test_an_unexpected_error_on_the_hot_path_is_the_apps_500(clients, monkeypatch):
+    import service.routers.messages as messages_route
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(messages_route, "_messages", boom)
+    good = _body(probe("logistic", 1))
+    fast, slow = (TestClient(c.app, raise_server_exceptions=False) for c in clients)
+    a, b = (c.post(PATH.format("logistic-x"), params={"mode": "predict"}, json=good) for c in (fast, slow))
+    assert a.status_code == b.status_code == 500
+    assert a.headers["content-type"] == b.headers["content-type"]
+    strip = lambda r: [{k: v for k, v in d.items() if k != "msg"} for d in r.json()["detail"]]  # noqa: E731
+    assert strip(a) == strip(b) and "internal error" in a.json()["detail"][0]["msg"]
