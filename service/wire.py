@@ -10,28 +10,36 @@ from kjit.families import Family, family_name
 
 from .errors import ApiError
 
-__all__ = ["columns", "matrix_columns", "to_families", "beliefs_from"]
+__all__ = ["answer_columns", "to_families", "beliefs_from"]
 
 
-def _floats(a) -> list:
-    a = np.asarray(a, dtype=float).ravel()
+def _float_lists(cols) -> list[list]:
+    """1-D columns of one length → lists of numbers, null where not finite: one array, one pass."""
+    a = np.array(cols, dtype=float)
     out = a.tolist()
     finite = np.isfinite(a)
     if not finite.all():
-        for i in np.flatnonzero(~finite).tolist():
-            out[i] = None
+        for j, i in zip(*np.nonzero(~finite)):
+            out[j][i] = None
     return out
 
 
-def columns(m: Family) -> dict:
-    """A batch of messages as ``{"family": ..., <parameter>: [n numbers]}`` (null if not finite)."""
-    return {"family": family_name(m), **{n: _floats(p) for n, p in zip(m.param_names, m.params)}}
-
-
-def matrix_columns(a) -> list:
-    """(n, k) array → k lists of n numbers (column-wise, like the parameters; null if not finite)."""
-    a = np.asarray(a, dtype=float)
-    return [_floats(a[:, j]) for j in range(a.shape[1])]
+def answer_columns(beliefs: Family, messages: Family, log_var) -> tuple[dict, dict, list | None]:
+    """The columns of a messages response: the beliefs and the messages as ``{"family": ...,
+    <parameter>: [n numbers]}``, the messages' natural parameters (``"natural"``: k lists) and
+    ``is_proper``, and the (n, k) log variances as k lists (None if ``log_var`` is None); null for
+    a number that is not finite."""
+    n = len(beliefs)
+    nat = messages.natural().reshape(n, -1)
+    lv = None if log_var is None else np.asarray(log_var, dtype=float).reshape(n, -1)
+    cols = [*(np.ravel(p) for p in beliefs.params), *(np.ravel(p) for p in messages.params), *nat.T,
+            *(() if lv is None else lv.T)]
+    lists = iter(_float_lists(cols))
+    q = {"family": family_name(beliefs), **{name: next(lists) for name in beliefs.param_names}}
+    msg = {"family": family_name(messages), **{name: next(lists) for name in messages.param_names}}
+    msg["natural"] = [next(lists) for _ in range(nat.shape[1])]
+    msg["is_proper"] = np.asarray(messages.is_proper).reshape(n).tolist()
+    return q, msg, None if lv is None else [next(lists) for _ in range(lv.shape[1])]
 
 
 def to_families(factor: Factor, incoming: dict, max_batch: int, loc=("body", "incoming")) -> dict[str, Family]:

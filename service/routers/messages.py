@@ -18,7 +18,7 @@ from ..metrics import Metrics
 from ..settings import Settings
 from ..store import Conflict, Entry, OperatorStore, OracleFailure, PersistError, Unprocessable
 from ..validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
-from ..wire import beliefs_from, columns, matrix_columns, to_families
+from ..wire import answer_columns, beliefs_from, to_families
 from .base import answers, canonical_hash, json_response, request_body, row_errors
 
 router = APIRouter(tags=["messages"])
@@ -138,16 +138,13 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
     if n_learned:
         metrics.updates.labels(entry.name, "jit").inc(n_learned)
         metrics.records.labels(entry.name).inc()
-    out_msgs = columns(msg)
-    out_msgs["natural"] = matrix_columns(msg.natural().reshape(n, -1))
-    out_msgs["is_proper"] = np.asarray(msg.is_proper).tolist()
+    beliefs, out_msgs, log_var = answer_columns(q, msg, logvar)
     payload = {
         "operator": entry.name, "to": entry.jit.to, "mode": mode, "version": version, "n": n, "n_consulted": n_cons,
         "coords": list(entry.jit.family.coord_names),
         # the factor's projection convention (a factor parameter where it offers a choice)
         "projection": str(entry.jit.factor.params().get("projection", "kl")),
-        "beliefs": columns(q), "messages": out_msgs,
-        "log_var": None if logvar is None else matrix_columns(logvar),
+        "beliefs": beliefs, "messages": out_msgs, "log_var": log_var,
         "consulted": np.asarray(consulted).tolist(),
         "certificates": cert.to_json(),  # per row: source, quality, propriety (kjit.certificates)
         "uncertain": None if uncertain is None else np.asarray(uncertain).tolist(),
