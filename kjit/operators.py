@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .blr import BayesianLinearRegression
+from .blr import BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, certified, outgoing_proper, projection_convention
 from .factors import Factor, get_factor
 from .families import Family, family_name
@@ -513,7 +513,13 @@ class KernelOperator(Operator):
         if return_var:
             z, v = self.blr_.predict(psi, return_var=True, dtype=self.dtype)
         else:
-            z = self.blr_.predict(psi, dtype=self.dtype)
+            z, v = self.blr_.predict(psi, dtype=self.dtype), None
+        return self._finish_coords(z, v, psi, flat, inc, shape, return_features), flat, shape
+
+    def _finish_coords(self, z, v, psi, flat, inc, shape, return_features):
+        """predict_coords' answer from the regression's standardised means ``z`` and latent
+        predictive variances ``v`` (None: no variances) at features ``psi``."""
+        return_var = v is not None
         coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
         base = self._base(inc)
         if self.target == "relative":
@@ -524,7 +530,7 @@ class KernelOperator(Operator):
             coords[:, j] = np.where(lc, np.minimum(coords[:, j], own[:, j]), coords[:, j])
         coords = coords.reshape(shape + (len(self.y_mean_),))
         if not return_var:
-            return coords, flat, shape
+            return coords
         var = np.asarray(v, np.float64).reshape(-1, 1) * self.y_scale_**2
         if self.target == "relative" and getattr(self, "reference_", "incoming") == "approximation":
             # the reference's own error (Factor.reference_error, in the regressed coordinates'
@@ -534,7 +540,7 @@ class KernelOperator(Operator):
             if err is not None:
                 var = var + err
         var = var.reshape(shape + (len(self.y_mean_),))
-        return ((coords, var, psi) if return_features else (coords, var)), flat, shape
+        return (coords, var, psi) if return_features else (coords, var)
 
     def _to_belief(self, coords, flat, shape) -> Family:
         """Belief from predicted coordinates (``flat``: the validated incoming messages); rows
@@ -584,6 +590,58 @@ class KernelOperator(Operator):
         """Belief and log predictive variance (batch, k) in one feature computation."""
         q, cert = self.certified(incoming, to)
         return q, cert.log_var.reshape(q.shape + (cert.log_var.shape[-1],))
+
+    def held_out_predict(self, data: TrainingSet | tuple, groups, beliefs: Family | None = None):
+        """Leave-one-group-out predictions on the pairs this operator was fitted on.
+
+        ``data``: exactly the pairs the regression has learned (those of :meth:`fit`, and of any
+        :meth:`partial_fit` since, in any order); ``groups`` (n,): a label per pair — e.g. the EP
+        problem (data set) that sent it.  Row i's answer is what the operator would predict for it
+        had it learned every pair except those of row i's group: the same feature map,
+        standardisation and hyperparameters, the regression's posterior recomputed exactly from
+        its sufficient statistics without the group (one D_out × D_out Cholesky per group).  So
+        the fitted pairs can serve as held-out pairs of new *problems* — calibrating a threshold
+        on uncertainties pooled over many problems instead of a few held-out ones (the features,
+        standardisation and hyperparameters were chosen with the group in: slightly optimistic).
+        Returns ``(belief, log predictive variance (n, k))`` like :meth:`predict`.
+        """
+        self._check_fitted()
+        incoming, beliefs = self._unpack(data, beliefs)
+        messages, shape, inc = self._messages(incoming)
+        if len(shape) != 1:
+            raise ValueError("`incoming` must be 1-D batches")
+        n = shape[0]
+        groups = np.asarray(groups)
+        if groups.shape != (n,):
+            raise ValueError(f"`groups` has shape {groups.shape}, expected ({n},)")
+        labels, index = np.unique(groups, return_inverse=True)
+        if labels.size < 2:
+            raise ValueError("`groups` must name at least 2 groups")
+        if n != self.blr_.n_:
+            raise ValueError(f"`data` must be the pairs the operator has learned: it has {n}, the operator "
+                             f"{self.blr_.n_}")
+        flat = {v: m.ravel() for v, m in inc.items()}
+        psi = np.asarray(self.features_.transform(messages), np.float64)
+        with np.errstate(all="ignore"):
+            Z = (self._targets(beliefs, n, flat) - self.y_mean_) / self.y_scale_
+        A, b = self.blr_.A_, self.blr_.b_.reshape(psi.shape[1], -1)
+        # the check that `data` is what was learned: ΨᵀΨ must be the regression's statistic
+        # (float32 features are rounded versions of the float64 ones the fit used)
+        tol = (1e-8 if self.features_.dtype == np.float64 else 1e-3) * max(float(np.max(np.abs(A))), 1.0)
+        if float(np.max(np.abs(psi.T @ psi - A))) > tol:
+            raise ValueError("`data` is not the set of pairs this operator has learned (its features' "
+                             "statistic differs from the regression's)")
+        pv, s2 = float(self.blr_.prior_var), float(self.blr_.noise_var)
+        z = np.empty((n, Z.shape[1]))
+        v = np.empty(n)
+        for g in range(labels.size):
+            rows = np.flatnonzero(index == g)
+            P = psi[rows]
+            Sigma, mu, _ = _posterior_from_stats(A - P.T @ P, b - P.T @ Z[rows], pv, s2)
+            z[rows] = P @ mu
+            v[rows] = np.einsum("ij,ij->i", P @ Sigma, P) + s2
+        coords, var = self._finish_coords(z, v, psi, flat, inc, shape, False)
+        return self._to_belief(coords, flat, shape), np.log(var)
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -744,8 +802,32 @@ def _with_dtype(feats: TwoStageFeatures, dtype) -> TwoStageFeatures:
 
 
 # ====================================================================== just in time
-def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet, target_kl: float,
-                        statistic: str = "mean") -> float:
+def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool):
+    """(uncertainty (n,), KL (n,) or None) of the held-out rows (the operator's predictions) and,
+    with ``fitted``/``groups``, of the fitted rows (leave-one-group-out predictions), pooled."""
+    if (fitted is None) != (groups is None):
+        raise ValueError("`fitted` and `groups` go together")
+    if held_out is None and fitted is None:
+        raise ValueError("give `held_out` pairs, or `fitted` pairs with their `groups`, or both")
+    us, kls = [], []
+    if held_out is not None:
+        inc = held_out.incoming if isinstance(held_out, TrainingSet) else held_out
+        if labels and not isinstance(held_out, TrainingSet):
+            raise ValueError("`held_out` must be a TrainingSet (the KL needs the exact beliefs)")
+        q_hat, logvar = operator.predict(inc)
+        us.append(np.max(logvar, axis=-1).ravel())
+        if labels:
+            kls.append(held_out.beliefs.kl(q_hat))
+    if fitted is not None:
+        q_hat, logvar = operator.held_out_predict(fitted, groups)
+        us.append(np.max(logvar, axis=-1))
+        if labels:
+            kls.append(fitted.beliefs.kl(q_hat))
+    return np.concatenate(us), (np.concatenate(kls) if labels else None)
+
+
+def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet | None, target_kl: float,
+                        statistic: str = "mean", fitted: TrainingSet | None = None, groups=None) -> float:
     """Threshold on log predictive variance whose confident predictions meet ``target_kl``.
 
     On held-out pairs (never used for fitting), sort by the operator's uncertainty (the
@@ -753,12 +835,16 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet, target_
     t such that the pairs with uncertainty ≤ t have ``statistic`` (``"mean"`` or a quantile
     such as ``"q90"``) of KL[q ‖ q̂] ≤ ``target_kl``.  Returns −inf when even the most
     certain prediction misses the target.
+
+    ``fitted`` (the pairs the operator was fitted on) with ``groups`` (a label per pair, e.g.
+    the EP problem that sent it) adds those pairs as held-out pairs too, each predicted by
+    :meth:`KernelOperator.held_out_predict` (the operator refitted without its group): a
+    calibration pooled over every training problem, not only the few held out (``held_out``
+    may then be None).
     """
     if not target_kl > 0:
         raise ValueError("`target_kl` must be > 0")
-    q_hat, logvar = operator.predict(held_out.incoming)
-    kl = held_out.beliefs.kl(q_hat)
-    u = np.max(logvar, axis=-1)
+    u, kl = _pooled(operator, held_out, fitted, groups, labels=True)
     order = np.argsort(u)
     kl_sorted, u_sorted = kl[order], u[order]
     if statistic == "mean":
@@ -778,6 +864,31 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet, target_
     if last + 1 < len(u_sorted):
         return float(0.5 * (u_sorted[last] + u_sorted[last + 1]))
     return float(u_sorted[last])
+
+
+def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.1,
+                     fitted: TrainingSet | None = None, groups=None) -> float:
+    """Threshold on log predictive variance that flags (``u > t``) at most ``budget`` of
+    in-distribution messages: a consultation budget rather than an accuracy target.
+
+    ``u`` is the largest log predictive variance over output coordinates, of ``held_out``
+    (a TrainingSet or a dict of incoming messages — no oracle answers needed) and, with
+    ``fitted``/``groups``, of the fitted pairs by leave-one-group-out
+    (:meth:`KernelOperator.held_out_predict`).  The threshold is the conformal quantile: the
+    k-th smallest of the n pooled values, k = ⌈(n + 1)(1 − budget)⌉, so that a new message
+    exchangeable with them is flagged with probability ≤ budget (+inf — flag nothing — when
+    n < 1/budget − 1 makes that impossible).  Messages come in problems: rows of one EP problem
+    are alike, and the flagged share of new problems varies around the budget by the spread
+    between problems — pooling the fitted problems (``groups``) is what narrows the estimate.
+    """
+    if not 0.0 < budget < 1.0:
+        raise ValueError("`budget` must lie in (0, 1)")
+    u, _ = _pooled(operator, held_out, fitted, groups, labels=False)
+    n = u.size
+    k = int(np.ceil((n + 1) * (1.0 - budget)))
+    if k > n:
+        return np.inf
+    return float(np.sort(u)[k - 1])
 
 
 def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float,
