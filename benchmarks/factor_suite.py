@@ -231,12 +231,12 @@ def direction_rows(f, recs, args, rng):
         if args.calibration == "pooled":
             # the calibration set pooled with every training problem, each predicted by the
             # operator refitted without it (KernelOperator.held_out_predict)
-            pool = {"fitted": data["train"], "groups": problem["train"]}
-            thr10 = budget_threshold(op, data["cal"].incoming, 0.1, **pool)
+            thr10 = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"])
         else:
-            pool = {}
             thr10 = thr10_calset
-        thr = calibrate_threshold(op, data["cal"], args.target_kl, **pool)
+        # the target-KL threshold: the calibration set alone (pooling it too was measured and
+        # dropped: see the docstring)
+        thr = calibrate_threshold(op, data["cal"], args.target_kl)
         how = "calibrated"
         if not np.isfinite(thr):
             thr = thr10
