@@ -210,22 +210,23 @@ class Certificates:
 
     # ---------------------------------------------------------------- JSON (the service's wire format)
     def to_json(self) -> dict[str, Any]:
-        """Columns, like the response's messages: lists of n values per field (null: none)."""
-        def floats(a):
-            a = np.asarray(a, float).ravel()
-            out, finite = a.tolist(), np.isfinite(a)
-            if not finite.all():
-                for i in np.flatnonzero(~finite).tolist():
-                    out[i] = None
-            return out
-
-        has = lambda a: bool(np.isfinite(a).any())  # noqa: E731
+        """Columns, like the response's messages: lists of n values per field (null: none); a field
+        with no finite value at all is null."""
+        k = len(self.coords)
+        # the float fields as one (2k + 1, n) array: one finiteness test, one conversion
+        a = np.concatenate([self.log_var.T, self.ess[None, :], self.mc_se.T])
+        finite = np.isfinite(a)
+        cols = a.tolist()
+        if not finite.all():
+            for j, i in zip(*np.nonzero(~finite)):
+                cols[j][i] = None
+        has = finite.any(axis=1)
         return {
             "source": self.source.tolist(),
-            "log_var": [floats(self.log_var[:, j]) for j in range(len(self.coords))] if has(self.log_var) else None,
+            "log_var": cols[:k] if has[:k].any() else None,
             "threshold": self.threshold,
-            "ess": floats(self.ess) if has(self.ess) else None,
-            "mc_se": [floats(self.mc_se[:, j]) for j in range(len(self.coords))] if has(self.mc_se) else None,
+            "ess": cols[k] if has[k] else None,
+            "mc_se": cols[k + 1:] if has[k + 1:].any() else None,
             "projection": self.projection,
             "proper": self.proper.tolist(),
             "version": self.version,
