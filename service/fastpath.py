@@ -90,10 +90,13 @@ class HotPathApp(FastAPI):
     def build_middleware_stack(self):
         stack = super().build_middleware_stack()
         self._hot = None
-        layers = [m for m in self.user_middleware]
+        layers = list(self.user_middleware)
         i = next((k for k, m in enumerate(layers) if m.cls is PredictFastPath), None)
         if i is not None:
-            handler = next((h for key, h in self.exception_handlers.items() if key in (500, Exception)), None)
+            handler = None  # the handler of unhandled errors, chosen as Starlette's stack chooses it
+            for key, h in self.exception_handlers.items():
+                if key in (500, Exception):
+                    handler = h
             fast = app = PredictFastPath(stack, *layers[i].args, **layers[i].kwargs)
             for cls, args, kwargs in reversed(layers[:i]):
                 app = cls(app, *args, **kwargs)
