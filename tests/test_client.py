@@ -5,7 +5,6 @@ posterior with the remote operator as with the local one."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -16,6 +15,7 @@ from kjit.client import RemoteOperator, RemoteOperatorError, RemoteValidationErr
 from kjit.families import Beta, Gaussian
 from kjit.oracles import QuadratureOracle
 
+from loopback import AcceptLoop
 from test_service_fixtures import (  # noqa: F401 - fixtures
     TOKEN,
     live,
@@ -99,29 +99,18 @@ def test_server_errors_are_surfaced_with_the_field(live):
             op.belief(probe("logistic", 2), "z")
 
 
-class _Silent:
+class _Silent(AcceptLoop):
     """A TCP server that accepts connections and never answers; counts connections."""
 
     def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted = 0
-        self.conns = []
-        self._stop = False
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
+        super().__init__(backlog=16)
 
-    def _run(self):
-        self.sock.settimeout(0.1)
-        while not self._stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            self.conns.append(c)
+    @property
+    def accepted(self) -> int:
+        return self.connections
+
+    def on_connection(self, c):
+        self.conns.append(c)
 
     def wait_accepted(self, n: int, timeout: float = 30.0) -> int:
         """The connections accepted, once ``n`` are (the kernel may hold some in the backlog until
@@ -131,13 +120,6 @@ class _Silent:
             time.sleep(0.01)
         time.sleep(0.2)  # and no more than ``n`` arrive
         return self.accepted
-
-    def close(self):
-        self._stop = True
-        self.t.join()
-        for c in self.conns:
-            c.close()
-        self.sock.close()
 
 
 def test_timeouts_and_the_retry_policy():

@@ -15,8 +15,10 @@ import pytest
 
 from kjit.transport import ConnectError, ReadTimeout, RemoteProtocolError, Session
 
+from loopback import AcceptLoop
 
-class _Server:
+
+class _Server(AcceptLoop):
     """HTTP/1.1 on 127.0.0.1: answers each request with its path as the body (``delay`` s later),
     recording them (``requests``, ``heads``).  ``close_after``:
     close the connection after that many answers on it (without saying so: what a server's idle
@@ -25,28 +27,13 @@ class _Server:
 
     def __init__(self, close_after: int | None = None, silent: bool = False, close_header: bool = False,
                  delay: float = 0.0):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         self.close_after, self.silent, self.close_header, self.delay = close_after, silent, close_header, delay
-        self.connections = 0
         self.requests: list[bytes] = []
         self.heads: list[bytes] = []
-        self._stop = False
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
+        super().__init__()
 
-    def _run(self):
-        while not self._stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+    def on_connection(self, c):
+        threading.Thread(target=self._serve, args=(c,), daemon=True).start()
 
     def _serve(self, c):
         c.settimeout(5)
@@ -82,11 +69,6 @@ class _Server:
             return
         finally:
             c.close()
-
-    def close(self):
-        self._stop = True
-        self.t.join()
-        self.sock.close()
 
 
 def test_keep_alive_one_connection_and_the_query_and_prefix():
