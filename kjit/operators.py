@@ -867,7 +867,9 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet | None, 
 
 
 def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.1,
-                     fitted: TrainingSet | None = None, groups=None) -> float:
+                     fitted: TrainingSet | None = None, groups=None, confidence: float | None = None,
+                     problems: int | None = None, held_out_groups=None, n_boot: int = 2000,
+                     random_state=0) -> float:
     """Threshold on log predictive variance that flags (``u > t``) at most ``budget`` of
     in-distribution messages: a consultation budget rather than an accuracy target.
 
@@ -880,15 +882,84 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
     n < 1/budget − 1 makes that impossible).  Messages come in problems: rows of one EP problem
     are alike, and the flagged share of new problems varies around the budget by the spread
     between problems — pooling the fitted problems (``groups``) is what narrows the estimate.
+
+    ``confidence`` (default None: the conformal quantile above) reads the budget as a guarantee
+    over a *batch of new problems* rather than an expectation per message: the threshold is then
+    :func:`tolerance_threshold` of the pooled uncertainties — the smallest pooled value t such
+    that, over ``n_boot`` resamples of ``problems`` problems drawn with replacement from the
+    pooled ones (``held_out_groups`` label the held-out rows' problems, ``groups`` the fitted
+    rows'; the two label sets are kept apart), the flagged share (rows above t over rows of the
+    resample) is ≤ ``budget`` in at least a ``confidence`` fraction of resamples.  ``problems``
+    defaults to the number of pooled problems.
     """
     if not 0.0 < budget < 1.0:
         raise ValueError("`budget` must lie in (0, 1)")
     u, _ = _pooled(operator, held_out, fitted, groups, labels=False)
+    if confidence is not None:
+        labels = []
+        if held_out is not None:
+            if held_out_groups is None:
+                raise ValueError("`confidence` needs `held_out_groups` (the held-out rows' problems)")
+            labels.append(np.unique(np.asarray(held_out_groups), return_inverse=True)[1].ravel())
+        if fitted is not None:
+            g = np.unique(np.asarray(groups), return_inverse=True)[1].ravel()
+            labels.append(g + (labels[0].max() + 1 if labels else 0))
+        lab = np.concatenate(labels)
+        if lab.size != u.size:
+            raise ValueError("group labels must match the pooled rows one to one")
+        return tolerance_threshold(u, lab, budget, confidence, problems, n_boot, random_state)
     n = u.size
     k = int(np.ceil((n + 1) * (1.0 - budget)))
     if k > n:
         return np.inf
     return float(np.sort(u)[k - 1])
+
+
+def tolerance_threshold(u, groups, budget: float, confidence: float, problems: int | None = None,
+                        n_boot: int = 2000, random_state=0) -> float:
+    """Smallest t among the values ``u`` such that a batch of ``problems`` problems, drawn with
+    replacement from the problems labelled by ``groups``, has at most ``budget`` of its rows
+    above t in at least a ``confidence`` fraction of ``n_boot`` bootstrap batches.
+
+    A batch's flagged share is Σ_g w_g c_g(t) / Σ_g w_g n_g (w_g: times problem g is drawn,
+    n_g its rows, c_g(t) its rows with u > t): the share of rows, as a test set of problems
+    counts it.  The batches are ``numpy.random.default_rng(random_state).integers(0, G,
+    (n_boot, problems))`` over the G distinct labels in sorted order (reproducible; fixed seed by
+    default).  The share is non-increasing in t for every batch, so the condition is monotone and
+    a bisection over the sorted distinct values finds t; t = max(u) flags nothing and always
+    qualifies.  ``problems`` defaults to G.
+    """
+    if not 0.0 < budget < 1.0:
+        raise ValueError("`budget` must lie in (0, 1)")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError("`confidence` must lie in (0, 1)")
+    u = np.asarray(u, np.float64).ravel()
+    labels, gi = np.unique(np.asarray(groups).ravel(), return_inverse=True)
+    gi = gi.ravel()
+    if gi.size != u.size:
+        raise ValueError("`groups` must give one label per value of `u`")
+    G = labels.size
+    m = G if problems is None else int(problems)
+    if m < 1:
+        raise ValueError("`problems` must be ≥ 1")
+    draws = np.random.default_rng(random_state).integers(0, G, (n_boot, m))
+    W = np.bincount((np.arange(n_boot)[:, None] * G + draws).ravel(), minlength=n_boot * G)
+    W = W.reshape(n_boot, G).astype(np.float64)  # times each problem is drawn, per batch
+    rows = W @ np.bincount(gi, minlength=G).astype(np.float64)
+    cand = np.unique(u)
+
+    def ok(t):
+        share = (W @ np.bincount(gi, weights=(u > t).astype(np.float64), minlength=G)) / rows
+        return np.count_nonzero(share <= budget) >= confidence * n_boot
+
+    lo, hi = 0, cand.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(cand[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(cand[lo])
 
 
 def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float,

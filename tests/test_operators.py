@@ -565,6 +565,74 @@ def test_budget_threshold_is_the_conformal_quantile_of_the_pooled_uncertainties(
         operators.budget_threshold(op, None, 0.1)
 
 
+def _brute_tolerance(u, groups, budget, confidence, problems, n_boot, seed):
+    """tolerance_threshold recomputed by brute force: every candidate in increasing order, every
+    bootstrap batch materialised as the concatenation of its problems' rows."""
+    labels = np.unique(groups)
+    by = [u[groups == g] for g in labels]
+    draws = np.random.default_rng(seed).integers(0, len(labels), (n_boot, problems))
+    batches = [np.concatenate([by[i] for i in d]) for d in draws]
+    for t in np.unique(u):
+        good = sum(np.mean(b > t) <= budget for b in batches)
+        if good >= confidence * n_boot:
+            return t
+    raise AssertionError("max(u) always qualifies")
+
+
+def test_tolerance_threshold_matches_a_brute_force_bootstrap():
+    rng = np.random.default_rng(3)
+    # 12 problems of 5-40 rows whose uncertainties differ by problem (a shift per problem)
+    sizes = rng.integers(5, 41, 12)
+    groups = np.repeat(rng.permutation(np.arange(100, 112)), sizes)  # unsorted, non-contiguous labels
+    u = rng.normal(0, 1, groups.size) + np.repeat(rng.normal(0, 1.5, 12), sizes)
+    u[:7] = u[7]  # ties
+    for budget, confidence, m, seed in ((0.1, 0.9, 6, 0), (0.1, 0.5, 12, 1), (0.25, 0.8, 3, 2), (0.05, 0.95, 20, 5)):
+        t = operators.tolerance_threshold(u, groups, budget, confidence, m, n_boot=300, random_state=seed)
+        assert t == _brute_tolerance(u, groups, budget, confidence, m, 300, seed)
+    # default problems: the number of distinct problems
+    assert (operators.tolerance_threshold(u, groups, 0.1, 0.9, n_boot=200)
+            == operators.tolerance_threshold(u, groups, 0.1, 0.9, 12, n_boot=200))
+    # more confidence, a higher threshold; a larger batch averages the problems out
+    ts = [operators.tolerance_threshold(u, groups, 0.1, c, 6, n_boot=500) for c in (0.5, 0.8, 0.9, 0.99)]
+    assert ts == sorted(ts)
+    assert (operators.tolerance_threshold(u, groups, 0.1, 0.9, 200, n_boot=500)
+            <= operators.tolerance_threshold(u, groups, 0.1, 0.9, 6, n_boot=500))
+    for bad in ({"budget": 0.0}, {"confidence": 1.0}, {"problems": 0}):
+        kw = {"budget": 0.1, "confidence": 0.9, "problems": 5} | bad
+        with pytest.raises(ValueError):
+            operators.tolerance_threshold(u, groups, **kw)
+
+
+def test_budget_threshold_with_confidence_is_the_tolerance_threshold_of_the_pooled_problems(op, data):
+    """confidence=None is the conformal quantile, unchanged (bit-identical to the formula); with
+    confidence the threshold is tolerance_threshold over the held-out and fitted problems pooled,
+    their labels kept apart (the same labels 0-3 on both sides are 8 problems)."""
+    tr, cal = data["train"], data["test"]
+    u_cal = op.predict(cal.incoming)[1].max(-1)
+    u_fit = op.held_out_predict(tr, GROUPS)[1].max(-1)
+    pooled = np.r_[u_cal, u_fit]
+    for budget in (0.05, 0.1, 0.3):
+        t = operators.budget_threshold(op, cal, budget, fitted=tr, groups=GROUPS)
+        assert t == float(np.sort(pooled)[int(np.ceil(701 * (1 - budget))) - 1])
+        assert t == operators.budget_threshold(op, cal, budget, fitted=tr, groups=GROUPS, confidence=None,
+                                               problems=3, held_out_groups=np.arange(300) // 75)
+    cal_groups = np.arange(300) // 75  # 4 held-out problems of 75, labels 0-3 like the fitted ones
+    labels = np.r_[cal_groups, 10 + GROUPS]
+    for budget, conf, m in ((0.1, 0.9, 5), (0.2, 0.8, 8)):
+        t = operators.budget_threshold(op, cal, budget, fitted=tr, groups=GROUPS, confidence=conf,
+                                       problems=m, held_out_groups=cal_groups, n_boot=300, random_state=4)
+        assert t == _brute_tolerance(pooled, labels, budget, conf, m, 300, 4)
+        # held-out alone and fitted alone
+        t_cal = operators.budget_threshold(op, cal.incoming, budget, confidence=conf, problems=m,
+                                           held_out_groups=cal_groups, n_boot=300, random_state=4)
+        assert t_cal == _brute_tolerance(u_cal, cal_groups, budget, conf, m, 300, 4)
+        t_fit = operators.budget_threshold(op, None, budget, fitted=tr, groups=GROUPS, confidence=conf,
+                                           problems=m, n_boot=300, random_state=4)
+        assert t_fit == _brute_tolerance(u_fit, GROUPS, budget, conf, m, 300, 4)
+    with pytest.raises(ValueError, match="held_out_groups"):
+        operators.budget_threshold(op, cal, 0.1, confidence=0.9, problems=5)
+
+
 def test_calibrate_threshold_pools_the_fitted_pairs_left_out_by_group(op, data):
     """With fitted/groups the held-out KLs of the fitted pairs (refits without their group) join
     the held-out set's: the returned threshold is the largest whose admitted pooled pairs have
