@@ -33,7 +33,7 @@ import numpy as np
 from .families import Family
 
 __all__ = ["SOURCES", "Certificates", "certified", "last_certificates", "projection_convention",
-           "outgoing_proper", "count_answers"]
+           "outgoing_proper", "count_answers", "json_columns"]
 
 #: where an answer came from
 SOURCES = ("rule", "oracle", "learned")
@@ -58,6 +58,19 @@ def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
         out = np.zeros(len(ok), dtype=bool)
         if ok.any():
             out[ok] = type(q).natural_is_proper(nat[ok]).reshape(-1)
+    return out
+
+
+def json_columns(cols) -> list[list]:
+    """Rows of a 2-D array (or 1-D columns of one length) as lists of numbers, None (JSON null)
+    where a number is not finite: one array, one finiteness test, one conversion — the column
+    format of the certificates and of the service's responses."""
+    a = np.array(cols, dtype=float)
+    out = a.tolist()
+    finite = np.isfinite(a)
+    if not finite.all():
+        for j, i in zip(*np.nonzero(~finite)):
+            out[j][i] = None
     return out
 
 
@@ -213,14 +226,10 @@ class Certificates:
         """Columns, like the response's messages: lists of n values per field (null: none); a field
         with no finite value at all is null."""
         k = len(self.coords)
-        # the float fields as one (2k + 1, n) array: one finiteness test, one conversion
+        # the float fields as one (2k + 1, n) array
         a = np.concatenate([self.log_var.T, self.ess[None, :], self.mc_se.T])
-        finite = np.isfinite(a)
-        cols = a.tolist()
-        if not finite.all():
-            for j, i in zip(*np.nonzero(~finite)):
-                cols[j][i] = None
-        has = finite.any(axis=1)
+        cols = json_columns(a)
+        has = np.isfinite(a).any(axis=1)
         return {
             "source": self.source.tolist(),
             "log_var": cols[:k] if has[:k].any() else None,

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from kjit.certificates import json_columns
 from kjit.factors import Factor
 from kjit.families import Family, family_name
 
 from .errors import ApiError
 
 __all__ = ["answer_columns", "to_families", "beliefs_from"]
-
-
-def _float_lists(cols) -> list[list]:
-    """1-D columns of one length → lists of numbers, null where not finite: one array, one pass."""
-    a = np.array(cols, dtype=float)
-    out = a.tolist()
-    finite = np.isfinite(a)
-    if not finite.all():
-        for j, i in zip(*np.nonzero(~finite)):
-            out[j][i] = None
-    return out
 
 
 def answer_columns(beliefs: Family, messages: Family, log_var) -> tuple[dict, dict, list | None]:
@@ -34,7 +24,7 @@ def answer_columns(beliefs: Family, messages: Family, log_var) -> tuple[dict, di
     lv = None if log_var is None else np.asarray(log_var, dtype=float).reshape(n, -1)
     cols = [*(np.ravel(p) for p in beliefs.params), *(np.ravel(p) for p in messages.params), *nat.T,
             *(() if lv is None else lv.T)]
-    lists = iter(_float_lists(cols))
+    lists = iter(json_columns(cols))
     q = {"family": family_name(beliefs), **{name: next(lists) for name in beliefs.param_names}}
     msg = {"family": family_name(messages), **{name: next(lists) for name in messages.param_names}}
     msg["natural"] = [next(lists) for _ in range(nat.shape[1])]
