@@ -268,3 +268,71 @@ def test_per_request_headers_override_session_headers_case_insensitively():
         assert accept == [b"accept: text/plain"], accept  # both Accept headers are sent
     finally:
         srv.close()
+
+
+# ---------------------------------------------------------------------- the response parser
+_ANSWERS = {
+    "content-length": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello",
+    "chunked, extensions, trailer": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                     b"3;ext=1\r\nhel\r\n2\r\nlo\r\n0\r\nX-Trailer: t\r\n\r\n"),
+    "close": b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 2\r\nRetry-After: 3\r\n\r\nno",
+    "HTTP/1.0": b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "HTTP/1.0 keep-alive": b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok",
+    "to the close": b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end",
+    "no content": b"HTTP/1.1 204 No Content\r\n\r\n",
+    "interim answer first": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 1\r\n\r\nx",
+    "repeated header, folded line": (b"HTTP/1.1 200 OK\r\nX-A: 1\r\nx-a: 2\r\nX-Long: one\r\n two\r\n"
+                                     b"Content-Length: 0\r\n\r\n"),
+    "cut body": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part",
+    "cut chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nshort",
+    "bad status line": b"HTTQ/1.1 200 OK\r\n\r\n",
+    "no answer": b"",
+    "too many headers": b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n",
+}
+
+
+def _parse(cls, raw: bytes, method: str = "GET"):
+    """(status, headers asked for, body, will_close) or the exception's class, from ``raw`` as the
+    whole of what the server sent before closing."""
+    a, b = socket.socketpair()
+    try:
+        a.sendall(raw)
+        a.close()
+        r = cls(b, method=method)
+        try:
+            r.begin()
+            body = r.read()
+        except Exception as exc:  # noqa: BLE001 - compared between the two parsers
+            return type(exc)
+        hdrs = {k: r.headers.get(k) for k in ("Content-Type", "content-type", "RETRY-AFTER", "X-A", "x-long",
+                                              "X-Trailer", "missing")}
+        return r.status, hdrs, body, bool(r.will_close)
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("case", list(_ANSWERS))
+def test_the_response_parser_answers_as_http_client(case):
+    """kjit.transport._Response against http.client's own HTTPResponse on the same bytes: status,
+    headers (case-insensitive), body, whether the connection closes — and the same exception
+    class for a malformed or cut answer."""
+    import http.client
+
+    from kjit.transport import _Response
+
+    ours = _parse(_Response, _ANSWERS[case])
+    theirs = _parse(http.client.HTTPResponse, _ANSWERS[case])
+    if case == "repeated header, folded line":  # email's parser keeps the fold's line break
+        assert ours[1]["x-long"] == "one two" and theirs[1]["x-long"].split() == ["one", "two"]
+        ours[1]["x-long"] = theirs[1]["x-long"] = None
+    assert ours == theirs, (ours, theirs)
+
+
+def test_a_head_answer_has_no_body_whatever_its_length():
+    import http.client
+
+    from kjit.transport import _Response
+
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
+    assert _parse(_Response, raw, "HEAD") == _parse(http.client.HTTPResponse, raw, "HEAD")
+    assert _parse(_Response, raw, "HEAD")[2] == b""
