@@ -338,11 +338,18 @@ class BayesianLinearRegression:
             )
 
     def _hyper(self) -> tuple[float, float, int]:
-        return (
-            _check_positive_scalar("prior_var", self.prior_var),
-            _check_positive_scalar("noise_var", self.noise_var),
-            _check_refactor_every(self.refactor_every),
+        raw = (self.prior_var, self.noise_var, self.refactor_every)
+        seen = self.__dict__.get("_hyper_seen")
+        # the same three objects as last time (each prediction asks): validated already
+        if seen is not None and all(a is b for a, b in zip(raw, seen[0])):
+            return seen[1]
+        out = (
+            _check_positive_scalar("prior_var", raw[0]),
+            _check_positive_scalar("noise_var", raw[1]),
+            _check_refactor_every(raw[2]),
         )
+        self._hyper_seen = (raw, out)
+        return out
 
     def _check_Xy(
         self, X: Any, y: Any, against_state: bool = True

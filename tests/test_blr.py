@@ -158,6 +158,17 @@ def test_set_params_recomputes_posterior_from_stats():
     fresh = BayesianLinearRegression().fit(X, Y)
     np.testing.assert_allclose(model.predict(X[:5]), fresh.predict(X[:5]), rtol=1e-12)
     np.testing.assert_allclose(model.Sigma_, fresh.Sigma_, rtol=1e-12, atol=1e-14)
+    # the hyperparameters are validated once per value (predictions reuse it), and again when
+    # one is assigned: an invalid assignment after predictions is still refused by the next call
+    for bad in (-1.0, 0.0, float("nan"), np.inf, "1"):
+        model.noise_var = bad
+        with pytest.raises(ValueError, match="noise_var"):
+            model.predict(X[:5])
+    model.noise_var = np.float64(1e-4)  # an equal value of another type: the same posterior
+    np.testing.assert_array_equal(model.predict(X[:5]), fresh.predict(X[:5]))
+    model.prior_var = 0.3
+    np.testing.assert_allclose(model.predict(X[:5]), BayesianLinearRegression(prior_var=0.3).fit(X, Y).predict(X[:5]),
+                               rtol=1e-12)
 
 
 def test_fit_on_empty_data_is_the_prior():

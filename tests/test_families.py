@@ -902,3 +902,32 @@ def test_natural_is_proper_is_from_natural_is_proper(fam):
         got = fam.natural_is_proper(eta)
     assert expect.any() and not expect.all()
     np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("fam", [Gaussian, Beta, Gamma])
+def test_one_message_checks_are_the_batch_checks(fam):
+    """A message of one element is checked by ``math`` (``is_proper``, the validation of
+    ``__init__``), a batch by ufuncs: on zeros, signed tiny and huge numbers, infinities and NaN
+    in every parameter, each one-element message (shapes (1,) and (1, 1)) answers as its row of
+    the batch — the same propriety, and a validation error exactly where the batch's row has one,
+    naming the same parameter."""
+    specials = np.array([0.0, -0.0, 1e-320, -1e-320, 1e308, -1e308, np.inf, -np.inf, np.nan, 1.0, -2.5])
+    k = len(fam.param_names)
+    grid = np.array(np.meshgrid(*[specials] * k, indexing="ij")).reshape(k, -1)
+    batch = fam._unchecked(*grid)
+    with np.errstate(all="ignore"):
+        expect = np.asarray(batch.is_proper, bool)
+    assert expect.any() and not expect.all()
+    for i in range(grid.shape[1]):
+        for shape in ((1,), (1, 1)):
+            one = fam._unchecked(*(p[i:i + 1].reshape(shape) for p in grid))
+            ok = one.is_proper
+            assert ok.shape == shape and ok.dtype == bool and bool(ok.ravel()[0]) == expect[i]
+            errors = []
+            for params in ([p[i:i + 1].reshape(shape) for p in grid], [np.repeat(p[i:i + 1], 2) for p in grid]):
+                try:
+                    fam(*params)
+                    errors.append(None)
+                except ValueError as exc:
+                    errors.append(str(exc).split("(")[0])
+            assert errors[0] == errors[1], (i, errors)
