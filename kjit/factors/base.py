@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import math
 import threading
 import types
 from typing import Any, Callable, ClassVar, Iterable, Mapping
@@ -631,14 +632,18 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
     rows' own iterations cost.  Returns ``(t*, −g''(t*))``.
     """
     lo, hi = np.array(lo, dtype=float), np.array(hi, dtype=float)
+    if lo.size == 1 and hi.size == 1:  # one row (a served batch-1 request): the same steps on scalars
+        one = _one_row_start(lo.item(), hi.item(), start)
+        if one is not None:
+            return _laplace_mode_one(dlog, *one, max_iter, tol)
     every = slice(None)
     with np.errstate(all="ignore"):
         t = np.clip(0.5 * (lo + hi) if start is None else np.asarray(start, dtype=float), lo, hi)
         t = np.array(t if t.shape == lo.shape else np.broadcast_to(t, lo.shape), dtype=float).ravel()
         lo, hi = lo.ravel().copy(), hi.ravel().copy()
         dx_old = np.abs(hi - lo)  # the step before last, per row (rtsafe's safeguard)
-        if t.size == 1:  # one row (a served batch-1 request): the same steps on scalars
-            return _laplace_mode_one(dlog, t, lo[0], hi[0], dx_old[0], max_iter, tol)
+        if t.size == 1:  # one row with a non-finite bound or start
+            return _laplace_mode_one(dlog, t[0], lo[0], hi[0], dx_old[0], max_iter, tol)
         idx = every  # the rows still iterating: all of them (no gathers) until the first stops
         for _ in range(max_iter):
             ti, li, hi_, d_old = t[idx], lo[idx], hi[idx], dx_old[idx]
@@ -663,11 +668,28 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
         return t, -dlog(t, every)[1]  # (flat, as the rows)
 
 
-def _laplace_mode_one(dlog, t, li, hi_, d_old, max_iter, tol):
-    """:func:`laplace_mode`'s iteration for a batch of one row, step for step on numpy scalars —
+def _one_row_start(lo: float, hi: float, start):
+    """``(t, lo, hi, |hi − lo|)`` for :func:`laplace_mode`'s one-row iteration — its start clipped
+    to the bracket as ``np.clip`` clips it — or None unless the bracket and the start are finite
+    numbers (then the array path, which propagates NaN as numpy does)."""
+    if start is None:
+        t = 0.5 * (lo + hi)
+    else:
+        s = start if isinstance(start, np.ndarray) else np.asarray(start, dtype=float)
+        if s.size != 1:
+            return None
+        t = float(s.item())
+    if not (math.isfinite(t) and math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    t = lo if t < lo else t  # np.clip's minimum(maximum(t, lo), hi), for finite numbers
+    t = hi if t > hi else t
+    return t, lo, hi, abs(hi - lo)
+
+
+def _laplace_mode_one(dlog, ti, li, hi_, d_old, max_iter, tol):
+    """:func:`laplace_mode`'s iteration for a batch of one row, step for step on scalars —
     ``dlog`` too (``rows`` = 0): the same IEEE operations as on arrays, so the same doubles, at a
-    fraction of one-element arrays' cost.  ``t``: the row's start as an array of one."""
-    ti = t[0]
+    fraction of one-element arrays' cost.  ``ti``: the row's start."""
     for _ in range(max_iter):
         g1, g2 = dlog(ti, 0)
         if g1 > 0:  # the root is to the right of t
@@ -685,8 +707,7 @@ def _laplace_mode_one(dlog, t, li, hi_, d_old, max_iter, tol):
         ti = new
         if not going:
             break
-    t[0] = ti
-    return t, np.array([-dlog(ti, 0)[1]], dtype=float)
+    return np.array([ti], dtype=float), np.array([-dlog(ti, 0)[1]], dtype=float)
 
 
 #: Gauss–Hermite nodes of the factors' quadrature references (product, gamma_rate, exp)
@@ -792,7 +813,10 @@ def tilted_laplace(m, v, dlog: Callable, lo, hi, start=None, max_iter: int = 200
         d1, d2 = dlog(t, rows)
         return -(t - m[rows]) / v[rows] + d1, -1.0 / v[rows] + d2
 
-    t, h = laplace_mode(full, lo, hi, start=np.clip(m, lo, hi) if start is None else start,
-                        max_iter=max_iter, tol=tol)
+    # (laplace_mode clips the start to the bracket: m itself is m clipped)
+    t, h = laplace_mode(full, lo, hi, start=m if start is None else start, max_iter=max_iter, tol=tol)
+    if h.size == 1 and v.size == 1:  # one row: np.where's answer, by math
+        hv = h.item()
+        return t, np.array([1.0 / hv if hv > 0 else v.item()], dtype=float)
     with np.errstate(all="ignore"):
         return t, np.where(h > 0, 1.0 / h, v)
