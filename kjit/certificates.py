@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .families import Family
+from .reductions import all_finite
 
 __all__ = ["SOURCES", "Certificates", "certified", "last_certificates", "projection_convention",
            "outgoing_proper", "count_answers", "json_columns"]
@@ -52,9 +53,9 @@ def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
     with np.errstate(all="ignore"):
         nat = np.asarray(q.natural(), float) - np.asarray(incoming_to.natural(), float)
         nat = nat.reshape(-1, nat.shape[-1])
-        ok = np.isfinite(nat).all(axis=1)
-        if ok.all():
+        if all_finite(nat):
             return np.array(type(q).natural_is_proper(nat), dtype=bool).reshape(-1)
+        ok = np.isfinite(nat).all(axis=1)
         out = np.zeros(len(ok), dtype=bool)
         if ok.any():
             out[ok] = type(q).natural_is_proper(nat[ok]).reshape(-1)
@@ -67,9 +68,8 @@ def json_columns(cols) -> list[list]:
     format of the certificates and of the service's responses."""
     a = np.array(cols, dtype=float)
     out = a.tolist()
-    finite = np.isfinite(a)
-    if not finite.all():
-        for j, i in zip(*np.nonzero(~finite)):
+    if not all_finite(a):
+        for j, i in zip(*np.nonzero(~np.isfinite(a))):
             out[j][i] = None
     return out
 

@@ -38,6 +38,7 @@ from scipy import special
 from .charfun import (
     beta_characteristic_function, beta_chebyshev_moments, chebyshev_cf_coefficients, chebyshev_size,
 )
+from .reductions import all_, all_finite
 
 __all__ = [
     "Family",
@@ -68,12 +69,6 @@ def _last_axis(a, b):
     out[..., 0] = a
     out[..., 1] = b
     return out
-
-
-def _all_finite(a: np.ndarray) -> bool:
-    """``np.isfinite(a).all()``; for one element (a served message's parameter) by ``math``, at a
-    tenth of the ufunc's cost."""
-    return math.isfinite(a.item()) if a.size == 1 else bool(np.isfinite(a).all())
 
 
 def _one_bool(ok: bool, shape) -> np.ndarray:
@@ -144,7 +139,7 @@ class Family:
         arrays = [np.array(a, dtype=float) for a in arrays]  # own, writeable copies
         if validate:
             for name, a in zip(self.param_names, arrays):
-                if not _all_finite(a):
+                if not all_finite(a):
                     bad = ~np.isfinite(a)
                     raise ValueError(
                         f"{type(self).__name__}: `{name}` must be finite "
@@ -342,7 +337,7 @@ class Family:
 
     def _require_proper(self, what: str) -> None:
         ok = self.is_proper
-        if not np.asarray(ok).all():
+        if not all_(np.asarray(ok)):
             raise ValueError(
                 f"{what}: {type(self).__name__} message is improper at "
                 f"{int(np.size(ok) - np.count_nonzero(ok))} position(s) "
@@ -499,7 +494,7 @@ def _check_coords(cls, coords) -> np.ndarray:
             f"{cls.__name__}.from_coords: `coords` must have last axis of length "
             f"{len(cls.coord_names)} ({', '.join(cls.coord_names)}), got shape {c.shape}"
         )
-    if not np.isfinite(c).all():
+    if not all_finite(c):
         raise ValueError(f"{cls.__name__}.from_coords: `coords` must be finite")
     return c
 

@@ -64,6 +64,7 @@ import numpy as np
 
 from .charfun import beta_characteristic_function, beta_chebyshev_moments  # noqa: F401  (re-exported)
 from .families import FAMILIES, Family, family_by_name, family_name
+from .reductions import all_
 from .state import StateReader
 
 __all__ = [
@@ -320,7 +321,7 @@ class TwoStageFeatures:
             shape = m.params[0].shape
             if len(shape) > 1:
                 raise ValueError(f"{what}: `messages[{l}]` must be a 1-D batch, got shape {shape}")
-            if not m.is_proper.all():
+            if not all_(m.is_proper):
                 raise ValueError(f"{what}: `messages[{l}]` contains improper messages")
             shapes.append(shape)
         lengths = {s[0] for s in shapes if s}

@@ -37,6 +37,7 @@ from .factors import Factor, get_factor
 from .families import Family, family_name
 from .features import TwoStageFeatures, component_moments
 from .protocols import Operator
+from .reductions import all_finite, any_
 from .training import TrainingSet
 
 __all__ = ["KernelOperator", "ApproximationOverflowError", "respect_factor_bounds", "sign_undetermined", "SIGN_Z"]
@@ -443,7 +444,7 @@ class KernelOperator(Operator):
                 c = q.to_coords()  # finite exactly where q is proper with finite parameters
             except ValueError:
                 c = None
-            if c is not None and np.isfinite(c).all():
+            if c is not None and all_finite(c):
                 return c
             ok = np.asarray(q.is_proper, bool) & np.all([np.isfinite(p) for p in q.params], axis=0)
             c = np.full((q.size, self.family.n_stats), np.nan)
@@ -458,6 +459,8 @@ class KernelOperator(Operator):
     def _base(self, incoming):
         """:meth:`_reference`, refusing by name the rows where it is not finite."""
         c = self._reference(incoming)
+        if all_finite(c):
+            return c
         bad = ~np.isfinite(c).all(axis=-1)
         if bad.any():
             rows = np.flatnonzero(bad)
@@ -761,13 +764,13 @@ def respect_factor_bounds(factor: Factor, to: str, incoming: Mapping[str, Family
     """
     j, lc = _spread_bounds(factor, to, incoming)
     n = len(beliefs)
-    if lc is None or not lc.any():
+    if lc is None or not any_(lc):
         return beliefs, np.zeros(n, dtype=bool)
     # the spread parameter is exp(spread coordinate): compare parameters directly
     p_q = np.asarray(beliefs.params[j], dtype=float)
     p_c = np.asarray(incoming[to].params[j], dtype=float)
     clipped = lc & (p_q > p_c)
-    if not clipped.any():
+    if not any_(clipped):
         return beliefs, clipped
     params = [np.array(p, dtype=float) for p in beliefs.params]
     params[j] = np.where(clipped, p_c, p_q)
@@ -1399,7 +1402,7 @@ class JITOperator(Operator):
             epistemic = np.maximum(epistemic - noise, 0.0)
         sign = sign_undetermined(self.factor, self.to, flat, coords, epistemic)
         j = self.family.spread_coord
-        if j is not None and sign.any():
+        if j is not None and any_(sign):
             # ... and only where an answer of the oracle would be surer than the prediction: where
             # the epistemic variance is below the oracle's own noise (σ_y², in the coordinate's
             # units) its answer is no better — a sampled message whose precision is truly ~0 has

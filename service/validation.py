@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from kjit.families import Family
 from kjit.operators import TargetsNotFiniteError
 from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+from kjit.reductions import all_finite
 
 from .errors import ApiError, clean_errors
 
@@ -136,7 +137,7 @@ def bad_output_rows(q: Family, logvar) -> list[int]:
     n = q.size
     with np.errstate(all="ignore"):
         coords = q.to_coords()
-        if np.isfinite(coords).all() and (logvar is None or np.isfinite(logvar).all()):
+        if all_finite(coords) and (logvar is None or all_finite(np.asarray(logvar, dtype=float))):
             return []  # (every answer of a healthy operator: one check each)
         ok = _row_finite(coords, n)
         if logvar is not None:

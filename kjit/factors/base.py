@@ -44,6 +44,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 import numpy as np
 
 from ..families import Family, Gamma, Gaussian
+from ..reductions import all_
 
 __all__ = [
     "Factor",
@@ -402,7 +403,7 @@ class Factor:
                 raise ValueError(
                     f"`incoming[{v!r}]` must be a {fam.__name__} message, got {type(incoming[v]).__name__}"
                 )
-            if not np.asarray(incoming[v].is_proper).all():
+            if not all_(np.asarray(incoming[v].is_proper)):
                 raise ValueError(f"`incoming[{v!r}]` contains improper messages")
         shapes = {v: incoming[v].shape for v in self.variables}
         nonscalar = {s for s in shapes.values() if s != ()}
@@ -762,7 +763,7 @@ def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
         if max_node_weight < 1.0:
             ok &= np.max(w, axis=-1) < max_node_weight
     shape = fallback.shape
-    if ok.all():
+    if all_(ok):
         return Gaussian._unchecked(mean.reshape(shape), v.reshape(shape))
     ok = ok.reshape(shape)
     return Gaussian._unchecked(np.where(ok, mean.reshape(shape), fallback.mean()),
