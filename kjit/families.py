@@ -570,6 +570,11 @@ class Gaussian(Family):
     def natural_is_proper(cls, eta) -> np.ndarray:
         # from_natural's mean and variance, and is_proper on them, without the message
         eta = np.asarray(eta, dtype=float)
+        if eta.size == 2 and eta.ndim > 1:  # one message: the same IEEE operations on Python floats
+            e1, e2 = eta.ravel().tolist()
+            prec = -2.0 * e2
+            ok = prec != 0.0 and math.isfinite(var := 1.0 / prec) and var > 0 and math.isfinite(e1 * var)
+            return _one_bool(ok, eta.shape[:-1])
         with np.errstate(divide="ignore", invalid="ignore"):
             var = 1.0 / (-2.0 * eta[..., 1])
             mean = eta[..., 0] * var

@@ -135,13 +135,12 @@ def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
 def bad_output_rows(q: Family, logvar) -> list[int]:
     """Rows whose belief coordinates or log variance are not finite."""
     n = q.size
-    with np.errstate(all="ignore"):
-        coords = q.to_coords()
-        if all_finite(coords) and (logvar is None or all_finite(np.asarray(logvar, dtype=float))):
-            return []  # (every answer of a healthy operator: one check each)
-        ok = _row_finite(coords, n)
-        if logvar is not None:
-            ok &= _row_finite(logvar, n)
+    coords = q.to_coords()  # (of a proper belief: no floating-point warning)
+    if all_finite(coords) and (logvar is None or all_finite(np.asarray(logvar, dtype=float))):
+        return []  # (every answer of a healthy operator: one check each)
+    ok = _row_finite(coords, n)
+    if logvar is not None:
+        ok &= _row_finite(logvar, n)
     return np.flatnonzero(~ok).tolist()
 
 

@@ -900,8 +900,12 @@ def test_natural_is_proper_is_from_natural_is_proper(fam):
     with np.errstate(all="ignore"):
         expect = np.asarray(fam.from_natural(eta).is_proper, dtype=bool)
         got = fam.natural_is_proper(eta)
+        # one message at a time (a family may answer one row by math): the batch's rows
+        rows = [fam.natural_is_proper(eta[i:i + 1]) for i in range(len(eta))]
     assert expect.any() and not expect.all()
     np.testing.assert_array_equal(got, expect)
+    assert all(r.shape == (1,) and r.dtype == bool for r in rows)
+    np.testing.assert_array_equal(np.concatenate(rows), expect)
 
 
 @pytest.mark.parametrize("fam", [Gaussian, Beta, Gamma])

@@ -759,6 +759,10 @@ def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
         w = _node_weights(lw)
         mean = (w * mu).sum(axis=-1)
         v = (w * (var + (mu - mean[..., None]) ** 2)).sum(axis=-1)
+        if mean.size == 1 and max_node_weight >= 1.0:  # one row: the test by math
+            m1, v1 = mean.item(), v.item()
+            if math.isfinite(m1) and math.isfinite(v1) and v1 > 0:
+                return Gaussian._unchecked(mean.reshape(fallback.shape), v.reshape(fallback.shape))
         ok = np.isfinite(mean) & np.isfinite(v) & (v > 0)
         if max_node_weight < 1.0:
             ok &= np.max(w, axis=-1) < max_node_weight
