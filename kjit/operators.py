@@ -738,16 +738,35 @@ def _require_finite_rows(Y: np.ndarray, what: str) -> None:
                                     "not finite: beliefs too far from their reference to be represented", rows=rows)
 
 
+#: the last answer of _spread_bounds, with what it was computed from (see there)
+_last_bounds = None
+
+
 def _spread_bounds(factor: Factor, to: str, inc: Mapping[str, Family]):
-    """(spread coordinate j, rows where the factor bounds it by incoming[to]) or (None, None)."""
+    """(spread coordinate j, rows where the factor bounds it by incoming[to]) or (None, None).
+
+    A prediction asks three times for the same messages (the belief's bound, its clipping, the
+    sign test): the last answer is kept with the factor, recipient and the message objects it
+    came from (messages are immutable, and held, so an object seen again is the same message)."""
+    global _last_bounds
+    msgs = tuple(inc.values())
+    last = _last_bounds
+    if (last is not None and last[0] is factor and last[1] == to and len(last[2]) == len(msgs)
+            and all(a is b for a, b in zip(last[2], msgs)) and tuple(inc) == last[3]):
+        return last[4]
     j = factor.families[to].spread_coord
     if j is None:
-        return None, None
-    lc = factor.log_concave(to, inc)
-    if lc is None:
-        return j, None
-    lc, shape = np.asarray(lc, dtype=bool), inc[to].shape
-    return j, lc if lc.shape == shape else np.broadcast_to(lc, shape)
+        out = (None, None)
+    else:
+        lc = factor.log_concave(to, inc)
+        if lc is None:
+            out = (j, None)
+        else:
+            lc, shape = np.array(lc, dtype=bool), inc[to].shape
+            lc.flags.writeable = False  # (shared by the askers)
+            out = (j, lc if lc.shape == shape else np.broadcast_to(lc, shape))
+    _last_bounds = (factor, to, msgs, tuple(inc), out)
+    return out
 
 
 def respect_factor_bounds(factor: Factor, to: str, incoming: Mapping[str, Family], beliefs: Family):

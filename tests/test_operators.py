@@ -658,3 +658,22 @@ def test_calibrate_threshold_pools_the_fitted_pairs_left_out_by_group(op, data):
     assert np.isfinite(calibrate_threshold(op, None, 0.6 * kl.mean(), fitted=tr, groups=GROUPS))
     with pytest.raises(ValueError, match="TrainingSet"):
         calibrate_threshold(op, cal.incoming, 1e-4)
+
+
+def test_spread_bounds_follow_the_messages():
+    """_spread_bounds keeps its last answer for the same message objects: a dict holding another
+    message, another recipient or another factor is answered afresh, and the kept mask is read-only."""
+    from kjit.factors import get_factor
+    from kjit.families import Beta, Gaussian
+    from kjit.operators import _spread_bounds
+
+    f = get_factor("logistic")
+    inc = {"x": Gaussian(np.array([0.0, 1.0]), np.array([1.0, 2.0])), "z": Beta(np.array([2.0, 0.5]), np.array([1.0, 1.0]))}
+    j, lc = _spread_bounds(f, "x", inc)
+    assert j == 1 and lc.tolist() == [True, False]
+    assert _spread_bounds(f, "x", inc)[1] is lc and not lc.flags.writeable
+    inc["z"] = Beta(np.array([0.5, 2.0]), np.array([1.0, 1.0]))  # the same dict, another message
+    assert _spread_bounds(f, "x", inc)[1].tolist() == [False, True]
+    assert _spread_bounds(f, "z", inc) == (None, None)  # Beta has no spread coordinate
+    other = Logistic()  # another factor object (equal, not the same): answered afresh
+    assert _spread_bounds(other, "x", inc)[1] is not _spread_bounds(f, "x", inc)[1]
