@@ -106,11 +106,15 @@ class Certificates:
         bad = [s for s in set(src.tolist()) if s not in SOURCES]
         if bad:
             raise ValueError(f"certificate `source` must be one of {SOURCES}, got {sorted(map(str, bad))}")
-        n, k = src.size, len(coords)
-        self.source = src.astype("<U7")
+        self._fill(src.astype("<U7"), coords, log_var, threshold, ess, mc_se, projection, proper, version)
+
+    def _fill(self, source, coords, log_var, threshold, ess, mc_se, projection, proper, version) -> None:
+        """:meth:`__init__` past the check of ``source`` (a '<U7' array of known sources)."""
+        n, k = source.size, len(coords)
+        self.source = source
         self.coords = tuple(str(c) for c in coords)
         self.log_var = _col(log_var, n, k, "log_var")
-        self.threshold = None if threshold is None or not np.isfinite(threshold) else float(threshold)
+        self.threshold = None if threshold is None or not math.isfinite(threshold) else float(threshold)
         self.ess = _col(ess, n, None, "ess")
         self.mc_se = _col(mc_se, n, k, "mc_se")
         self.projection = str(projection)
@@ -126,10 +130,17 @@ class Certificates:
     @classmethod
     def uniform(cls, source: str, q: Family, incoming_to: Family | None, *, projection: str = "kl", **kw):
         """Every row of ``q`` from one source; ``proper`` from ``q / incoming_to`` (flat batches)."""
+        if source not in SOURCES:
+            raise ValueError(f"certificate `source` must be one of {SOURCES}, got {source!r}")
+        unknown = set(kw) - {"log_var", "threshold", "ess", "mc_se", "version"}
+        if unknown:
+            raise TypeError(f"Certificates.uniform() got unexpected keyword arguments {sorted(unknown)}")
         q = q.ravel()
         proper = None if incoming_to is None else outgoing_proper(q, incoming_to.ravel())
-        return cls(np.full(len(q), source, dtype=object), type(q).coord_names, projection=projection,
-                   proper=proper, **kw)
+        out = cls.__new__(cls)
+        out._fill(np.full(len(q), source, dtype="<U7"), type(q).coord_names, kw.get("log_var"),
+                  kw.get("threshold"), kw.get("ess"), kw.get("mc_se"), projection, proper, kw.get("version"))
+        return out
 
     def __len__(self) -> int:
         return int(self.source.size)

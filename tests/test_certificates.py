@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kjit.certificates import Certificates, certified
+from kjit.certificates import Certificates, certified, outgoing_proper
 from kjit.ep import BayesianLogisticRegression
 from kjit.ep.graph import FactorGraph, GraphEP
 from kjit.factors import get_factor
@@ -275,3 +275,28 @@ def test_service_certificate_threshold_is_the_answers(app_client, pristine_store
             entry.jit.threshold = before
     finally:
         entry.jit.threshold = before
+
+
+def test_uniform_is_the_general_constructor():
+    """``uniform`` (which skips the per-row check of the sources) builds what ``Certificates``
+    builds from the same rows; an unknown source or keyword is refused."""
+    q = Gaussian(np.array([0.3, -1.0, 2.0]), np.array([1.2, 0.5, 3.0]))
+    m = Gaussian(np.array([0.1, 0.0, 2.0]), np.array([2.2, 0.4, 3.0]))
+    lv = np.array([[-3.0, -4.0], [np.nan, 1.0], [-9.0, -8.0]])
+    for src in ("learned", "oracle", "rule"):
+        for kw in ({}, {"log_var": lv, "threshold": -3.5, "version": 7}, {"ess": [5.0, 6.0, 7.0], "threshold": np.inf}):
+            u = Certificates.uniform(src, q, m, projection="moments", **kw)
+            g = Certificates(np.full(3, src, dtype=object), Gaussian.coord_names, projection="moments",
+                             proper=outgoing_proper(q, m), **kw)
+            for name in Certificates.__slots__:
+                a, b = getattr(u, name), getattr(g, name)
+                if isinstance(a, np.ndarray):
+                    assert a.dtype == b.dtype
+                    np.testing.assert_array_equal(a, b)
+                else:
+                    assert a == b, name
+    assert Certificates.uniform("learned", q, m).proper.tolist() == [True, False, False]
+    with pytest.raises(ValueError, match="source"):
+        Certificates.uniform("guess", q, m)
+    with pytest.raises(TypeError, match="proper"):
+        Certificates.uniform("learned", q, m, proper=[True] * 3)
