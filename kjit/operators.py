@@ -59,6 +59,53 @@ _LOG2_BOUNDS = (-10, 6)
 _MAX_EVALS = 40
 MAX_CONDITION = 1e13  # bound on the condition number of the BLR posterior precision
 
+# the error model's (KernelOperator.fit_error_model) grids, on standardised log squared residuals:
+# a log χ²₁ has variance π²/2 ≈ 4.9 about its mean, most of the targets' spread, hence noise up to 1
+ERROR_MODEL_PRIOR_VARS = tuple(10.0 ** np.arange(-4.0, 2.5, 1.0))
+ERROR_MODEL_NOISE_VARS = tuple(10.0 ** np.arange(-2.0, 0.25, 0.25))
+ERROR_MODEL_MODES = ("additive", "ratio")
+
+
+def fit_log_variance(psi: np.ndarray, t: np.ndarray, floor: float = 1e-3, prior_vars=ERROR_MODEL_PRIOR_VARS,
+                     noise_vars=ERROR_MODEL_NOISE_VARS) -> dict:
+    """A heteroscedastic variance model: Bayesian linear regression of ``log(t + floor·median t)``
+    on the features ``psi`` (n, D), per column of ``t`` (n, k) ≥ 0 (squared residuals), prior and
+    noise variances by log evidence summed over columns; then a per-column offset so that the
+    model's variance exp(ℓ̂) is unbiased on the fitting rows: mean(t / exp(ℓ̂)) = 1 (a log χ²₁ is
+    biased by −1.27 about the log variance for Gaussian residuals, by other amounts for heavier
+    tails: the offset is measured, not assumed).  Returns the model as plain arrays
+    (:func:`predict_log_variance` evaluates it)."""
+    psi = np.asarray(psi, np.float64)
+    t = np.asarray(t, np.float64)
+    if t.ndim != 2 or t.shape[0] != psi.shape[0]:
+        raise ValueError("`t` must be (n, k) with one row per feature row")
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise ValueError("`t` must be finite and non-negative")
+    med = np.median(t, axis=0)
+    fl = floor * np.where(med > 0, med, np.where(t.mean(axis=0) > 0, t.mean(axis=0), 1.0))
+    L = np.log(t + fl)
+    m = L.mean(axis=0)
+    sd = L.std(axis=0)
+    sd = np.where(sd > 0, sd, 1.0)
+    Ls = (L - m) / sd
+    blr = BayesianLinearRegression(prior_var=1.0, noise_var=1.0).fit(psi, Ls)
+    grid = blr.log_evidence_grid(prior_vars, noise_vars).sum(axis=-1)
+    i, j = np.unravel_index(np.argmax(grid), grid.shape)
+    pv, nv = float(np.asarray(prior_vars)[i]), float(np.asarray(noise_vars)[j])
+    _, mu, _ = _posterior_from_stats(blr.A_, blr.b_.reshape(psi.shape[1], -1), pv, nv)
+    model = {"coef": np.ascontiguousarray(mu), "mean": m, "scale": sd, "offset": np.zeros_like(m),
+             "prior_var": pv, "noise_var": nv}
+    lhat = predict_log_variance(model, psi)
+    model["offset"] = np.log(np.mean(t * np.exp(-lhat), axis=0))
+    return model
+
+
+def predict_log_variance(model: Mapping, psi: np.ndarray) -> np.ndarray:
+    """(n, k) log variances of :func:`fit_log_variance`'s model at the features ``psi`` (n, D)."""
+    psi = np.asarray(psi, np.float64)
+    return model["mean"] + model["scale"] * (psi @ model["coef"]) + model["offset"]
+
+
 
 def _lambda_max(A: np.ndarray, iters: int = 50) -> float:
     """Largest eigenvalue of a symmetric PSD matrix by power iteration (slightly over-estimated)."""
@@ -534,7 +581,13 @@ class KernelOperator(Operator):
         coords = coords.reshape(shape + (len(self.y_mean_),))
         if not return_var:
             return coords
-        var = np.asarray(v, np.float64).reshape(-1, 1) * self.y_scale_**2
+        v = np.asarray(v, np.float64).reshape(-1, 1)
+        em = getattr(self, "error_model_", None)
+        if em is not None:
+            # the learned error term (fit_error_model), in standardised units per coordinate
+            e = np.exp(predict_log_variance(em, psi))
+            v = v + e if em["mode"] == "additive" else v * e
+        var = v * self.y_scale_**2
         if self.target == "relative" and getattr(self, "reference_", "incoming") == "approximation":
             # the reference's own error (Factor.reference_error, in the regressed coordinates'
             # units): where it fails abruptly the smooth correction cannot follow, and the
@@ -608,6 +661,14 @@ class KernelOperator(Operator):
         standardisation and hyperparameters were chosen with the group in: slightly optimistic).
         Returns ``(belief, log predictive variance (n, k))`` like :meth:`predict`.
         """
+        z, v, Z, psi, flat, inc, shape = self._held_out_z(data, groups, beliefs)
+        coords, var = self._finish_coords(z, v, psi, flat, inc, shape, False)
+        return self._to_belief(coords, flat, shape), np.log(var)
+
+    def _held_out_z(self, data, groups, beliefs=None):
+        """held_out_predict's work in the regression's standardised coordinates: ``(z (n, k)
+        leave-one-group-out means, v (n,) their latent predictive variances ψᵀΣ₋ψ + σ_y², Z (n, k)
+        the standardised targets, ψ, flat, inc, shape)``."""
         self._check_fitted()
         incoming, beliefs = self._unpack(data, beliefs)
         messages, shape, inc = self._messages(incoming)
@@ -643,8 +704,41 @@ class KernelOperator(Operator):
             Sigma, mu, _ = _posterior_from_stats(A - P.T @ P, b - P.T @ Z[rows], pv, s2)
             z[rows] = P @ mu
             v[rows] = np.einsum("ij,ij->i", P @ Sigma, P) + s2
-        coords, var = self._finish_coords(z, v, psi, flat, inc, shape, False)
-        return self._to_belief(coords, flat, shape), np.log(var)
+        return z, v, Z, psi, flat, inc, shape
+
+    def fit_error_model(self, data: TrainingSet | tuple, groups, beliefs: Family | None = None,
+                        mode: str = "additive", floor: float = 1e-3) -> "KernelOperator":
+        """Attach a learned, heteroscedastic error term to the predictive variance (opt-in; issue 14).
+
+        The BLR's variance measures the distance to the training inputs in feature space, not where
+        the learned correction is wrong.  This fits, on the pairs the operator has learned
+        (``data``, exactly as :meth:`held_out_predict`), their leave-one-group-out residuals
+        r = Z − ẑ₋g in the regression's standardised coordinates — out-of-sample errors, one group
+        (EP problem) at a time — and regresses log r² (``mode="additive"``) or log(r² / v₋g), the
+        residual relative to the BLR's own held-out predictive variance v₋g (``mode="ratio"``), on
+        the same random features ψ (:func:`fit_log_variance`).  Predictions then report, per
+        coordinate k, sd_k² (v + e_k(ψ)) (additive) or sd_k² v e_k(ψ) (ratio), plus the reference's
+        error as before.  Only the training pairs are used.  Later :meth:`partial_fit` calls leave
+        the error model as it is.  :meth:`remove_error_model` detaches it; it is persisted with the
+        operator's state.
+        """
+        if mode not in ERROR_MODEL_MODES:
+            raise ValueError(f"`mode` must be one of {ERROR_MODEL_MODES}, got {mode!r}")
+        if not floor > 0:
+            raise ValueError("`floor` must be > 0")
+        z, v, Z, psi, *_ = self._held_out_z(data, groups, beliefs)
+        t = (Z - z) ** 2
+        if mode == "ratio":
+            t = t / v[:, None]
+        model = fit_log_variance(psi, t, floor=floor)
+        model["mode"] = mode
+        self.error_model_ = model
+        return self
+
+    def remove_error_model(self) -> "KernelOperator":
+        """Detach the error model of :meth:`fit_error_model` (predictions as without it)."""
+        self.__dict__.pop("error_model_", None)
+        return self
 
     def _check_to(self, to):
         if to is not None and to != self.to:
@@ -683,8 +777,15 @@ class KernelOperator(Operator):
             "width_rule": getattr(self, "width_rule_", "mean_variance"), "reference": self.reference_,
             "reference_revision": int(getattr(self, "reference_revision_", 1)),
         }
-        return {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
-                "blr": self.blr_.state_dict()}
+        state = {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
+                 "blr": self.blr_.state_dict()}
+        em = getattr(self, "error_model_", None)
+        if em is not None:  # (only then: states without one are as before)
+            state["error_model"] = {"mode": em["mode"], "coef": np.asarray(em["coef"]),
+                                    "mean": np.asarray(em["mean"]), "scale": np.asarray(em["scale"]),
+                                    "offset": np.asarray(em["offset"]), "prior_var": float(em["prior_var"]),
+                                    "noise_var": float(em["noise_var"])}
+        return state
 
     @classmethod
     def from_state_dict(cls, state: Mapping) -> "KernelOperator":
@@ -713,6 +814,14 @@ class KernelOperator(Operator):
             for key in ("inner_factor", "width_factor", "prior_var", "noise_var", "log_evidence", "fit_seconds"):
                 setattr(op, key + "_", float(f[key]))
             op.search_ = json.loads(f["search"])
+            if "error_model" in state:
+                e = state["error_model"]
+                if str(e["mode"]) not in ERROR_MODEL_MODES:
+                    raise ValueError(f"operator state has an unknown error model mode {e['mode']!r}")
+                op.error_model_ = {"mode": str(e["mode"]), "coef": np.asarray(e["coef"], float),
+                                   "mean": np.asarray(e["mean"], float), "scale": np.asarray(e["scale"], float),
+                                   "offset": np.asarray(e["offset"], float), "prior_var": float(e["prior_var"]),
+                                   "noise_var": float(e["noise_var"])}
         except KeyError as exc:
             raise ValueError(f"operator state is missing {exc}") from None
         if op.features_.n_outer != op.blr_.coef_.shape[0]:
