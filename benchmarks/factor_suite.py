@@ -64,7 +64,14 @@ the calibration: calibration and test are different problems, and a quantile of 
 of the other only up to the spread between problems) and ``kl_p99`` (the worst 1 %'s smallest KL: where
 it is below ``--target-kl`` the worst 1 % are rows a calibrated threshold rightly leaves alone),
 with ``worst1pct_above_target_flagged_at_q90`` (the worst 1 % rows with KL above the target,
-flagged at q90; null when none); plus ``n_train``, ``n_test``.  Last line: ``worst_mean_log_kl`` (the
+flagged at q90; null when none); plus ``n_train``, ``n_test``.  The same ranking and budget figures
+with a learned error term added to the variance (``KernelOperator.fit_error_model``, fitted on the
+training problems' leave-one-problem-out residuals, never on calibration or test rows):
+``flagged_fraction_needed_errmodel`` / ``worst1pct_flagged_at_q90_errmodel`` /
+``flagged_fraction_at_q90_errmodel`` / ``rank_corr_logvar_kl_errmodel`` (``mode="additive"``: a
+model of the log squared residual added to the BLR variance) and ``…_errratio`` (``mode="ratio"``:
+a model of the residual relative to the BLR's held-out variance, multiplying it); their pooled
+q90 threshold applies the error model in-sample to the training rows it was fitted on.  Last line: ``worst_mean_log_kl`` (the
 largest over rows), ``min_worst1pct_flagged``, ``max_flagged_fraction``, ``n_directions``, and
 at both budget thresholds the extremes and ``n_met_at_q90`` / ``n_met_at_budget90`` (directions
 with worst 1 % flagged ≥ 0.95 and flagged share ≤ 0.10).
@@ -306,6 +313,18 @@ def direction_rows(f, recs, args, rng):
                "kl_p99": float(np.quantile(kl, 0.99)),
                "worst1pct_above_target_flagged_at_q90": (float(np.mean(flagged10[worst & (kl > args.target_kl)]))
                                                           if np.any(worst & (kl > args.target_kl)) else None)}
+        # the learned error term (KernelOperator.fit_error_model, opt-in): fitted on the training
+        # problems' leave-one-problem-out residuals only; the same checks with its variance
+        for mode, tag in (("additive", "errmodel"), ("ratio", "errratio")):
+            op.fit_error_model(data["train"], problem["train"], mode=mode)
+            u_e = np.max(op.predict(test.incoming)[1], axis=-1)
+            thr_e = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"])
+            row.update({f"flagged_fraction_needed_{tag}": float(np.mean(u_e >= np.quantile(u_e[worst], 0.05,
+                                                                                             method="lower"))),
+                        f"worst1pct_flagged_at_q90_{tag}": float(np.mean((u_e > thr_e)[worst])),
+                        f"flagged_fraction_at_q90_{tag}": float(np.mean(u_e > thr_e)),
+                        f"rank_corr_logvar_kl_{tag}": float(_spearman(u_e, kl))})
+            op.remove_error_model()
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
