@@ -761,3 +761,137 @@ def test_error_model_is_opt_in_persisted_and_the_model_of_the_held_out_residuals
     assert "error_model" not in mine.state_dict()
     with pytest.raises(ValueError, match="mode"):
         mine.fit_error_model(tr, GROUPS, mode="nope")
+
+
+def test_flagged_share_needed_by_hand():
+    """10 rows, the worst 1 % by KL is the single worst row (KL 9, u 0.5): catching it means
+    flagging every row with u ≥ 0.5 — 6 of 10; a perfect ranking needs 1 of 10."""
+    from kjit.operators import flagged_share_needed
+
+    kl = np.arange(10.0)
+    u = np.array([0.0, 0.1, 0.2, 0.3, 0.9, 0.8, 0.7, 0.6, 1.0, 0.5])
+    assert flagged_share_needed(u, kl) == pytest.approx(0.6)
+    assert flagged_share_needed(kl, kl) == pytest.approx(0.1)
+    # the worst 30 % (KL 7, 8, 9 at u 0.6, 1.0, 0.5), catching half (the lower 50 % quantile of
+    # their u, 0.6): u ≥ 0.6, 5 of 10 rows
+    assert flagged_share_needed(u, kl, worst=0.3, catch=0.5) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="one length"):
+        flagged_share_needed(u, kl[:5])
+
+
+def _residual_parts(op, tr, groups):
+    """Independent computation: leave-one-group-out squared residuals (n, k) and latent variances (n,)."""
+    Z = (op.regression_targets(tr.incoming, tr.beliefs) - op.y_mean_) / op.y_scale_
+    psi = op.features_.transform(op.feature_inputs(tr.incoming))
+    r2, v_out = np.empty_like(Z), np.empty(len(Z))
+    for g in np.unique(groups):
+        out = groups == g
+        z, v = _refit_without(op, tr, out).blr_.predict(psi[out], return_var=True)
+        r2[out], v_out[out] = (Z[out] - z) ** 2, v
+    return psi, r2, v_out
+
+
+def test_error_model_is_cross_fitted_for_held_out_predictions(op, data):
+    """Groups 0..3 in 2 folds (labels in sorted order dealt 0, 1, 0, 1): held_out_predict gives a
+    row of group g the BLR's leave-one-group-out variance plus the error model fitted, from scratch,
+    on the other fold's residuals only; a row of a group the error model never saw gets the final
+    model (fitted on all rows); predictions on new rows use the final model; the file format keeps
+    the folds (the same held-out answers after a round trip)."""
+    from kjit.operators import fit_log_variance, predict_log_variance
+    from kjit.persistence import dumps_state, loads_state
+
+    tr = data["train"]
+    mine = copy.deepcopy(op)
+    _, lv0 = mine.held_out_predict(tr, GROUPS)
+    psi, r2, _ = _residual_parts(op, tr, GROUPS)
+    mine.fit_error_model(tr, GROUPS, mode="additive", folds=2)
+    _, lv1 = mine.held_out_predict(tr, GROUPS)
+    fold = GROUPS % 2
+    for k in (0, 1):
+        rows = fold == k
+        e = predict_log_variance(fit_log_variance(psi[~rows], r2[~rows]), psi[rows])
+        np.testing.assert_allclose(np.exp(lv1[rows]) - np.exp(lv0[rows]), op.y_scale_ ** 2 * np.exp(e), rtol=1e-6)
+    e_all = predict_log_variance(fit_log_variance(psi, r2), psi)
+    # the cross-fitted term is not the in-sample one (the test tells the two apart)
+    assert np.max(np.abs(np.log(np.exp(lv1) - np.exp(lv0)) - np.log(op.y_scale_ ** 2 * np.exp(e_all)))) > 0.05
+    # groups the error model was not fitted on: the final model
+    _, lv2 = mine.held_out_predict(tr, GROUPS + 10)
+    np.testing.assert_allclose(np.exp(lv2) - np.exp(lv0), op.y_scale_ ** 2 * np.exp(e_all), rtol=1e-6)
+    kind, state = loads_state(dumps_state("KernelOperator", mine.state_dict()))
+    back = KernelOperator.from_state_dict(state)
+    np.testing.assert_array_equal(back.held_out_predict(tr, GROUPS)[1], lv1)
+    np.testing.assert_array_equal(back.predict(data["test"].incoming)[1], mine.predict(data["test"].incoming)[1])
+    with pytest.raises(ValueError, match="folds"):
+        mine.fit_error_model(tr, GROUPS, folds=1)
+
+
+def _noisy(ts, seed):
+    """Beliefs whose mean is off by N(0, 0.5²) where the incoming x-mean exceeds 2 (~17 % of rows): an
+    error the BLR's distance-to-inputs variance cannot see but a model of the residuals can."""
+    rng = np.random.default_rng(seed)
+    c = ts.beliefs.to_coords().copy()
+    region = ts.incoming["x"].mean() > 2.0
+    c[region, 0] += rng.normal(0.0, 0.5, int(region.sum()))
+    return TrainingSet(ts.factor, ts.to, ts.incoming, Gaussian.from_coords(c)), region
+
+
+def test_auto_error_model_follows_the_criterion(factor, data):
+    """mode="auto" scores each candidate by flagged_share_needed of the pooled held-out rows (the
+    calibration set predicted, the fitted rows by leave-one-group-out with the cross-fitted error
+    term) and keeps the smallest.  On beliefs made noisy in one region of the inputs the BLR
+    variance cannot rank the errors and an error model wins; the scores are recomputed here from the
+    public pieces (held_out_predict with each candidate attached), and the chosen operator's held-out
+    and new predictions are those of fit_error_model(mode=chosen)."""
+    from kjit.operators import ERROR_MODEL_CANDIDATES, flagged_share_needed
+
+    tr, tr_region = _noisy(data["train"], 0)
+    cal, _ = _noisy(data["test"], 1)
+    op = KernelOperator(factor, "x", **KW).fit(tr)
+    auto = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", held_out=cal)
+    sel = auto.error_model_selection_
+    scores = {}
+    for name in ERROR_MODEL_CANDIDATES:
+        cand = copy.deepcopy(op)
+        if name != "none":
+            cand.fit_error_model(tr, GROUPS, mode=name)
+        q_tr, lv_tr = cand.held_out_predict(tr, GROUPS)
+        q_cal, lv_cal = cand.predict(cal.incoming)
+        u = np.concatenate([lv_tr.max(-1), lv_cal.max(-1)])
+        kl = np.concatenate([tr.beliefs.kl(q_tr), cal.beliefs.kl(q_cal)])
+        scores[name] = flagged_share_needed(u, kl)
+        assert scores[name] == pytest.approx(sel["scores"][name], abs=1e-12), name
+    assert sel["n_rows"] == len(tr) + len(cal)
+    best = min(scores.values())
+    assert sel["chosen"] == [n for n in ERROR_MODEL_CANDIDATES if scores[n] == best][0]
+    # measured: none 0.667, additive 0.101, ratio 0.100 (chosen) — the noisy region is ~17 % of the rows
+    assert sel["chosen"] != "none" and scores["none"] > 2 * best, scores
+    ref = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode=sel["chosen"])
+    np.testing.assert_array_equal(auto.predict(cal.incoming)[1], ref.predict(cal.incoming)[1])
+    np.testing.assert_array_equal(auto.held_out_predict(tr, GROUPS)[1], ref.held_out_predict(tr, GROUPS)[1])
+    with pytest.raises(ValueError, match="TrainingSet"):
+        copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", held_out=cal.incoming)
+
+
+def test_auto_error_model_ties_go_to_none_bit_identical(op, data, monkeypatch):
+    """When the candidates tie the operator keeps no error model: predictions, held-out predictions
+    and the state are bit for bit those of the operator before; a tie between the two error models
+    goes to additive (the order of ERROR_MODEL_CANDIDATES)."""
+    from kjit.persistence import dumps_state
+
+    tr, te = data["train"], data["test"]
+    before = copy.deepcopy(op)
+    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: 0.25)
+    mine = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", held_out=te)
+    assert mine.error_model_selection_["chosen"] == "none"
+    assert getattr(mine, "error_model_", None) is None
+    q0, lv0 = before.predict(te.incoming)
+    q1, lv1 = mine.predict(te.incoming)
+    np.testing.assert_array_equal(lv1, lv0)
+    np.testing.assert_array_equal(q1.to_coords(), q0.to_coords())
+    np.testing.assert_array_equal(mine.held_out_predict(tr, GROUPS)[1], before.held_out_predict(tr, GROUPS)[1])
+    assert dumps_state("KernelOperator", mine.state_dict()) == dumps_state("KernelOperator", before.state_dict())
+    # "none" loses by any margin; additive and ratio tie: additive
+    calls = iter([0.5, 0.25, 0.25])
+    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: next(calls))
+    mine = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto")
+    assert mine.error_model_selection_["chosen"] == "additive" and mine.error_model_["mode"] == "additive"
