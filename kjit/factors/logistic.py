@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import numpy as np
@@ -182,7 +183,7 @@ class Logistic(Factor):
         xi = gauss_hermite(GH_NODES)[0]
         with np.errstate(all="ignore"):
             c, sd = np.asarray(lap.mean(), float).ravel(), np.sqrt(np.asarray(lap.var(), float).ravel())
-            t = c[:, None] + np.sqrt(2.0) * sd[:, None] * xi
+            t = c[:, None] + math.sqrt(2.0) * sd[:, None] * xi  # (√2 correctly rounded, as np.sqrt)
             # log σ(t) = −softplus(−t), log σ(−t) = −softplus(t)
             lw = (gauss_hermite_log_base(GH_NODES) - 0.5 * (t - m) ** 2 / v
                   - (a - 1.0) * np.logaddexp(0.0, -t) - (b - 1.0) * np.logaddexp(0.0, t))
