@@ -47,6 +47,7 @@ from .certificates import Certificates, last_certificates, outgoing_proper
 from .errors import rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
+from .reductions import all_finite
 from .transport import HttpxSession, Session, TransportError
 
 __all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError"]
@@ -107,7 +108,7 @@ def _columns(m: Family, what: str) -> dict:
     out = {"family": family_name(m)}
     for n, p in zip(m.param_names, m.params):
         a = np.asarray(p, dtype=float).ravel()
-        if not np.isfinite(a).all():
+        if not all_finite(a):
             i = int(np.argmin(np.isfinite(a)))
             raise ValueError(f"{what}.{n}[{i}] is {a[i]!r}: JSON carries finite numbers only")
         out[n] = a.tolist()
