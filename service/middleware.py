@@ -65,8 +65,9 @@ class MetricsMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             method = scope.get("method", "")
-            self.metrics.requests.labels(method, template, str(status["code"])).inc()
-            self.metrics.latency.labels(method, template).observe(time.perf_counter() - t0)
+            m = self.metrics
+            m.child(m.requests, method, template, str(status["code"])).inc()
+            m.child(m.latency, method, template).observe(time.perf_counter() - t0)
 
 
 class AuthMiddleware:

@@ -132,7 +132,7 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
     msg = q / inc[entry.jit.to]
     n = len(q)
     n_cons = int(np.count_nonzero(consulted))
-    metrics.messages.labels(entry.name, mode).inc(n)
+    metrics.child(metrics.messages, entry.name, mode).inc(n)
     if n_cons:
         metrics.consultations.labels(entry.name).inc(n_cons)
     if n_learned:
