@@ -489,3 +489,29 @@ def test_rejected_updates_leave_state_unchanged():
     with pytest.raises(ValueError, match="X"):
         model.fit(np.full((5, 30), np.nan), Y[:5])
     _assert_state_equal(before, model.state_dict())
+
+
+def test_one_row_variance_reads_one_triangle():
+    """A one-row prediction's x^T Σ x comes from BLAS dsymv on one triangle of Σ; it equals the batch
+    path's rowsum((X Σ) ∘ X) up to rounding (relative 1e-12 on a well-conditioned Σ, where the
+    two orders of summation differ by a few ulps each), whatever Σ's memory layout."""
+    from kjit.blr import _sym_quad
+
+    rng = np.random.default_rng(41)
+    for D in (1, 7, 64, 300):
+        A = rng.standard_normal((D, D + 3))
+        S = A @ A.T / D + np.eye(D)
+        x = rng.standard_normal(D)
+        want = float(np.einsum("ij,ij->i", x[None] @ S, x[None])[0])
+        for layout in (S, np.asfortranarray(S), S[::1, ::1].copy()[:, ::-1][:, ::-1], np.array(S.T)):
+            assert _sym_quad(layout, x) == pytest.approx(want, rel=1e-12)
+        wide = np.zeros((D, 2 * D))
+        wide[:, ::2] = S  # a non-contiguous view: copied to Fortran order
+        assert _sym_quad(wide[:, ::2], x) == pytest.approx(want, rel=1e-12)
+    X, Y = gaussian_problem(200, 20, seed=8)
+    model = BayesianLinearRegression(noise_var=0.05).fit(X, Y)
+    m_all, v_all = model.predict(X[:10], return_var=True)
+    for i in range(10):
+        m1, v1 = model.predict(X[i:i + 1], return_var=True)
+        np.testing.assert_allclose(m1, m_all[i:i + 1], rtol=1e-13)  # (gemv vs gemm: an ulp)
+        np.testing.assert_allclose(v1, v_all[i:i + 1], rtol=1e-12)
