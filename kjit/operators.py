@@ -1125,7 +1125,7 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet | None, 
 def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.1,
                      fitted: TrainingSet | None = None, groups=None, confidence: float | None = None,
                      problems: int | None = None, held_out_groups=None, n_boot: int = 2000,
-                     random_state=0) -> float:
+                     random_state=0, predictive: bool = False) -> float:
     """Threshold on log predictive variance that flags (``u > t``) at most ``budget`` of
     in-distribution messages: a consultation budget rather than an accuracy target.
 
@@ -1146,7 +1146,9 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
     pooled ones (``held_out_groups`` label the held-out rows' problems, ``groups`` the fitted
     rows'; the two label sets are kept apart), the flagged share (rows above t over rows of the
     resample) is ≤ ``budget`` in at least a ``confidence`` fraction of resamples.  ``problems``
-    defaults to the number of pooled problems.
+    defaults to the number of pooled problems.  ``predictive=True`` (opt-in) draws each batch from
+    a resample of the pooled problems (:func:`tolerance_threshold`): the guarantee then also
+    covers the pooled sample's own error.
     """
     if not 0.0 < budget < 1.0:
         raise ValueError("`budget` must lie in (0, 1)")
@@ -1163,7 +1165,7 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
         lab = np.concatenate(labels)
         if lab.size != u.size:
             raise ValueError("group labels must match the pooled rows one to one")
-        return tolerance_threshold(u, lab, budget, confidence, problems, n_boot, random_state)
+        return tolerance_threshold(u, lab, budget, confidence, problems, n_boot, random_state, predictive)
     n = u.size
     k = int(np.ceil((n + 1) * (1.0 - budget)))
     if k > n:
@@ -1172,7 +1174,7 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
 
 
 def tolerance_threshold(u, groups, budget: float, confidence: float, problems: int | None = None,
-                        n_boot: int = 2000, random_state=0) -> float:
+                        n_boot: int = 2000, random_state=0, predictive: bool = False) -> float:
     """Smallest t among the values ``u`` such that a batch of ``problems`` problems, drawn with
     replacement from the problems labelled by ``groups``, has at most ``budget`` of its rows
     above t in at least a ``confidence`` fraction of ``n_boot`` bootstrap batches.
@@ -1184,6 +1186,23 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
     default).  The share is non-increasing in t for every batch, so the condition is monotone and
     a bisection over the sorted distinct values finds t; t = max(u) flags nothing and always
     qualifies.  ``problems`` defaults to G.
+
+    ``predictive=True`` (opt-in) draws every batch from a *resample of the G problems* instead of
+    from the G problems themselves — ``pool = rng.integers(0, G, (n_boot, G))`` then ``pick =
+    rng.integers(0, G, (n_boot, problems))``, batch b the problems ``pool[b, pick[b]]`` (same
+    generator, in that order): a double bootstrap, the predictive distribution of a new batch's
+    share given that the G problems are themselves a sample.  At a fixed t a batch's share then
+    varies by σ²(1/problems + 1/G) (σ²: the spread of the per-problem shares) instead of
+    σ²/problems — the threshold's own estimation error, which the plain bootstrap leaves out
+    and which is a third of the variance when a test set of 15 problems is judged from 45.
+
+    Why (issue 14, benchmarks/factor_suite.py, seeds 0–3, 56 directions, measured on pooled rows
+    only): splitting the pooled problems (calibration + training left out) 40 times per direction
+    into a pseudo-test set of as many problems as the test set and a pool of the rest, the plain
+    threshold kept the pseudo-test share ≤ 10 % on 81.3 % of splits, the predictive one on
+    85.6 % (the conformal quantile on 50.5 %); on the real test sets afterwards 44 → 46 of 56.
+    Neither reaches the 90 % it aims at: the test shares spread 1.44 × the plain bootstrap's sd
+    (1.27 × the predictive one's) around the pooled share, with no shift (mean z 0.09).
     """
     if not 0.0 < budget < 1.0:
         raise ValueError("`budget` must lie in (0, 1)")
@@ -1198,7 +1217,12 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
     m = G if problems is None else int(problems)
     if m < 1:
         raise ValueError("`problems` must be ≥ 1")
-    draws = np.random.default_rng(random_state).integers(0, G, (n_boot, m))
+    gen = np.random.default_rng(random_state)
+    if predictive:
+        pool = gen.integers(0, G, (n_boot, G))
+        draws = np.take_along_axis(pool, gen.integers(0, G, (n_boot, m)), axis=1)
+    else:
+        draws = gen.integers(0, G, (n_boot, m))
     W = np.bincount((np.arange(n_boot)[:, None] * G + draws).ravel(), minlength=n_boot * G)
     W = W.reshape(n_boot, G).astype(np.float64)  # times each problem is drawn, per batch
     rows = W @ np.bincount(gi, minlength=G).astype(np.float64)
