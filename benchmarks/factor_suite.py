@@ -93,6 +93,31 @@ Asking an error term to beat none in ≥ 90 % of bootstrap resamples of the pool
 variant tried after seeing the figures above) kept none on 12–13 directions and met both goals on
 no more directions (q90 10 / 4 / 4 / 4, budget90 11 / 7 / 9 / 7): it gave up Gaussian → x at
 seeds 1 and 2 — dropped.
+Why the share at q90 exceeds 0.10 on about half the directions (measured at seeds 0–3, 56
+directions, with scripts outside the repository): it is the spread between problems, not a bias.
+Not leave-one-problem-out optimism: at the pooled q90 threshold the calibration rows (truly held
+out) are flagged 0.092 on average, the training rows left out 0.101, the test rows 0.102; an
+operator refitted from scratch without a fold of training problems (features, standardisation,
+hyperparameters re-chosen) flags that fold's rows 0.0004 ± 0.014 (sd; 29 directions, seeds 1–2)
+more than the final operator with the fold removed from its statistics, net of the same change on
+the calibration rows.  Not generation order (the problems are drawn i.i.d.; left-out share of the
+second half of the training problems minus the first: −0.010 ± 0.029).  But the problems differ:
+their flagged shares at one threshold spread with sd 0.083 (median over directions, 0.041–0.227),
+so a test set of 15–20 problems has a bootstrap sd of 0.020 (0.011–0.064) about the pooled share,
+and a threshold aimed at an expected 10 % keeps the test share ≤ 0.10 on 28 of 56 — as it should
+(seed 1's 0.118–0.143 are 1–2 sd; directions of one factor share their test problems — at seed 1
+5 of product's 20 test problems are flagged 0.26–0.47 on product → y, 7 of the 60 pooled ≥ 0.25).
+The budget90 reading is the one a single threshold can meet; it keeps ≤ 0.10 on 43 of 56, short
+of the 90 % it aims at: at q90 the test shares spread 1.44 × the bootstrap sd about the pooled
+share (mean z 0.09: no shift).  Part of that is the pooled sample's
+own error, which ``budget_threshold(..., predictive=True)`` adds (each bootstrap batch drawn from a
+resample of the pooled problems; chosen a priori, no test row; on pseudo-test splits of the pooled
+problems alone it kept the share ≤ 10 % on 85.6 % of splits, the plain bootstrap 81.3 %):
+``threshold_budget90_pred`` / ``flagged_fraction_at_budget90_pred`` /
+``worst1pct_flagged_at_budget90_pred`` and ``n_met_at_budget90_pred``,
+``max_flagged_fraction_at_budget90_pred`` in the summary.  Measured, seeds 0 / 1 / 2 / 3: both
+goals met 12 / 8 / 10 / 8 (budget90 12 / 7 / 9 / 7; q90 unchanged, 10 / 4 / 4 / 5); the three
+directions gained were at 0.101–0.103 — reported beside budget90, not in its place.
 Last line: ``worst_mean_log_kl`` (the
 largest over rows), ``min_worst1pct_flagged``, ``max_flagged_fraction``, ``n_directions``, and
 at both budget thresholds the extremes and ``n_met_at_q90`` / ``n_met_at_budget90`` (directions
@@ -304,6 +329,11 @@ def direction_rows(f, recs, args, rng):
             thr_b90 = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"],
                                        confidence=BUDGET_CONFIDENCE, problems=n_test_problems,
                                        held_out_groups=problem["cal"])
+            # the same guarantee read predictively (opt-in, tolerance_threshold(predictive=True)): each
+            # batch drawn from a resample of the pooled problems, so the pool's own sampling error counts
+            thr_b90p = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"],
+                                        confidence=BUDGET_CONFIDENCE, problems=n_test_problems,
+                                        held_out_groups=problem["cal"], predictive=True)
             # the target-KL threshold: the calibration set alone (pooling it too was measured and
             # dropped: see the docstring)
             thr = calibrate_threshold(op, data["cal"], args.target_kl)
@@ -315,6 +345,7 @@ def direction_rows(f, recs, args, rng):
             flagged = u > thr
             flagged10 = u > thr10
             flagged_b90 = u > thr_b90
+            flagged_b90p = u > thr_b90p
             # issue 14 part 3: does the predicted variance rank the errors?  KL by decile of it
             edges = np.quantile(u, np.linspace(0, 1, 11))
             dec = np.clip(np.searchsorted(edges, u, side="right") - 1, 0, 9)
@@ -329,6 +360,9 @@ def direction_rows(f, recs, args, rng):
                     "worst1pct_flagged_at_budget90": float(np.mean(flagged_b90[worst])),
                     "flagged_fraction_at_budget90_ci90": test_boot(flagged_b90),
                     "threshold_budget90": float(thr_b90),
+                    "flagged_fraction_at_budget90_pred": float(np.mean(flagged_b90p)),
+                    "worst1pct_flagged_at_budget90_pred": float(np.mean(flagged_b90p[worst])),
+                    "threshold_budget90_pred": float(thr_b90p),
                     "flagged_fraction_at_q90_calset": float(np.mean(u > thr10_calset)),
                     "worst1pct_flagged_at_q90_calset": float(np.mean((u > thr10_calset)[worst])),
                     "mean_log_kl_by_logvar_decile": by_decile,
@@ -415,6 +449,9 @@ def main(argv=None):
                             for r in rows),
         "n_met_at_budget90": sum(r["worst1pct_flagged_at_budget90"] >= 0.95
                                  and r["flagged_fraction_at_budget90"] <= 0.1 for r in rows),
+        "n_met_at_budget90_pred": sum(r["worst1pct_flagged_at_budget90_pred"] >= 0.95
+                                      and r["flagged_fraction_at_budget90_pred"] <= 0.1 for r in rows),
+        "max_flagged_fraction_at_budget90_pred": max(r["flagged_fraction_at_budget90_pred"] for r in rows),
         "n_directions": len(rows),
         # the same without the chosen error model, and with each error term on its own (q90)
         "min_worst1pct_flagged_at_q90_blr": min(r["worst1pct_flagged_at_q90_blr"] for r in rows),
