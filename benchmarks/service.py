@@ -15,7 +15,8 @@ and log predictive variance, which the response carries); ``inprocess_belief_p50
 ``KernelOperator.belief`` (no variance) for reference.  ``floor_us_per_msg`` is the bare-BLAS
 floor at the same shapes, per message: the operator's own matrices in the four products of a
 prediction and nothing else (inner phases ``M ω``, ``cos``; outer ``φ ν + c``, ``cos``; mean
-``ψ W``; variance ``rowsum((ψ Σ) ∘ ψ)``), timed the same way.  Reported per batch size: p50 and
+``ψ W``; variance ``rowsum((ψ Σ) ∘ ψ)``, for one message ``ψᵀ(Σψ)`` from one triangle of Σ by
+``dsymv`` as the prediction computes it), timed the same way.  Reported per batch size: p50 and
 p99 of the per-call wall time (ms), throughput (messages per second = batch / mean call time),
 ``ratio_to_inprocess`` = remote p50 / in-process p50 and ``inprocess_to_floor`` = in-process
 p50 / floor p50; ``http_floor_p50_ms``: the same client call against a bare ASGI app under the
@@ -80,11 +81,18 @@ def floor_fn(op, inc):
     W, S = np.asarray(blr.coef_, float), np.asarray(blr.Sigma_, float)
     assert M.shape == (n, om.shape[0]) and nu.shape[0] == om.shape[1] and S.shape[0] == nu.shape[1]
 
+    from scipy.linalg.blas import dsymv
+
+    F = S if S.flags.f_contiguous else S.T  # (symmetric: Fortran-ordered either way)
+
     def run():
         phi = np.cos(M @ om + b)
         psi = np.cos(phi @ nu + c)
         mean = psi @ W
-        var = np.einsum("ij,ij->i", psi @ S, psi)
+        if n == 1:  # one row: the prediction reads one triangle of Σ (kjit.blr), so does its floor
+            var = psi[0] @ dsymv(1.0, F, psi[0], lower=1)
+        else:
+            var = np.einsum("ij,ij->i", psi @ S, psi)
         return mean, var
 
     return run
