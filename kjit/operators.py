@@ -981,7 +981,9 @@ def _spread_bounds(factor: Factor, to: str, inc: Mapping[str, Family]):
 
     A prediction asks three times for the same messages (the belief's bound, its clipping, the
     sign test): the last answer is kept with the factor, recipient and the message objects it
-    came from (messages are immutable, and held, so an object seen again is the same message)."""
+    came from (messages are immutable, and held, so an object seen again is the same message; a
+    factor's parameters are fixed at construction — one changed in place afterwards, e.g. a
+    probit factor's ``eps``, would be answered from the memo until other messages come)."""
     global _last_bounds
     msgs = tuple(inc.values())
     last = _last_bounds

@@ -570,3 +570,26 @@ def test_operator_variance_adds_the_reference_error_and_leaves_predictions_alone
     with monkeypatch.context() as m:
         m.setattr(type(f), "reference_error", lambda self, inc, to, revision=None, reference=None: np.full((300, 2), np.inf))
         assert np.all(np.isfinite(inc_op.predict_coords(test)[1]))
+
+
+def test_laplace_mode_one_row_at_a_bound_and_under_warnings_as_errors():
+    """The one-row scalar path agrees with the batch path where the start ties a bound of the
+    bracket (m = −0.0 with the bracket [−0.0, 0.0]: numpy's clip returns the bound's zero) and,
+    like the array path, raises no floating-point warning (a far start overflows the slope)."""
+    import warnings
+
+    from kjit.families import Beta
+
+    f = get_factor("logistic")
+    cases = [({"x": Gaussian(np.array([-0.0]), np.array([1.0])), "z": Beta(np.array([1.0]), np.array([1.0]))}),
+             ({"x": Gaussian(np.array([-0.0]), np.array([1e-300])), "z": Beta(np.array([2.0]), np.array([1.0]))}),
+             ({"x": Gaussian(np.array([0.3]), np.array([1e-310])), "z": Beta(np.array([2.0]), np.array([1.0]))})]
+    for inc in cases:
+        two = {v: type(m)(*(np.repeat(p, 2) for p in m.params)) for v, m in inc.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            one = f.laplace_belief(inc, "x")
+        with np.errstate(all="ignore"):
+            batch = f.laplace_belief(two, "x")
+        for p_one, p_batch in zip(one.params, batch.params):
+            assert p_one.tobytes() == p_batch[:1].tobytes(), (inc, p_one, p_batch)  # the sign of zero too

@@ -636,7 +636,8 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
     if lo.size == 1 and hi.size == 1:  # one row (a served batch-1 request): the same steps on scalars
         one = _one_row_start(lo.item(), hi.item(), start)
         if one is not None:
-            return _laplace_mode_one(dlog, *one, max_iter, tol)
+            with np.errstate(all="ignore"):  # (as the array path: dlog may overflow on a far start)
+                return _laplace_mode_one(dlog, *one, max_iter, tol)
     every = slice(None)
     with np.errstate(all="ignore"):
         t = np.clip(0.5 * (lo + hi) if start is None else np.asarray(start, dtype=float), lo, hi)
@@ -670,9 +671,10 @@ def laplace_mode(dlog: Callable, lo, hi, start=None, max_iter: int = 200, tol: f
 
 
 def _one_row_start(lo: float, hi: float, start):
-    """``(t, lo, hi, |hi − lo|)`` for :func:`laplace_mode`'s one-row iteration — its start clipped
-    to the bracket as ``np.clip`` clips it — or None unless the bracket and the start are finite
-    numbers (then the array path, which propagates NaN as numpy does)."""
+    """``(t, lo, hi, |hi − lo|)`` for :func:`laplace_mode`'s one-row iteration, or None — then the
+    array path — unless the bracket and the start are finite and the start lies strictly inside
+    the bracket, where ``np.clip`` leaves it as it is (at a bound numpy's clip returns the bound,
+    whose zero may have the other sign: −0.0 vs 0.0)."""
     if start is None:
         t = 0.5 * (lo + hi)
     else:
@@ -680,10 +682,8 @@ def _one_row_start(lo: float, hi: float, start):
         if s.size != 1:
             return None
         t = float(s.item())
-    if not (math.isfinite(t) and math.isfinite(lo) and math.isfinite(hi)):
+    if not (math.isfinite(t) and math.isfinite(lo) and math.isfinite(hi) and lo < t < hi):
         return None
-    t = lo if t < lo else t  # np.clip's minimum(maximum(t, lo), hi), for finite numbers
-    t = hi if t > hi else t
     return t, lo, hi, abs(hi - lo)
 
 
