@@ -67,6 +67,8 @@ ERROR_MODEL_MODES = ("additive", "ratio")
 #: fit_error_model(mode="auto")'s candidates, in order of preference on a tie (no error model first)
 ERROR_MODEL_CANDIDATES = ("none",) + ERROR_MODEL_MODES
 ERROR_MODEL_FOLDS = 5  # folds of groups for the cross-fitted error model (held-out predictions)
+#: the arrays of an error model (fit_log_variance's answer) that predict_log_variance reads
+_ERROR_MODEL_ARRAYS = ("coef", "mean", "scale", "offset")
 
 
 def flagged_share_needed(u, kl, worst: float = 0.01, catch: float = 0.95) -> float:
@@ -708,7 +710,7 @@ class KernelOperator(Operator):
         fold[known] = np.asarray(em["fold_of"])[np.searchsorted(fl, groups[known])]
         for k in np.unique(fold[known]):
             rows = fold == k
-            out[rows] = predict_log_variance({key: folds[key][k] for key in ("coef", "mean", "scale", "offset")},
+            out[rows] = predict_log_variance({key: folds[key][k] for key in _ERROR_MODEL_ARRAYS},
                                              psi[rows])
         return out
 
@@ -811,7 +813,7 @@ class KernelOperator(Operator):
             model["mode"] = m
             per = [fit_log_variance(psi[row_fold != k], t[row_fold != k], floor=floor)
                    for k in range(fold_of.max() + 1)]
-            model["folds"] = {key: np.stack([f[key] for f in per]) for key in ("coef", "mean", "scale", "offset")}
+            model["folds"] = {key: np.stack([f[key] for f in per]) for key in _ERROR_MODEL_ARRAYS}
             model["fold_labels"], model["fold_of"] = labels, fold_of
             models[m] = model
         self.__dict__.pop("error_model_selection_", None)
@@ -895,13 +897,10 @@ class KernelOperator(Operator):
                  "blr": self.blr_.state_dict()}
         em = getattr(self, "error_model_", None)
         if em is not None:  # (only then: states without one are as before)
-            state["error_model"] = {"mode": em["mode"], "coef": np.asarray(em["coef"]),
-                                    "mean": np.asarray(em["mean"]), "scale": np.asarray(em["scale"]),
-                                    "offset": np.asarray(em["offset"]), "prior_var": float(em["prior_var"]),
-                                    "noise_var": float(em["noise_var"])}
+            state["error_model"] = {"mode": em["mode"], **{k: np.asarray(em[k]) for k in _ERROR_MODEL_ARRAYS},
+                                    "prior_var": float(em["prior_var"]), "noise_var": float(em["noise_var"])}
             if em.get("folds") is not None:  # the cross-fitted models, for held-out predictions
-                state["error_model"]["folds"] = {k: np.asarray(em["folds"][k]) for k in ("coef", "mean", "scale",
-                                                                                          "offset")}
+                state["error_model"]["folds"] = {k: np.asarray(em["folds"][k]) for k in _ERROR_MODEL_ARRAYS}
                 fl = np.asarray(em["fold_labels"])
                 state["error_model"]["fold_labels"] = fl.astype(str) if fl.dtype == object else fl
                 state["error_model"]["fold_of"] = np.asarray(em["fold_of"])
@@ -938,13 +937,10 @@ class KernelOperator(Operator):
                 e = state["error_model"]
                 if str(e["mode"]) not in ERROR_MODEL_MODES:
                     raise ValueError(f"operator state has an unknown error model mode {e['mode']!r}")
-                op.error_model_ = {"mode": str(e["mode"]), "coef": np.asarray(e["coef"], float),
-                                   "mean": np.asarray(e["mean"], float), "scale": np.asarray(e["scale"], float),
-                                   "offset": np.asarray(e["offset"], float), "prior_var": float(e["prior_var"]),
-                                   "noise_var": float(e["noise_var"])}
+                op.error_model_ = {"mode": str(e["mode"]), **{k: np.asarray(e[k], float) for k in _ERROR_MODEL_ARRAYS},
+                                   "prior_var": float(e["prior_var"]), "noise_var": float(e["noise_var"])}
                 if "folds" in e:
-                    op.error_model_["folds"] = {k: np.asarray(e["folds"][k], float) for k in ("coef", "mean",
-                                                                                             "scale", "offset")}
+                    op.error_model_["folds"] = {k: np.asarray(e["folds"][k], float) for k in _ERROR_MODEL_ARRAYS}
                     op.error_model_["fold_labels"] = np.asarray(e["fold_labels"])
                     op.error_model_["fold_of"] = np.asarray(e["fold_of"], int)
         except KeyError as exc:
