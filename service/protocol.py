@@ -4,7 +4,7 @@ uvicorn writes a response's status line and headers as soon as the app sends
 ``http.response.start`` and the body when it sends ``http.response.body``: two writes, and on
 loopback two TCP segments, each waking the client (with ``TCP_NODELAY``, which uvicorn sets).
 A one-message answer is a few hundred bytes, so that second wake-up is a fair part of the round
-trip (issue 17; the client's side does the same for requests: :class:`kjit.transport._OneWrite`).
+trip (issue 17; the client's side does the same for requests: :class:`kjit.transport._Connection`).
 :class:`OneWriteHttpToolsProtocol` gives uvicorn's protocol a transport that holds a response
 head (a write that is a complete ``HTTP/1.x`` status line and header block) until the next write
 — the body, normally in the same step of the app's task — and sends both in one write.  Nothing

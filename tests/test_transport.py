@@ -336,3 +336,87 @@ def test_a_head_answer_has_no_body_whatever_its_length():
     raw = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
     assert _parse(_Response, raw, "HEAD") == _parse(http.client.HTTPResponse, raw, "HEAD")
     assert _parse(_Response, raw, "HEAD")[2] == b""
+
+
+# ---------------------------------------------------------------------- the request head
+_REQUESTS = {
+    "POST with a body": ("POST", "/v1/x?mode=predict", {"Host": "h:1", "Connection": "keep-alive",
+                                                        "Content-Type": "application/json"}, b'{"a": 1}'),
+    "GET": ("GET", "/health", {"Host": "h:1", "Connection": "keep-alive"}, None),
+    "POST without a body": ("POST", "/v1/x", {"Host": "h:1"}, None),
+    "PUT and PATCH without a body": ("PATCH", "/p", {"Host": "h:1"}, None),
+    "DELETE without a body": ("DELETE", "/d", {"Host": "h:1"}, None),
+    "empty target": ("GET", "", {"Host": "h:1"}, None),
+    "own Accept-Encoding and Content-Length": ("POST", "/a", {"Host": "h:1", "accept-encoding": "gzip",
+                                                              "Content-Length": "2"}, b"{}"),
+    "Transfer-Encoding given": ("POST", "/a", {"Host": "h:1", "Transfer-Encoding": "chunked"}, b"0\r\n\r\n"),
+    "latin-1, int and bytes values, folded value": ("GET", "/a", {"Host": "h:1", "X-Name": "caf\xe9", "X-N": 7,
+                                                                 "X-B": b"raw", "X-Fold": "a\r\n b"}, None),
+    "bad header value": ("GET", "/a", {"Host": "h:1", "X-Bad": "a\r\nb"}, None),
+    "bad header name": ("GET", "/a", {"Host": "h:1", "X Bad:": "v"}, None),
+    "space in the target": ("GET", "/a b", {"Host": "h:1"}, None),
+    "control character in the method": ("GE\x01T", "/a", {"Host": "h:1"}, None),
+    "non-ASCII target": ("GET", "/caf\xe9", {"Host": "h:1"}, None),
+}
+
+
+def _http_client_head(method, target, headers, content):
+    """What http.client's HTTPConnection writes for ``request(...)`` (head only), or its exception's class."""
+    import http.client
+
+    a, b = socket.socketpair()
+    try:
+        c = http.client.HTTPConnection("h", 1)
+        c.sock = a
+        try:
+            c.request(method, target, body=content, headers=headers)
+        except Exception as exc:  # noqa: BLE001 - compared between the two writers
+            return type(exc)
+        a.close()
+        out = b""
+        while chunk := b.recv(65536):
+            out += chunk
+        return out if content is None else out[:len(out) - len(content)]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("case", list(_REQUESTS))
+def test_the_request_head_is_http_clients(case):
+    """kjit.transport._head against http.client's own request writer on the same request: the same
+    bytes, or the same exception class for a request it refuses (before anything is sent)."""
+    from kjit.transport import _head
+
+    theirs = _http_client_head(*_REQUESTS[case])
+    try:
+        ours = _head(*_REQUESTS[case])
+    except Exception as exc:  # noqa: BLE001
+        ours = type(exc)
+    assert ours == theirs, (ours, theirs)
+    if case == "POST with a body":  # (a mutation check of the comparison itself)
+        assert isinstance(ours, bytes) and b"Content-Length: 8\r\n" in ours and ours.endswith(b"\r\n\r\n")
+
+
+def test_the_connection_reader_splits_answers_as_they_arrive():
+    """_Reader: a line or a body split across receives, a line longer than the limit, and what is
+    left after an answer (pending) — a keep-alive connection with unasked-for bytes is stale."""
+    from kjit.transport import _Reader, _Response
+
+    a, b = socket.socketpair()
+    try:
+        r = _Reader(b)
+        a.sendall(b"HTTP/1.1 200 O")
+        threading.Timer(0.05, a.sendall, args=(b"K\r\nContent-Length: 6\r\n\r\nabc",)).start()
+        threading.Timer(0.10, a.sendall, args=(b"defEXTRA",)).start()
+        resp = _Response(b, method="GET", reader=r)
+        resp.begin()
+        assert (resp.status, resp.read()) == (200, b"abcdef")
+        assert r.pending() == 5 and r.read(5) == b"EXTRA" and r.pending() == 0
+        a.sendall(b"x" * 10 + b"\n")
+        assert r.readline(4) == b"xxxx" and r.readline(100) == b"xxxxxx\n"
+        a.close()
+        assert r.readline(100) == b"" and r.read() == b""
+    finally:
+        a.close()
+        b.close()
