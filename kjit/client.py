@@ -340,7 +340,9 @@ class RemoteOperator:
         inc, shape = self.factor.check_incoming(incoming, self.to)
         return {v: m.ravel() for v, m in inc.items()}, shape
 
-    def _call(self, incoming, mode):
+    def _call(self, incoming, mode, natural: bool = True, logvar: bool = True):
+        """The server's answer to ``incoming`` in ``mode``: ``(beliefs, natural, logvar, consulted,
+        shape, flat)``; ``natural`` / ``logvar`` False: those columns are not decoded (None)."""
         flat, shape = self._flat(incoming)
         n = math.prod(shape) if shape else 1
         step = self.max_batch
@@ -354,31 +356,35 @@ class RemoteOperator:
             parts.append(self._request("POST", f"/v1/operators/{self.name}/messages", json_body=body,
                                        params={"mode": mode}, retry=retry))
         fam = self.family
-        k = len(fam.coord_names)
 
         def joined(fn):  # one part (every batch up to the server's limit): no concatenation
             return fn(parts[0]) if len(parts) == 1 else np.concatenate([fn(p) for p in parts])
 
         beliefs = fam.concatenate([fam(*(p["beliefs"][k] for k in fam.param_names)) for p in parts])
-        natural = joined(lambda p: _columns_array(p["messages"]["natural"], p["n"]))
-        logvar = joined(lambda p: np.full((p["n"], k), np.nan) if p["log_var"] is None
-                        else _columns_array(p["log_var"], p["n"]))
         consulted = joined(lambda p: np.asarray(p["consulted"], dtype=bool))
         # mode=predict: the rows the served operator's just-in-time rule would consult (None from
         # a server that does not say)
         uncertain = (joined(lambda p: np.asarray(p["uncertain"], dtype=bool))
                      if all(p.get("uncertain") is not None for p in parts) else None)
         self.last_version_ = parts[-1]["version"]
-        self.last_consulted_ = int(consulted.sum())
-        self._cert = self._certificates(parts, beliefs, flat, consulted, logvar)
+        self.last_consulted_ = int(np.count_nonzero(consulted))
+        self._cert = self._certificates(parts, beliefs, flat, consulted)
         self.last_uncertain_ = uncertain
-        return beliefs, natural, logvar, consulted, shape, flat
+        return (beliefs, joined(lambda p: _columns_array(p["messages"]["natural"], p["n"])) if natural else None,
+                self._logvar(parts) if logvar else None, consulted, shape, flat)
 
-    def _certificates(self, parts, beliefs, flat, consulted, logvar) -> Certificates:
+    def _logvar(self, parts) -> np.ndarray:
+        """The answers' log predictive variances (n, k); NaN where the server gives none (mode=oracle)."""
+        k = len(self.family.coord_names)
+        cols = [np.full((p["n"], k), np.nan) if p["log_var"] is None else _columns_array(p["log_var"], p["n"])
+                for p in parts]
+        return cols[0] if len(cols) == 1 else np.concatenate(cols)
+
+    def _certificates(self, parts, beliefs, flat, consulted) -> Certificates:
         """The server's certificates of the batch (a server without them: learned where not consulted)."""
         if all(p.get("certificates") for p in parts):
             return Certificates.concatenate([Certificates.from_json(p["certificates"]) for p in parts])
-        return Certificates(np.where(consulted, "oracle", "learned"), self.family.coord_names, log_var=logvar,
+        return Certificates(np.where(consulted, "oracle", "learned"), self.family.coord_names, log_var=self._logvar(parts),
                             threshold=self.threshold, proper=outgoing_proper(beliefs, flat[self.to]),
                             version=self.last_version_)
 
@@ -400,11 +406,11 @@ class RemoteOperator:
         q = self.belief(incoming, to)
         return q, self.last_certificates_
 
-    def _answer(self, incoming):
+    def _answer(self, incoming, natural: bool = True, logvar: bool = True):
         """``_call`` in this operator's mode, or with a local oracle the just-in-time loop across
-        the wire (see the class docstring)."""
+        the wire (see the class docstring); ``natural`` / ``logvar`` as ``_call``'s."""
         if self.local_oracle is None:
-            return self._call(incoming, self.mode)
+            return self._call(incoming, self.mode, natural, logvar)
         q, natural, logvar, consulted, shape, flat = self._call(incoming, "predict")
         uncertain = self.last_uncertain_
         if uncertain is None:  # a server that does not mark the rows: its threshold alone
@@ -446,25 +452,25 @@ class RemoteOperator:
         """``(belief, log predictive variance (…, k), consulted mask)`` like ``JITOperator.predict``
         (log variance is NaN where the server was asked in ``oracle`` mode)."""
         self._check_to(to)
-        q, _, logvar, consulted, shape, _ = self._answer(incoming)
+        q, _, logvar, consulted, shape, _ = self._answer(incoming, natural=False)
         return self._keep(q.reshape(shape)), logvar.reshape(shape + (logvar.shape[-1],)), consulted.reshape(shape)
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
-        q, _, _, _, shape, _ = self._answer(incoming)
+        q, _, _, _, shape, _ = self._answer(incoming, natural=False, logvar=False)
         return self._keep(q.reshape(shape))
 
     def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         """Outgoing messages q / incoming[to], rebuilt from the server's natural parameters (exact;
         may be improper: check ``is_proper``)."""
         self._check_to(to)
-        _, natural, _, _, shape, _ = self._answer(incoming)
+        _, natural, _, _, shape, _ = self._answer(incoming, logvar=False)
         return self._keep(self.family.from_natural(natural).reshape(shape))
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
         """Log predictive variance per output coordinate (``predict`` mode: never consults)."""
         self._check_to(to)
-        _, _, logvar, _, shape, _ = self._call(incoming, "predict")
+        _, _, logvar, _, shape, _ = self._call(incoming, "predict", natural=False)
         return logvar.reshape(shape + (logvar.shape[-1],))
 
     def partial_fit(self, incoming: Mapping[str, Family], beliefs: Family) -> "RemoteOperator":
