@@ -386,32 +386,32 @@ class Factor:
             self.check_to(to)
         if type(incoming) is not dict and not isinstance(incoming, Mapping):  # (dict: no ABC check)
             raise ValueError("`incoming` must be a mapping from variable name to message")
-        unknown = [k for k in incoming if k not in self.variables]
+        variables, families = self.variables, self.families
+        unknown = [k for k in incoming if k not in variables]
         if unknown:
             raise ValueError(
                 f"unknown variable(s) {', '.join(map(repr, unknown))} in `incoming` for factor "
-                f"{self.name!r}; its variables are {', '.join(self.variables)}"
+                f"{self.name!r}; its variables are {', '.join(variables)}"
             )
-        missing = [v for v in self.variables if v not in incoming]
+        missing = [v for v in variables if v not in incoming]
         if missing:
             raise ValueError(
                 f"`incoming` lacks message(s) for {', '.join(map(repr, missing))} (factor {self.name!r})"
             )
-        for v in self.variables:
-            fam = self.families[v]
-            if not isinstance(incoming[v], fam):
-                raise ValueError(
-                    f"`incoming[{v!r}]` must be a {fam.__name__} message, got {type(incoming[v]).__name__}"
-                )
-            if not all_(np.asarray(incoming[v].is_proper)):
+        shapes = {}
+        for v in variables:
+            m, fam = incoming[v], families[v]
+            if not isinstance(m, fam):
+                raise ValueError(f"`incoming[{v!r}]` must be a {fam.__name__} message, got {type(m).__name__}")
+            if not all_(np.asarray(m.is_proper)):
                 raise ValueError(f"`incoming[{v!r}]` contains improper messages")
-        shapes = {v: incoming[v].shape for v in self.variables}
+            shapes[v] = m.shape
         nonscalar = {s for s in shapes.values() if s != ()}
         if len(nonscalar) > 1:
             desc = ", ".join(f"{v}{s}" for v, s in shapes.items())
             raise ValueError(f"mismatched batch shapes in `incoming`: {desc}")
         shape = nonscalar.pop() if nonscalar else ()
-        return {v: incoming[v] if shapes[v] == shape else incoming[v].broadcast_to(shape) for v in self.variables}, shape
+        return {v: incoming[v] if shapes[v] == shape else incoming[v].broadcast_to(shape) for v in variables}, shape
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
