@@ -633,13 +633,14 @@ class KernelOperator(Operator):
         self._certify(q, None, flat)
         return q
 
-    def _certify(self, q, logvar, flat, threshold=None):
+    def _certify(self, q, logvar, flat, threshold=None, version=None):
         """The certificates of a prediction (kept in ``last_certificates_``): learned, with their
-        log predictive variance (NaN from ``belief``, which computes none); version: pairs learned."""
+        log predictive variance (NaN from ``belief``, which computes none); version: pairs learned
+        (or ``version``)."""
         n = math.prod(q.shape)
         cert = Certificates.uniform("learned", q, flat[self.to], projection=projection_convention(self.factor),
                                     log_var=None if logvar is None else np.reshape(logvar, (n, -1)),
-                                    threshold=threshold, version=int(self.blr_.n_))
+                                    threshold=threshold, version=int(self.blr_.n_) if version is None else version)
         cert.of = q
         self.last_certificates_ = cert
         return cert
@@ -1514,20 +1515,23 @@ class JITOperator(Operator):
         an outgoing message whose precision's sign is undetermined — so a client whose oracle runs
         elsewhere (a served operator's ``mode=predict``) consults exactly the rows ``predict`` with
         ``selection="all"`` would."""
-        q, var, uncertain, _ = self._screen(incoming, to)
+        q, var, _, uncertain, _ = self._screen(incoming, to)
         return q, np.log(var), uncertain
 
-    def screen_certified(self, incoming: Mapping[str, Family], to: str | None = None):
+    def screen_certified(self, incoming: Mapping[str, Family], to: str | None = None, version: int | None = None):
         """:meth:`screen` with the answer's certificates instead of the bare log variance:
         ``(belief, Certificates (learned, with the threshold), uncertain mask)``; the certificates'
-        ``log_var`` is the one the threshold applies to (see ``uncertainty``), as in :meth:`certified`."""
-        q, var, uncertain, flat = self._screen(incoming, to)
+        ``log_var`` is the one the threshold applies to (see ``uncertainty``), as in :meth:`certified`.
+        ``version``: the certificates' version (default: the pairs the operator has learned)."""
+        q, _, decision, uncertain, flat = self._screen(incoming, to)
         # rated on the variance the threshold applies to, as predict's certificates are (the
         # epistemic part with uncertainty="epistemic": the predictive one never falls below the
         # noise floor, though the rule stops consulting there)
-        return q, self.operator._certify(q, self._decision_logvar(var), flat, threshold=self.threshold), uncertain
+        return q, self.operator._certify(q, decision, flat, threshold=self.threshold, version=version), uncertain
 
     def _screen(self, incoming, to):
+        """``(belief, predictive variance, log of the variance the threshold applies to (n, k),
+        uncertain mask, flat incoming messages)``."""
         self._check_to(to)
         if self.operator is None:
             raise ValueError("no operator yet: the initial batch goes to the oracle")
@@ -1536,8 +1540,9 @@ class JITOperator(Operator):
         q = op._to_belief(coords, flat, shape)
         k = coords.shape[-1]
         c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
-        uncertain = self._uncertain(flat, c2, self._decision_logvar(v2))
-        return q, var, uncertain.reshape(shape), flat
+        decision = self._decision_logvar(v2)
+        uncertain = self._uncertain(flat, c2, decision)
+        return q, var, decision, uncertain.reshape(shape), flat
 
     def _restore_initial(self, pending, n_pending, threshold):
         self.operator = None

@@ -269,7 +269,8 @@ class Entry:
             uncertain = None
         # (the threshold is the one the answer was computed under: set under the operator's lock —
         # by JITOperator.certified in mode=jit — not read here, after an audit may have changed it)
-        cert = cert.with_(version=version)
+        if cert.version != version:  # (mode=predict's are issued with it)
+            cert = cert.with_(version=version)
         if mode != "oracle" and self.audit is not None:
             self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
         return q, logvar, consulted, version, n_learned, cert, uncertain
@@ -280,11 +281,11 @@ class Entry:
         rows the just-in-time rule would consult."""
         n = len(next(iter(incoming.values())))
         with self.lock.read(blocking=wait):
+            version = self.version  # (fixed while the read lock is held)
             try:
-                q, cert, uncertain = self.jit.screen_certified(incoming)
+                q, cert, uncertain = self.jit.screen_certified(incoming, version=version)
             except NUMERIC_ERRORS as exc:
                 raise Unprocessable(str(exc)) from None
-            version = self.version
         return q, cert.log_var, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
 
     def _predict(self, incoming: dict[str, Family], mode: str):
