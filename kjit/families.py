@@ -557,13 +557,31 @@ class Gaussian(Family):
 
     def natural(self):
         if self._extras is not None:  # built from natural parameters: exact even at precision 0
-            return np.stack(self._extras, axis=-1)
-        prec = 1.0 / self._var
+            return _last_axis(*self._extras)
+        v = self._var
+        if v.size == 1 and v.ndim and (x := v.item()) != 0.0:
+            # one message (a served request computes its belief's and messages' ~5 times): the
+            # same IEEE operations on Python floats (the division by 0 numpy makes ±inf is left to it)
+            prec = 1.0 / x
+            return np.array((self._mean.item() * prec, -0.5 * prec)).reshape(v.shape + (2,))
+        prec = 1.0 / v
         return _last_axis(self._mean * prec, -0.5 * prec)
 
     @classmethod
     def from_natural(cls, eta):
         eta = np.asarray(eta, dtype=float)
+        if eta.size == 2 and eta.ndim > 1:  # one message: as below, on Python floats
+            e1, e2 = eta.ravel().tolist()
+            prec = -2.0 * e2
+            if prec != 0.0:  # (1/±0 is numpy's: ±inf)
+                var = 1.0 / prec
+                shape = eta.shape[:-1]
+                obj = cls._unchecked(np.array((e1 * var,)).reshape(shape), np.array((var,)).reshape(shape))
+                x1, x2 = np.array((e1,)).reshape(shape), np.array((e2,)).reshape(shape)
+                x1.flags.writeable = False
+                x2.flags.writeable = False
+                obj._extras = (x1, x2)
+                return obj
         prec = -2.0 * eta[..., 1]
         with np.errstate(divide="ignore", invalid="ignore"):
             var = 1.0 / prec

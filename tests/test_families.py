@@ -935,3 +935,34 @@ def test_one_message_checks_are_the_batch_checks(fam):
                 except ValueError as exc:
                     errors.append(str(exc).split("(")[0])
             assert errors[0] == errors[1], (i, errors)
+
+
+def test_one_gaussian_natural_parameters_are_the_batch_rows():
+    """Gaussian.natural and Gaussian.from_natural of one message (shapes (1,) and (1, 1): by
+    Python floats) give the batch's row byte for byte — natural parameters, mean, variance and the
+    kept natural parameters — on zeros of both signs, subnormals, huge numbers (overflowing
+    inverses), infinities and NaN, and on random values over 12 decades."""
+    rng = np.random.default_rng(5)
+    specials = np.array([0.0, -0.0, 1e-320, -1e-320, 5e-324, 1e308, -1e308, np.inf, -np.inf, np.nan, 1.0, -2.5])
+    grid = np.array(np.meshgrid(specials, specials, indexing="ij")).reshape(2, -1)
+    grid = np.concatenate([grid, rng.standard_normal((2, 300)) * 10.0 ** rng.uniform(-6, 6, (2, 300))], axis=1)
+
+    def same(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+    with np.errstate(all="ignore"):
+        batch = Gaussian._unchecked(*grid)
+        nat = batch.natural()
+        back = Gaussian.from_natural(grid.T)
+        for i in range(grid.shape[1]):
+            for shape in ((1,), (1, 1)):
+                one = Gaussian._unchecked(*(p[i:i + 1].reshape(shape) for p in grid))
+                assert same(one.natural(), nat[i].reshape(shape + (2,))), (i, grid[:, i])
+                m = Gaussian.from_natural(grid[:, i].reshape(shape + (2,)))
+                assert same(m.mean(), back.mean()[i].reshape(shape)), (i, grid[:, i])
+                assert same(m.var(), back.var()[i].reshape(shape)), (i, grid[:, i])
+                assert same(m.natural(), grid[:, i].reshape(shape + (2,))), (i, grid[:, i])
+                assert not m.mean().flags.writeable
+                m.natural()[...] = 7.0  # (a new array each time: the message is unchanged)
+                assert same(m.natural(), grid[:, i].reshape(shape + (2,)))
