@@ -62,10 +62,17 @@ def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
     return out
 
 
+_F8 = np.dtype(np.float64)
+
+
 def json_columns(cols) -> list[list]:
     """Rows of a 2-D array (or 1-D columns of one length) as lists of numbers, None (JSON null)
     where a number is not finite: one array, one finiteness test, one conversion — the column
     format of the certificates and of the service's responses."""
+    if type(cols) is list and all(type(c) is np.ndarray and c.shape == (1,) and c.dtype == _F8 for c in cols):
+        # one row (a one-message response: ~10 columns of one number) by Python floats — what
+        # tolist gives, without stacking the columns into an array first
+        return [[x] if math.isfinite(x := c.item()) else [None] for c in cols]
     a = np.array(cols, dtype=float)
     out = a.tolist()
     if not all_finite(a):
@@ -240,7 +247,10 @@ class Certificates:
         # the float fields as one (2k + 1, n) array
         a = np.concatenate([self.log_var.T, self.ess[None, :], self.mc_se.T])
         cols = json_columns(a)
-        has = np.isfinite(a).any(axis=1)
+        if a.shape[1] == 1:  # one row: a field has a number where its list is not [None]
+            has = np.array([c[0] is not None for c in cols])
+        else:
+            has = np.isfinite(a).any(axis=1)
         return {
             "source": self.source.tolist(),
             "log_var": cols[:k] if has[:k].any() else None,

@@ -300,3 +300,20 @@ def test_uniform_is_the_general_constructor():
         Certificates.uniform("guess", q, m)
     with pytest.raises(TypeError, match="proper"):
         Certificates.uniform("learned", q, m, proper=[True] * 3)
+
+
+def test_json_columns_of_one_row_are_the_arrays_columns():
+    """json_columns of ten one-number float columns (a one-message response; by Python floats)
+    equals its answer for the same numbers as one (10, 1) array (the array path), specials
+    included; columns of another dtype or length take the array path (ints come out as floats)."""
+    from kjit.certificates import json_columns
+
+    vals = [0.0, -0.0, 5e-324, -1e308, np.inf, -np.inf, np.nan, 1.5, -2.25, 1e-300]
+    cols = [np.array([v]) for v in vals]
+    got = json_columns(cols)
+    want = json_columns(np.array(vals)[:, None])
+    assert got == want and [type(c[0]) for c in got] == [type(c[0]) for c in want]
+    assert [str(c[0]) for c in got] == ["0.0", "-0.0", "5e-324", "-1e+308", "None", "None", "None", "1.5", "-2.25",
+                                        "1e-300"]
+    assert json_columns([np.array([3]), np.array([True])]) == [[3.0], [1.0]]
+    assert json_columns([np.array([1.0, np.nan])]) == [[1.0, None]]
