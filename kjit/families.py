@@ -480,6 +480,50 @@ class Family:
         return rel + base
 
     @classmethod
+    def relative_scale(cls, base) -> np.ndarray:
+        """∂coords/∂rel of :meth:`from_relative` at ``base`` (..., k): the relative coordinates'
+        units in the regression coordinates' (the map is affine per coordinate); ones unless
+        overridden."""
+        return np.ones_like(np.asarray(base, np.float64))
+
+    @classmethod
+    def fisher_information(cls, coords) -> np.ndarray:
+        """Fisher information (..., k, k) of the family in its regression coordinates
+        (:meth:`to_coords`) at ``coords``: KL[p(c) ‖ p(c + δ)] = ½ δᵀ F(c) δ + O(|δ|³) — the
+        KL metric of the coordinates the operators regress."""
+        raise ValueError(f"fisher_information: unsupported family {cls.__name__}")
+
+    @classmethod
+    def least_expected_kl(cls, coords, var, base=None) -> np.ndarray:
+        """The expected KL[p(c) ‖ p(c + δ)] to second order, ½ E[δᵀ F(c) δ], of an error δ whose
+        coordinates have variances ``var`` (..., k) — the smallest over every correlation between
+        them (a regression's per-coordinate variances say nothing of it): min over correlation
+        matrices R of ½ tr(F D R D), D = diag(√var).  With ``base`` the variances are of
+        coordinates relative to ``base`` (:meth:`to_relative`) and are scaled by
+        :meth:`relative_scale` first.  Closed form for k ≤ 2 (every family here):
+        ½ (M₀₀ + M₁₁) − |M₀₁|, M = D F D; shape (...,).
+
+        Why the smallest: the errors of a learned operator's coordinates are correlated and the
+        correlation is not known row by row.  Where the Fisher metric couples the coordinates
+        (Gamma, Beta: an error in the log shape and the log rate of a Gamma at a fixed mean costs
+        ~½ δ², in the mean ~a δ²) assuming them independent weighs every row by its shape or
+        precision; the bound keeps what no correlation can cancel."""
+        c = np.asarray(coords, np.float64)
+        v = np.asarray(var, np.float64)
+        if base is not None:
+            v = v * cls.relative_scale(base) ** 2
+        k = c.shape[-1]
+        if k > 2:
+            raise ValueError(f"least_expected_kl: no closed form for {k} coordinates ({cls.__name__})")
+        F = cls.fisher_information(c)
+        sd = np.sqrt(v)
+        M = F * sd[..., :, None] * sd[..., None, :]
+        out = 0.5 * np.einsum("...ii->...", M)
+        if k == 2:
+            out = out - np.abs(M[..., 0, 1])
+        return np.maximum(out, 0.0)
+
+    @classmethod
     def default_proposal(cls) -> "Family":
         """A broad scalar message, the importance-sampling oracle's default proposal."""
         raise ValueError(f"no default proposal for {cls.__name__} variables; give one")
@@ -691,6 +735,22 @@ class Gaussian(Family):
         out = rel + base
         out[..., 0] = base[..., 0] + rel[..., 0] * np.exp(0.5 * base[..., 1])
         return out
+
+    @classmethod
+    def relative_scale(cls, base):
+        b = np.asarray(base, np.float64)
+        out = np.ones_like(b)
+        out[..., 0] = np.exp(0.5 * b[..., 1])
+        return out
+
+    @classmethod
+    def fisher_information(cls, coords):
+        # (mean, log var): diag(1 / var, ½)
+        c = np.asarray(coords, np.float64)
+        F = np.zeros(c.shape + (2,))
+        F[..., 0, 0] = np.exp(-c[..., 1])
+        F[..., 1, 1] = 0.5
+        return F
 
     @classmethod
     def default_proposal(cls):
@@ -943,6 +1003,17 @@ class Beta(Family):
         return "complex", CS[:, :D], CS[:, D:]
 
     @classmethod
+    def fisher_information(cls, coords):
+        # (log α, log β): α² (ψ'(α) − ψ'(α+β)), −αβ ψ'(α+β), β² (ψ'(β) − ψ'(α+β))
+        c = np.asarray(coords, np.float64)
+        a, b = np.exp(c[..., 0]), np.exp(c[..., 1])
+        F = np.empty(c.shape + (2,))
+        F[..., 0, 0] = a * a * _trigamma_diff(a, b)
+        F[..., 1, 1] = b * b * _trigamma_diff(b, a)
+        F[..., 0, 1] = F[..., 1, 0] = -a * b * trigamma(a + b)
+        return F
+
+    @classmethod
     def default_proposal(cls):
         return cls(1.0, 1.0)
 
@@ -1114,6 +1185,17 @@ class Gamma(Family):
         t *= 0.5
         np.negative(t, out=t)
         return "polar", t, phase
+
+    @classmethod
+    def fisher_information(cls, coords):
+        # (log a, log b): a² ψ'(a), −a, a
+        c = np.asarray(coords, np.float64)
+        a = np.exp(c[..., 0])
+        F = np.empty(c.shape + (2,))
+        F[..., 0, 0] = a * a * trigamma(a)
+        F[..., 1, 1] = a
+        F[..., 0, 1] = F[..., 1, 0] = -a
+        return F
 
     @classmethod
     def default_proposal(cls):
