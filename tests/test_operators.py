@@ -950,3 +950,103 @@ def test_auto_error_model_ties_go_to_none_bit_identical(op, data, monkeypatch):
     monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: next(calls))
     mine = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto")
     assert mine.error_model_selection_["chosen"] == "additive" and mine.error_model_["mode"] == "additive"
+
+
+def test_row_uncertainty_max_is_the_jit_rule_and_kl_the_gaussian_expected_kl(factor, op, data):
+    """scalar="max": the largest log variance of each row (what the JIT compares).  scalar="kl":
+    for a Gaussian recipient with relative targets the least expected KL is written out here from
+    the Gaussian's KL, ½ (v_m / v + ½ v_logv) at the predicted belief (the Fisher metric of (mean,
+    log var) is diagonal, so no correlation enters), the mean's variance in the reference's sd
+    units scaled back by the reference's variance — rtol 1e-12 (the same few operations).  The
+    scaling matters: the incoming variances span 0.1–3, so leaving it out moves the values by up to
+    log 10 (checked)."""
+    te = data["test"]
+    q, lv = op.predict(te.incoming)
+    np.testing.assert_array_equal(op.row_uncertainty(te.incoming, q, lv, "max"), lv.max(-1))
+    np.testing.assert_array_equal(op.row_uncertainty(te.incoming, q, lv), lv.max(-1))
+    ref = (factor.approximate_belief(te.incoming, "x") if op.reference_ == "approximation"
+           else te.incoming["x"])
+    var = np.exp(lv)
+    expected = 0.5 * (var[:, 0] * ref.var() / q.var() + 0.5 * var[:, 1])
+    u = op.row_uncertainty(te.incoming, q, lv, "kl")
+    np.testing.assert_allclose(u, np.log(expected), rtol=1e-12)
+    unscaled = np.log(0.5 * (var[:, 0] / q.var() + 0.5 * var[:, 1]))
+    assert np.max(np.abs(unscaled - u)) > 0.5
+    with pytest.raises(ValueError, match="scalar"):
+        op.row_uncertainty(te.incoming, q, lv, "sum")
+    with pytest.raises(ValueError, match="one row each"):
+        op.row_uncertainty(te.incoming, q[:10], lv[:10], "kl")
+
+
+def test_budget_threshold_thresholds_the_chosen_scalar(op, data):
+    """budget_threshold(scalar="kl") is the conformal quantile of the rows' row_uncertainty(…, "kl"),
+    the calibration rows predicted and the fitted ones left out by group (the same k-th smallest
+    rule as the default, on the other scalar); "max" unchanged; an unknown scalar refused."""
+    tr, cal = data["train"], data["test"]
+    u_cal = op.row_uncertainty(cal.incoming, *op.predict(cal.incoming), "kl")
+    u_fit = op.row_uncertainty(tr.incoming, *op.held_out_predict(tr, GROUPS), "kl")
+    for budget in (0.05, 0.1, 0.3):
+        t = operators.budget_threshold(op, cal.incoming, budget, scalar="kl")
+        assert t == np.sort(u_cal)[int(np.ceil(301 * (1 - budget))) - 1]
+        t2 = operators.budget_threshold(op, cal, budget, fitted=tr, groups=GROUPS, scalar="kl")
+        assert t2 == np.sort(np.r_[u_cal, u_fit])[int(np.ceil(701 * (1 - budget))) - 1]
+        assert operators.budget_threshold(op, cal.incoming, budget, scalar="max") == \
+            operators.budget_threshold(op, cal.incoming, budget)
+    # calibrate_threshold on the same scalar: the last prefix (by u) whose mean KL meets the target,
+    # the threshold halfway to the next row
+    kl = cal.beliefs.kl(op.predict(cal.incoming)[0])
+    order = np.argsort(u_cal)
+    target = float(np.median(kl))
+    last = np.flatnonzero(np.cumsum(kl[order]) / np.arange(1, 301) <= target)[-1]
+    assert last < 299
+    assert calibrate_threshold(op, cal, target, scalar="kl") == 0.5 * (u_cal[order][last] + u_cal[order][last + 1])
+    with pytest.raises(ValueError, match="scalar"):
+        operators.budget_threshold(op, cal.incoming, 0.1, scalar="mean")
+
+
+def test_auto_error_model_over_scalars_follows_the_criterion(factor, data):
+    """fit_error_model(mode="auto", scalars=("max", "kl")) scores every (scalar, error model) pair
+    by flagged_share_needed of the same pooled held-out rows — recomputed here from held_out_predict,
+    predict and row_uncertainty — keys "none"/"additive"/"ratio" for "max" (as without `scalars`:
+    the same scores) and "kl:<model>"; the smallest wins, ties in the order of `scalars` then of
+    the models; error_model_selection_["scalar"] names it ("max" without `scalars`)."""
+    from kjit.operators import ERROR_MODEL_CANDIDATES, flagged_share_needed
+
+    tr, _ = _noisy(data["train"], 0)
+    cal, _ = _noisy(data["test"], 1)
+    op = KernelOperator(factor, "x", **KW).fit(tr)
+    plain = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", held_out=cal)
+    assert plain.error_model_selection_["scalar"] == "max"
+    both = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", held_out=cal, scalars=("max", "kl"))
+    sel = both.error_model_selection_
+    assert set(sel["scores"]) == set(ERROR_MODEL_CANDIDATES) | {f"kl:{n}" for n in ERROR_MODEL_CANDIDATES}
+    for name in ERROR_MODEL_CANDIDATES:
+        assert sel["scores"][name] == plain.error_model_selection_["scores"][name]
+        cand = copy.deepcopy(op)
+        if name != "none":
+            cand.fit_error_model(tr, GROUPS, mode=name)
+        q_tr, lv_tr = cand.held_out_predict(tr, GROUPS)
+        q_cal, lv_cal = cand.predict(cal.incoming)
+        u = np.concatenate([cand.row_uncertainty(tr.incoming, q_tr, lv_tr, "kl"),
+                            cand.row_uncertainty(cal.incoming, q_cal, lv_cal, "kl")])
+        kl = np.concatenate([tr.beliefs.kl(q_tr), cal.beliefs.kl(q_cal)])
+        assert sel["scores"][f"kl:{name}"] == pytest.approx(flagged_share_needed(u, kl), abs=1e-12), name
+    order = [("max", n) for n in ERROR_MODEL_CANDIDATES] + [("kl", n) for n in ERROR_MODEL_CANDIDATES]
+    key = lambda sc, n: n if sc == "max" else f"{sc}:{n}"  # noqa: E731
+    best = min(sel["scores"].values())
+    assert (sel["scalar"], sel["chosen"]) == next(c for c in order if sel["scores"][key(*c)] == best)
+    assert getattr(both, "error_model_", None) is None if sel["chosen"] == "none" else \
+        both.error_model_["mode"] == sel["chosen"]
+    for bad in ((), ("max", "max"), ("median",)):
+        with pytest.raises(ValueError, match="scalars"):
+            copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", scalars=bad)
+    with pytest.raises(ValueError, match="scalars"):
+        copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="ratio", scalars=("kl",))
+
+
+def test_auto_error_model_scalar_ties_go_in_the_order_given(op, data, monkeypatch):
+    """Every candidate scoring alike: the first scalar of `scalars` and no error model."""
+    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: 0.25)
+    for scalars in (("max", "kl"), ("kl", "max")):
+        mine = copy.deepcopy(op).fit_error_model(data["train"], GROUPS, mode="auto", scalars=scalars)
+        assert (mine.error_model_selection_["scalar"], mine.error_model_selection_["chosen"]) == (scalars[0], "none")
