@@ -614,7 +614,7 @@ class Gaussian(Family):
     @classmethod
     def from_natural(cls, eta):
         eta = np.asarray(eta, dtype=float)
-        if eta.size == 2 and eta.ndim > 1:  # one message: as below, on Python floats
+        if eta.size == 2 and eta.ndim > 1 and eta.shape[-1] == 2:  # one message: as below, on Python floats
             e1, e2 = eta.ravel().tolist()
             prec = -2.0 * e2
             if prec != 0.0:  # (1/±0 is numpy's: ±inf)

@@ -8,11 +8,13 @@ import os
 import resource
 import signal
 import socket
+import sys
 import threading
 import time
 
 import pytest
 
+import kjit.transport as T
 from kjit.transport import ConnectError, ReadTimeout, RemoteProtocolError, Session
 
 from loopback import AcceptLoop
@@ -420,3 +422,136 @@ def test_the_connection_reader_splits_answers_as_they_arrive():
     finally:
         a.close()
         b.close()
+
+
+# ---------------------------------------------------------------- found by the fourteenth session's review of
+# the transport's own connection (each failed before its fix)
+
+def _serve(answer_for, delay=0.0):
+    """One-connection server: answers each request head with answer_for(path) after `delay` s."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def run():
+        try:
+            c, _ = srv.accept()
+        except OSError:
+            return
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    d = c.recv(65536)
+                    if not d:
+                        return
+                    buf += d
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                time.sleep(delay)
+                c.sendall(answer_for(head.split(b" ")[1]))
+        except OSError:
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+def test_a_negative_chunk_size_is_a_protocol_error_not_a_spin():
+    srv, url = _serve(lambda p: b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n0\r\n\r\n")
+    s = T.Session(url, timeout=1)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", _catch(lambda: s.request("GET", "/"))), daemon=True)
+    t.start()
+    t.join(4)
+    srv.close()
+    assert not t.is_alive(), "the request still runs after 4 s with a 1 s timeout (a loop without I/O)"
+    assert isinstance(out["r"], T.RemoteProtocolError), out["r"]
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+def test_a_head_answer_with_transfer_encoding_chunked_has_no_body():
+    srv, url = _serve(lambda p: b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    try:
+        r = T.Session(url, timeout=1).request("HEAD", "/")
+        assert (r.status_code, r.content) == (200, b"")
+    finally:
+        srv.close()
+
+
+def test_the_query_memo_does_not_answer_for_a_different_query():
+    srv, url = _serve(lambda p: b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(p) + p)
+    try:
+        s = T.Session(url, timeout=2)
+        assert s.request("GET", "/q", params={"flag": 1}).content == b"/q?flag=1"
+        assert s.request("GET", "/q", params={"flag": True}).content == b"/q?flag=True"
+    finally:
+        srv.close()
+
+
+def test_an_interrupt_right_after_the_send_does_not_hand_the_next_request_its_answer():
+    srv, url = _serve(lambda p: b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(p) + p, delay=0.3)
+    s = T.Session(url, timeout=5)
+    code = T.Session._request.__code__
+    # the line of the `try:` that opens the answer's block (after the send's)
+    import dis
+    lines = [ln for _, _, ln in code.co_lines() if ln is not None]
+    src = __import__("inspect").getsource(T.Session._request).splitlines()
+    first = code.co_firstlineno
+    send_at = next(i for i, l in enumerate(src) if "conn.send(" in l)
+    try_at = first + next(i for i, l in enumerate(src) if i > send_at and l.strip() == "try:")
+    armed = [True]
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code:
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == try_at and armed[0]:
+                    armed[0] = False
+                    raise KeyboardInterrupt
+                return local
+            return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.request("GET", "/first")
+    finally:
+        sys.settrace(None)
+    try:
+        r = _catch(lambda: s.request("GET", "/second"))
+        assert not isinstance(r, T.Response) or r.content == b"/second", r.content
+    finally:
+        srv.close()
+
+
+def test_reading_a_body_in_small_pieces_copies_it_a_bounded_number_of_times():
+    class Sock:
+        def __init__(s, data):
+            s.data, s.i = data, 0
+
+        def recv(s, n):
+            d = s.data[s.i:s.i + min(n, 16384)]
+            s.i += len(d)
+            return d
+
+    class Counting(T._Reader):
+        copied = 0
+
+        def _fill(self):
+            ok = super()._fill()
+            self.copied += len(self.buf) if ok else 0
+            return ok
+
+    body = b"x" * (4 << 20)
+    sock = Sock(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    r = Counting(sock)
+    resp = T._Response(sock, method="GET", reader=r)
+    resp.begin()
+    assert resp.read() == body
+    assert r.copied <= 4 * len(body), f"{r.copied / len(body):.0f} x the body copied"
