@@ -28,8 +28,9 @@ class _Server(AcceptLoop):
     ``Connection: close`` and close."""
 
     def __init__(self, close_after: int | None = None, silent: bool = False, close_header: bool = False,
-                 delay: float = 0.0):
+                 delay: float = 0.0, answer=None):
         self.close_after, self.silent, self.close_header, self.delay = close_after, silent, close_header, delay
+        self.answer = answer  # path -> the whole answer's bytes (None: the path as a text/plain body)
         self.requests: list[bytes] = []
         self.heads: list[bytes] = []
         super().__init__()
@@ -61,6 +62,9 @@ class _Server(AcceptLoop):
                     continue
                 time.sleep(self.delay)
                 path = head.split(b" ")[1]
+                if self.answer is not None:
+                    c.sendall(self.answer(path))
+                    continue
                 extra = b"Connection: close\r\n" if self.close_header else b""
                 c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n" + extra
                           + f"Content-Length: {len(path)}\r\n\r\n".encode() + path)
@@ -428,32 +432,9 @@ def test_the_connection_reader_splits_answers_as_they_arrive():
 # the transport's own connection (each failed before its fix)
 
 def _serve(answer_for, delay=0.0):
-    """One-connection server: answers each request head with answer_for(path) after `delay` s."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(4)
-
-    def run():
-        try:
-            c, _ = srv.accept()
-        except OSError:
-            return
-        buf = b""
-        try:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    d = c.recv(65536)
-                    if not d:
-                        return
-                    buf += d
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                time.sleep(delay)
-                c.sendall(answer_for(head.split(b" ")[1]))
-        except OSError:
-            pass
-
-    threading.Thread(target=run, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+    """A server answering each request with ``answer_for(path)`` after ``delay`` s: (server, url)."""
+    srv = _Server(delay=delay, answer=answer_for)
+    return srv, srv.url
 
 
 def test_a_negative_chunk_size_is_a_protocol_error_not_a_spin():
