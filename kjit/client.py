@@ -123,6 +123,12 @@ def _columns_array(cols, n) -> np.ndarray:
         return np.array([[np.nan if x is None else x for x in c] for c in cols], dtype=float).T.copy()
 
 
+def _joined(parts, fn) -> np.ndarray:
+    """``fn`` of each answer of a batch sent in parts, rows concatenated (one part — every batch up
+    to the server's limit — without a concatenation)."""
+    return fn(parts[0]) if len(parts) == 1 else np.concatenate([fn(p) for p in parts])
+
+
 class RemoteOperator:
     """A message operator served by ``kjit serve`` (see the module docstring).
 
@@ -357,8 +363,8 @@ class RemoteOperator:
                                        params={"mode": mode}, retry=retry))
         fam = self.family
 
-        def joined(fn):  # one part (every batch up to the server's limit): no concatenation
-            return fn(parts[0]) if len(parts) == 1 else np.concatenate([fn(p) for p in parts])
+        def joined(fn):
+            return _joined(parts, fn)
 
         beliefs = fam.concatenate([fam(*(p["beliefs"][k] for k in fam.param_names)) for p in parts])
         consulted = joined(lambda p: np.asarray(p["consulted"], dtype=bool))
@@ -376,9 +382,8 @@ class RemoteOperator:
     def _logvar(self, parts) -> np.ndarray:
         """The answers' log predictive variances (n, k); NaN where the server gives none (mode=oracle)."""
         k = len(self.family.coord_names)
-        cols = [np.full((p["n"], k), np.nan) if p["log_var"] is None else _columns_array(p["log_var"], p["n"])
-                for p in parts]
-        return cols[0] if len(cols) == 1 else np.concatenate(cols)
+        return _joined(parts, lambda p: np.full((p["n"], k), np.nan) if p["log_var"] is None
+                       else _columns_array(p["log_var"], p["n"]))
 
     def _certificates(self, parts, beliefs, flat, consulted) -> Certificates:
         """The server's certificates of the batch (a server without them: learned where not consulted)."""
