@@ -244,19 +244,25 @@ class Certificates:
         """Columns, like the response's messages: lists of n values per field (null: none); a field
         with no finite value at all is null."""
         k = len(self.coords)
-        # the float fields as one (2k + 1, n) array
-        a = np.concatenate([self.log_var.T, self.ess[None, :], self.mc_se.T])
-        cols = json_columns(a)
-        if a.shape[1] == 1:  # one row: a field has a number where its list is not [None]
-            has = np.array([c[0] is not None for c in cols])
+        if self.source.size == 1:
+            # one row (a one-message response): the 2k + 1 numbers by Python floats — the lists
+            # json_columns gives of the (2k + 1, 1) array below, without building it
+            cols = [[x] if math.isfinite(x) else [None]
+                    for x in (*self.log_var.ravel().tolist(), self.ess.item(), *self.mc_se.ravel().tolist())]
+            has = [c[0] is not None for c in cols]
+            has_lv, has_ess, has_se = any(has[:k]), has[k], any(has[k + 1:])
         else:
+            # the float fields as one (2k + 1, n) array
+            a = np.concatenate([self.log_var.T, self.ess[None, :], self.mc_se.T])
+            cols = json_columns(a)
             has = np.isfinite(a).any(axis=1)
+            has_lv, has_ess, has_se = bool(has[:k].any()), bool(has[k]), bool(has[k + 1:].any())
         return {
             "source": self.source.tolist(),
-            "log_var": cols[:k] if has[:k].any() else None,
+            "log_var": cols[:k] if has_lv else None,
             "threshold": self.threshold,
-            "ess": cols[k] if has[k] else None,
-            "mc_se": cols[k + 1:] if has[k + 1:].any() else None,
+            "ess": cols[k] if has_ess else None,
+            "mc_se": cols[k + 1:] if has_se else None,
             "projection": self.projection,
             "proper": self.proper.tolist(),
             "version": self.version,

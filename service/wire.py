@@ -22,7 +22,7 @@ def answer_columns(beliefs: Family, messages: Family, log_var) -> tuple[dict, di
     n = len(beliefs)
     nat = messages.natural().reshape(n, -1)
     lv = None if log_var is None else np.asarray(log_var, dtype=float).reshape(n, -1)
-    cols = [*(np.ravel(p) for p in beliefs.params), *(np.ravel(p) for p in messages.params), *nat.T,
+    cols = [*(p.ravel() for p in beliefs.params), *(p.ravel() for p in messages.params), *nat.T,
             *(() if lv is None else lv.T)]
     lists = iter(json_columns(cols))
     q = {"family": family_name(beliefs), **{name: next(lists) for name in beliefs.param_names}}
