@@ -96,14 +96,13 @@ def _cached_propriety(compute):
     """``is_proper``'s getter computed once per message (see ``Family.__init_subclass__``)."""
 
     def is_proper(self):
-        try:
-            return self._proper
-        except AttributeError:
+        ok = self._proper  # (the class's None until computed: no AttributeError raised and caught)
+        if ok is None:
             ok = compute(self)
             if isinstance(ok, np.ndarray):
                 ok.flags.writeable = False
             self._proper = ok
-            return ok
+        return ok
 
     is_proper._cached = True
     return is_proper
@@ -117,6 +116,7 @@ class Family:
     """
 
     param_names: ClassVar[tuple[str, ...]] = ()
+    _proper = None  # is_proper, once computed (per message: see ``__init_subclass__``)
     n_stats: ClassVar[int] = 2
     coord_names: ClassVar[tuple[str, ...]] = ()
     # index of the regression coordinate that is log(spread) (Gaussian: log variance), where a

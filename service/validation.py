@@ -54,9 +54,17 @@ _FIXED_VALUES = 1000
 NUMERIC_ERRORS = (ValueError, ArithmeticError, np.linalg.LinAlgError)
 
 
+def _raw_body(request: Request) -> bytes | None:
+    """The body :class:`~service.middleware.BodyLimitMiddleware` read, from the request's state
+    where it put it (``scope["state"]``; read there, not through ``request.state``, whose
+    attribute access raises and catches an AttributeError first)."""
+    state = request.scope.get("state")
+    return None if state is None else state.get("raw_body")
+
+
 def parse_body(model: type[M], request: Request, max_batch: int) -> M:
     """Validate the raw request body as ``model``; 422 with bounded, located errors."""
-    raw = getattr(request.state, "raw_body", None)
+    raw = _raw_body(request)
     if raw is None:  # pragma: no cover - BodyLimitMiddleware always sets it
         raw = b""
     ctype = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"content-type"), None)
@@ -94,7 +102,7 @@ def body_dependency(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     """A FastAPI dependency: small bodies parsed inline, large ones in the thread pool."""
 
     async def dep(request: Request) -> M:
-        raw = getattr(request.state, "raw_body", None)
+        raw = _raw_body(request)
         max_batch = request.app.state.settings.max_batch
         if raw is not None and len(raw) <= INLINE_PARSE_BYTES:
             return parse_body(model, request, max_batch)
