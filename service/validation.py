@@ -67,7 +67,11 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
     raw = _raw_body(request)
     if raw is None:  # pragma: no cover - BodyLimitMiddleware always sets it
         raw = b""
-    ctype = next((v.decode("latin-1") for k, v in request.scope["headers"] if k == b"content-type"), None)
+    ctype = None
+    for k, v in request.scope["headers"]:
+        if k == b"content-type":  # (the first, as before)
+            ctype = v.decode("latin-1")
+            break
     if ctype is not None and not _is_json(ctype):
         raise ApiError(400, ["header", "content-type"], f"the body must be JSON (Content-Type: application/json), "
                                                          f"got {ctype.split(';')[0].strip()[:60]!r}", "not_json")
