@@ -91,11 +91,13 @@ class AppState(State):
 
     def __setattr__(self, key, value) -> None:
         super().__setattr__(key, value)
-        object.__setattr__(self, key, value)
+        if key != "_state":  # (State's own dict, which the name reads as in State)
+            object.__setattr__(self, key, value)
 
     def __delattr__(self, key) -> None:
         super().__delattr__(key)
-        object.__delattr__(self, key)
+        if key != "_state":
+            object.__delattr__(self, key)
 
     def __setitem__(self, key, value) -> None:
         self.__setattr__(key, value)

@@ -180,3 +180,57 @@ def test_an_unexpected_error_on_the_hot_path_is_the_apps_500(clients, monkeypatc
     assert a.headers["content-type"] == b.headers["content-type"]
     strip = lambda r: [{k: v for k, v in d.items() if k != "msg"} for d in r.json()["detail"]]  # noqa: E731
     assert strip(a) == strip(b) and "internal error" in a.json()["detail"][0]["msg"]
+
+
+def test_app_state_reads_as_starlettes_state_without_its_getattr(clients, monkeypatch):
+    """app.state (an AppState) behaves as Starlette's State — attribute and item access, iteration,
+    deletion, AttributeError for a missing name — and a read of a set value never reaches State's
+    __getattr__ (which Python calls only after raising an AttributeError)."""
+    from starlette.datastructures import State
+
+    app = clients[0].app
+    assert isinstance(app.state, fastpath.AppState)
+    for key in ("settings", "store", "metrics", "oracle_slot", "jobs"):  # (jobs: set by the lifespan)
+        assert key in app.state.__dict__
+    state = fastpath.AppState()
+    state.a = 1
+    state["b"] = 2
+    assert (state.a, state["a"], state.b, state["b"]) == (1, 1, 2, 2) and sorted(state) == ["a", "b"] and len(state) == 2
+    state.a = 3
+    assert (state.a, state["a"]) == (3, 3)
+    del state.a
+    del state["b"]
+    assert len(state) == 0
+    with pytest.raises(AttributeError):
+        state.a
+    with pytest.raises(AttributeError):
+        state.b
+    state.c = 4
+    calls = []
+    real = State.__getattr__
+    monkeypatch.setattr(State, "__getattr__", lambda self, key: calls.append(key) or real(self, key))
+    assert state.c == 4 and calls == []
+    assert getattr(state, "missing", None) is None and calls == ["missing"]
+
+
+def test_family_name_follows_the_registry():
+    """family_name's memo answers what a scan of FAMILIES answers, also after a class is registered
+    under another name."""
+    from kjit.families import FAMILIES, Gaussian, family_name, register_family
+
+    class Mine(Gaussian):
+        pass
+
+    try:
+        register_family("mine-a", Mine)
+        assert family_name(Mine) == family_name(Mine(0.0, 1.0)) == "mine-a"
+        del FAMILIES["mine-a"]
+        register_family("mine-b", Mine)
+        assert family_name(Mine) == "mine-b"
+        del FAMILIES["mine-b"]
+        with pytest.raises(ValueError, match="not registered"):
+            family_name(Mine)
+    finally:
+        FAMILIES.pop("mine-a", None)
+        FAMILIES.pop("mine-b", None)
+    assert family_name(Gaussian) == "gaussian"
