@@ -175,7 +175,7 @@ from kjit.ep.graph import GraphEP
 from kjit.ep.models import normal_mean_precision, poisson_gamma, rank_one
 from kjit.factors import get_factor
 from kjit.families import Bernoulli, Gamma, Gaussian
-from kjit.operators import KernelOperator, budget_threshold, calibrate_threshold, flagged_share_needed
+from kjit.operators import KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold, flagged_share_needed
 from kjit.oracles import QuadratureOracle
 from kjit.training import TrainingSet
 
@@ -418,6 +418,26 @@ def direction_rows(f, recs, args, rng):
                "error_model_scores": {k: float(v) for k, v in selection["scores"].items()}}
         chosen = uncertainty_figures(op)  # with the chosen error model: the headline
         row.update(chosen)
+        if args.ensemble:
+            # the ensemble spread (opt-in, --ensemble K): K − 1 more operators on the same pairs, only
+            # the random features' seed differing (hyperparameters: --ensemble-hyperparameters); every
+            # figure above with the members' across-member variance as the uncertainty (``_ens``), and
+            # with it added to the headline's variance, the chosen error model's included (``_enssum``);
+            # the thresholds calibrated by the same functions on the same pooled rows (each member's
+            # leave-one-problem-out prediction on the training rows); the errors ranked are the operator's
+            t = time.perf_counter()
+            ens = KernelEnsemble(op, args.ensemble, hyperparameters=args.ensemble_hyperparameters).fit(data["train"])
+            t_ens = time.perf_counter() - t
+            row.update({k + "_ens": v for k, v in uncertainty_figures(ens).items()})
+            row.update({k + "_enssum": v for k, v in uncertainty_figures(ens.with_variance(True)).items()})
+            # the members' mean as the prediction: its KL, and how the spread ranks its errors
+            kl_ens = np.maximum(test.beliefs.kl(ens.mean_belief(test.incoming)), 1e-300)
+            u_ens = ens.row_uncertainty(test.incoming, *ens.predict(test.incoming))
+            row.update({"mean_log_kl_ens": float(np.mean(np.log(kl_ens))), "median_kl_ens": float(np.median(kl_ens)),
+                        "p95_kl_ens": float(np.quantile(kl_ens, 0.95)),
+                        "flagged_fraction_needed_ensmean": flagged_share_needed(u_ens, kl_ens),
+                        "ensemble_members": int(args.ensemble),
+                        "ensemble_hyperparameters": args.ensemble_hyperparameters, "ensemble_fit_seconds": t_ens})
         # the same without any error model (the BLR variance and the reference's error alone)
         op.remove_error_model()
         row.update({k + "_blr": v for k, v in (chosen if selection["chosen"] == "none"
@@ -468,6 +488,11 @@ def main(argv=None):
     ap.add_argument("--calibration", choices=("pooled", "calset"), default="pooled",
                     help="thresholds from the calibration set pooled with the training problems left out "
                          "one at a time (default), or from the calibration set alone (the protocol before)")
+    ap.add_argument("--ensemble", type=int, default=0, metavar="K",
+                    help="also the ensemble-spread uncertainty of K operators differing in their random "
+                         "features' seed (KernelEnsemble; keys with the suffixes _ens, _enssum; default off)")
+    ap.add_argument("--ensemble-hyperparameters", choices=("shared", "own"), default="shared",
+                    help="the ensemble's members take the operator's hyperparameters (default) or choose their own")
     args = ap.parse_args(argv)
     scale = 1.0
     if args.quick:
@@ -513,7 +538,25 @@ def main(argv=None):
         "n_flagged_fraction_needed_le_006_kl": sum(r["flagged_fraction_needed_kl"] <= 0.06 for r in rows),
         "uncertainty_scalars_kl": {c: sum(r["uncertainty_scalar_kl"] == c for r in rows) for c in ("max", "kl")},
         "error_models_kl": {c: sum(r["error_model_kl"] == c for r in rows) for c in ("none", "additive", "ratio")},
+        **(_ensemble_summary(rows) if args.ensemble else {}),
     }), flush=True)
+
+
+def _ensemble_summary(rows):
+    """The summary's ensemble counts (--ensemble): as the other uncertainties', per suffix."""
+    out = {}
+    for tag in ("_ens", "_enssum"):
+        out.update({f"n_met_at_{at}{tag}": sum(r[f"worst1pct_flagged_at_{at}{tag}"] >= 0.95
+                                               and r[f"flagged_fraction_at_{at}{tag}"] <= 0.1 for r in rows)
+                    for at in ("q90", "budget90", "budget90_pred")})
+        out[f"n_flagged_fraction_needed_le_006{tag}"] = sum(r[f"flagged_fraction_needed{tag}"] <= 0.06 for r in rows)
+        out[f"max_flagged_fraction_at_q90{tag}"] = max(r[f"flagged_fraction_at_q90{tag}"] for r in rows)
+        out[f"min_worst1pct_flagged_at_q90{tag}"] = min(r[f"worst1pct_flagged_at_q90{tag}"] for r in rows)
+    out["n_flagged_fraction_needed_le_006_ensmean"] = sum(r["flagged_fraction_needed_ensmean"] <= 0.06 for r in rows)
+    out["worst_mean_log_kl_ens"] = max(r["mean_log_kl_ens"] for r in rows)
+    out["n_mean_log_kl_ens_lower"] = sum(r["mean_log_kl_ens"] < r["mean_log_kl"] for r in rows)
+    out["mean_delta_log_kl_ens"] = float(np.mean([r["mean_log_kl_ens"] - r["mean_log_kl"] for r in rows]))
+    return out
 
 
 if __name__ == "__main__":

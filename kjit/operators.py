@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import numbers
 import time
 from typing import Mapping, Sequence
 
@@ -1308,6 +1309,164 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
         else:
             lo = mid + 1
     return float(cand[lo])
+
+
+# ====================================================================== ensemble spread (opt-in)
+ENSEMBLE_HYPERPARAMETERS = ("shared", "own")
+
+
+class KernelEnsemble:
+    """An ensemble-spread uncertainty for a fitted :class:`KernelOperator` (opt-in; issue 14 part 3).
+
+    The BLR's predictive variance measures the distance of a row's random features to the
+    training rows; it does not see the error the random-feature approximation itself makes (which
+    features were drawn).  This fits ``members − 1`` further operators on the same pairs, differing
+    only in the random features' seed, and reads the spread of the members' predictions —
+    the operator itself is member 0 — as an uncertainty: per row and coordinate the across-member
+    variance s²_k (ddof 1: an unbiased estimate of the variance of one member's prediction about
+    the members' common expectation) of the *regressed* coordinates (relative to the operator's
+    reference for relative targets: the units of the operator's own predictive variance).
+
+    ``hyperparameters``: ``"shared"`` (default) — every member takes the operator's chosen width
+    rule, inner and outer width factors, prior and noise variances (its fit searches that single
+    point: only the features' draw differs); ``"own"`` — every member chooses its own by the log
+    evidence, as the operator did (the spread then also includes the choice).  ``seeds``: the
+    members' ``random_state`` (``members − 1`` ints); default from
+    ``numpy.random.SeedSequence([operator.random_state, k])`` for k = 1…members − 1 (an int
+    ``random_state``; otherwise fresh entropy).  ``add_variance``: the uncertainty is the spread
+    alone, log s²_k (False, default), or added to the operator's own predictive variance as it
+    stands (with its error model and reference error, if any), log(v_k + s²_k).
+
+    The answers mimic the operator's so that :func:`budget_threshold` and
+    :func:`calibrate_threshold` calibrate it unchanged (``scalar="max"`` only): :meth:`predict` and
+    :meth:`held_out_predict` return the *operator's* belief (member 0's — the errors being ranked
+    are the operator's) with the ensemble's log variances; :meth:`mean_belief` is the members'
+    average in the regressed coordinates.  Not used by :class:`JITOperator` and not persisted.
+    """
+
+    def __init__(self, operator: KernelOperator, members: int = 4, hyperparameters: str = "shared",
+                 seeds=None, add_variance: bool = False):
+        operator._check_fitted()
+        if int(members) < 2:
+            raise ValueError("`members` must be ≥ 2 (the operator and at least one more)")
+        if hyperparameters not in ENSEMBLE_HYPERPARAMETERS:
+            raise ValueError(f"`hyperparameters` must be one of {ENSEMBLE_HYPERPARAMETERS}, got {hyperparameters!r}")
+        self.operator = operator
+        self.members = int(members)
+        self.hyperparameters = hyperparameters
+        if seeds is None:
+            rs = operator.random_state
+            entropy = int(rs) if isinstance(rs, numbers.Integral) and not isinstance(rs, bool) else None
+            root = np.random.SeedSequence(entropy)
+            seeds = [int(np.random.SeedSequence([root.entropy, k]).generate_state(1)[0])
+                     for k in range(1, self.members)]
+        seeds = [int(s) for s in seeds]
+        if len(seeds) != self.members - 1:
+            raise ValueError(f"`seeds` must give {self.members - 1} seeds (one per member after the operator)")
+        self.seeds = seeds
+        self.add_variance = bool(add_variance)
+        self._held = None  # (data, groups, the other members' held-out coordinates): see held_out_predict
+
+    def with_variance(self, add_variance: bool) -> "KernelEnsemble":
+        """A view of this ensemble (the same fitted members) with ``add_variance`` set."""
+        other = copy.copy(self)
+        other.add_variance = bool(add_variance)
+        return other
+
+    def fit(self, data: TrainingSet | tuple, beliefs: Family | None = None) -> "KernelEnsemble":
+        """Fit the other members on ``data`` — the pairs the operator was fitted on."""
+        base = self.operator
+        kw = dict(n_inner=base.n_inner, n_outer=base.n_outer, treatment=base.treatment,
+                  inner_factors=base.inner_factors, width_factors=base.width_factors,
+                  prior_vars=base.prior_vars, noise_vars=base.noise_vars, dtype=base.dtype, target=base.target,
+                  canonical=base.canonical, width_rules=base.width_rules, reference=base.reference)
+        if self.hyperparameters == "shared":
+            kw.update(inner_factors=[base.inner_factor_], width_factors=[base.width_factor_],
+                      prior_vars=[base.prior_var_], noise_vars=[base.noise_var_],
+                      width_rules=(getattr(base, "width_rule_", "mean_variance"),))
+        self.members_ = [KernelOperator(base.factor, base.to, random_state=s, **kw).fit(data, beliefs)
+                         for s in self.seeds]
+        self._held = None
+        return self
+
+    def _regressed(self, coords, flat):
+        """Belief coordinates (n, k) → the regressed coordinates (relative to the reference)."""
+        op = self.operator
+        if op.target != "relative":
+            return coords
+        with np.errstate(all="ignore"):
+            return op._to_relative(coords, op._reference(flat))
+
+    def _answer(self, q0, logvar0, others, flat):
+        """(the operator's belief, the ensemble's log variances (n, k)) from the operator's answer
+        and the other members' regressed coordinates ``others`` (K − 1, n, k)."""
+        k = len(self.operator.y_mean_)
+        c0 = self._regressed(q0.ravel().to_coords().reshape(-1, k), flat)
+        s2 = np.var(np.concatenate([c0[None], others]), axis=0, ddof=1)
+        if self.add_variance:
+            s2 = s2 + np.exp(np.asarray(logvar0, np.float64).reshape(-1, k))
+        return q0, np.log(np.maximum(s2, np.finfo(np.float64).tiny)).reshape(q0.shape + (k,))
+
+    def _check_fitted(self):
+        if not hasattr(self, "members_"):
+            raise ValueError("this KernelEnsemble is not fitted yet: call fit() first")
+
+    def _flat(self, incoming):
+        inc, _ = self.operator.factor.check_incoming(incoming, self.operator.to)
+        return {v: m.ravel() for v, m in inc.items()}
+
+    def member_coords(self, incoming: Mapping[str, Family]) -> np.ndarray:
+        """(K, n, k): every member's predicted regressed coordinates (member 0: the operator), of
+        its belief (:meth:`KernelOperator.belief`: clipped to the factor's bound)."""
+        self._check_fitted()
+        return self._coords([self.operator] + self.members_, self._flat(incoming))
+
+    def _coords(self, models, flat):
+        k = len(self.operator.y_mean_)
+        return np.stack([self._regressed(m.belief(flat).to_coords().reshape(-1, k), flat) for m in models])
+
+    def predict(self, incoming: Mapping[str, Family], to: str | None = None):
+        """The operator's belief and the ensemble's log variances (batch, k)."""
+        self._check_fitted()
+        self.operator._check_to(to)
+        q0, logvar0 = self.operator.predict(incoming)
+        flat = self._flat(incoming)
+        others = self._coords(self.members_, flat)
+        return self._answer(q0, logvar0, others, flat)
+
+    def held_out_predict(self, data: TrainingSet | tuple, groups, beliefs: Family | None = None):
+        """:meth:`KernelOperator.held_out_predict` of every member (each refitted without the row's
+        group, exactly), read as :meth:`predict` reads the members' predictions.  The other
+        members' answers are kept for the last (``data``, ``groups``) asked (the same objects):
+        calibrations ask several times."""
+        self._check_fitted()
+        groups = np.asarray(groups)
+        q0, logvar0 = self.operator.held_out_predict(data, groups, beliefs)
+        incoming, _ = self.operator._unpack(data, beliefs)
+        flat = self._flat(incoming)
+        k = len(self.operator.y_mean_)
+        held = self._held
+        if held is None or held[0] is not data or not np.array_equal(held[1], groups):
+            others = np.stack([self._regressed(m.held_out_predict(data, groups, beliefs)[0].ravel()
+                                               .to_coords().reshape(-1, k), flat) for m in self.members_])
+            self._held = held = (data, groups.copy(), others)
+        return self._answer(q0, logvar0, held[2], flat)
+
+    def row_uncertainty(self, incoming, q: Family, logvar, scalar: str = "max") -> np.ndarray:
+        """The largest log variance over the coordinates, per row (only ``scalar="max"``)."""
+        if scalar != "max":
+            raise ValueError("a KernelEnsemble's uncertainty is scalarised by 'max' only")
+        return np.max(np.asarray(logvar, np.float64).reshape(-1, len(self.operator.y_mean_)), axis=-1)
+
+    def mean_belief(self, incoming: Mapping[str, Family]) -> Family:
+        """The members' average prediction: the mean of their regressed coordinates, as a belief
+        (clipped to the factor's bound as the operator's are)."""
+        op = self.operator
+        inc, shape = op.factor.check_incoming(incoming, op.to)
+        flat = {v: m.ravel() for v, m in inc.items()}
+        rel = self.member_coords(flat).mean(axis=0)
+        coords = op._from_relative(rel, op._base(flat)) if op.target == "relative" else rel
+        return op._to_belief(coords, flat, shape)
 
 
 def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float,
