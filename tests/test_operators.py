@@ -1050,3 +1050,92 @@ def test_auto_error_model_scalar_ties_go_in_the_order_given(op, data, monkeypatc
     for scalars in (("max", "kl"), ("kl", "max")):
         mine = copy.deepcopy(op).fit_error_model(data["train"], GROUPS, mode="auto", scalars=scalars)
         assert (mine.error_model_selection_["scalar"], mine.error_model_selection_["chosen"]) == (scalars[0], "none")
+
+
+# ====================================================================== ensemble spread (issue 14 part 3, opt-in)
+
+def _members_by_hand(op, tr, seeds):
+    """The ensemble's other members built independently: the operator's constructor arguments with
+    its chosen hyperparameters as single-point grids, each seed's random features."""
+    kw = dict(KW, inner_factors=[op.inner_factor_], width_factors=[op.width_factor_], prior_vars=[op.prior_var_],
+              noise_vars=[op.noise_var_], width_rules=(op.width_rule_,))
+    return [KernelOperator(op.factor, "x", **dict(kw, random_state=s)).fit(tr) for s in seeds]
+
+
+def _relative(op, q, inc):
+    """Regressed coordinates of beliefs ``q`` (Gaussian, relative to the operator's reference):
+    ((m_q − m_r)/√v_r, log v_q − log v_r), written out here rather than through the family."""
+    r = op.factor.approximate_belief({v: m.ravel() for v, m in inc.items()}, "x") if op.reference_ == "approximation" \
+        else inc["x"]
+    return np.stack([(q.mean() - r.mean()) / np.sqrt(r.var()), np.log(q.var()) - np.log(r.var())], axis=-1)
+
+
+def test_ensemble_spread_is_the_members_sample_variance(op, data):
+    """KernelEnsemble.predict: the operator's belief, and per coordinate the log of the sample
+    variance (ddof 1) over the operator and members fitted by hand with the same seeds and the
+    operator's hyperparameters, of the regressed coordinates; add_variance adds the operator's own
+    predictive variance; the default seeds are SeedSequence([random_state, k])'s."""
+    tr, te = data["train"], data["test"]
+    ens = operators.KernelEnsemble(op, 3).fit(tr)
+    assert ens.seeds == [int(np.random.SeedSequence([0, k]).generate_state(1)[0]) for k in (1, 2)]
+    others = _members_by_hand(op, tr, ens.seeds)
+    for m in ens.members_:  # shared: the operator's hyperparameters, its own random features
+        assert (m.inner_factor_, m.width_factor_, m.prior_var_, m.noise_var_, m.width_rule_) == \
+            (op.inner_factor_, op.width_factor_, op.prior_var_, op.noise_var_, op.width_rule_)
+    rel = np.stack([_relative(op, m.belief(te.incoming), te.incoming) for m in [op] + others])
+    s2 = np.sum((rel - rel.mean(axis=0)) ** 2, axis=0) / 2
+    q, lv = ens.predict(te.incoming)
+    q_op, lv_op = op.predict(te.incoming)
+    np.testing.assert_array_equal(q.to_coords(), q_op.to_coords())
+    assert lv.shape == (300, 2)
+    np.testing.assert_allclose(lv, np.log(s2), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ens.with_variance(True).predict(te.incoming)[1], np.log(s2 + np.exp(lv_op)),
+                               rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(ens.row_uncertainty(te.incoming, q, lv), lv.max(axis=-1))
+    with pytest.raises(ValueError, match="max"):
+        ens.row_uncertainty(te.incoming, q, lv, "kl")
+    # the mean: the members' average of (mean, log var) — relative coordinates are affine in them
+    qm = ens.mean_belief(te.incoming)
+    qs = [m.belief(te.incoming) for m in [op] + others]
+    np.testing.assert_allclose(qm.mean(), np.mean([b.mean() for b in qs], axis=0), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.log(qm.var()), np.mean([np.log(b.var()) for b in qs], axis=0), rtol=0, atol=1e-10)
+
+
+def test_ensemble_held_out_predict_and_its_calibration(op, data):
+    """held_out_predict: every member refitted from scratch without the row's group (the helper
+    above, for the operator and each member), the same sample variance; budget_threshold calibrates
+    the ensemble as an operator — the conformal quantile of the pooled largest log variances."""
+    tr, cal = data["train"], data["test"]
+    ens = operators.KernelEnsemble(op, 3, seeds=[11, 12]).fit(tr)
+    q, lv = ens.held_out_predict(tr, GROUPS)
+    models = [op] + _members_by_hand(op, tr, [11, 12])
+    s2 = np.empty((400, 2))
+    for g in range(4):
+        out = GROUPS == g
+        sub = tr.subset(out)
+        rel = np.stack([_relative(op, _refit_without(m, tr, out).belief(sub.incoming), sub.incoming) for m in models])
+        s2[out] = np.var(rel, axis=0, ddof=1)
+    np.testing.assert_allclose(lv, np.log(s2), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(q.to_coords(), op.held_out_predict(tr, GROUPS)[0].to_coords())
+    np.testing.assert_array_equal(ens.held_out_predict(tr, GROUPS)[1], lv)  # the kept answers: the same
+    pooled = np.r_[ens.predict(cal.incoming)[1].max(-1), lv.max(-1)]
+    t = operators.budget_threshold(ens, cal, 0.1, fitted=tr, groups=GROUPS)
+    assert t == float(np.sort(pooled)[int(np.ceil(701 * 0.9)) - 1])
+
+
+def test_ensemble_own_hyperparameters_and_refusals(op, data):
+    tr = data["train"]
+    own = operators.KernelEnsemble(op, 2, hyperparameters="own", seeds=[5]).fit(tr)
+    ref = KernelOperator(op.factor, "x", **dict(KW, random_state=5)).fit(tr)  # its own search
+    assert (own.members_[0].inner_factor_, own.members_[0].width_factor_, own.members_[0].noise_var_) == \
+        (ref.inner_factor_, ref.width_factor_, ref.noise_var_)
+    np.testing.assert_array_equal(own.members_[0].belief(data["test"].incoming).to_coords(),
+                                  ref.belief(data["test"].incoming).to_coords())
+    with pytest.raises(ValueError, match="members"):
+        operators.KernelEnsemble(op, 1)
+    with pytest.raises(ValueError, match="hyperparameters"):
+        operators.KernelEnsemble(op, 2, hyperparameters="mine")
+    with pytest.raises(ValueError, match="seeds"):
+        operators.KernelEnsemble(op, 3, seeds=[1])
+    with pytest.raises(ValueError, match="not fitted"):
+        operators.KernelEnsemble(op, 2).predict(data["test"].incoming)
