@@ -431,10 +431,13 @@ def direction_rows(f, recs, args, rng):
             row.update({k + "_ens": v for k, v in uncertainty_figures(ens).items()})
             row.update({k + "_enssum": v for k, v in uncertainty_figures(ens.with_variance(True)).items()})
             # the members' mean as the prediction: its KL, and how the spread ranks its errors
-            kl_ens = np.maximum(test.beliefs.kl(ens.mean_belief(test.incoming)), 1e-300)
+            kl_ens_raw = test.beliefs.kl(ens.mean_belief(test.incoming))
+            kl_ens = np.maximum(kl_ens_raw, 1e-300)  # floored and counted as the operator's
             u_ens = ens.row_uncertainty(test.incoming, *ens.predict(test.incoming))
             row.update({"mean_log_kl_ens": float(np.mean(np.log(kl_ens))), "median_kl_ens": float(np.median(kl_ens)),
                         "p95_kl_ens": float(np.quantile(kl_ens, 0.95)),
+                        "n_kl_nonpositive_ens": int(np.sum(~(kl_ens_raw > 0))),
+                        "mean_log_kl_positive_ens": float(np.mean(np.log(kl_ens_raw[kl_ens_raw > 0]))),
                         "flagged_fraction_needed_ensmean": flagged_share_needed(u_ens, kl_ens),
                         "ensemble_members": int(args.ensemble),
                         "ensemble_hyperparameters": args.ensemble_hyperparameters, "ensemble_fit_seconds": t_ens})
@@ -555,6 +558,7 @@ def _ensemble_summary(rows):
     out["n_flagged_fraction_needed_le_006_ensmean"] = sum(r["flagged_fraction_needed_ensmean"] <= 0.06 for r in rows)
     out["worst_mean_log_kl_ens"] = max(r["mean_log_kl_ens"] for r in rows)
     out["n_mean_log_kl_ens_lower"] = sum(r["mean_log_kl_ens"] < r["mean_log_kl"] for r in rows)
+    out["n_median_kl_ens_lower"] = sum(r["median_kl_ens"] < r["median_kl"] for r in rows)
     out["mean_delta_log_kl_ens"] = float(np.mean([r["mean_log_kl_ens"] - r["mean_log_kl"] for r in rows]))
     return out
 
