@@ -1342,6 +1342,12 @@ class KernelEnsemble:
     :meth:`held_out_predict` return the *operator's* belief (member 0's — the errors being ranked
     are the operator's) with the ensemble's log variances; :meth:`mean_belief` is the members'
     average in the regressed coordinates.  Not used by :class:`JITOperator` and not persisted.
+
+    Measured on benchmarks/factor_suite.py (``--ensemble 4``, shared hyperparameters, seeds 0–9,
+    140 directions; its docstring has the per-seed figures): directions meeting both goals at the
+    pooled q90 threshold 53 (the operator's variance with its chosen error model) → 49 (the spread
+    alone) / 60 (added), at budget90 91 → 74 / 86; flagged_share_needed ≤ 0.06 on 103 → 94 / 114.
+    The members' mean lowers the mean log KL on 116 of 140.  Not the default.
     """
 
     def __init__(self, operator: KernelOperator, members: int = 4, hyperparameters: str = "shared",
