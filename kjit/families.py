@@ -130,23 +130,34 @@ class Family:
                 f"{type(self).__name__} takes {len(self.param_names)} parameters "
                 f"({', '.join(self.param_names)}), got {len(params)}"
             )
-        arrays = []
+        arrays, owned = [], []
         for name, p in zip(self.param_names, params):
             try:
-                a = np.array(p, dtype=float)  # an own, writeable copy
+                # a list (a served request's column) becomes an own array at once; anything else is
+                # converted first (an ``__array__`` object without numpy 2's ``copy`` argument) and
+                # copied below
+                if type(p) is list:
+                    a = np.array(p, dtype=float)
+                    owned.append(True)
+                else:
+                    a = np.asarray(p, dtype=float)
+                    owned.append(False)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{type(self).__name__}: `{name}` must be numeric ({exc})") from None
             arrays.append(a)
         for a in arrays:
             if a.shape != arrays[0].shape:  # (one shape, the usual case: nothing to broadcast)
                 try:
-                    arrays = [np.array(b, dtype=float) for b in np.broadcast_arrays(*arrays)]
+                    arrays = np.broadcast_arrays(*arrays)
                 except ValueError:
                     shapes = ", ".join(f"{n}{np.shape(b)}" for n, b in zip(self.param_names, arrays))
                     raise ValueError(
                         f"{type(self).__name__}: parameter shapes do not broadcast: {shapes}"
                     ) from None
+                owned = [False] * len(arrays)
                 break
+        if not all(owned):  # own, writeable copies
+            arrays = [a if own else np.array(a, dtype=float) for a, own in zip(arrays, owned)]
         if validate:
             for name, a in zip(self.param_names, arrays):
                 if not all_finite(a):
@@ -1317,6 +1328,12 @@ FAMILIES: dict[str, type[Family]] = {
 }
 
 
+#: the name :func:`family_name` found for a class — the first registered for it — kept until the
+#: registry changes (``register_family`` clears it; a name removed from FAMILIES is checked on each use):
+#: a served one-message request names families ~5 times, and the scan of the registry is ~1 µs each
+_NAME_OF: dict[type, str] = {}
+
+
 def register_family(name: str, cls: type[Family], replace: bool = False) -> None:
     """Add a family to the one name map (JSON ``"family"`` tags, training-set and operator files)."""
     if not (isinstance(cls, type) and issubclass(cls, Family)):
@@ -1325,11 +1342,7 @@ def register_family(name: str, cls: type[Family], replace: bool = False) -> None
     if name in FAMILIES and FAMILIES[name] is not cls and not replace:
         raise ValueError(f"a family named {name!r} is already registered")
     FAMILIES[name] = cls
-
-
-#: the last name :func:`family_name` found for a class (checked against FAMILIES on every use): a served
-#: one-message request names families ~5 times, and the scan of the registry is ~1 µs each
-_NAME_OF: dict[type, str] = {}
+    _NAME_OF.clear()  # (family_name's memo: the scan's first name may have changed)
 
 
 def family_name(cls_or_message) -> str:

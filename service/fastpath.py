@@ -86,18 +86,27 @@ class AppState(State):
     """``app.state`` whose attributes read as plain attributes.  Starlette's ``State`` answers a
     read from ``__getattr__``, which Python calls only after the normal look-up has raised — and
     formatted — an ``AttributeError``: ~1 µs for each of the ~6 reads of a one-message request.
-    Here a value is set in the state's dict (what ``State``'s item access and iteration read) and
-    as an instance attribute, so a read finds it directly."""
+    Here a value set through the state (attribute or item) is kept in the state's dict (what
+    ``State``'s item access and iteration read) and, under a string key, as an instance attribute,
+    so a read finds it directly.  (Writes go through the state, not into its dict.)"""
+
+    def __init__(self, state=None):
+        super().__init__(state)
+        for key, value in self._state.items():
+            self._mirror(key, value)
+
+    def _mirror(self, key, value) -> None:
+        if type(key) is str and key != "_state":  # (State's own dict keeps its name)
+            object.__setattr__(self, key, value)
 
     def __setattr__(self, key, value) -> None:
         super().__setattr__(key, value)
-        if key != "_state":  # (State's own dict, which the name reads as in State)
-            object.__setattr__(self, key, value)
+        self._mirror(key, value)
 
     def __delattr__(self, key) -> None:
         super().__delattr__(key)
-        if key != "_state":
-            object.__delattr__(self, key)
+        if type(key) is str and key != "_state":
+            self.__dict__.pop(key, None)
 
     def __setitem__(self, key, value) -> None:
         self.__setattr__(key, value)

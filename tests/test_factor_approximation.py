@@ -593,3 +593,21 @@ def test_laplace_mode_one_row_at_a_bound_and_under_warnings_as_errors():
             batch = f.laplace_belief(two, "x")
         for p_one, p_batch in zip(one.params, batch.params):
             assert p_one.tobytes() == p_batch[:1].tobytes(), (inc, p_one, p_batch)  # the sign of zero too
+
+
+def test_logistic_reference_of_a_batch_and_of_one_row_under_errstate_raise():
+    """The logistic x reference computes its quadrature inside errstate("ignore") on both paths: a
+    row whose Laplace variance is negative (an improper x) neither warns nor raises; a batch's row
+    and the same row alone give the same doubles; a (1, 1) batch is refused as before."""
+    from kjit.families import Beta
+
+    f = get_factor("logistic")
+    x = Gaussian._unchecked(np.array([0.0, 0.3]), np.array([-1.0, 2.0]))
+    z = Beta(np.array([2.0, 3.0]), np.array([2.0, 1.5]))
+    with np.errstate(all="raise"):
+        q = f.approximate_belief({"x": x, "z": z}, "x")
+        one = f.approximate_belief({"x": x[1:], "z": z[1:]}, "x")
+    assert q.shape == (2,)
+    assert one.mean()[0] == q.mean()[1] and one.var()[0] == q.var()[1]
+    with pytest.raises(ValueError):
+        f.approximate_belief({"x": Gaussian([[0.1]], [[1.0]]), "z": Beta([[2.0]], [[2.0]])}, "x")

@@ -1060,3 +1060,23 @@ def test_least_expected_kl_is_the_smallest_second_order_kl_over_correlations(fam
     np.testing.assert_allclose(eb[:2], [0.5 * Fb[0, 0, 0] * 1e-6, 0.5 * Fb[1, 1, 1] * 1e-6], rtol=1e-12)
     with pytest.raises(ValueError, match="closed form"):
         fam.least_expected_kl(np.zeros(3), np.ones(3))
+
+
+def test_a_parameter_with_an_old_style_array_interface_converts_without_warning():
+    """An object whose ``__array__`` takes no ``copy`` argument (numpy < 2 style) is converted as
+    before, without numpy 2's DeprecationWarning, into an own copy the family freezes."""
+    import warnings
+
+    class Old:
+        def __init__(self, a):
+            self.a = np.asarray(a, dtype=float)
+
+        def __array__(self, dtype=None):
+            return self.a if dtype is None else self.a.astype(dtype)
+
+    src = Old([0.5, 1.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = Gaussian(src, Old([1.0, 2.0]))
+    assert np.array_equal(g.mean(), [0.5, 1.5]) and not g.mean().flags.writeable
+    assert src.a.flags.writeable and not np.shares_memory(g.mean(), src.a)

@@ -230,7 +230,32 @@ def test_family_name_follows_the_registry():
         del FAMILIES["mine-b"]
         with pytest.raises(ValueError, match="not registered"):
             family_name(Mine)
+
+        class Other(Gaussian):
+            pass
+
+        # a class under two names: the first registered, as the scan of FAMILIES answers
+        register_family("mine-a", Other)
+        register_family("mine-b", Mine)
+        assert family_name(Mine) == "mine-b"
+        register_family("mine-a", Mine, replace=True)
+        assert family_name(Mine) == "mine-a"
     finally:
         FAMILIES.pop("mine-a", None)
         FAMILIES.pop("mine-b", None)
     assert family_name(Gaussian) == "gaussian"
+
+
+def test_app_state_takes_any_key_and_an_initial_dict():
+    """As Starlette's State: a non-string key is an item (no attribute), an initial dict is read as
+    attributes, and deleting what the dict held works."""
+    state = fastpath.AppState({"a": 1})
+    assert state.a == 1
+    state[7] = "x"
+    state[("t", 1)] = "y"
+    assert state[7] == "x" and state[("t", 1)] == "y" and len(state) == 3
+    del state[7]
+    del state.a
+    assert list(state) == [("t", 1)]
+    with pytest.raises(AttributeError):
+        state.a

@@ -180,19 +180,20 @@ class Logistic(Factor):
             return lap
         xi = gauss_hermite(GH_NODES)[0]
         x, z = incoming["x"], incoming["z"]
-        if lap.size == 1 and x.size == 1 and z.size == 1:
-            # one row (a served request): the per-row numbers as Python floats, where the batch
-            # path has (1, 1) arrays — the same IEEE operations on them (√ correctly rounded in
-            # both), so the same doubles; the nodes stay a (1, N) array
-            m, v, a, b = x.mean().item(), x.var().item(), z.alpha.item(), z.beta.item()
-            lv = lap.var().item()
-            c, sd = lap.mean().item(), (math.sqrt(lv) if lv >= 0.0 else math.nan)
-            xi = xi.reshape(1, -1)
-        else:
-            m, v = (np.asarray(p, dtype=float).ravel()[:, None] for p in (x.mean(), x.var()))
-            a, b = (as_shape(p, lap.shape).ravel()[:, None] for p in (z.alpha, z.beta))
-            c, sd = np.asarray(lap.mean(), float).ravel()[:, None], np.sqrt(np.asarray(lap.var(), float).ravel())[:, None]
         with np.errstate(all="ignore"):
+            if lap.size == 1 and x.size == 1 and z.size == 1 and max(lap.ndim, x.ndim, z.ndim) <= 1:
+                # one row (a served request): the per-row numbers as Python floats, where the batch
+                # path has (1, 1) arrays — the same IEEE operations on them (√ correctly rounded in
+                # both), so the same doubles; the nodes stay a (1, N) array
+                m, v, a, b = x.mean().item(), x.var().item(), z.alpha.item(), z.beta.item()
+                lv = lap.var().item()
+                c, sd = lap.mean().item(), (math.sqrt(lv) if lv >= 0.0 else math.nan)
+                xi = xi.reshape(1, -1)
+            else:
+                m, v = (np.asarray(p, dtype=float).ravel()[:, None] for p in (x.mean(), x.var()))
+                a, b = (as_shape(p, lap.shape).ravel()[:, None] for p in (z.alpha, z.beta))
+                c = np.asarray(lap.mean(), float).ravel()[:, None]
+                sd = np.sqrt(np.asarray(lap.var(), float).ravel())[:, None]
             t = c + math.sqrt(2.0) * sd * xi  # (√2 correctly rounded, as np.sqrt)
             # log σ(t) = −softplus(−t), log σ(−t) = −softplus(t)
             lw = (gauss_hermite_log_base(GH_NODES) - 0.5 * (t - m) ** 2 / v
