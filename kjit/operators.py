@@ -1418,14 +1418,15 @@ class KernelEnsemble:
             raise ValueError("this KernelEnsemble is not fitted yet: call fit() first")
 
     def _flat(self, incoming):
-        inc, _ = self.operator.factor.check_incoming(incoming, self.operator.to)
-        return {v: m.ravel() for v, m in inc.items()}
+        """(the validated flat incoming messages, the batch shape)."""
+        inc, shape = self.operator.factor.check_incoming(incoming, self.operator.to)
+        return {v: m.ravel() for v, m in inc.items()}, shape
 
     def member_coords(self, incoming: Mapping[str, Family]) -> np.ndarray:
         """(K, n, k): every member's predicted regressed coordinates (member 0: the operator), of
         its belief (:meth:`KernelOperator.belief`: clipped to the factor's bound)."""
         self._check_fitted()
-        return self._coords([self.operator] + self.members_, self._flat(incoming))
+        return self._coords([self.operator] + self.members_, self._flat(incoming)[0])
 
     def _coords(self, models, flat):
         k = len(self.operator.y_mean_)
@@ -1436,7 +1437,7 @@ class KernelEnsemble:
         self._check_fitted()
         self.operator._check_to(to)
         q0, logvar0 = self.operator.predict(incoming)
-        flat = self._flat(incoming)
+        flat = self._flat(incoming)[0]
         others = self._coords(self.members_, flat)
         return self._answer(q0, logvar0, others, flat)
 
@@ -1449,7 +1450,7 @@ class KernelEnsemble:
         groups = np.asarray(groups)
         q0, logvar0 = self.operator.held_out_predict(data, groups, beliefs)
         incoming, _ = self.operator._unpack(data, beliefs)
-        flat = self._flat(incoming)
+        flat = self._flat(incoming)[0]
         k = len(self.operator.y_mean_)
         held = self._held
         if held is None or held[0] is not data or not np.array_equal(held[1], groups):
@@ -1462,14 +1463,13 @@ class KernelEnsemble:
         """The largest log variance over the coordinates, per row (only ``scalar="max"``)."""
         if scalar != "max":
             raise ValueError("a KernelEnsemble's uncertainty is scalarised by 'max' only")
-        return np.max(np.asarray(logvar, np.float64).reshape(-1, len(self.operator.y_mean_)), axis=-1)
+        return self.operator.row_uncertainty(incoming, q, logvar, "max")
 
     def mean_belief(self, incoming: Mapping[str, Family]) -> Family:
         """The members' average prediction: the mean of their regressed coordinates, as a belief
         (clipped to the factor's bound as the operator's are)."""
         op = self.operator
-        inc, shape = op.factor.check_incoming(incoming, op.to)
-        flat = {v: m.ravel() for v, m in inc.items()}
+        flat, shape = self._flat(incoming)
         rel = self.member_coords(flat).mean(axis=0)
         coords = op._from_relative(rel, op._base(flat)) if op.target == "relative" else rel
         return op._to_belief(coords, flat, shape)
