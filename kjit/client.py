@@ -343,8 +343,7 @@ class RemoteOperator:
             raise ValueError(f"operator {self.name!r} sends messages to {self.to!r}, not `to`={to!r}")
 
     def _flat(self, incoming: Mapping[str, Family]):
-        inc, shape = self.factor.check_incoming(incoming, self.to)
-        return {v: m.ravel() for v, m in inc.items()}, shape
+        return self.factor.flat_incoming(incoming, self.to)
 
     def _call(self, incoming, mode, natural: bool = True, logvar: bool = True):
         """The server's answer to ``incoming`` in ``mode``: ``(beliefs, natural, logvar, consulted,

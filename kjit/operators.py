@@ -548,8 +548,7 @@ class KernelOperator(Operator):
 
     def regression_targets(self, incoming: Mapping[str, Family], beliefs: Family) -> np.ndarray:
         """The coordinates the regression is fitted to (before standardisation), shape (n, k)."""
-        inc, shape = self.factor.check_incoming(incoming, self.to)
-        flat = {v: m.ravel() for v, m in inc.items()}
+        flat, shape = self.factor.flat_incoming(incoming, self.to)
         return self._targets(beliefs.ravel(), math.prod(shape), flat)
 
     def _targets(self, beliefs, n, incoming):
@@ -691,8 +690,7 @@ class KernelOperator(Operator):
         lv = np.asarray(logvar, np.float64).reshape(-1, k)
         if scalar == "max":
             return np.max(lv, axis=-1)
-        inc, _ = self.factor.check_incoming(incoming, self.to)
-        flat = {v: m.ravel() for v, m in inc.items()}
+        flat, _ = self.factor.flat_incoming(incoming, self.to)
         base = self._reference(flat) if self.target == "relative" else None
         coords = q.ravel().to_coords().reshape(-1, k)
         if not coords.shape[0] == lv.shape[0] == flat[self.to].size:
@@ -1419,8 +1417,7 @@ class KernelEnsemble:
 
     def _flat(self, incoming):
         """(the validated flat incoming messages, the batch shape)."""
-        inc, shape = self.operator.factor.check_incoming(incoming, self.operator.to)
-        return {v: m.ravel() for v, m in inc.items()}, shape
+        return self.operator.factor.flat_incoming(incoming, self.operator.to)
 
     def member_coords(self, incoming: Mapping[str, Family]) -> np.ndarray:
         """(K, n, k): every member's predicted regressed coordinates (member 0: the operator), of
@@ -1784,8 +1781,7 @@ class JITOperator(Operator):
     def _predict(self, incoming, to):
         self._check_to(to)
         self.last_learned_groups_ = []
-        inc, shape = self.factor.check_incoming(incoming, self.to)
-        flat = {v: m.ravel() for v, m in inc.items()}
+        flat, shape = self.factor.flat_incoming(incoming, self.to)
         self._request_to = flat[self.to]
         n = next(iter(flat.values())).size
         self._counts["calls"] += 1

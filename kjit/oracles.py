@@ -52,9 +52,7 @@ class Oracle(Operator):
     certificate_source = "oracle"
 
     def _prepare(self, incoming, to):
-        inc, shape = self.factor.check_incoming(incoming, to)
-        flat = {v: m.ravel() for v, m in inc.items()}
-        return flat, shape
+        return self.factor.flat_incoming(incoming, to)
 
     def belief(self, incoming: Mapping[str, Family], to: str) -> Family:
         return self.certified(incoming, to)[0]

@@ -413,6 +413,11 @@ class Factor:
         shape = nonscalar.pop() if nonscalar else ()
         return {v: incoming[v] if shapes[v] == shape else incoming[v].broadcast_to(shape) for v in variables}, shape
 
+    def flat_incoming(self, incoming: Mapping[str, Family], to: str | None = None):
+        """:meth:`check_incoming`, each batch then flattened: ``({variable: 1-D batch}, batch shape)``."""
+        inc, shape = self.check_incoming(incoming, to)
+        return {v: m.ravel() for v, m in inc.items()}, shape
+
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({args})"
