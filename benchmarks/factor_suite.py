@@ -510,6 +510,21 @@ def direction_rows(f, recs, args, rng):
                         f"flagged_fraction_at_q90_{tag}": float(np.mean(u_e > thr_e)),
                         f"rank_corr_logvar_kl_{tag}": float(_spearman(u_e, kl))})
             op.remove_error_model()
+        if args.choose_uncertainty:
+            # the uncertainty chosen per direction (opt-in, --choose-uncertainty): the largest log
+            # variance, the least expected KL or the variance plus the ensemble spread, each with every
+            # error model (chosen again, the spread present), by KernelEnsemble.choose_uncertainty's
+            # criterion on the pooled calibration + leave-one-problem-out rows — never on test rows
+            t = time.perf_counter()
+            ens.choose_uncertainty(data["train"], problem["train"], data["cal"], held_out_groups=problem["cal"],
+                                   confidence=BUDGET_CONFIDENCE, problems=n_test_problems)
+            sel_c = ens.uncertainty_selection_
+            row.update({k + "_choice": v for k, v in uncertainty_figures(*ens.chosen_uncertainty()).items()})
+            row.update({"uncertainty_choice": sel_c["uncertainty"], "error_model_choice": sel_c["error_model"],
+                        "uncertainty_choice_scores": {k: list(v) for k, v in sel_c["scores"].items()},
+                        "choice_seconds": time.perf_counter() - t})
+            op.remove_error_model()
+            ens.add_variance = False
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -538,7 +553,14 @@ def main(argv=None):
                          "features' seed (KernelEnsemble; keys with the suffixes _ens, _enssum; default off)")
     ap.add_argument("--ensemble-hyperparameters", choices=("shared", "own"), default="shared",
                     help="the ensemble's members take the operator's hyperparameters (default) or choose their own")
+    ap.add_argument("--choose-uncertainty", action="store_true",
+                    help="also the uncertainty chosen per direction among the largest log variance, the least "
+                         "expected KL and the variance plus the ensemble spread, with its error model, on the "
+                         "pooled calibration rows (KernelEnsemble.choose_uncertainty; keys with the suffix "
+                         "_choice; needs --ensemble; default off)")
     args = ap.parse_args(argv)
+    if args.choose_uncertainty and args.ensemble < 2:
+        ap.error("--choose-uncertainty needs --ensemble K (K >= 2)")
     scale = 1.0
     if args.quick:
         args.n_train, args.n_cal, args.n_test, scale = 1000, 300, 600, 0.35
@@ -576,6 +598,7 @@ def main(argv=None):
         "uncertainty_scalars_kl": {c: sum(r["uncertainty_scalar_kl"] == c for r in rows) for c in ("max", "kl")},
         "error_models_kl": {c: sum(r["error_model_kl"] == c for r in rows) for c in ("none", "additive", "ratio")},
         **(_ensemble_summary(rows) if args.ensemble else {}),
+        **(_choice_summary(rows) if args.choose_uncertainty else {}),
     }), flush=True)
 
 
@@ -600,6 +623,17 @@ def _ensemble_summary(rows):
     out["n_median_kl_ens_lower"] = sum(r["median_kl_ens"] < r["median_kl"] for r in rows)
     out["mean_delta_log_kl_ens"] = float(np.mean([r["mean_log_kl_ens"] - r["mean_log_kl"] for r in rows]))
     return out
+
+
+def _choice_summary(rows):
+    """The summary's counts for the uncertainty chosen per direction (--choose-uncertainty)."""
+    from kjit.operators import ERROR_MODEL_CANDIDATES, UNCERTAINTY_CHOICES
+    return {**{f"n_met_at_{at}_choice": _n_met(rows, at, "_choice") for at in ("q90", "budget90", "budget90_pred")},
+            "n_flagged_fraction_needed_le_006_choice": sum(r["flagged_fraction_needed_choice"] <= 0.06 for r in rows),
+            "max_flagged_fraction_at_q90_choice": max(r["flagged_fraction_at_q90_choice"] for r in rows),
+            "min_worst1pct_flagged_at_q90_choice": min(r["worst1pct_flagged_at_q90_choice"] for r in rows),
+            "uncertainties_choice": {c: sum(r["uncertainty_choice"] == c for r in rows) for c in UNCERTAINTY_CHOICES},
+            "error_models_choice": {c: sum(r["error_model_choice"] == c for r in rows) for c in ERROR_MODEL_CANDIDATES}}
 
 
 if __name__ == "__main__":

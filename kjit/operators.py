@@ -74,6 +74,9 @@ _ERROR_MODEL_ARRAYS = ("coef", "mean", "scale", "offset")
 #: (KernelOperator.row_uncertainty): "max" the largest (the just-in-time rule), "kl" the log of
 #: the smallest expected KL they imply (Family.least_expected_kl) — opt-in, see fit_error_model
 UNCERTAINTY_SCALARS = ("max", "kl")
+#: KernelEnsemble.choose_uncertainty's candidates, in order of preference on a tie: the JIT's
+#: largest log variance, the least expected KL, the largest log of variance plus ensemble spread
+UNCERTAINTY_CHOICES = ("max", "kl", "enssum")
 
 
 def flagged_share_needed(u, kl, worst: float = 0.01, catch: float = 0.95) -> float:
@@ -1219,13 +1222,21 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
     if not 0.0 < budget < 1.0:
         raise ValueError("`budget` must lie in (0, 1)")
     u, _ = _pooled(operator, held_out, fitted, groups, labels=False, scalar=scalar)
+    return _pooled_budget_threshold(u, held_out is not None, fitted is not None, groups, held_out_groups, budget,
+                                    confidence, problems, n_boot, random_state, predictive)
+
+
+def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_groups, budget, confidence, problems,
+                             n_boot, random_state, predictive):
+    """budget_threshold's answer from the pooled uncertainties ``u`` (:func:`_pooled`'s order: the
+    held-out rows, then the fitted rows)."""
     if confidence is not None:
         labels = []
-        if held_out is not None:
+        if has_held_out:
             if held_out_groups is None:
                 raise ValueError("`confidence` needs `held_out_groups` (the held-out rows' problems)")
             labels.append(np.unique(np.asarray(held_out_groups), return_inverse=True)[1].ravel())
-        if fitted is not None:
+        if has_fitted:
             g = np.unique(np.asarray(groups), return_inverse=True)[1].ravel()
             labels.append(g + (labels[0].max() + 1 if labels else 0))
         lab = np.concatenate(labels)
@@ -1461,6 +1472,99 @@ class KernelEnsemble:
         if scalar != "max":
             raise ValueError("a KernelEnsemble's uncertainty is scalarised by 'max' only")
         return self.operator.row_uncertainty(incoming, q, logvar, "max")
+
+    def choose_uncertainty(self, data: TrainingSet, groups, held_out: TrainingSet,
+                           held_out_groups=None, candidates=UNCERTAINTY_CHOICES, budget: float = 0.1,
+                           confidence: float | None = None, problems: int | None = None, n_boot: int = 2000,
+                           floor: float = 1e-3,
+                           folds: int = ERROR_MODEL_FOLDS) -> "KernelEnsemble":
+        """Choose the uncertainty a threshold compares, and the operator's error model with it, on
+        pooled held-out rows only (opt-in; issue 14 part 3) — :meth:`KernelOperator.fit_error_model`'s
+        ``mode="auto"`` widened to the ensemble spread, by a criterion aimed at the budget.
+
+        Candidates: every uncertainty of ``candidates`` — ``"max"`` (the operator's largest log
+        variance: the just-in-time rule), ``"kl"`` (its least expected KL,
+        :meth:`KernelOperator.row_uncertainty`), ``"enssum"`` (the largest log of the operator's
+        variance plus the members' spread: this ensemble with ``add_variance``) — with every error
+        model (none, additive, ratio: :meth:`KernelOperator.fit_error_model` on ``data``, the pairs
+        the operator learned, by ``groups``), so that the error model is chosen with the spread
+        present.  Pooled rows: ``held_out`` (a TrainingSet none of the members learned: the
+        operator's predictions) and ``data`` by leave-one-group-out (:meth:`held_out_predict`,
+        the error term cross-fitted) — the rows :func:`budget_threshold` pools with ``fitted=``.
+
+        The criterion, fixed before any test figure was seen: per candidate t = its
+        :func:`budget_threshold` on the pooled rows (``budget``, ``confidence``, ``problems``,
+        ``held_out_groups``, ``n_boot`` as there; the conformal quantile without ``confidence``);
+        first the largest share of the pooled worst 1 % by KL (the operator's errors) with u > t
+        — what the threshold is for —, then the smallest :func:`flagged_share_needed` (how well u
+        ranks them), then the order of ``candidates`` and of ``ERROR_MODEL_CANDIDATES`` (the
+        cheaper first: "max" with no error model is the operator as the JIT reads it).
+
+        Afterwards the operator carries the chosen error model (none: removed), ``add_variance``
+        is set if "enssum" won, and ``uncertainty_selection_`` records ``uncertainty``,
+        ``error_model``, ``scalar`` ("kl" or "max"), ``scores`` (per ``"<uncertainty>:<model>"``,
+        ``(worst share flagged, flagged_share_needed)``), ``thresholds`` and ``n_rows``;
+        :meth:`chosen_uncertainty` gives what to calibrate and with which scalar.  The operator's
+        beliefs never change, and :class:`JITOperator` still compares the largest log variance.
+        """
+        self._check_fitted()
+        candidates = tuple(candidates)
+        if not candidates or any(c not in UNCERTAINTY_CHOICES for c in candidates) or \
+                len(set(candidates)) < len(candidates):
+            raise ValueError(f"`candidates` must be distinct values of {UNCERTAINTY_CHOICES}, got {candidates!r}")
+        if not isinstance(held_out, TrainingSet) or not isinstance(data, TrainingSet):
+            raise ValueError("`data` and `held_out` must be TrainingSets (the KL needs the exact beliefs)")
+        op = self.operator
+        models = {"none": None}
+        for m in ERROR_MODEL_MODES:
+            op.fit_error_model(data, groups, mode=m, floor=floor, folds=folds)
+            models[m] = op.error_model_
+        op.remove_error_model()
+        order = [(c, name) for c in candidates for name in ERROR_MODEL_CANDIDATES]
+        scores, thresholds, kl0 = {}, {}, None
+        try:
+            for name in ERROR_MODEL_CANDIDATES:
+                if models[name] is not None:
+                    op.error_model_ = models[name]
+                for c in candidates:
+                    model, scalar = self._candidate(c)
+                    u, kl = _pooled(model, held_out, data, groups, labels=True, scalar=scalar)
+                    kl = np.asarray(kl, np.float64)
+                    if kl0 is None:
+                        kl0 = kl
+                    t = _pooled_budget_threshold(u, True, True, groups, held_out_groups, budget, confidence,
+                                                 problems, n_boot, 0, False)
+                    worst = kl0 >= np.quantile(kl0, 0.99)
+                    key = f"{c}:{name}"
+                    scores[key] = (float(np.mean(u[worst] > t)), flagged_share_needed(u, kl0))
+                    thresholds[key] = float(t)
+                op.remove_error_model()
+        finally:
+            op.remove_error_model()
+        c, name = min(order, key=lambda cn: (-scores[f"{cn[0]}:{cn[1]}"][0], scores[f"{cn[0]}:{cn[1]}"][1],
+                                              order.index(cn)))
+        if models[name] is not None:
+            op.error_model_ = models[name]
+        self.add_variance = c == "enssum"
+        self.uncertainty_selection_ = {"uncertainty": c, "error_model": name, "scalar": self._candidate(c)[1],
+                                       "criterion": "worst1pct_flagged_at_budget, then flagged_share_needed",
+                                       "scores": scores, "thresholds": thresholds, "n_rows": int(kl0.size)}
+        return self
+
+    def _candidate(self, uncertainty):
+        """(what a threshold calibrates, its scalar) for an uncertainty of UNCERTAINTY_CHOICES."""
+        if uncertainty == "enssum":
+            return self.with_variance(True), "max"
+        return self.operator, uncertainty
+
+    def chosen_uncertainty(self):
+        """``(model, scalar)`` after :meth:`choose_uncertainty`: the operator or this ensemble (with
+        the spread added), and the scalar to pass to :func:`budget_threshold` /
+        :func:`calibrate_threshold` and :meth:`row_uncertainty`."""
+        sel = getattr(self, "uncertainty_selection_", None)
+        if sel is None:
+            raise ValueError("no uncertainty chosen yet: call choose_uncertainty() first")
+        return self._candidate(sel["uncertainty"])
 
     def mean_belief(self, incoming: Mapping[str, Family]) -> Family:
         """The members' average prediction: the mean of their regressed coordinates, as a belief
