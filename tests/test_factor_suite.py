@@ -43,3 +43,37 @@ def test_ensemble_flag_adds_its_keys(capsys):
     plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert not any("ens" in k for r in plain for k in r)
     assert set(plain[-1]) == {k for k in summary if "ens" not in k}
+
+
+def test_choose_uncertainty_flag_adds_its_keys(capsys):
+    """--choose-uncertainty (with --ensemble) adds the chosen uncertainty's figures (suffix _choice),
+    the choice and its scores, and the summary's counts; every other key and value as with
+    --ensemble alone (timings aside); refused without --ensemble."""
+    import pytest
+
+    suite = _suite()
+    argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
+            "--ensemble", "2"]
+    suite.main(argv + ["--choose-uncertainty"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    rows = [r for r in lines if "direction" in r]
+    summary = lines[-1]
+    assert rows and summary["summary"]
+    for r in rows:
+        assert r["uncertainty_choice"] in ("max", "kl", "enssum")
+        assert r["error_model_choice"] in ("none", "additive", "ratio")
+        assert len(r["uncertainty_choice_scores"]) == 9
+        for key in ("worst1pct_flagged_at_q90", "flagged_fraction_at_q90", "worst1pct_flagged_at_budget90",
+                    "flagged_fraction_at_budget90", "flagged_fraction_needed"):
+            assert 0.0 <= r[key + "_choice"] <= 1.0
+    assert sum(summary["uncertainties_choice"].values()) == len(rows)
+    for key in ("n_met_at_q90_choice", "n_met_at_budget90_choice", "n_flagged_fraction_needed_le_006_choice"):
+        assert 0 <= summary[key] <= len(rows)
+    suite.main(argv)
+    plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    timing = ("oracle_us_per_msg", "predict_us_per_msg", "ensemble_fit_seconds", "seconds")
+    for a, b in zip(plain, lines):
+        assert {k: v for k, v in a.items() if k not in timing} == \
+            {k: v for k, v in b.items() if k not in timing and "choice" not in k}
+    with pytest.raises(SystemExit):
+        suite.main(["--quick", "--choose-uncertainty"])

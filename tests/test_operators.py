@@ -1139,3 +1139,146 @@ def test_ensemble_own_hyperparameters_and_refusals(op, data):
         operators.KernelEnsemble(op, 3, seeds=[1])
     with pytest.raises(ValueError, match="not fitted"):
         operators.KernelEnsemble(op, 2).predict(data["test"].incoming)
+
+
+# ====================================================================== the uncertainty chosen (issue 14 part 3, opt-in)
+
+CAL_GROUPS = np.arange(300) // 100  # the 300 calibration pairs as 3 "problems"
+
+
+def test_choose_uncertainty_follows_the_criterion(factor, data):
+    """KernelEnsemble.choose_uncertainty scores every (uncertainty, error model) pair on the pooled
+    rows — recomputed here from operators fitted by fit_error_model(mode=…), ensembles refitted on
+    them, budget_threshold, held_out_predict, predict and row_uncertainty: (share of the pooled worst
+    1 % above the candidate's budget90 threshold, flagged_share_needed); the largest share wins, then
+    the smallest share needed, then the order.  On beliefs noisy in one region the operator without
+    an error model catches few of the worst rows, and the choice takes an error model."""
+    from kjit.operators import ERROR_MODEL_CANDIDATES, UNCERTAINTY_CHOICES, budget_threshold, flagged_share_needed
+
+    tr, _ = _noisy(data["train"], 0)
+    cal, _ = _noisy(data["test"], 1)
+    op = KernelOperator(factor, "x", **KW).fit(tr)
+    ens = operators.KernelEnsemble(op, 3, seeds=[11, 12]).fit(tr)
+    ens.choose_uncertainty(tr, GROUPS, cal, held_out_groups=CAL_GROUPS, confidence=0.9, problems=3)
+    sel = ens.uncertainty_selection_
+    assert set(sel["scores"]) == {f"{c}:{n}" for c in UNCERTAINTY_CHOICES for n in ERROR_MODEL_CANDIDATES}
+    assert sel["n_rows"] == 700
+    for name in ERROR_MODEL_CANDIDATES:
+        cand = KernelOperator(factor, "x", **KW).fit(tr)
+        if name != "none":
+            cand.fit_error_model(tr, GROUPS, mode=name)
+        spread = operators.KernelEnsemble(cand, 3, seeds=[11, 12], add_variance=True).fit(tr)
+        for c in UNCERTAINTY_CHOICES:
+            model, sc = (spread, "max") if c == "enssum" else (cand, c)
+            t = budget_threshold(model, cal, 0.1, fitted=tr, groups=GROUPS, confidence=0.9, problems=3,
+                                 held_out_groups=CAL_GROUPS, scalar=sc)
+            q_cal, lv_cal = model.predict(cal.incoming)
+            q_tr, lv_tr = model.held_out_predict(tr, GROUPS)
+            u = np.concatenate([model.row_uncertainty(cal.incoming, q_cal, lv_cal, sc),
+                                model.row_uncertainty(tr.incoming, q_tr, lv_tr, sc)])
+            kl = np.concatenate([cal.beliefs.kl(q_cal), tr.beliefs.kl(q_tr)])
+            worst = kl >= np.quantile(kl, 0.99)
+            got = sel["scores"][f"{c}:{name}"]
+            assert got[0] == np.mean(u[worst] > t), (c, name)
+            assert got[1] == pytest.approx(flagged_share_needed(u, kl), abs=1e-12), (c, name)
+            assert sel["thresholds"][f"{c}:{name}"] == pytest.approx(t, abs=1e-9)
+    order = [(c, n) for c in UNCERTAINTY_CHOICES for n in ERROR_MODEL_CANDIDATES]
+    best = min(order, key=lambda cn: (-sel["scores"][f"{cn[0]}:{cn[1]}"][0], sel["scores"][f"{cn[0]}:{cn[1]}"][1],
+                                      order.index(cn)))
+    assert (sel["uncertainty"], sel["error_model"]) == best
+    # measured: "max" without an error model flags 1 of the 7 worst rows, with one 6 of 7
+    assert sel["error_model"] != "none"
+    assert sel["scores"]["max:none"][0] <= 0.5 < sel["scores"][f"{sel['uncertainty']}:{sel['error_model']}"][0]
+    assert ens.add_variance == (sel["uncertainty"] == "enssum")
+    assert sel["scalar"] == ("kl" if sel["uncertainty"] == "kl" else "max")
+    # the operator carries the chosen error model: its predictions are fit_error_model(mode=chosen)'s
+    ref = KernelOperator(factor, "x", **KW).fit(tr).fit_error_model(tr, GROUPS, mode=sel["error_model"])
+    np.testing.assert_array_equal(op.predict(cal.incoming)[1], ref.predict(cal.incoming)[1])
+    np.testing.assert_array_equal(op.held_out_predict(tr, GROUPS)[1], ref.held_out_predict(tr, GROUPS)[1])
+
+
+class _Shifted:
+    """A stand-in ensemble member: the operator's answers with the mean moved by ``shift`` where the
+    incoming x-mean exceeds 2.7 — a spread that marks exactly that region."""
+
+    def __init__(self, op, shift):
+        self.op, self.shift = op, shift
+
+    def _moved(self, q, inc):
+        c = q.ravel().to_coords().copy()
+        c[inc["x"].mean() > 2.7, 0] += self.shift
+        return Gaussian.from_coords(c)
+
+    def belief(self, flat):
+        return self._moved(self.op.belief(flat), flat)
+
+    def held_out_predict(self, data, groups, beliefs=None):
+        q, lv = self.op.held_out_predict(data, groups)
+        return self._moved(q, data.incoming), lv
+
+
+def test_choose_uncertainty_takes_the_spread_where_only_it_sees_the_errors(factor, op, data):
+    """A constructed case where one candidate is clearly best: the calibration beliefs are off by
+    N(0, 0.5²) in their mean where the x-mean exceeds 2.7 (3 % of them; the training beliefs are
+    exact, so neither the BLR variance nor an error model learned on training residuals sees it),
+    and the members' spread marks exactly that region.  The choice takes "enssum": it flags every
+    one of the pooled worst 1 %, the operator's own variance at most 4 of 7 (measured 4/7, and
+    2/7 with the ratio model).  Without "enssum" among the candidates it falls back to "max"."""
+    tr = data["train"]
+    rng = np.random.default_rng(1)
+    c = data["test"].beliefs.to_coords().copy()
+    region = data["test"].incoming["x"].mean() > 2.7
+    c[region, 0] += rng.normal(0.0, 0.5, int(region.sum()))
+    cal = TrainingSet(data["test"].factor, "x", data["test"].incoming, Gaussian.from_coords(c))
+    mine = copy.deepcopy(op)
+    ens = operators.KernelEnsemble(mine, 3, seeds=[1, 2])
+    ens.members_ = [_Shifted(mine, 1.0), _Shifted(mine, -1.0)]
+    ens.choose_uncertainty(tr, GROUPS, cal, held_out_groups=CAL_GROUPS, confidence=0.9, problems=3)
+    sel = ens.uncertainty_selection_
+    assert (sel["uncertainty"], sel["error_model"]) == ("enssum", "none")
+    assert sel["scores"]["enssum:none"][0] == 1.0
+    assert max(v[0] for k, v in sel["scores"].items() if not k.startswith("enssum")) <= 4 / 7
+    model, scalar = ens.chosen_uncertainty()
+    assert scalar == "max" and model.add_variance and ens.add_variance and model.members_ is ens.members_
+    assert getattr(mine, "error_model_", None) is None
+    ens.choose_uncertainty(tr, GROUPS, cal, held_out_groups=CAL_GROUPS, confidence=0.9, problems=3,
+                           candidates=("max", "kl"))
+    assert ens.uncertainty_selection_["uncertainty"] == "max" and not ens.add_variance
+    assert ens.chosen_uncertainty() == (mine, "max")
+
+
+def test_choose_uncertainty_ties_go_in_the_order_given(op, data, monkeypatch):
+    """Every candidate scoring alike: the first of `candidates` without an error model — with "max"
+    first the operator is bit for bit as before (predictions, state) and no spread is added."""
+    from kjit.persistence import dumps_state
+
+    tr, cal = data["train"], data["test"]
+    mine = copy.deepcopy(op)
+    ens = operators.KernelEnsemble(mine, 2, seeds=[3]).fit(tr)
+    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: 0.25)
+    monkeypatch.setattr(operators, "_pooled_budget_threshold", lambda u, *a: np.inf)
+    ens.choose_uncertainty(tr, GROUPS, cal)
+    assert (ens.uncertainty_selection_["uncertainty"], ens.uncertainty_selection_["error_model"]) == ("max", "none")
+    assert not ens.add_variance and getattr(mine, "error_model_", None) is None
+    np.testing.assert_array_equal(mine.predict(cal.incoming)[1], op.predict(cal.incoming)[1])
+    assert dumps_state("KernelOperator", mine.state_dict()) == dumps_state("KernelOperator", op.state_dict())
+    ens.choose_uncertainty(tr, GROUPS, cal, candidates=("enssum", "max"))
+    assert (ens.uncertainty_selection_["uncertainty"], ens.uncertainty_selection_["error_model"]) == ("enssum", "none")
+    assert ens.add_variance
+
+
+def test_choose_uncertainty_refusals(op, data):
+    tr, cal = data["train"], data["test"]
+    ens = operators.KernelEnsemble(copy.deepcopy(op), 2, seeds=[3])
+    with pytest.raises(ValueError, match="not fitted"):
+        ens.choose_uncertainty(tr, GROUPS, cal)
+    ens.fit(tr)
+    with pytest.raises(ValueError, match="choose_uncertainty"):
+        ens.chosen_uncertainty()
+    for bad in ((), ("max", "max"), ("ens",)):
+        with pytest.raises(ValueError, match="candidates"):
+            ens.choose_uncertainty(tr, GROUPS, cal, candidates=bad)
+    with pytest.raises(ValueError, match="TrainingSet"):
+        ens.choose_uncertainty(tr, GROUPS, cal.incoming)
+    with pytest.raises(ValueError, match="held_out_groups"):
+        ens.choose_uncertainty(tr, GROUPS, cal, confidence=0.9)
