@@ -488,6 +488,9 @@ def direction_rows(f, recs, args, rng):
                "error_model_scores": {k: float(v) for k, v in selection["scores"].items()}}
         chosen = uncertainty_figures(op)  # with the chosen error model: the headline
         row.update(chosen)
+        if args.novelty:
+            row.update(novelty_figures(op, data["train"].incoming, test.incoming,
+                                       op.row_uncertainty(test.incoming, q_hat, logvar, "max"), kl))
         if args.ensemble:
             # the ensemble spread (opt-in, --ensemble K): K − 1 more operators on the same pairs, only
             # the random features' seed differing (hyperparameters: --ensemble-hyperparameters); every
@@ -558,6 +561,30 @@ def direction_rows(f, recs, args, rng):
     return rows
 
 
+def novelty_figures(op, train_incoming, test_incoming, u, kl):
+    """--novelty: each test row's squared distance to the nearest training row in the inner
+    embedding, in units of the outer kernel's width (γ²: the kernel there is exp(−d/2)), and how
+    it ranks the errors ``kl`` — alone, and as the union with the uncertainty ``u`` (the larger of
+    the two ranks: a row is flagged when either flags it)."""
+    def phi(incoming):
+        inc, _ = op.factor.check_incoming(incoming, op.to)
+        return op.features_.inner(op.feature_inputs(inc))
+
+    P, Q = phi(test_incoming), phi(train_incoming)
+    q2 = np.einsum("ij,ij->i", Q, Q)
+    d = np.empty(len(P))
+    for s in range(0, len(P), 500):
+        A = P[s:s + 500]
+        d[s:s + 500] = np.maximum((np.einsum("ij,ij->i", A, A)[:, None] + q2 - 2.0 * (A @ Q.T)).min(axis=1), 0.0)
+    d /= op.features_.gamma2_
+
+    def rank(x):
+        return np.argsort(np.argsort(x, kind="stable"), kind="stable")
+    return {"flagged_fraction_needed_novelty": flagged_share_needed(d, kl),
+            "flagged_fraction_needed_union": flagged_share_needed(np.maximum(rank(u), rank(d)), kl),
+            "novelty_median": float(np.median(d)), "novelty_p99": float(np.quantile(d, 0.99))}
+
+
 BUDGET_CONFIDENCE = 0.9  # the budget90 threshold: <= 10 % flagged on 90 % of test-sized batches (a priori)
 FACTORS = ("logistic", "probit_noise", "compound_gamma", "product", "gaussian", "gamma_rate", "exp")
 PROBLEMS = {"logistic": 60, "probit_noise": 60, "compound_gamma": 60, "product": 80, "gaussian": 60,
@@ -586,12 +613,20 @@ def main(argv=None):
                          "expected KL and the variance plus the ensemble spread, with its error model, on the "
                          "pooled calibration rows (KernelEnsemble.choose_uncertainty; keys with the suffix "
                          "_choice; needs --ensemble; default off)")
+    ap.add_argument("--novelty", action="store_true",
+                    help="also how far each test row lies from the training rows (nearest neighbour in the "
+                         "inner embedding) and how that ranks the errors (keys flagged_fraction_needed_novelty, "
+                         "_union; default off)")
+    ap.add_argument("--problems-scale", type=float, default=1.0, metavar="S",
+                    help="S times the problems per factor, the pair counts unchanged (default 1)")
     args = ap.parse_args(argv)
     if args.choose_uncertainty and args.ensemble < 2:
         ap.error("--choose-uncertainty needs --ensemble K (K >= 2)")
-    scale = 1.0
+    if not args.problems_scale > 0:
+        ap.error("--problems-scale must be > 0")
+    scale = args.problems_scale
     if args.quick:
-        args.n_train, args.n_cal, args.n_test, scale = 1000, 300, 600, 0.35
+        args.n_train, args.n_cal, args.n_test, scale = 1000, 300, 600, 0.35 * args.problems_scale
     rows = []
     for name in args.factors:
         rng = np.random.default_rng([args.seed, FACTORS.index(name)])
@@ -627,6 +662,8 @@ def main(argv=None):
         "error_models_kl": {c: sum(r["error_model_kl"] == c for r in rows) for c in ("none", "additive", "ratio")},
         **(_ensemble_summary(rows) if args.ensemble else {}),
         **(_choice_summary(rows) if args.choose_uncertainty else {}),
+        **({f"n_flagged_fraction_needed_le_006_{tag}": sum(r[f"flagged_fraction_needed_{tag}"] <= 0.06 for r in rows)
+            for tag in ("novelty", "union")} if args.novelty else {}),
     }), flush=True)
 
 

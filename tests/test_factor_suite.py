@@ -77,3 +77,64 @@ def test_choose_uncertainty_flag_adds_its_keys(capsys):
             {k: v for k, v in b.items() if k not in timing and "choice" not in k}
     with pytest.raises(SystemExit):
         suite.main(["--quick", "--choose-uncertainty"])
+
+
+def test_novelty_figures_match_a_direct_computation():
+    """novelty_figures' distances against scipy's pairwise distances on the operator's inner
+    features: a test row copied from the training rows is at distance 0, a shifted one is not, and
+    the ranking figures are flagged_share_needed of those distances (alone, and the union with u)."""
+    import numpy as np
+    from scipy.spatial.distance import cdist
+
+    from kjit.factors import Logistic
+    from kjit.families import Beta, Gaussian
+    from kjit.operators import KernelOperator, flagged_share_needed
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import logistic_incoming, make_training_set
+
+    suite = _suite()
+    f = Logistic()
+    data = make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=200, random_state=0)
+    op = KernelOperator(f, "x", n_inner=50, n_outer=80, random_state=0).fit(data)
+    x, z = data.incoming["x"], data.incoming["z"]
+    test = {"x": Gaussian(np.r_[x.mean()[:20], x.mean()[:20] + 40.0], np.r_[x.var()[:20], x.var()[:20]]),
+            "z": Beta(np.r_[z.alpha[:20], z.alpha[:20]], np.r_[z.beta[:20], z.beta[:20]])}
+    rng = np.random.default_rng(0)
+    u, kl = rng.standard_normal(40), np.exp(rng.standard_normal(40))
+    got = suite.novelty_figures(op, data.incoming, test, u, kl)
+
+    def phi(incoming):
+        return op.features_.inner(op.feature_inputs(f.check_incoming(incoming, "x")[0]))
+
+    d = cdist(phi(test), phi(data.incoming), "sqeuclidean").min(axis=1) / op.features_.gamma2_
+    assert np.all(d[:20] <= 1e-9) and np.all(d[20:] > 1e-3)
+    assert np.isclose(got["novelty_median"], np.median(d), rtol=1e-9, atol=1e-12)
+    assert np.isclose(got["novelty_p99"], np.quantile(d, 0.99), rtol=1e-9, atol=1e-12)
+    assert got["flagged_fraction_needed_novelty"] == flagged_share_needed(d, kl)
+    ranks = [np.argsort(np.argsort(a, kind="stable"), kind="stable") for a in (u, d)]
+    assert got["flagged_fraction_needed_union"] == flagged_share_needed(np.maximum(*ranks), kl)
+
+
+def test_novelty_and_problems_scale_flags(capsys):
+    """--novelty adds its keys (rows and summary) and changes no other; --problems-scale draws the
+    same pair counts from S times the problems."""
+    suite = _suite()
+    argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
+    suite.main(argv)
+    plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    suite.main(argv + ["--novelty"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    timing = ("oracle_us_per_msg", "predict_us_per_msg", "seconds")
+    added = ("flagged_fraction_needed_novelty", "flagged_fraction_needed_union", "novelty_median", "novelty_p99")
+    for a, b in zip(plain, lines):
+        assert {k: v for k, v in a.items() if k not in timing} == \
+            {k: v for k, v in b.items() if k not in timing and k not in added
+             and not k.startswith("n_flagged_fraction_needed_le_006_novelty")
+             and not k.startswith("n_flagged_fraction_needed_le_006_union")}
+    rows = [r for r in lines if "direction" in r]
+    assert rows and all(0.0 <= r[k] <= 1.0 for r in rows for k in added[:2])
+    assert 0 <= lines[-1]["n_flagged_fraction_needed_le_006_union"] <= len(rows)
+    suite.main(argv + ["--problems-scale", "2"])
+    scaled = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    n = [sum(r["n_problems"].values()) for r in (plain[0], scaled[0])]
+    assert n == [21, 42]
