@@ -245,7 +245,8 @@ from kjit.ep.graph import GraphEP
 from kjit.ep.models import normal_mean_precision, poisson_gamma, rank_one
 from kjit.factors import get_factor
 from kjit.families import Bernoulli, Gamma, Gaussian
-from kjit.operators import KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold, flagged_share_needed
+from kjit.operators import (KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold,
+                            flagged_share_needed, tolerance_threshold)
 from kjit.oracles import QuadratureOracle
 from kjit.training import TrainingSet
 
@@ -489,8 +490,14 @@ def direction_rows(f, recs, args, rng):
         chosen = uncertainty_figures(op)  # with the chosen error model: the headline
         row.update(chosen)
         if args.novelty:
-            row.update(novelty_figures(op, data["train"].incoming, test.incoming,
-                                       op.row_uncertainty(test.incoming, q_hat, logvar, "max"), kl))
+            nov = novelty_figures(op, data["train"], problem["train"], data["cal"], problem["cal"], test.incoming,
+                                  op.row_uncertainty(test.incoming, q_hat, logvar, "max"), kl, worst,
+                                  n_test_problems)
+            if not nov["novelty_chosen"]:  # the headline's uncertainty: its figures
+                nov.update({f"{k}_novchoice": chosen[k] for k in (
+                    "flagged_fraction_needed", "flagged_fraction_at_q90", "worst1pct_flagged_at_q90",
+                    "flagged_fraction_at_budget90", "worst1pct_flagged_at_budget90")})
+            row.update(nov)
         if args.ensemble:
             # the ensemble spread (opt-in, --ensemble K): K − 1 more operators on the same pairs, only
             # the random features' seed differing (hyperparameters: --ensemble-hyperparameters); every
@@ -561,28 +568,70 @@ def direction_rows(f, recs, args, rng):
     return rows
 
 
-def novelty_figures(op, train_incoming, test_incoming, u, kl):
-    """--novelty: each test row's squared distance to the nearest training row in the inner
-    embedding, in units of the outer kernel's width (γ²: the kernel there is exp(−d/2)), and how
-    it ranks the errors ``kl`` — alone, and as the union with the uncertainty ``u`` (the larger of
-    the two ranks: a row is flagged when either flags it)."""
+def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, test_worst, n_test_problems):
+    """--novelty: how far each row lies from the operator's training rows — the squared distance to
+    the nearest training row in the inner embedding, in units of the outer kernel's width γ² (the
+    kernel there is exp(−d/2)) — and whether adding it to the uncertainty helps, chosen on the
+    pooled calibration rows as every other choice here.
+
+    ``flagged_fraction_needed_novelty``: how d alone ranks the test errors ``kl``.  The union: a
+    row's score is the larger of its two pooled ranks, s = max(F_u(u), F_d(d)), F the empirical
+    CDF over the pooled rows (the calibration set, d to every training row, and the training rows
+    left out by problem: the operator's held_out_predict, d to the other problems' rows) — flagged
+    when either score is high for the pool.  ``novelty_chosen``: the union where it ranks the
+    pooled worst 1 % better than u alone (smaller flagged_share_needed; u on a tie) — never on
+    test rows; ``*_novchoice``: the chosen score's test figures, its thresholds from the same pooled
+    rows as the headline's (the conformal 90 % quantile, and budget90 by tolerance_threshold)."""
     def phi(incoming):
         inc, _ = op.factor.check_incoming(incoming, op.to)
         return op.features_.inner(op.feature_inputs(inc))
 
-    P, Q = phi(test_incoming), phi(train_incoming)
-    q2 = np.einsum("ij,ij->i", Q, Q)
-    d = np.empty(len(P))
-    for s in range(0, len(P), 500):
-        A = P[s:s + 500]
-        d[s:s + 500] = np.maximum((np.einsum("ij,ij->i", A, A)[:, None] + q2 - 2.0 * (A @ Q.T)).min(axis=1), 0.0)
-    d /= op.features_.gamma2_
+    def nearest(P, Q, own=None, other=None):
+        """squared distance from each row of P to its nearest row of Q (not of its own group)"""
+        q2 = np.einsum("ij,ij->i", Q, Q)
+        out = np.empty(len(P))
+        for s in range(0, len(P), 500):
+            A = P[s:s + 500]
+            D = np.einsum("ij,ij->i", A, A)[:, None] + q2 - 2.0 * (A @ Q.T)
+            if own is not None:
+                D[own[s:s + 500, None] == other[None, :]] = np.inf
+            out[s:s + 500] = np.maximum(D.min(axis=1), 0.0)
+        return out / op.features_.gamma2_
 
-    def rank(x):
-        return np.argsort(np.argsort(x, kind="stable"), kind="stable")
-    return {"flagged_fraction_needed_novelty": flagged_share_needed(d, kl),
-            "flagged_fraction_needed_union": flagged_share_needed(np.maximum(rank(u), rank(d)), kl),
-            "novelty_median": float(np.median(d)), "novelty_p99": float(np.quantile(d, 0.99))}
+    groups = np.asarray(groups)
+    P_tr = phi(train.incoming)
+    d = nearest(phi(test_incoming), P_tr)
+    d_pool = np.concatenate([nearest(phi(cal.incoming), P_tr), nearest(P_tr, P_tr, groups, groups)])
+    q_cal, lv_cal = op.predict(cal.incoming)
+    q_tr, lv_tr = op.held_out_predict(train, groups)
+    u_pool = np.concatenate([op.row_uncertainty(cal.incoming, q_cal, lv_cal, "max"),
+                             op.row_uncertainty(train.incoming, q_tr, lv_tr, "max")])
+    kl_pool = np.maximum(np.concatenate([cal.beliefs.kl(q_cal), train.beliefs.kl(q_tr)]), 1e-300)
+
+    def cdf(pool, x):
+        return np.searchsorted(np.sort(pool), x, side="right") / pool.size
+
+    s_pool = np.maximum(cdf(u_pool, u_pool), cdf(d_pool, d_pool))
+    s = np.maximum(cdf(u_pool, u), cdf(d_pool, d))
+    scores = {"u": flagged_share_needed(u_pool, kl_pool), "union": flagged_share_needed(s_pool, kl_pool)}
+    chosen = scores["union"] < scores["u"]
+    out = {"flagged_fraction_needed_novelty": flagged_share_needed(d, kl),
+           "flagged_fraction_needed_union": flagged_share_needed(s, kl),
+           "novelty_median": float(np.median(d)), "novelty_p99": float(np.quantile(d, 0.99)),
+           "novelty_chosen": bool(chosen), "novelty_choice_scores": scores}
+    if chosen:
+        n = s_pool.size
+        k = int(np.ceil((n + 1) * 0.9))
+        thr10 = float(np.sort(s_pool)[k - 1]) if k <= n else np.inf
+        labels = np.concatenate([np.unique(cal_groups, return_inverse=True)[1].ravel(),
+                                 np.unique(groups, return_inverse=True)[1].ravel() + len(np.unique(cal_groups))])
+        thr_b90 = tolerance_threshold(s_pool, labels, 0.1, BUDGET_CONFIDENCE, n_test_problems)
+        out.update({"flagged_fraction_needed_novchoice": out["flagged_fraction_needed_union"],
+                    "flagged_fraction_at_q90_novchoice": float(np.mean(s > thr10)),
+                    "worst1pct_flagged_at_q90_novchoice": float(np.mean((s > thr10)[test_worst])),
+                    "flagged_fraction_at_budget90_novchoice": float(np.mean(s > thr_b90)),
+                    "worst1pct_flagged_at_budget90_novchoice": float(np.mean((s > thr_b90)[test_worst]))})
+    return out
 
 
 BUDGET_CONFIDENCE = 0.9  # the budget90 threshold: <= 10 % flagged on 90 % of test-sized batches (a priori)
@@ -662,8 +711,10 @@ def main(argv=None):
         "error_models_kl": {c: sum(r["error_model_kl"] == c for r in rows) for c in ("none", "additive", "ratio")},
         **(_ensemble_summary(rows) if args.ensemble else {}),
         **(_choice_summary(rows) if args.choose_uncertainty else {}),
-        **({f"n_flagged_fraction_needed_le_006_{tag}": sum(r[f"flagged_fraction_needed_{tag}"] <= 0.06 for r in rows)
-            for tag in ("novelty", "union")} if args.novelty else {}),
+        **({**{f"n_flagged_fraction_needed_le_006_{tag}": sum(r[f"flagged_fraction_needed_{tag}"] <= 0.06 for r in rows)
+               for tag in ("novelty", "union", "novchoice")},
+            **{f"n_met_at_{at}_novchoice": _n_met(rows, at, "_novchoice") for at in ("q90", "budget90")},
+            "n_novelty_chosen": sum(r["novelty_chosen"] for r in rows)} if args.novelty else {}),
     }), flush=True)
 
 

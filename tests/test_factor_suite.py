@@ -81,27 +81,33 @@ def test_choose_uncertainty_flag_adds_its_keys(capsys):
 
 def test_novelty_figures_match_a_direct_computation():
     """novelty_figures' distances against scipy's pairwise distances on the operator's inner
-    features: a test row copied from the training rows is at distance 0, a shifted one is not, and
-    the ranking figures are flagged_share_needed of those distances (alone, and the union with u)."""
+    features (a test row copied from the training rows is at distance 0, a shifted one is not),
+    the ranking figures are flagged_share_needed of those, and the choice's score for u alone is
+    the library's pooled uncertainty's (kjit.operators._pooled: calibration rows, then the
+    training rows left out by group)."""
     import numpy as np
     from scipy.spatial.distance import cdist
 
     from kjit.factors import Logistic
     from kjit.families import Beta, Gaussian
-    from kjit.operators import KernelOperator, flagged_share_needed
+    from kjit.operators import KernelOperator, _pooled, flagged_share_needed
     from kjit.oracles import QuadratureOracle
     from kjit.training import logistic_incoming, make_training_set
 
     suite = _suite()
     f = Logistic()
-    data = make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=200, random_state=0)
+    oracle = QuadratureOracle(f)
+    data = make_training_set(f, "x", logistic_incoming, oracle, n=240, random_state=0)
+    cal = make_training_set(f, "x", logistic_incoming, oracle, n=60, random_state=1)
+    groups, cal_groups = np.arange(240) // 20, np.arange(60) // 20
     op = KernelOperator(f, "x", n_inner=50, n_outer=80, random_state=0).fit(data)
     x, z = data.incoming["x"], data.incoming["z"]
     test = {"x": Gaussian(np.r_[x.mean()[:20], x.mean()[:20] + 40.0], np.r_[x.var()[:20], x.var()[:20]]),
             "z": Beta(np.r_[z.alpha[:20], z.alpha[:20]], np.r_[z.beta[:20], z.beta[:20]])}
     rng = np.random.default_rng(0)
     u, kl = rng.standard_normal(40), np.exp(rng.standard_normal(40))
-    got = suite.novelty_figures(op, data.incoming, test, u, kl)
+    worst = kl >= np.quantile(kl, 0.99)
+    got = suite.novelty_figures(op, data, groups, cal, cal_groups, test, u, kl, worst, 2)
 
     def phi(incoming):
         return op.features_.inner(op.feature_inputs(f.check_incoming(incoming, "x")[0]))
@@ -111,8 +117,10 @@ def test_novelty_figures_match_a_direct_computation():
     assert np.isclose(got["novelty_median"], np.median(d), rtol=1e-9, atol=1e-12)
     assert np.isclose(got["novelty_p99"], np.quantile(d, 0.99), rtol=1e-9, atol=1e-12)
     assert got["flagged_fraction_needed_novelty"] == flagged_share_needed(d, kl)
-    ranks = [np.argsort(np.argsort(a, kind="stable"), kind="stable") for a in (u, d)]
-    assert got["flagged_fraction_needed_union"] == flagged_share_needed(np.maximum(*ranks), kl)
+    u_pool, kl_pool = _pooled(op, cal, data, groups, labels=True)
+    assert got["novelty_choice_scores"]["u"] == flagged_share_needed(u_pool, np.maximum(kl_pool, 1e-300))
+    assert got["novelty_chosen"] == (got["novelty_choice_scores"]["union"] < got["novelty_choice_scores"]["u"])
+    assert ("flagged_fraction_at_q90_novchoice" in got) == got["novelty_chosen"]
 
 
 def test_novelty_and_problems_scale_flags(capsys):
@@ -125,15 +133,22 @@ def test_novelty_and_problems_scale_flags(capsys):
     suite.main(argv + ["--novelty"])
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     timing = ("oracle_us_per_msg", "predict_us_per_msg", "seconds")
-    added = ("flagged_fraction_needed_novelty", "flagged_fraction_needed_union", "novelty_median", "novelty_p99")
+    added = ("flagged_fraction_needed_novelty", "flagged_fraction_needed_union", "novelty_median", "novelty_p99",
+             "novelty_chosen", "novelty_choice_scores", "n_novelty_chosen")
     for a, b in zip(plain, lines):
         assert {k: v for k, v in a.items() if k not in timing} == \
-            {k: v for k, v in b.items() if k not in timing and k not in added
+            {k: v for k, v in b.items() if k not in timing and k not in added and "novchoice" not in k
              and not k.startswith("n_flagged_fraction_needed_le_006_novelty")
              and not k.startswith("n_flagged_fraction_needed_le_006_union")}
     rows = [r for r in lines if "direction" in r]
     assert rows and all(0.0 <= r[k] <= 1.0 for r in rows for k in added[:2])
-    assert 0 <= lines[-1]["n_flagged_fraction_needed_le_006_union"] <= len(rows)
+    for r in rows:  # the chosen score's figures: the headline's where u alone was kept
+        for k in ("flagged_fraction_needed", "flagged_fraction_at_q90", "worst1pct_flagged_at_budget90"):
+            assert 0.0 <= r[k + "_novchoice"] <= 1.0
+            assert r["novelty_chosen"] or r[k + "_novchoice"] == r[k]
+    for k in ("n_flagged_fraction_needed_le_006_union", "n_met_at_q90_novchoice", "n_met_at_budget90_novchoice",
+              "n_novelty_chosen"):
+        assert 0 <= lines[-1][k] <= len(rows)
     suite.main(argv + ["--problems-scale", "2"])
     scaled = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     n = [sum(r["n_problems"].values()) for r in (plain[0], scaled[0])]
