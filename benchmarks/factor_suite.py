@@ -520,7 +520,8 @@ def direction_rows(f, recs, args, rng):
         if args.novelty:
             nov = novelty_figures(op, data["train"], problem["train"], data["cal"], problem["cal"], test.incoming,
                                   op.row_uncertainty(test.incoming, q_hat, logvar, "max"), kl, worst,
-                                  n_test_problems)
+                                  n_test_problems, {"q90": chosen["threshold_q90"],
+                                                    "budget90": chosen["threshold_budget90"]})
             if not nov["novelty_chosen"]:  # the headline's uncertainty: its figures
                 nov.update({f"{k}_novchoice": chosen[k] for k in (
                     "flagged_fraction_needed", "flagged_fraction_at_q90", "worst1pct_flagged_at_q90",
@@ -596,7 +597,8 @@ def direction_rows(f, recs, args, rng):
     return rows
 
 
-def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, test_worst, n_test_problems):
+def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, test_worst, n_test_problems,
+                    thresholds=None):
     """--novelty: how far each row lies from the operator's training rows — the squared distance to
     the nearest training row in the inner embedding, in units of the outer kernel's width γ² (the
     kernel there is exp(−d/2)) — and whether adding it to the uncertainty helps, chosen on the
@@ -647,6 +649,8 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
            "flagged_fraction_needed_union": flagged_share_needed(s, kl),
            "novelty_median": float(np.median(d)), "novelty_p99": float(np.quantile(d, 0.99)),
            "novelty_chosen": bool(chosen), "novelty_choice_scores": scores}
+    if thresholds:
+        out.update(_density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thresholds))
     if chosen:
         n = s_pool.size
         k = int(np.ceil((n + 1) * 0.9))
@@ -659,6 +663,37 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
                     "worst1pct_flagged_at_q90_novchoice": float(np.mean((s > thr10)[test_worst])),
                     "flagged_fraction_at_budget90_novchoice": float(np.mean(s > thr_b90)),
                     "worst1pct_flagged_at_budget90_novchoice": float(np.mean((s > thr_b90)[test_worst]))})
+    return out
+
+
+GUARD_SHARE = 0.01  # --novelty's density guard: the pooled rows' 1 % least dense (fixed a priori)
+
+
+def _density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thresholds, share=GUARD_SHARE):
+    """The worst confident error — the largest test KL among rows a threshold leaves unflagged — at
+    each of ``thresholds`` ({tag: t} on the uncertainty ``u``), and the same with a density guard:
+    also flag a row whose kernel density to the training rows, ψ(x)·ψ̄ (ψ̄ the training rows' mean
+    outer features: their mean kernel value to x), is below the ``share`` quantile of the pooled
+    rows' (the calibration set, and the training rows left out by problem — ψ̄ without their own)."""
+    def psi(incoming):
+        inc, _ = op.factor.check_incoming(incoming, op.to)
+        return op.features_.transform(op.feature_inputs(inc))
+
+    P = psi(train.incoming)
+    total, n = P.sum(axis=0), len(P)
+    left_out = np.empty(n)
+    for g in np.unique(groups):
+        m = groups == g
+        left_out[m] = P[m] @ ((total - P[m].sum(axis=0)) / (n - m.sum()))
+    density = psi(test_incoming) @ (total / n)
+    guard = density < np.quantile(np.concatenate([psi(cal.incoming) @ (total / n), left_out]), share)
+    out = {"guard_share": share, "guard_flagged_fraction": float(np.mean(guard))}
+    for tag, t in thresholds.items():
+        for suffix, flagged in (("", u > t), ("_guard", (u > t) | guard)):
+            out[f"max_kl_unflagged_at_{tag}{suffix}"] = float(kl[~flagged].max()) if (~flagged).any() else None
+            if suffix:
+                out[f"flagged_fraction_at_{tag}{suffix}"] = float(np.mean(flagged))
+                out[f"worst1pct_flagged_at_{tag}{suffix}"] = float(np.mean(flagged[test_worst]))
     return out
 
 
@@ -742,7 +777,10 @@ def main(argv=None):
         **({**{f"n_flagged_fraction_needed_le_006_{tag}": sum(r[f"flagged_fraction_needed_{tag}"] <= 0.06 for r in rows)
                for tag in ("novelty", "union", "novchoice")},
             **{f"n_met_at_{at}_novchoice": _n_met(rows, at, "_novchoice") for at in ("q90", "budget90")},
-            "n_novelty_chosen": sum(r["novelty_chosen"] for r in rows)} if args.novelty else {}),
+            "n_novelty_chosen": sum(r["novelty_chosen"] for r in rows),
+            **{f"n_met_at_{at}_guard": _n_met(rows, at, "_guard") for at in ("q90", "budget90")},
+            **{f"max_kl_unflagged_at_{at}{sfx}": max(r[f"max_kl_unflagged_at_{at}{sfx}"] or 0.0 for r in rows)
+               for at in ("q90", "budget90") for sfx in ("", "_guard")}} if args.novelty else {}),
     }), flush=True)
 
 

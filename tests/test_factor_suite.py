@@ -122,6 +122,22 @@ def test_novelty_figures_match_a_direct_computation():
     assert got["novelty_chosen"] == (got["novelty_choice_scores"]["union"] < got["novelty_choice_scores"]["u"])
     assert ("flagged_fraction_at_q90_novchoice" in got) == got["novelty_chosen"]
 
+    # the density guard, recomputed row by row: the mean kernel value ψ(x)·ψ̄ to the training rows
+    # (ψ̄ without a training row's own group), flagged below the pooled rows' 1 % quantile
+    def psi(incoming):
+        return op.features_.transform(op.feature_inputs(f.check_incoming(incoming, "x")[0]))
+
+    P, C, T = psi(data.incoming), psi(cal.incoming), psi(test)
+    pooled = [float(c @ P.mean(axis=0)) for c in C]
+    pooled += [float(P[i] @ P[groups != groups[i]].mean(axis=0)) for i in range(len(P))]
+    guard = T @ P.mean(axis=0) < np.quantile(pooled, 0.01)
+    assert guard[20:].all() and not guard[:20].any()  # the shifted rows are the sparse ones
+    g = suite._density_guard(op, data, groups, cal, test, u, kl, worst, {"t": np.inf, "s": -np.inf})
+    assert g["guard_flagged_fraction"] == np.mean(guard)
+    assert g["max_kl_unflagged_at_t"] == kl.max() and g["max_kl_unflagged_at_t_guard"] == kl[~guard].max()
+    assert g["flagged_fraction_at_t_guard"] == np.mean(guard)
+    assert g["max_kl_unflagged_at_s"] is None and g["flagged_fraction_at_s_guard"] == 1.0
+
 
 def test_novelty_and_problems_scale_flags(capsys):
     """--novelty adds its keys (rows and summary) and changes no other; --problems-scale draws the
@@ -138,6 +154,7 @@ def test_novelty_and_problems_scale_flags(capsys):
     for a, b in zip(plain, lines):
         assert {k: v for k, v in a.items() if k not in timing} == \
             {k: v for k, v in b.items() if k not in timing and k not in added and "novchoice" not in k
+             and "guard" not in k and "unflagged" not in k
              and not k.startswith("n_flagged_fraction_needed_le_006_novelty")
              and not k.startswith("n_flagged_fraction_needed_le_006_union")}
     rows = [r for r in lines if "direction" in r]
