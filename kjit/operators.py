@@ -1521,15 +1521,21 @@ class KernelEnsemble:
             raise ValueError(f"`candidates` must be distinct values of {UNCERTAINTY_CHOICES}, got {candidates!r}")
         if not isinstance(held_out, TrainingSet) or not isinstance(data, TrainingSet):
             raise ValueError("`data` and `held_out` must be TrainingSets (the KL needs the exact beliefs)")
+        if not 0.0 < budget < 1.0:
+            raise ValueError("`budget` must lie in (0, 1)")
+        if confidence is not None and held_out_groups is None:
+            raise ValueError("`confidence` needs `held_out_groups` (the held-out rows' problems)")
         op = self.operator
+        # (a failure below leaves the operator's error model and its record as they were)
+        saved = {k: op.__dict__[k] for k in ("error_model_", "error_model_selection_") if k in op.__dict__}
         models = {"none": None}
-        for m in ERROR_MODEL_MODES:
-            op.fit_error_model(data, groups, mode=m, floor=floor, folds=folds)
-            models[m] = op.error_model_
-        op.remove_error_model()
         order = [(c, name) for c in candidates for name in ERROR_MODEL_CANDIDATES]
         scores, thresholds, kl0 = {}, {}, None
         try:
+            for m in ERROR_MODEL_MODES:
+                op.fit_error_model(data, groups, mode=m, floor=floor, folds=folds)
+                models[m] = op.error_model_
+            op.remove_error_model()
             for name in ERROR_MODEL_CANDIDATES:
                 if models[name] is not None:
                     op.error_model_ = models[name]
@@ -1546,8 +1552,12 @@ class KernelEnsemble:
                     scores[key] = (float(np.mean(u[worst] > t)), flagged_share_needed(u, kl0))
                     thresholds[key] = float(t)
                 op.remove_error_model()
-        finally:
+        except BaseException:
             op.remove_error_model()
+            op.__dict__.update(saved)
+            raise
+        op.remove_error_model()
+        op.__dict__.pop("error_model_selection_", None)  # (fit_error_model's record: not this choice's)
         c, name = min(order, key=lambda cn: (-scores[f"{cn[0]}:{cn[1]}"][0], scores[f"{cn[0]}:{cn[1]}"][1],
                                               order.index(cn)))
         if models[name] is not None:

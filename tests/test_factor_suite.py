@@ -149,6 +149,7 @@ def test_novelty_and_problems_scale_flags(capsys):
     suite.main(argv + ["--novelty"])
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     timing = ("oracle_us_per_msg", "predict_us_per_msg", "seconds")
+    assert len(plain) == len(lines)
     added = ("flagged_fraction_needed_novelty", "flagged_fraction_needed_union", "novelty_median", "novelty_p99",
              "novelty_chosen", "novelty_choice_scores", "n_novelty_chosen")
     for a, b in zip(plain, lines):
@@ -170,3 +171,62 @@ def test_novelty_and_problems_scale_flags(capsys):
     scaled = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     n = [sum(r["n_problems"].values()) for r in (plain[0], scaled[0])]
     assert n == [21, 42]
+
+
+def test_novelty_union_when_chosen(monkeypatch):
+    """The union's branch (forced: its pooled score made the smaller): its test figures against a
+    direct computation — each score's pooled empirical CDF, the larger of the two, the conformal
+    90 % quantile of the pooled scores as the q90 threshold."""
+    import numpy as np
+    from scipy.spatial.distance import cdist
+
+    from kjit.factors import Logistic
+    from kjit.families import Beta, Gaussian
+    from kjit.operators import KernelOperator, _pooled
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import logistic_incoming, make_training_set
+
+    suite = _suite()
+    f = Logistic()
+    oracle = QuadratureOracle(f)
+    data = make_training_set(f, "x", logistic_incoming, oracle, n=240, random_state=0)
+    cal = make_training_set(f, "x", logistic_incoming, oracle, n=60, random_state=1)
+    groups, cal_groups = np.arange(240) // 20, np.arange(60) // 20
+    op = KernelOperator(f, "x", n_inner=50, n_outer=80, random_state=0).fit(data)
+    x, z = data.incoming["x"], data.incoming["z"]
+    test = {"x": Gaussian(np.r_[x.mean()[:20], x.mean()[:20] + 40.0], np.r_[x.var()[:20], x.var()[:20]]),
+            "z": Beta(np.r_[z.alpha[:20], z.alpha[:20]], np.r_[z.beta[:20], z.beta[:20]])}
+    rng = np.random.default_rng(0)
+    u, kl = rng.standard_normal(40), np.exp(rng.standard_normal(40))
+    worst = kl >= np.quantile(kl, 0.99)
+    real, calls = suite.flagged_share_needed, []
+
+    def forced(a, b):  # the pooled scores: u's first (1.0), the union's second (0.0)
+        calls.append(1)
+        return {1: 1.0, 2: 0.0}.get(len(calls), real(a, b))
+
+    monkeypatch.setattr(suite, "flagged_share_needed", forced)
+    got = suite.novelty_figures(op, data, groups, cal, cal_groups, test, u, kl, worst, 2)
+    assert got["novelty_chosen"]
+
+    def phi(incoming):
+        return op.features_.inner(op.feature_inputs(f.check_incoming(incoming, "x")[0]))
+
+    P = phi(data.incoming)
+    g2 = op.features_.gamma2_
+    D = cdist(P, P, "sqeuclidean")
+    D[groups[:, None] == groups[None, :]] = np.inf
+    d_pool = np.r_[cdist(phi(cal.incoming), P, "sqeuclidean").min(axis=1), D.min(axis=1)] / g2
+    d = cdist(phi(test), P, "sqeuclidean").min(axis=1) / g2
+    u_pool, _ = _pooled(op, cal, data, groups, labels=True)
+
+    def cdf(pool, v):
+        return np.array([np.mean(pool <= t) for t in v])
+
+    s_pool = np.maximum(cdf(u_pool, u_pool), cdf(d_pool, d_pool))
+    s = np.maximum(cdf(u_pool, u), cdf(d_pool, d))
+    thr = np.sort(s_pool)[int(np.ceil((s_pool.size + 1) * 0.9)) - 1]
+    assert np.isclose(got["flagged_fraction_at_q90_novchoice"], np.mean(s > thr))
+    assert np.isclose(got["worst1pct_flagged_at_q90_novchoice"], np.mean((s > thr)[worst]))
+    assert got["flagged_fraction_needed_novchoice"] == real(s, kl)
+    assert 0.0 <= got["flagged_fraction_at_budget90_novchoice"] <= 1.0

@@ -1282,3 +1282,27 @@ def test_choose_uncertainty_refusals(op, data):
         ens.choose_uncertainty(tr, GROUPS, cal.incoming)
     with pytest.raises(ValueError, match="held_out_groups"):
         ens.choose_uncertainty(tr, GROUPS, cal, confidence=0.9)
+    for budget in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="budget"):
+            ens.choose_uncertainty(tr, GROUPS, cal, budget=budget)
+
+
+def test_choose_uncertainty_failure_leaves_the_operator_as_it_was(op, data, monkeypatch):
+    """A refused or failed choice keeps the operator's own error model and its selection record:
+    refused before any fit (confidence without held_out_groups), and restored when scoring fails."""
+    tr, cal = data["train"], data["test"]
+    base = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", held_out=cal)
+    base.error_model_ = base.error_model_ or {"mode": "marker"}  # (an error model to keep, whichever was chosen)
+    em, sel = base.error_model_, base.error_model_selection_
+    ens = operators.KernelEnsemble(base, 2, seeds=[3]).fit(tr)
+    with pytest.raises(ValueError, match="held_out_groups"):
+        ens.choose_uncertainty(tr, GROUPS, cal, confidence=0.9)
+    assert base.error_model_ is em and base.error_model_selection_ is sel
+
+    def boom(*a, **k):
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(operators, "_pooled_budget_threshold", boom)
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        ens.choose_uncertainty(tr, GROUPS, cal)
+    assert base.error_model_ is em and base.error_model_selection_ is sel
