@@ -88,25 +88,10 @@ def test_novelty_figures_match_a_direct_computation():
     import numpy as np
     from scipy.spatial.distance import cdist
 
-    from kjit.factors import Logistic
-    from kjit.families import Beta, Gaussian
-    from kjit.operators import KernelOperator, _pooled, flagged_share_needed
-    from kjit.oracles import QuadratureOracle
-    from kjit.training import logistic_incoming, make_training_set
+    from kjit.operators import _pooled, flagged_share_needed
 
     suite = _suite()
-    f = Logistic()
-    oracle = QuadratureOracle(f)
-    data = make_training_set(f, "x", logistic_incoming, oracle, n=240, random_state=0)
-    cal = make_training_set(f, "x", logistic_incoming, oracle, n=60, random_state=1)
-    groups, cal_groups = np.arange(240) // 20, np.arange(60) // 20
-    op = KernelOperator(f, "x", n_inner=50, n_outer=80, random_state=0).fit(data)
-    x, z = data.incoming["x"], data.incoming["z"]
-    test = {"x": Gaussian(np.r_[x.mean()[:20], x.mean()[:20] + 40.0], np.r_[x.var()[:20], x.var()[:20]]),
-            "z": Beta(np.r_[z.alpha[:20], z.alpha[:20]], np.r_[z.beta[:20], z.beta[:20]])}
-    rng = np.random.default_rng(0)
-    u, kl = rng.standard_normal(40), np.exp(rng.standard_normal(40))
-    worst = kl >= np.quantile(kl, 0.99)
+    f, op, data, cal, groups, cal_groups, test, u, kl, worst = _novelty_case()
     got = suite.novelty_figures(op, data, groups, cal, cal_groups, test, u, kl, worst, 2)
 
     def phi(incoming):
@@ -180,25 +165,10 @@ def test_novelty_union_when_chosen(monkeypatch):
     import numpy as np
     from scipy.spatial.distance import cdist
 
-    from kjit.factors import Logistic
-    from kjit.families import Beta, Gaussian
-    from kjit.operators import KernelOperator, _pooled
-    from kjit.oracles import QuadratureOracle
-    from kjit.training import logistic_incoming, make_training_set
+    from kjit.operators import _pooled
 
     suite = _suite()
-    f = Logistic()
-    oracle = QuadratureOracle(f)
-    data = make_training_set(f, "x", logistic_incoming, oracle, n=240, random_state=0)
-    cal = make_training_set(f, "x", logistic_incoming, oracle, n=60, random_state=1)
-    groups, cal_groups = np.arange(240) // 20, np.arange(60) // 20
-    op = KernelOperator(f, "x", n_inner=50, n_outer=80, random_state=0).fit(data)
-    x, z = data.incoming["x"], data.incoming["z"]
-    test = {"x": Gaussian(np.r_[x.mean()[:20], x.mean()[:20] + 40.0], np.r_[x.var()[:20], x.var()[:20]]),
-            "z": Beta(np.r_[z.alpha[:20], z.alpha[:20]], np.r_[z.beta[:20], z.beta[:20]])}
-    rng = np.random.default_rng(0)
-    u, kl = rng.standard_normal(40), np.exp(rng.standard_normal(40))
-    worst = kl >= np.quantile(kl, 0.99)
+    f, op, data, cal, groups, cal_groups, test, u, kl, worst = _novelty_case()
     real, calls = suite.flagged_share_needed, []
 
     def forced(a, b):  # the pooled scores: u's first (1.0), the union's second (0.0)
@@ -230,3 +200,28 @@ def test_novelty_union_when_chosen(monkeypatch):
     assert np.isclose(got["worst1pct_flagged_at_q90_novchoice"], np.mean((s > thr)[worst]))
     assert got["flagged_fraction_needed_novchoice"] == real(s, kl)
     assert 0.0 <= got["flagged_fraction_at_budget90_novchoice"] <= 1.0
+
+
+def _novelty_case():
+    """A small logistic → x operator (12 training problems of 20 rows, 3 calibration problems),
+    40 test rows — 20 copied from the training rows, 20 shifted far from them — and random u, KL."""
+    import numpy as np
+
+    from kjit.factors import Logistic
+    from kjit.families import Beta, Gaussian
+    from kjit.operators import KernelOperator
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import logistic_incoming, make_training_set
+
+    f = Logistic()
+    oracle = QuadratureOracle(f)
+    data = make_training_set(f, "x", logistic_incoming, oracle, n=240, random_state=0)
+    cal = make_training_set(f, "x", logistic_incoming, oracle, n=60, random_state=1)
+    groups, cal_groups = np.arange(240) // 20, np.arange(60) // 20
+    op = KernelOperator(f, "x", n_inner=50, n_outer=80, random_state=0).fit(data)
+    x, z = data.incoming["x"], data.incoming["z"]
+    test = {"x": Gaussian(np.r_[x.mean()[:20], x.mean()[:20] + 40.0], np.r_[x.var()[:20], x.var()[:20]]),
+            "z": Beta(np.r_[z.alpha[:20], z.alpha[:20]], np.r_[z.beta[:20], z.beta[:20]])}
+    rng = np.random.default_rng(0)
+    u, kl = rng.standard_normal(40), np.exp(rng.standard_normal(40))
+    return f, op, data, cal, groups, cal_groups, test, u, kl, kl >= np.quantile(kl, 0.99)
