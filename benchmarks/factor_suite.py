@@ -288,7 +288,8 @@ from kjit.ep.models import normal_mean_precision, poisson_gamma, rank_one
 from kjit.factors import get_factor
 from kjit.families import Bernoulli, Gamma, Gaussian
 from kjit.operators import (KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold,
-                            flagged_share_needed, tolerance_threshold)
+                            flagged_share_needed)
+from kjit.operators import _pooled_budget_threshold  # budget_threshold's rules on given pooled scores
 from kjit.oracles import QuadratureOracle
 from kjit.training import TrainingSet
 
@@ -643,9 +644,9 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
         return out / op.features_.gamma2_
 
     groups = np.asarray(groups)
-    P_tr = phi(train.incoming)
-    d = nearest(phi(test_incoming), P_tr)
-    d_pool = np.concatenate([nearest(phi(cal.incoming), P_tr), nearest(P_tr, P_tr, groups, groups)])
+    P_tr, P_cal, P_te = phi(train.incoming), phi(cal.incoming), phi(test_incoming)
+    d = nearest(P_te, P_tr)
+    d_pool = np.concatenate([nearest(P_cal, P_tr), nearest(P_tr, P_tr, groups, groups)])
     q_cal, lv_cal = op.predict(cal.incoming)
     q_tr, lv_tr = op.held_out_predict(train, groups)
     u_pool = np.concatenate([op.row_uncertainty(cal.incoming, q_cal, lv_cal, "max"),
@@ -664,14 +665,13 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
            "novelty_median": float(np.median(d)), "novelty_p99": float(np.quantile(d, 0.99)),
            "novelty_chosen": bool(chosen), "novelty_choice_scores": scores}
     if thresholds:
-        out.update(_density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thresholds))
+        outer = op.features_.outer
+        out.update(_density_guard(outer(P_tr), outer(P_cal), outer(P_te), groups, u, kl, test_worst, thresholds))
     if chosen:
-        n = s_pool.size
-        k = int(np.ceil((n + 1) * 0.9))
-        thr10 = float(np.sort(s_pool)[k - 1]) if k <= n else np.inf
-        labels = np.concatenate([np.unique(cal_groups, return_inverse=True)[1].ravel(),
-                                 np.unique(groups, return_inverse=True)[1].ravel() + len(np.unique(cal_groups))])
-        thr_b90 = tolerance_threshold(s_pool, labels, 0.1, BUDGET_CONFIDENCE, n_test_problems)
+        # budget_threshold's rules on the pooled scores (calibration rows first, then training rows)
+        thr10 = _pooled_budget_threshold(s_pool, True, True, groups, cal_groups, 0.1, None, None, 2000, 0, False)
+        thr_b90 = _pooled_budget_threshold(s_pool, True, True, groups, cal_groups, 0.1, BUDGET_CONFIDENCE,
+                                           n_test_problems, 2000, 0, False)
         out.update({"flagged_fraction_needed_novchoice": out["flagged_fraction_needed_union"],
                     "flagged_fraction_at_q90_novchoice": float(np.mean(s > thr10)),
                     "worst1pct_flagged_at_q90_novchoice": float(np.mean((s > thr10)[test_worst])),
@@ -683,24 +683,20 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
 GUARD_SHARE = 0.01  # --novelty's density guard: the pooled rows' 1 % least dense (fixed a priori)
 
 
-def _density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thresholds, share=GUARD_SHARE):
+def _density_guard(P, P_cal, P_test, groups, u, kl, test_worst, thresholds, share=GUARD_SHARE):
     """The worst confident error — the largest test KL among rows a threshold leaves unflagged — at
     each of ``thresholds`` ({tag: t} on the uncertainty ``u``), and the same with a density guard:
     also flag a row whose kernel density to the training rows, ψ(x)·ψ̄ (ψ̄ the training rows' mean
     outer features: their mean kernel value to x), is below the ``share`` quantile of the pooled
-    rows' (the calibration set, and the training rows left out by problem — ψ̄ without their own)."""
-    def psi(incoming):
-        inc, _ = op.factor.check_incoming(incoming, op.to)
-        return op.features_.transform(op.feature_inputs(inc))
-
-    P = psi(train.incoming)
+    rows' (the calibration set, and the training rows left out by problem — ψ̄ without their own).
+    ``P``, ``P_cal``, ``P_test``: the outer features of the training, calibration and test rows."""
     total, n = P.sum(axis=0), len(P)
     left_out = np.empty(n)
     for g in np.unique(groups):
         m = groups == g
         left_out[m] = P[m] @ ((total - P[m].sum(axis=0)) / (n - m.sum()))
-    density = psi(test_incoming) @ (total / n)
-    guard = density < np.quantile(np.concatenate([psi(cal.incoming) @ (total / n), left_out]), share)
+    density = P_test @ (total / n)
+    guard = density < np.quantile(np.concatenate([P_cal @ (total / n), left_out]), share)
     out = {"guard_share": share, "guard_flagged_fraction": float(np.mean(guard))}
     for tag, t in thresholds.items():
         for suffix, flagged in (("", u > t), ("_guard", (u > t) | guard)):

@@ -117,7 +117,7 @@ def test_novelty_figures_match_a_direct_computation():
     pooled += [float(P[i] @ P[groups != groups[i]].mean(axis=0)) for i in range(len(P))]
     guard = T @ P.mean(axis=0) < np.quantile(pooled, 0.01)
     assert guard[20:].all() and not guard[:20].any()  # the shifted rows are the sparse ones
-    g = suite._density_guard(op, data, groups, cal, test, u, kl, worst, {"t": np.inf, "s": -np.inf})
+    g = suite._density_guard(P, C, T, groups, u, kl, worst, {"t": np.inf, "s": -np.inf})
     assert g["guard_flagged_fraction"] == np.mean(guard)
     assert g["max_kl_unflagged_at_t"] == kl.max() and g["max_kl_unflagged_at_t_guard"] == kl[~guard].max()
     assert g["flagged_fraction_at_t_guard"] == np.mean(guard)
