@@ -242,8 +242,10 @@ nothing default changed.  The union's thresholds are the pooled rule's (also und
 calset``).  The worst confident error (``max_kl_unflagged_at_{q90,budget90}``: the largest test KL
 among rows the headline's threshold leaves unflagged) and a density guard (``*_guard``): also flag
 a row whose mean kernel value to the training rows, ψ(x)·ψ̄ (ψ̄ their mean outer features; one
-dot product a prediction), is below the pooled rows' 1 % quantile (``GUARD_SHARE``, fixed before
-any figure; a left-out training row's ψ̄ without its problem) — ``guard_flagged_fraction``,
+dot product a prediction: ``KernelOperator.density``), is below the pooled rows' 1 % quantile
+(``GUARD_SHARE``, fixed before any figure; a left-out training row's ψ̄ without its problem; since
+the seventeenth session the lower conformal quantile of ``kjit.operators.density_guard``, which the
+JIT's guard uses, instead of numpy's interpolated one) — ``guard_flagged_fraction``,
 ``flagged_fraction_at_*_guard``, ``worst1pct_flagged_at_*_guard``, ``max_kl_unflagged_at_*_guard``;
 summary ``n_met_at_{q90,budget90}_guard`` and the largest ``max_kl_unflagged_*``.  Measured, seeds
 0–3: at q90 the worst unflagged KL is below 2e-3 on 54 of 56 directions; the two others are
@@ -251,7 +253,8 @@ product → z at seed 1 (5.8e5: the far rows above) and Gaussian → τ at seed 
 the guard flags 0.1–3.2 % of test rows, adds at most 0.018 to the flagged share, and takes product
 → z's worst unflagged KL from 5.8e5 to 1.8e-3 (Gaussian → τ's stays); both goals at q90 23 → 22,
 at budget90 35 → 34 of 56.  A cheap guard against the one catastrophic kind of confident error
-seen; not in the JIT yet (it would need ψ̄ kept and updated with the operator, and persisted).
+seen; in the JIT since the seventeenth session, opt-in (``JITOperator(density_guard=...,
+guard_share=...)``: the regression keeps its column sums, so ψ̄ is learned and persisted with it).
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
 q90 / budget90 and ranked within 6 % on 6 / 8 / 9 and 5 / 8 / 7 directions at seeds 0 / 1 (1 ×:
@@ -287,7 +290,7 @@ from kjit.ep.graph import GraphEP
 from kjit.ep.models import normal_mean_precision, poisson_gamma, rank_one
 from kjit.factors import get_factor
 from kjit.families import Bernoulli, Gamma, Gaussian
-from kjit.operators import (KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold,
+from kjit.operators import (KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold, density_guard,
                             flagged_share_needed)
 from kjit.operators import _pooled_budget_threshold  # budget_threshold's rules on given pooled scores
 from kjit.oracles import QuadratureOracle
@@ -665,8 +668,7 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
            "novelty_median": float(np.median(d)), "novelty_p99": float(np.quantile(d, 0.99)),
            "novelty_chosen": bool(chosen), "novelty_choice_scores": scores}
     if thresholds:
-        outer = op.features_.outer
-        out.update(_density_guard(outer(P_tr), outer(P_cal), outer(P_te), groups, u, kl, test_worst, thresholds))
+        out.update(_density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thresholds))
     if chosen:
         # budget_threshold's rules on the pooled scores (calibration rows first, then training rows)
         thr10 = _pooled_budget_threshold(s_pool, True, True, groups, cal_groups, 0.1, None, None, 2000, 0, False)
@@ -683,20 +685,14 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
 GUARD_SHARE = 0.01  # --novelty's density guard: the pooled rows' 1 % least dense (fixed a priori)
 
 
-def _density_guard(P, P_cal, P_test, groups, u, kl, test_worst, thresholds, share=GUARD_SHARE):
+def _density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thresholds, share=GUARD_SHARE):
     """The worst confident error — the largest test KL among rows a threshold leaves unflagged — at
     each of ``thresholds`` ({tag: t} on the uncertainty ``u``), and the same with a density guard:
-    also flag a row whose kernel density to the training rows, ψ(x)·ψ̄ (ψ̄ the training rows' mean
-    outer features: their mean kernel value to x), is below the ``share`` quantile of the pooled
-    rows' (the calibration set, and the training rows left out by problem — ψ̄ without their own).
-    ``P``, ``P_cal``, ``P_test``: the outer features of the training, calibration and test rows."""
-    total, n = P.sum(axis=0), len(P)
-    left_out = np.empty(n)
-    for g in np.unique(groups):
-        m = groups == g
-        left_out[m] = P[m] @ ((total - P[m].sum(axis=0)) / (n - m.sum()))
-    density = P_test @ (total / n)
-    guard = density < np.quantile(np.concatenate([P_cal @ (total / n), left_out]), share)
+    also flag a row whose density (:meth:`KernelOperator.density`: its mean kernel value to the
+    training rows, ψ(x)·ψ̄) is below :func:`density_guard` with ``share`` — the lower conformal
+    quantile of the pooled rows' densities (the calibration set, and the training rows left out by
+    problem), as the just-in-time operator's ``density_guard`` would be calibrated."""
+    guard = op.density(test_incoming) < density_guard(op, cal, share, fitted=train, groups=groups)
     out = {"guard_share": share, "guard_flagged_fraction": float(np.mean(guard))}
     for tag, t in thresholds.items():
         for suffix, flagged in (("", u > t), ("_guard", (u > t) | guard)):

@@ -112,6 +112,9 @@ def add_args(ap):
     ap.add_argument("--blas-threads", type=int, default=1, help="BLAS threads for every method (0: library default)")
     ap.add_argument("--selection", choices=("greedy", "all"), default="greedy",
                     help="which uncertain rows of a request the JIT sends to the oracle (JITOperator)")
+    ap.add_argument("--guard-share", type=float, default=None,
+                    help="also consult rows whose density to the learned rows is below this share of the initial "
+                         "batch's (JITOperator(guard_share=...); default: no density guard)")
 
 
 def process_settings(args):
@@ -137,7 +140,7 @@ def run_sequence(problems, names, args, is_problems):
     jit = JITOperator(
         None, ImportanceSamplingOracle(factor, n_samples=args.particles, random_state=args.seed + 1, reuse=reuse),
         threshold=args.threshold, initial_batch=args.initial_batch, to="x", target_kl=args.target_kl,
-        selection=getattr(args, "selection", "greedy"),
+        selection=getattr(args, "selection", "greedy"), guard_share=getattr(args, "guard_share", None),
         operator_kwargs={"n_inner": args.d_in, "n_outer": args.d_out, "random_state": args.seed,
                          "dtype": "float32", "width_rules": tuple(getattr(args, "width_rules", WIDTH_RULES)),
                          "reference": getattr(args, "reference", "auto")},
@@ -193,6 +196,7 @@ def summarise(rows, per_msg, jit, first=1):
         "speedup_vs_sampling_after_first": ratio(total("is_seconds", later), total("jit_seconds", later)),
         "jit_over_quad_after_first": total("jit_seconds", later) / total("quad_seconds", later),
         "threshold_used": jit.threshold,
+        **({"density_guard_used": jit.density_guard} if jit.guard_share is not None else {}),
         "consultation_rate": c["consultation_rate"],
         "consultation_rate_after_first": total("jit_consultations", later) / max(1.0, total("jit_requests", later)),
         "max_test_error_gap_vs_quad": float(max(abs(r["jit_test_error"] - r["quad_test_error"]) for r in rows)),

@@ -11,7 +11,10 @@ the design, hence share the posterior covariance::
     mu    = Sigma b / noise_var                    (posterior means, D x k)
 
 with the sufficient statistics ``A = X^T X``, ``b = X^T y``, ``yy = sum_i y_i^2`` (per column)
-and ``n``.  The predictive distribution at ``x`` is ``N(mu^T x, x^T Sigma x + noise_var)``.
+and ``n``.  The column sums ``X^T 1`` (``x_sum_``) are kept beside them: with random features
+``x_sum_ / n`` is the mean embedding of the training inputs, so ``x^T x_sum_ / n`` is the mean
+kernel value of ``x`` to them — how much data lies near ``x``, which the posterior variance of a
+finite feature model does not say (see :meth:`KernelOperator.density`).  The predictive distribution at ``x`` is ``N(mu^T x, x^T Sigma x + noise_var)``.
 
 Design
 ------
@@ -84,7 +87,7 @@ from .state import StateReader
 
 __all__ = ["BayesianLinearRegression", "NotFittedError"]
 
-_STATE_FORMAT = 2  # 2: the stats without the buffered rows, and the buffered rows (1: folded stats)
+_STATE_FORMAT = 3  # 3: and the column sums; 2: the stats without the buffered rows, and the buffered rows (1: folded stats)
 # partial_fit buffers up to this many rows before adding them to the stats (see module docstring).
 _FOLD_ROWS = 256
 # Row chunk for predict: keeps the (chunk, D) temporary X @ Sigma at about 2**23 elements.
@@ -239,6 +242,9 @@ class BayesianLinearRegression:
         ``X^T y``.
     yy_ : ndarray (k,)
         ``sum y^2`` per output.
+    x_sum_ : ndarray (D,) or None
+        ``X^T 1``, the column sums (None for a model restored from a state saved before they were
+        kept: they cannot be recovered from the other stats).
     Sigma_ : ndarray (D, D)
         Posterior covariance of the weights (shared by all outputs).  Like the stats, it is
         updated in place by :meth:`partial_fit`; take a copy to keep a snapshot.
@@ -312,6 +318,13 @@ class BayesianLinearRegression:
         return self._A + X.T @ X, self._b + X.T @ Y, self._yy + np.einsum("ij,ij->j", Y, Y)
 
     @property
+    def x_sum_(self) -> np.ndarray | None:
+        """``X^T 1`` over all rows seen, shape (D,) (None: restored from a state without it)."""
+        if self._s is None or not self._pending:
+            return self._s
+        return self._s + self._stack_pending()[0].sum(axis=0)
+
+    @property
     def A_(self) -> np.ndarray:
         """``X^T X`` over all rows seen, shape (D, D) (a new array while rows are buffered)."""
         return self._complete_stats()[0]
@@ -334,6 +347,8 @@ class BayesianLinearRegression:
         self._A += X.T @ X
         self._b += X.T @ Y
         self._yy += np.einsum("ij,ij->j", Y, Y)
+        if self._s is not None:
+            self._s += X.sum(axis=0)
         self._pending = []
         self._n_pending = 0
 
@@ -435,17 +450,18 @@ class BayesianLinearRegression:
         A = X.T @ X
         b = X.T @ Y
         posterior = _posterior_from_stats(A, b, pv, s2)
-        self._assign_stats(A, b, np.einsum("ij,ij->j", Y, Y), X.shape[0], single)
+        self._assign_stats(A, b, np.einsum("ij,ij->j", Y, Y), X.shape[0], single, X.sum(axis=0))
         self._set_posterior(*posterior, (pv, s2))
         self.n_since_refactor_ = 0
         return self
 
-    def _assign_stats(self, A, b, yy, n, single) -> None:
+    def _assign_stats(self, A, b, yy, n, single, s) -> None:
         self.n_features_in_ = int(A.shape[0])
         self.n_outputs_ = int(b.shape[1])
         self._A = A
         self._b = b
         self._yy = yy
+        self._s = s
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._n_pending = 0
         self.n_ = int(n)
@@ -465,7 +481,7 @@ class BayesianLinearRegression:
         m, D = X.shape
         if not self._is_fitted():
             k = Y.shape[1]
-            self._assign_stats(np.zeros((D, D)), np.zeros((D, k)), np.zeros(k), 0, single)
+            self._assign_stats(np.zeros((D, D)), np.zeros((D, k)), np.zeros(k), 0, single, np.zeros(D))
             self._set_posterior(pv * np.eye(D), np.zeros((D, k)), -D * np.log(pv), (pv, s2))
             self.n_since_refactor_ = 0
         if m == 0:
@@ -479,6 +495,8 @@ class BayesianLinearRegression:
             self._set_posterior(*_posterior_from_stats(A, b, pv, s2), (pv, s2))
             self._A, self._b = A, b
             self._yy = self._yy + np.einsum("ij,ij->j", Ya, Ya)
+            if self._s is not None:
+                self._s = self._s + Xa.sum(axis=0)
             self._pending, self._n_pending = [], 0
             self.n_since_refactor_ = 0
         else:
@@ -543,7 +561,8 @@ class BayesianLinearRegression:
         merged = type(self)(**self.get_params())
         A = self.A_ + other.A_
         b = self.b_ + other.b_
-        merged._assign_stats(A, b, self.yy_ + other.yy_, self.n_ + other.n_, self._single_output)
+        s = None if self._s is None or other._s is None else self.x_sum_ + other.x_sum_
+        merged._assign_stats(A, b, self.yy_ + other.yy_, self.n_ + other.n_, self._single_output, s)
         merged._set_posterior(*_posterior_from_stats(A, b, pv, s2), (pv, s2))
         merged.n_since_refactor_ = 0
         return merged
@@ -684,6 +703,8 @@ class BayesianLinearRegression:
                 Sigma=self.Sigma_.copy(),
                 coef=self.coef_.copy(),
             )
+            if self._s is not None:
+                d["x_sum"] = self._s.copy()
             if self._pending:
                 X, Y = self._stack_pending()
                 d.update(pending_X=np.array(X, copy=True), pending_Y=np.array(Y, copy=True))
@@ -699,7 +720,7 @@ class BayesianLinearRegression:
         get, scalar = reader.get, reader.scalar
 
         fmt = scalar("format", int)
-        if fmt not in (1, _STATE_FORMAT):
+        if fmt not in (1, 2, _STATE_FORMAT):
             raise ValueError(f"unsupported state dict format {get('format')!r}")
         model = cls(
             prior_var=scalar("prior_var", float),
@@ -718,8 +739,13 @@ class BayesianLinearRegression:
                 raise ValueError(
                     f"state dict key {key!r} has shape {arrays[key].shape}, expected {shape}"
                 )
+        s = None
+        if fmt >= 3 and "x_sum" in d:  # a model without column sums (restored from format 2) saves none
+            s = np.array(get("x_sum"), dtype=np.float64, order="C", copy=True)
+            if s.shape != (D,):
+                raise ValueError(f"state dict key 'x_sum' has shape {s.shape}, expected {(D,)}")
         model._assign_stats(
-            arrays["A"], arrays["b"], arrays["yy"], scalar("n", int), scalar("single_output", bool)
+            arrays["A"], arrays["b"], arrays["yy"], scalar("n", int), scalar("single_output", bool), s
         )
         if fmt >= 2:
             X = np.array(get("pending_X"), dtype=np.float64, order="C", copy=True)

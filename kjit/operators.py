@@ -624,6 +624,57 @@ class KernelOperator(Operator):
         var = var.reshape(shape + (len(self.y_mean_),))
         return (coords, var, psi) if return_features else (coords, var)
 
+    def density(self, incoming: Mapping[str, Family]) -> np.ndarray | None:
+        """How much of the training data lies near each message: the mean kernel value of its
+        features to the rows the regression has learned, ψ(x)·ψ̄ (ψ̄ = the learned rows' mean
+        embedding, the regression's column sums over n — one dot product per row), shape: the
+        batch's.  The regression's predictive variance does not say this: with more pairs than
+        random features its posterior is tight in every direction of feature space, and a message
+        far from every training row has features that are a generic vector of that space, so its
+        variance stays small while its prediction is arbitrary (measured on product → z, seed 1 of
+        benchmarks/factor_suite.py: KL up to 5.8e5 at the headline threshold's confidence).  None
+        for a regression restored from a state saved before column sums were kept."""
+        self._check_fitted()
+        messages, shape, _ = self._messages(incoming)
+        d = self._density(self.features_.transform(messages))
+        return None if d is None else d.reshape(shape)
+
+    def _density(self, psi) -> np.ndarray | None:
+        s = self.blr_.x_sum_
+        return None if s is None else np.asarray(psi, np.float64) @ (s / self.blr_.n_)
+
+    def held_out_density(self, data: TrainingSet | Mapping[str, Family], groups) -> np.ndarray:
+        """:meth:`density` of the pairs this operator has learned, each without its own group
+        (``groups``: a label per pair, as :meth:`held_out_predict`'s): ψ(x)·(S − S_g)/(n − n_g), S the
+        column sums, S_g and n_g those of the row's group — what a new problem's messages would
+        see (a row's own problem sends near-duplicates of it).  ``data``: a TrainingSet or its
+        incoming messages."""
+        self._check_fitted()
+        incoming = self._unpack(data, None)[0] if isinstance(data, TrainingSet) else data
+        messages, shape, _ = self._messages(incoming)
+        if len(shape) != 1 or shape[0] != self.blr_.n_:
+            raise ValueError(f"`data` must be the pairs the operator has learned: it has {math.prod(shape)}, "
+                             f"the operator {self.blr_.n_}")
+        groups = np.asarray(groups)
+        if groups.shape != shape:
+            raise ValueError(f"`groups` has shape {groups.shape}, expected {shape}")
+        labels, index = np.unique(groups, return_inverse=True)
+        if labels.size < 2:
+            raise ValueError("`groups` must name at least 2 groups")
+        s = self.blr_.x_sum_
+        if s is None:
+            raise ValueError("this operator's regression has no column sums (restored from an older state)")
+        psi = np.asarray(self.features_.transform(messages), np.float64)
+        # the check that `data` is what was learned (float32 features: rounded versions of the fit's)
+        tol = (1e-8 if self.features_.dtype == np.float64 else 1e-3) * max(float(np.max(np.abs(s))), 1.0)
+        if float(np.max(np.abs(psi.sum(axis=0) - s))) > tol:
+            raise ValueError("`data` is not the set of pairs this operator has learned (its features' "
+                             "column sums differ from the regression's)")
+        sums = np.zeros((labels.size, psi.shape[1]))
+        np.add.at(sums, index, psi)
+        counts = np.bincount(index, minlength=labels.size)
+        return np.einsum("ij,ij->i", psi, s - sums[index]) / (self.blr_.n_ - counts[index])
+
     def _to_belief(self, coords, flat, shape) -> Family:
         """Belief from predicted coordinates (``flat``: the validated incoming messages); rows
         clipped to the factor's bound get the incoming message's spread parameter exactly (not
@@ -1226,6 +1277,36 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
                                     confidence, problems, n_boot, random_state, predictive)
 
 
+def density_guard(operator: KernelOperator, held_out=None, share: float = 0.01,
+                  fitted: TrainingSet | None = None, groups=None) -> float:
+    """Density (:meth:`KernelOperator.density`) below which a message counts as outside the
+    training data, so that at most ``share`` of in-distribution messages fall below it: the
+    lower conformal quantile — the k-th smallest of the n pooled densities, k = ⌊(n + 1) share⌋
+    (−inf, guard nothing, when k < 1) — of ``held_out`` messages (a TrainingSet or a dict of
+    incoming messages) and, with ``fitted``/``groups``, of the fitted pairs each without its group
+    (:meth:`KernelOperator.held_out_density`).  The guard ``density < t`` complements a threshold
+    on the predictive variance, which stays small far from the training rows
+    (:attr:`JITOperator.density_guard`)."""
+    if not 0.0 < share < 1.0:
+        raise ValueError("`share` must lie in (0, 1)")
+    if (fitted is None) != (groups is None):
+        raise ValueError("`fitted` and `groups` go together")
+    if held_out is None and fitted is None:
+        raise ValueError("give `held_out` messages, or `fitted` pairs with their `groups`, or both")
+    d = []
+    if held_out is not None:
+        inc = held_out.incoming if isinstance(held_out, TrainingSet) else held_out
+        dens = operator.density(inc)
+        if dens is None:
+            raise ValueError("this operator's regression has no column sums (restored from an older state)")
+        d.append(np.ravel(dens))
+    if fitted is not None:
+        d.append(operator.held_out_density(fitted, groups))
+    d = np.concatenate(d)
+    k = int(np.floor((d.size + 1) * share))
+    return -np.inf if k < 1 else float(np.sort(d)[k - 1])
+
+
 def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_groups, budget, confidence, problems,
                              n_boot, random_state, predictive):
     """budget_threshold's answer from the pooled uncertainties ``u`` (:func:`_pooled`'s order: the
@@ -1695,6 +1776,14 @@ class JITOperator(Operator):
         every row that is uncertain before the request (the rule without look-ahead).
         Measured on jit_uci.py (seed 0): consultations after the first data set 218 → 91,
         JIT seconds on the last three sets 2.55 → 1.65, the same test errors.
+    density_guard : also consult a row whose :meth:`KernelOperator.density` (mean kernel value to
+        the learned rows) is below this value, whatever its variance — a row far from every
+        training row can have a small predictive variance and an arbitrary prediction (see
+        :meth:`KernelOperator.density`).  None (default): no guard.  :func:`density_guard`
+        derives one from a share of in-distribution messages.
+    guard_share : with no operator, set ``density_guard`` when the operator is fitted from the
+        initial batch: :func:`density_guard` with this share of the batch's rows, each without
+        itself (the batch's rows are learned too).  None (default): keep ``density_guard``.
 
     Counters (``counters()``): calls, requests (messages), consultations (messages sent to the
     oracle), seconds in prediction, in the oracle, in updates and in the initial fit.
@@ -1702,7 +1791,8 @@ class JITOperator(Operator):
 
     def __init__(self, operator: KernelOperator | None, oracle, threshold: float = -8.5,
                  initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
-                 target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive"):
+                 target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive",
+                 density_guard: float | None = None, guard_share: float | None = None):
         if uncertainty not in ("predictive", "epistemic"):
             raise ValueError(f"`uncertainty` must be 'predictive' or 'epistemic', got {uncertainty!r}")
         self.uncertainty = uncertainty
@@ -1724,6 +1814,12 @@ class JITOperator(Operator):
         if target_kl is not None and not (np.isfinite(target_kl) and target_kl > 0):
             raise ValueError("`target_kl` must be a positive number")
         self.target_kl = None if target_kl is None else float(target_kl)
+        if density_guard is not None and np.isnan(density_guard):
+            raise ValueError("`density_guard` must be a number or None")
+        self.density_guard = None if density_guard is None else float(density_guard)
+        if guard_share is not None and not 0.0 < guard_share < 1.0:
+            raise ValueError("`guard_share` must lie in (0, 1)")
+        self.guard_share = None if guard_share is None else float(guard_share)
         self.operator = operator
         self.oracle = oracle
         self.threshold = float(threshold)
@@ -1887,17 +1983,17 @@ class JITOperator(Operator):
         if self.operator is None:
             raise ValueError("no operator yet: the initial batch goes to the oracle")
         op = self.operator
-        (coords, var), flat, shape = op._predict_coords(incoming, return_var=True, return_features=False)
+        (coords, var, psi), flat, shape = op._predict_coords(incoming, return_var=True, return_features=True)
         q = op._to_belief(coords, flat, shape)
         k = coords.shape[-1]
         c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
         decision = self._decision_logvar(v2)
-        uncertain = self._uncertain(flat, c2, decision)
+        uncertain = self._uncertain(flat, c2, decision, psi)
         return q, var, decision, uncertain.reshape(shape), flat
 
-    def _restore_initial(self, pending, n_pending, threshold):
+    def _restore_initial(self, pending, n_pending, threshold, guard):
         self.operator = None
-        self._pending, self._n_pending, self.threshold = pending, n_pending, threshold
+        self._pending, self._n_pending, self.threshold, self.density_guard = pending, n_pending, threshold, guard
 
     def _predict(self, incoming, to):
         self._check_to(to)
@@ -1915,7 +2011,7 @@ class JITOperator(Operator):
             head = flat if start == n else {v: m[:start] for v, m in flat.items()}
             q = self._oracle_beliefs(head, np.arange(start))
             self._counts["consultations"] += start
-            state = (list(self._pending), self._n_pending, self.threshold)
+            state = (list(self._pending), self._n_pending, self.threshold, self.density_guard)
             self._undo = lambda: self._restore_initial(*state)
             self._learn_initial(head, q)
             if start == n:
@@ -1935,7 +2031,7 @@ class JITOperator(Operator):
         coords, var, psi = self.operator.predict_coords(flat, return_var=True, return_features=True)
         logvar = self._decision_logvar(var)
         self._counts["seconds_predict"] += time.perf_counter() - t
-        uncertain = self._uncertain(flat, coords, logvar)
+        uncertain = self._uncertain(flat, coords, logvar, psi)
         consulted = np.zeros(n, dtype=bool)
         answers = []  # (row indices, oracle beliefs)
         rounds = 0
@@ -1949,10 +2045,13 @@ class JITOperator(Operator):
                 if self.uncertainty == "predictive":
                     limit -= op.noise_var_
                 t = time.perf_counter()
-                pick = greedy_consultations(psi[rows], op.blr_.Sigma_, op.noise_var_, limit)
+                pick = rows[greedy_consultations(psi[rows], op.blr_.Sigma_, op.noise_var_, limit)]
+                guarded = self._guarded(psi[rows])
+                if guarded is not None and guarded.any():  # whatever their variance
+                    pick = np.union1d(pick, rows[guarded])
                 self._counts["seconds_predict"] += time.perf_counter() - t
                 # learned in row order, like "all"
-                idx = np.sort(rows[pick]) if pick.size else rows
+                idx = np.sort(pick) if pick.size else rows
             else:
                 idx = rows
             sub = {v: m[idx] for v, m in flat.items()}
@@ -1984,7 +2083,7 @@ class JITOperator(Operator):
                                                           return_var=True, return_features=True)
                 self._counts["seconds_predict"] += time.perf_counter() - t
                 coords[rest], logvar[rest], psi[rest] = c2, self._decision_logvar(v2), p2
-                uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest])
+                uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest], p2)
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
@@ -2018,12 +2117,20 @@ class JITOperator(Operator):
         with np.errstate(divide="ignore"):
             return np.log(np.maximum(var - op.noise_var_ * np.asarray(op.y_scale_) ** 2, 0.0))
 
-    def _uncertain(self, flat, coords, logvar):
+    def _guarded(self, psi):
+        """Rows (features ``psi``) below the density guard; None without a guard (or without the
+        regression's column sums)."""
+        if self.density_guard is None:
+            return None
+        d = self.operator._density(psi)
+        return None if d is None else d < self.density_guard
+
+    def _uncertain(self, flat, coords, logvar, psi):
         """Rows to consult: the belief's log predictive variance exceeds the threshold in some
         coordinate, or the outgoing message's precision has an undetermined sign
         (:func:`sign_undetermined`: what EP consumes is the message, not the belief) while the
         prediction's epistemic variance is above the oracle's noise (an oracle answer would
-        settle it)."""
+        settle it), or the row's density is below the guard (features ``psi``)."""
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         op = self.operator
@@ -2041,7 +2148,9 @@ class JITOperator(Operator):
             # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
             # beliefs moving by ~2e-2 and never converging)
             sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
-        return (logvar > self.threshold).any(axis=-1) | sign
+        out = (logvar > self.threshold).any(axis=-1) | sign
+        guarded = self._guarded(psi)
+        return out if guarded is None else out | guarded
 
     def _differs(self, flat, ref):
         """(n, c) booleans: does each row differ from the reference row in each coordinate of
@@ -2101,6 +2210,10 @@ class JITOperator(Operator):
             if np.isfinite(t_cal):
                 self.threshold = t_cal
             self.operator.partial_fit(held)
+        if self.guard_share is not None:
+            # each learned row of the batch without itself (rows of one sweep are distinct messages)
+            self.density_guard = density_guard(self.operator, share=self.guard_share, fitted=incoming,
+                                               groups=np.arange(self.operator.n_train_))
         self._pending = []
         self._n_pending = 0
         self._counts["seconds_initial_fit"] += time.perf_counter() - t
@@ -2141,6 +2254,7 @@ class JITOperator(Operator):
             "params": {"factor": self.factor.name, "factor_params": json.dumps(self.factor.params()),
                        "to": self.to, "threshold": self.threshold, "initial_batch": self.initial_batch,
                        "target_kl": self.target_kl, "selection": self.selection, "uncertainty": self.uncertainty,
+                       "density_guard": self.density_guard, "guard_share": self.guard_share,
                        "operator_kwargs": json.dumps(self.operator_kwargs)},
             "counters": dict(self._counts),
             "oracle": oracle,
@@ -2189,7 +2303,8 @@ class JITOperator(Operator):
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
             jit = cls(operator, oracle, threshold=float(p["threshold"]), initial_batch=int(p["initial_batch"]),
                       to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]), target_kl=p.get("target_kl"),
-                      selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"))
+                      selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"),
+                      density_guard=p.get("density_guard"), guard_share=p.get("guard_share"))
             for k, v in state["counters"].items():
                 jit._counts[k] = type(jit._counts.get(k, 0.0))(v)
             if "pending" in state:

@@ -108,16 +108,19 @@ def test_novelty_figures_match_a_direct_computation():
     assert ("flagged_fraction_at_q90_novchoice" in got) == got["novelty_chosen"]
 
     # the density guard, recomputed row by row: the mean kernel value ψ(x)·ψ̄ to the training rows
-    # (ψ̄ without a training row's own group), flagged below the pooled rows' 1 % quantile
+    # (ψ̄ without a training row's own group), flagged below the pooled rows' lower conformal 1 %
+    # quantile (the k-th smallest of n, k = floor((n + 1) 0.01))
     def psi(incoming):
         return op.features_.transform(op.feature_inputs(f.check_incoming(incoming, "x")[0]))
 
     P, C, T = psi(data.incoming), psi(cal.incoming), psi(test)
     pooled = [float(c @ P.mean(axis=0)) for c in C]
     pooled += [float(P[i] @ P[groups != groups[i]].mean(axis=0)) for i in range(len(P))]
-    guard = T @ P.mean(axis=0) < np.quantile(pooled, 0.01)
+    k = int(np.floor((len(pooled) + 1) * 0.01))
+    assert k >= 1
+    guard = T @ P.mean(axis=0) < np.sort(pooled)[k - 1]
     assert guard[20:].all() and not guard[:20].any()  # the shifted rows are the sparse ones
-    g = suite._density_guard(P, C, T, groups, u, kl, worst, {"t": np.inf, "s": -np.inf})
+    g = suite._density_guard(op, data, groups, cal, test, u, kl, worst, {"t": np.inf, "s": -np.inf})
     assert g["guard_flagged_fraction"] == np.mean(guard)
     assert g["max_kl_unflagged_at_t"] == kl.max() and g["max_kl_unflagged_at_t_guard"] == kl[~guard].max()
     assert g["flagged_fraction_at_t_guard"] == np.mean(guard)

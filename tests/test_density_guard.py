@@ -1,0 +1,200 @@
+"""The density guard (issue 14 part 3): the regression's column sums, ``KernelOperator.density`` and
+``held_out_density``, ``density_guard`` and ``JITOperator(density_guard=..., guard_share=...)``.
+
+Every density is checked against a direct computation: the mean dot product of a row's random
+features with those of the training rows, ψ(x)·ψ(x_j) averaged over j (and, for its meaning, the
+exact kernel the features approximate)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from test_blr import random_feature_problem
+from test_jit import KW, OKW, _FailingOracle, far, inside
+
+from kjit.blr import BayesianLinearRegression
+from kjit.factors import Logistic
+from kjit.operators import JITOperator, KernelOperator, density_guard
+from kjit.oracles import QuadratureOracle
+from kjit.training import make_training_set
+
+
+# ---------------------------------------------------------------------- the regression's column sums
+def test_column_sums_follow_every_update_path_merge_and_state():
+    X, Y = random_feature_problem(900, 40, seed=3)
+    model = BayesianLinearRegression(refactor_every=300).fit(X[:100], Y[:100])
+    np.testing.assert_allclose(model.x_sum_, X[:100].sum(axis=0), rtol=1e-13, atol=1e-13)
+    # one row at a time (Woodbury, pending rows, folds every 256 rows, a refactor at 300), then a
+    # batch of more rows than features (exact recomputation)
+    for i in range(100, 500):
+        model.partial_fit(X[i:i + 1], Y[i:i + 1])
+        if i in (100, 355, 399):
+            np.testing.assert_allclose(model.x_sum_, X[:i + 1].sum(axis=0), rtol=1e-12, atol=1e-12)
+    model.partial_fit(X[500:600], Y[500:600])
+    np.testing.assert_allclose(model.x_sum_, X[:600].sum(axis=0), rtol=1e-12, atol=1e-12)
+    other = BayesianLinearRegression(refactor_every=300).fit(X[600:], Y[600:])
+    np.testing.assert_allclose(model.merge(other).x_sum_, X.sum(axis=0), rtol=1e-12, atol=1e-12)
+    # from an empty model
+    empty = BayesianLinearRegression().partial_fit(X[:3], Y[:3])
+    np.testing.assert_allclose(empty.x_sum_, X[:3].sum(axis=0), rtol=1e-14, atol=1e-15)
+
+    model.partial_fit(X[600:602], Y[600:602])  # rows pending in the saved state
+    d = model.state_dict()
+    assert d["format"] == 3
+    twin = BayesianLinearRegression.from_state_dict(d)
+    np.testing.assert_array_equal(twin.x_sum_, model.x_sum_)
+    for m in (model, twin):
+        m.partial_fit(X[602:700], Y[602:700])
+    np.testing.assert_array_equal(twin.x_sum_, model.x_sum_)
+
+
+def test_a_state_saved_before_column_sums_restores_without_them():
+    X, Y = random_feature_problem(300, 30, seed=4)
+    model = BayesianLinearRegression().fit(X[:200], Y[:200])
+    old = {k: v for k, v in model.state_dict().items() if k != "x_sum"}
+    old["format"] = 2
+    restored = BayesianLinearRegression.from_state_dict(old)
+    assert restored.x_sum_ is None
+    restored.partial_fit(X[200:210], Y[200:210])  # still learns; the sums stay unknown
+    assert restored.x_sum_ is None and "x_sum" not in restored.state_dict()
+    model.partial_fit(X[200:210], Y[200:210])
+    np.testing.assert_array_equal(restored.predict(X[250:]), model.predict(X[250:]))
+    assert restored.merge(model).x_sum_ is None
+    bad = dict(model.state_dict(), x_sum=np.zeros(29))
+    with pytest.raises(ValueError, match="x_sum"):
+        BayesianLinearRegression.from_state_dict(bad)
+
+
+# ---------------------------------------------------------------------- the operator's density
+@pytest.fixture(scope="module")
+def factor():
+    return Logistic()
+
+
+@pytest.fixture(scope="module")
+def oracle(factor):
+    return QuadratureOracle(factor)
+
+
+@pytest.fixture(scope="module")
+def train(factor, oracle):
+    return make_training_set(factor, "x", inside, oracle, n=300, random_state=0)
+
+
+@pytest.fixture(scope="module")
+def op(factor, train):
+    return KernelOperator(factor, "x", **KW).fit(train)
+
+
+def _features(op, incoming):
+    msgs, _, _ = op._messages(incoming)
+    return np.asarray(op.features_.transform(msgs), np.float64)
+
+
+def test_density_is_the_mean_feature_product_with_the_learned_rows(op, train, oracle, factor):
+    test = {**inside(40, 5)}
+    psi, psi_tr = _features(op, test), _features(op, train.incoming)
+    np.testing.assert_allclose(op.density(test), (psi @ psi_tr.T).mean(axis=1), rtol=1e-10, atol=1e-12)
+    # after online updates too: the new rows count
+    more = make_training_set(factor, "x", far, oracle, n=30, random_state=9)
+    op2 = copy.deepcopy(op).partial_fit(more)
+    psi_all = np.vstack([psi_tr, _features(op, more.incoming)])
+    np.testing.assert_allclose(op2.density(test), (psi @ psi_all.T).mean(axis=1), rtol=1e-10, atol=1e-12)
+    # what it means: the mean kernel value.  The outer features approximate exp(-|φ-φ'|²/(2γ²)) on
+    # the inner embeddings; each product's error has sd <= 1/sqrt(D_out) (150 features: 0.082),
+    # so a mean of them stays within 4 sd of the exact mean kernel
+    phi, phi_tr = op.features_.inner(op.feature_inputs(test)), op.features_.inner(op.feature_inputs(train.incoming))
+    d2 = ((phi[:, None, :] - phi_tr[None, :, :]) ** 2).sum(axis=-1)
+    exact = np.exp(-d2 / (2.0 * op.features_.gamma2_)).mean(axis=1)
+    assert np.max(np.abs(op.density(test) - exact)) < 4.0 / np.sqrt(op.n_outer)
+    # far messages have fewer neighbours than inside ones
+    assert np.median(op.density(far(40, 6))) < np.median(op.density(test))
+
+
+def test_held_out_density_leaves_out_each_rows_group(op, train):
+    groups = np.arange(len(train)) // 25  # 12 groups of 25
+    psi = _features(op, train.incoming)
+    expect = np.array([psi[i] @ psi[groups != groups[i]].sum(axis=0) / np.sum(groups != groups[i])
+                       for i in range(len(train))])
+    np.testing.assert_allclose(op.held_out_density(train, groups), expect, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(op.held_out_density(train.incoming, groups), expect, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="learned"):
+        op.held_out_density(train.subset(np.arange(299)), groups[:299])
+    swapped = train.subset(np.arange(300))
+    swapped.incoming["x"] = far(300, 1)["x"]
+    with pytest.raises(ValueError, match="learned"):
+        op.held_out_density(swapped, groups)
+    with pytest.raises(ValueError, match="groups"):
+        op.held_out_density(train, groups[:10])
+
+
+def test_density_guard_is_the_lower_conformal_quantile_of_the_pooled_densities(op, train):
+    held = inside(99, 7)
+    groups = np.arange(len(train)) // 25
+    pooled = np.sort(np.concatenate([op.density(held), op.held_out_density(train, groups)]))
+    n = pooled.size  # 399: k = floor(400 * share)
+    assert density_guard(op, held, share=0.01, fitted=train, groups=groups) == pooled[3]
+    assert density_guard(op, held, share=0.05, fitted=train, groups=groups) == pooled[19]
+    assert density_guard(op, held, share=0.01) == np.sort(op.density(held))[0]
+    assert density_guard(op, {v: m[:50] for v, m in held.items()}, share=0.01) == -np.inf  # k = 0
+    assert n == 399
+    for kw, match in (({"share": 0.0}, "share"), ({"fitted": train}, "together"), ({}, "give")):
+        with pytest.raises(ValueError, match=match):
+            density_guard(op, None if match == "give" else held, **kw)
+
+
+# ---------------------------------------------------------------------- the JIT's guard
+def test_the_guard_adds_exactly_the_rows_below_it(op, oracle):
+    """With a threshold no variance reaches, a JIT consults exactly the rows its guard flags (and
+    any whose message sign is undetermined, the rule without the guard)."""
+    rows = {v: type(a).concatenate([a, b]) for (v, a), b in zip(inside(30, 11).items(), far(10, 12).values())}
+    dens = op.density(rows)
+    guard = float(np.quantile(dens, 0.3))
+    base = JITOperator(copy.deepcopy(op), oracle, threshold=50.0)
+    guarded = JITOperator(copy.deepcopy(op), oracle, threshold=50.0, density_guard=guard)
+    _, _, mask0 = base.screen(rows)
+    q, _, mask = guarded.screen(rows)
+    np.testing.assert_array_equal(mask, mask0 | (dens < guard))
+    assert (dens < guard).sum() == 12 and not mask0.all()
+    for selection in ("all", "greedy"):
+        jit = JITOperator(copy.deepcopy(op), oracle, threshold=50.0, density_guard=guard, selection=selection)
+        _, _, consulted = jit.predict(rows)
+        # one request: the rows below the guard before it are consulted, whatever their variance
+        assert consulted[dens < guard].all()
+        if selection == "all":
+            np.testing.assert_array_equal(consulted, mask)
+    # no guard (None or -inf) is the rule without one
+    for g in (None, -np.inf):
+        jit = JITOperator(copy.deepcopy(op), oracle, threshold=50.0, density_guard=g)
+        np.testing.assert_array_equal(jit.screen(rows)[2], mask0)
+    with pytest.raises(ValueError, match="density_guard"):
+        JITOperator(copy.deepcopy(op), oracle, density_guard=float("nan"))
+    with pytest.raises(ValueError, match="guard_share"):
+        JITOperator(copy.deepcopy(op), oracle, guard_share=1.0)
+
+
+def test_guard_share_calibrates_on_the_initial_batch_and_round_trips(oracle, tmp_path):
+    from kjit.persistence import load_operator, save_operator
+
+    jit = JITOperator(None, oracle, threshold=-5.0, initial_batch=60, to="x", operator_kwargs=OKW, guard_share=0.05)
+    batch = inside(60, 21)
+    jit.predict(batch)
+    assert jit.operator is not None and jit.operator.n_train_ == 60
+    expect = np.sort(jit.operator.held_out_density(batch, np.arange(60)))[2]  # floor(61 * 0.05) = 3
+    assert jit.density_guard == expect
+    save_operator(jit, tmp_path / "jit.npz")
+    back = load_operator(tmp_path / "jit.npz")
+    assert back.density_guard == jit.density_guard and back.guard_share == 0.05
+    rows = far(8, 22)
+    np.testing.assert_array_equal(back.screen(rows)[2], jit.screen(rows)[2])
+
+
+def test_a_failed_request_that_completed_the_initial_batch_restores_no_guard(oracle):
+    jit = JITOperator(None, _FailingOracle(oracle, fail_on=3), threshold=-30.0, initial_batch=60, to="x",
+                      operator_kwargs=OKW, guard_share=0.05)
+    jit.predict(inside(40, 81))
+    with pytest.raises(Exception, match="planned"):
+        jit.predict(inside(40, 82))  # completes the batch (fit, guard set), then its oracle call fails
+    assert jit.operator is None and jit.density_guard is None
