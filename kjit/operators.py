@@ -55,6 +55,11 @@ DEFAULT_NOISE_VARS = tuple(10.0 ** np.arange(-12.0, 0.5, 1.0))
 #: smallest scale of relative regression targets (in the reference's units: a tenth of its sd in a
 #: mean, 0.1 in a log variance): the prior's error scale far from the training inputs
 MIN_TARGET_SCALE = 0.1
+#: a predicted regression target more than this share of the learned targets' range outside it (in
+#: any coordinate) is an extrapolation: its variance is raised to the regression's prior predictive
+#: variance (KernelOperator's ``target_range_``).  Fixed on seeds 0–1 of benchmarks/factor_suite.py
+#: (test rows flagged 0–1.1 %, calibration rows 0–0.5 %; 0 flagged up to 2.3 %), checked on 2–3.
+TARGET_RANGE_MARGIN = 0.25
 # "auto" width search: a pattern search on the log2 lattice of (inner, outer) width factors
 _LOG2_BOUNDS = (-10, 6)
 _MAX_EVALS = 40
@@ -262,6 +267,15 @@ class KernelOperator(Operator):
         "incoming").  The regressed coordinates — and so the predictive variances and the JIT
         threshold — are then in the approximation's units (a Gaussian mean in its standard
         deviations).
+
+    Extrapolation: the operator keeps the range of the targets it has learned (``target_range_``,
+    per coordinate, widened by :meth:`partial_fit`).  A prediction outside it by more than
+    ``TARGET_RANGE_MARGIN`` of its width in some coordinate gets, in every coordinate, at least the
+    regression's prior predictive variance (σ₀²ψᵀψ + σ_y², what the kernel regression this
+    approximates gives far from its data): with more pairs than random features the posterior
+    variance stays small everywhere, and a message far from every training row can get an
+    arbitrary, confident prediction (product → z, seed 1 of benchmarks/factor_suite.py: KL up to
+    5.8e5 with a variance under the calibrated threshold).  Predictions are unchanged.
     """
 
     def __init__(
@@ -373,6 +387,7 @@ class KernelOperator(Operator):
             # would be confident (and wrong) wherever the reference fails.  Not below MIN_TARGET_SCALE.
             self.y_scale_ = np.maximum(self.y_scale_, MIN_TARGET_SCALE)
         Z = (Y - self.y_mean_) / self.y_scale_
+        self.target_range_ = np.stack([Y.min(axis=0), Y.max(axis=0)])
         families = [self.factor.families[v] for v in self.factor.variables]
 
         def features(inner_factor, widths=None):
@@ -481,6 +496,9 @@ class KernelOperator(Operator):
         _require_finite_rows(Z, "standardised regression targets")
         psi = self.features_.transform(messages).astype(np.float64, copy=False)
         self.blr_.partial_fit(psi, Z)
+        if getattr(self, "target_range_", None) is not None and len(Y):
+            self.target_range_ = np.stack([np.minimum(self.target_range_[0], Y.min(axis=0)),
+                                           np.maximum(self.target_range_[1], Y.max(axis=0))])
         return self
 
     def _unpack(self, data, beliefs):
@@ -597,6 +615,7 @@ class KernelOperator(Operator):
         error model's log variances (n, k) where not its own prediction at ``psi`` (held-out rows)."""
         return_var = v is not None
         coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
+        outside = self._extrapolated(coords) if return_var else None
         base = self._base(inc)
         if self.target == "relative":
             coords = self._from_relative(coords, base)
@@ -621,6 +640,11 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
             if err is not None:
                 var = var + err
+        if outside is not None and outside.any():
+            p = np.asarray(psi[outside], np.float64)
+            prior = (self.prior_var_ * np.einsum("ij,ij->i", p, p) + self.noise_var_)[:, None] * self.y_scale_**2
+            var = np.array(var, dtype=np.float64)  # (not a view of the caller's arrays)
+            var[outside] = np.maximum(var[outside], prior)
         var = var.reshape(shape + (len(self.y_mean_),))
         return (coords, var, psi) if return_features else (coords, var)
 
@@ -674,6 +698,18 @@ class KernelOperator(Operator):
         np.add.at(sums, index, psi)
         counts = np.bincount(index, minlength=labels.size)
         return np.einsum("ij,ij->i", psi, s - sums[index]) / (self.blr_.n_ - counts[index])
+
+    def _extrapolated(self, targets):
+        """Rows whose predicted regression targets (n, k) lie outside the learned range by more than
+        ``TARGET_RANGE_MARGIN`` of its width in some coordinate (or are not finite); None for an
+        operator restored from a state saved before the range was kept."""
+        r = getattr(self, "target_range_", None)
+        if r is None:
+            return None
+        pad = TARGET_RANGE_MARGIN * (r[1] - r[0])
+        with np.errstate(invalid="ignore"):
+            inside = (targets >= r[0] - pad) & (targets <= r[1] + pad)
+        return ~inside.all(axis=-1)
 
     def _to_belief(self, coords, flat, shape) -> Family:
         """Belief from predicted coordinates (``flat``: the validated incoming messages); rows
@@ -1004,6 +1040,8 @@ class KernelOperator(Operator):
             "width_rule": getattr(self, "width_rule_", "mean_variance"), "reference": self.reference_,
             "reference_revision": int(getattr(self, "reference_revision_", 1)),
         }
+        if getattr(self, "target_range_", None) is not None:
+            fitted["target_range"] = np.asarray(self.target_range_, float)
         state = {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                  "blr": self.blr_.state_dict()}
         em = getattr(self, "error_model_", None)
@@ -1044,6 +1082,11 @@ class KernelOperator(Operator):
             for key in ("inner_factor", "width_factor", "prior_var", "noise_var", "log_evidence", "fit_seconds"):
                 setattr(op, key + "_", float(f[key]))
             op.search_ = json.loads(f["search"])
+            # states saved before the range was kept: no extrapolation check
+            op.target_range_ = np.asarray(f["target_range"], float) if "target_range" in f else None
+            if op.target_range_ is not None and op.target_range_.shape != (2, op.y_mean_.size):
+                raise ValueError(f"operator state's target_range has shape {op.target_range_.shape}, "
+                                 f"expected (2, {op.y_mean_.size})")
             if "error_model" in state:
                 e = state["error_model"]
                 if str(e["mode"]) not in ERROR_MODEL_MODES:
@@ -2063,7 +2106,8 @@ class JITOperator(Operator):
             if self._undo is None and (self.selection == "greedy" or self._keep_undo):
                 # a later round's oracle call may fail: keep what to restore (atomic request)
                 op, blr = self.operator, copy.deepcopy(self.operator.blr_)
-                self._undo = lambda: setattr(op, "blr_", blr)
+                rng_ = getattr(op, "target_range_", None)
+                self._undo = lambda: (setattr(op, "blr_", blr), setattr(op, "target_range_", rng_))
             try:
                 self.operator.partial_fit(sub, q_or)
             except TargetsNotFiniteError as exc:  # rows of the sub-batch: name the request's
@@ -2120,17 +2164,17 @@ class JITOperator(Operator):
     def _guarded(self, psi):
         """Rows (features ``psi``) below the density guard; None without a guard (or without the
         regression's column sums)."""
-        if self.density_guard is None:
+        if self.density_guard is None or psi is None:
             return None
         d = self.operator._density(psi)
         return None if d is None else d < self.density_guard
 
-    def _uncertain(self, flat, coords, logvar, psi):
+    def _uncertain(self, flat, coords, logvar, psi=None):
         """Rows to consult: the belief's log predictive variance exceeds the threshold in some
         coordinate, or the outgoing message's precision has an undetermined sign
         (:func:`sign_undetermined`: what EP consumes is the message, not the belief) while the
         prediction's epistemic variance is above the oracle's noise (an oracle answer would
-        settle it), or the row's density is below the guard (features ``psi``)."""
+        settle it), or the row's density is below the guard (features ``psi``; none given: no guard)."""
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         op = self.operator

@@ -1,4 +1,5 @@
-"""The density guard (issue 14 part 3): the regression's column sums, ``KernelOperator.density`` and
+"""The guards against confident extrapolation (issue 14 part 3) — the range of the learned targets
+(``KernelOperator.target_range_``), and the density guard: the regression's column sums, ``KernelOperator.density`` and
 ``held_out_density``, ``density_guard`` and ``JITOperator(density_guard=..., guard_share=...)``.
 
 Every density is checked against a direct computation: the mean dot product of a row's random
@@ -198,3 +199,56 @@ def test_a_failed_request_that_completed_the_initial_batch_restores_no_guard(ora
     with pytest.raises(Exception, match="planned"):
         jit.predict(inside(40, 82))  # completes the batch (fit, guard set), then its oracle call fails
     assert jit.operator is None and jit.density_guard is None
+
+
+# ---------------------------------------------------------------------- the range of the learned targets
+def test_target_range_is_learned_widened_persisted_and_absent_from_older_states(op, train, factor, oracle):
+    Y = op.regression_targets(train.incoming, train.beliefs)
+    np.testing.assert_array_equal(op.target_range_, [Y.min(axis=0), Y.max(axis=0)])
+    more = make_training_set(factor, "x", far, oracle, n=30, random_state=9)
+    op2 = copy.deepcopy(op).partial_fit(more)
+    Y2 = np.vstack([Y, op.regression_targets(more.incoming, more.beliefs)])
+    np.testing.assert_array_equal(op2.target_range_, [Y2.min(axis=0), Y2.max(axis=0)])
+    assert np.any(op2.target_range_ != op.target_range_)  # the far pairs widen it
+    state = op2.state_dict()
+    np.testing.assert_array_equal(KernelOperator.from_state_dict(state).target_range_, op2.target_range_)
+    # a state saved before the range was kept: no floor, the regression's own variance
+    old = copy.deepcopy(state)
+    del old["fitted"]["target_range"]
+    legacy = KernelOperator.from_state_dict(old)
+    assert legacy.target_range_ is None
+    rows = far(200, 13, lo=30.0, hi=60.0)
+    (_, var_new), (_, var_old) = op2.predict_coords(rows), legacy.predict_coords(rows)
+    # the regression's own predicted targets, against the range widened by the margin
+    from kjit.operators import TARGET_RANGE_MARGIN
+
+    Yp = op2.blr_.predict(_features(op2, rows)) * op2.y_scale_ + op2.y_mean_
+    lo, hi = op2.target_range_
+    pad = TARGET_RANGE_MARGIN * (hi - lo)
+    ext = np.any((Yp < lo - pad) | (Yp > hi + pad), axis=1)
+    assert ext.any() and not ext.all()
+    np.testing.assert_array_equal(var_new[~ext], var_old[~ext])
+    psi = _features(op2, rows)[ext]
+    prior = (op2.prior_var_ * np.einsum("ij,ij->i", psi, psi) + op2.noise_var_)[:, None] * op2.y_scale_ ** 2
+    np.testing.assert_allclose(var_new[ext], np.maximum(var_old[ext], prior), rtol=1e-12)
+    assert np.any(var_new[ext] > var_old[ext])
+    bad = copy.deepcopy(state)
+    bad["fitted"]["target_range"] = np.zeros((2, 3))
+    with pytest.raises(ValueError, match="target_range"):
+        KernelOperator.from_state_dict(bad)
+
+
+def test_a_failed_round_restores_the_target_range(op, oracle, monkeypatch):
+    from kjit import operators
+    from kjit.oracles import OracleError
+
+    real = operators.greedy_consultations
+    monkeypatch.setattr(operators, "greedy_consultations", lambda *a, **k: real(*a, **k)[:1])  # force rounds
+    rows = far(12, 80, lo=30.0, hi=60.0)
+    ok = JITOperator(copy.deepcopy(op), oracle, threshold=-5.0)
+    ok.predict(rows)
+    assert np.any(ok.operator.target_range_ != op.target_range_)  # what the request would teach
+    jit = JITOperator(copy.deepcopy(op), _FailingOracle(oracle, fail_on=2), threshold=-5.0)
+    with pytest.raises(OracleError):
+        jit.predict(rows)
+    np.testing.assert_array_equal(jit.operator.target_range_, op.target_range_)

@@ -287,7 +287,22 @@ def test_partial_fit_equals_fit_on_the_union(factor, data):
     # log variances: the online Sigma differs from the batch one by ~1e-11 ‖Sigma‖ (Woodbury drift,
     # see test_blr), and x^T Sigma x is ~e^-15 ‖Sigma‖ for the most certain rows, so their log
     # variance can differ by ~1e-11 e^15 ≈ 3e-5 (measured 7e-7 with relative targets)
-    np.testing.assert_allclose(np.log(var), np.log(v_ref[:, None] * op1.y_scale_ ** 2), rtol=0, atol=3e-5)
+    # ... except where the prediction extrapolates: a predicted target more than TARGET_RANGE_MARGIN of
+    # the learned targets' range outside it gets at least the prior predictive variance σ₀²ψᵀψ + σ_y²
+    from kjit.operators import TARGET_RANGE_MARGIN
+
+    Y = op1.regression_targets(train.incoming, train.beliefs)
+    lo, hi = Y.min(axis=0), Y.max(axis=0)
+    np.testing.assert_array_equal(op1.target_range_, [lo, hi])
+    pad = TARGET_RANGE_MARGIN * (hi - lo)
+    Yp = m_ref * op1.y_scale_ + op1.y_mean_
+    out = np.any((Yp < lo - pad) | (Yp > hi + pad), axis=1)
+    assert 0 < out.sum() < 0.02 * out.size  # (one row of this test set, measured)
+    psi_t = op1.features_.transform(_msgs(test))
+    prior = (op1.prior_var_ * np.einsum("ij,ij->i", psi_t, psi_t) + op1.noise_var_)[:, None] * op1.y_scale_ ** 2
+    v_exp = v_ref[:, None] * op1.y_scale_ ** 2
+    v_exp = np.where(out[:, None], np.maximum(v_exp, prior), v_exp)
+    np.testing.assert_allclose(np.log(var), np.log(v_exp), rtol=0, atol=3e-5)
     # also the TrainingSet-free form (incoming dict, beliefs) and a block >= D_out (exact refit path)
     op2 = KernelOperator(factor, "x", **KW).fit(first)
     op2.partial_fit(rest.incoming, rest.beliefs)
@@ -800,10 +815,16 @@ def test_error_model_is_opt_in_persisted_and_the_model_of_the_held_out_residuals
         np.testing.assert_allclose(predict_log_variance(mine.error_model_, psi_te), e_hat, rtol=0, atol=1e-6)
         q1, lv1 = mine.predict(te.incoming)
         np.testing.assert_array_equal(q1.to_coords(), q0.to_coords())  # the beliefs do not change
+        # (rows whose prediction extrapolates the learned targets' range have the prior variance
+        # as a floor under both: one row of this test set, measured)
+        ins = ~op._extrapolated(op.regression_targets(te.incoming, q0))
+        assert 0.98 < ins.mean() < 1.0
         if mode == "additive":
-            np.testing.assert_allclose(np.exp(lv1) - np.exp(lv0), op.y_scale_ ** 2 * np.exp(e_hat), rtol=1e-6)
+            np.testing.assert_allclose(np.exp(lv1[ins]) - np.exp(lv0[ins]), op.y_scale_ ** 2 * np.exp(e_hat[ins]),
+                                       rtol=1e-6)
         else:
-            np.testing.assert_allclose(lv1 - lv0, e_hat, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(lv1[ins] - lv0[ins], e_hat[ins], rtol=0, atol=1e-6)
+        assert np.all(lv1[~ins] >= lv0[~ins])
         # persisted: the same predictions after a round trip through the file format
         kind, state = loads_state(dumps_state("KernelOperator", mine.state_dict()))
         q2, lv2 = KernelOperator.from_state_dict(state).predict(te.incoming)
