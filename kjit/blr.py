@@ -13,8 +13,9 @@ the design, hence share the posterior covariance::
 with the sufficient statistics ``A = X^T X``, ``b = X^T y``, ``yy = sum_i y_i^2`` (per column)
 and ``n``.  The column sums ``X^T 1`` (``x_sum_``) are kept beside them: with random features
 ``x_sum_ / n`` is the mean embedding of the training inputs, so ``x^T x_sum_ / n`` is the mean
-kernel value of ``x`` to them — how much data lies near ``x``, which the posterior variance of a
-finite feature model does not say (see :meth:`KernelOperator.density`).  The predictive distribution at ``x`` is ``N(mu^T x, x^T Sigma x + noise_var)``.
+kernel value of ``x`` to them (``x^T x_sum_``: the number of rows near ``x``, kernel-weighted) —
+which the posterior variance of a finite feature model does not say (see
+:meth:`KernelOperator.density`).  The predictive distribution at ``x`` is ``N(mu^T x, x^T Sigma x + noise_var)``.
 
 Design
 ------
@@ -87,7 +88,8 @@ from .state import StateReader
 
 __all__ = ["BayesianLinearRegression", "NotFittedError"]
 
-_STATE_FORMAT = 3  # 3: and the column sums; 2: the stats without the buffered rows, and the buffered rows (1: folded stats)
+_STATE_FORMAT = 2  # 2: the stats without the buffered rows, and the buffered rows (1: folded stats); the column
+# sums ``x_sum`` are an optional key of format 2 (a reader that predates them ignores it)
 # partial_fit buffers up to this many rows before adding them to the stats (see module docstring).
 _FOLD_ROWS = 256
 # Row chunk for predict: keeps the (chunk, D) temporary X @ Sigma at about 2**23 elements.
@@ -320,8 +322,10 @@ class BayesianLinearRegression:
     @property
     def x_sum_(self) -> np.ndarray | None:
         """``X^T 1`` over all rows seen, shape (D,) (None: restored from a state without it)."""
-        if self._s is None or not self._pending:
-            return self._s
+        if self._s is None:
+            return None
+        if not self._pending:
+            return self._s.copy()  # (the folded array changes in place)
         return self._s + self._stack_pending()[0].sum(axis=0)
 
     @property
@@ -720,7 +724,7 @@ class BayesianLinearRegression:
         get, scalar = reader.get, reader.scalar
 
         fmt = scalar("format", int)
-        if fmt not in (1, 2, _STATE_FORMAT):
+        if fmt not in (1, _STATE_FORMAT):
             raise ValueError(f"unsupported state dict format {get('format')!r}")
         model = cls(
             prior_var=scalar("prior_var", float),
@@ -740,7 +744,7 @@ class BayesianLinearRegression:
                     f"state dict key {key!r} has shape {arrays[key].shape}, expected {shape}"
                 )
         s = None
-        if fmt >= 3 and "x_sum" in d:  # a model without column sums (restored from format 2) saves none
+        if "x_sum" in d:  # states saved before the column sums were kept have none
             s = np.array(get("x_sum"), dtype=np.float64, order="C", copy=True)
             if s.shape != (D,):
                 raise ValueError(f"state dict key 'x_sum' has shape {s.shape}, expected {(D,)}")

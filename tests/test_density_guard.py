@@ -43,7 +43,7 @@ def test_column_sums_follow_every_update_path_merge_and_state():
 
     model.partial_fit(X[600:602], Y[600:602])  # rows pending in the saved state
     d = model.state_dict()
-    assert d["format"] == 3
+    assert d["format"] == 2 and "x_sum" in d  # an optional key: readers that predate it ignore it
     twin = BayesianLinearRegression.from_state_dict(d)
     np.testing.assert_array_equal(twin.x_sum_, model.x_sum_)
     for m in (model, twin):
@@ -55,7 +55,6 @@ def test_a_state_saved_before_column_sums_restores_without_them():
     X, Y = random_feature_problem(300, 30, seed=4)
     model = BayesianLinearRegression().fit(X[:200], Y[:200])
     old = {k: v for k, v in model.state_dict().items() if k != "x_sum"}
-    old["format"] = 2
     restored = BayesianLinearRegression.from_state_dict(old)
     assert restored.x_sum_ is None
     restored.partial_fit(X[200:210], Y[200:210])  # still learns; the sums stay unknown
@@ -179,17 +178,40 @@ def test_the_guard_adds_exactly_the_rows_below_it(op, oracle):
 def test_guard_share_calibrates_on_the_initial_batch_and_round_trips(oracle, tmp_path):
     from kjit.persistence import load_operator, save_operator
 
-    jit = JITOperator(None, oracle, threshold=-5.0, initial_batch=60, to="x", operator_kwargs=OKW, guard_share=0.05)
+    jit = JITOperator(None, oracle, threshold=50.0, initial_batch=60, to="x", operator_kwargs=OKW, guard_share=0.05)
     batch = inside(60, 21)
-    jit.predict(batch)
-    assert jit.operator is not None and jit.operator.n_train_ == 60
+    jit.predict(batch)  # one request: each row left out alone
+    assert jit.operator is not None and jit.operator.n_train_ == 60 and jit.guard_rows_ == 60
     expect = np.sort(jit.operator.held_out_density(batch, np.arange(60)))[2]  # floor(61 * 0.05) = 3
     assert jit.density_guard == expect
     save_operator(jit, tmp_path / "jit.npz")
     back = load_operator(tmp_path / "jit.npz")
-    assert back.density_guard == jit.density_guard and back.guard_share == 0.05
-    rows = far(8, 22)
-    np.testing.assert_array_equal(back.screen(rows)[2], jit.screen(rows)[2])
+    assert back.density_guard == jit.density_guard and back.guard_share == 0.05 and back.guard_rows_ == 60
+    np.testing.assert_array_equal(back.operator.blr_.x_sum_, jit.operator.blr_.x_sum_)
+    rows = {v: type(a).concatenate([a, b]) for (v, a), b in zip(inside(20, 23).items(), far(20, 22).values())}
+    mask = jit.screen(rows)[2]
+    assert mask.any() and not mask.all()  # the guard alone decides (no variance reaches 50)
+    np.testing.assert_array_equal(back.screen(rows)[2], mask)
+    # a batch sent in two requests: each row left out with its request's rows
+    two = JITOperator(None, oracle, threshold=50.0, initial_batch=60, to="x", operator_kwargs=OKW, guard_share=0.05)
+    two.predict({v: m[:25] for v, m in batch.items()})
+    two.predict({v: m[25:] for v, m in batch.items()})
+    groups = np.repeat([0, 1], [25, 35])
+    assert two.density_guard == np.sort(two.operator.held_out_density(batch, groups))[2]
+
+
+def test_the_guard_counts_rows_so_learning_elsewhere_does_not_make_a_region_sparse(op, factor, oracle):
+    """The guard compares counts of nearby rows (density × pairs learned): learning 200 far pairs
+    leaves the inside rows' guard as it was, where comparing the shares would flag most of them."""
+    probe = inside(400, 31)
+    jit = JITOperator(copy.deepcopy(op), oracle, threshold=50.0,
+                      density_guard=float(np.quantile(op.density(probe), 0.05)))
+    psi = _features(op, probe)
+    before = jit._guarded(psi).mean()
+    jit.operator.partial_fit(make_training_set(factor, "x", far, oracle, n=200, random_state=32))
+    share_rule = np.mean(jit.operator._density(psi) < jit.density_guard)
+    assert share_rule > before + 0.2  # what the shares would do
+    assert before >= 0.04 and jit._guarded(psi).mean() <= before  # no region made sparser
 
 
 def test_a_failed_request_that_completed_the_initial_batch_restores_no_guard(oracle):
@@ -198,7 +220,7 @@ def test_a_failed_request_that_completed_the_initial_batch_restores_no_guard(ora
     jit.predict(inside(40, 81))
     with pytest.raises(Exception, match="planned"):
         jit.predict(inside(40, 82))  # completes the batch (fit, guard set), then its oracle call fails
-    assert jit.operator is None and jit.density_guard is None
+    assert jit.operator is None and jit.density_guard is None and jit.guard_rows_ is None
 
 
 # ---------------------------------------------------------------------- the range of the learned targets
@@ -217,6 +239,11 @@ def test_target_range_is_learned_widened_persisted_and_absent_from_older_states(
     del old["fitted"]["target_range"]
     legacy = KernelOperator.from_state_dict(old)
     assert legacy.target_range_ is None
+    del old["blr"]["x_sum"]
+    with pytest.raises(ValueError, match="column sums"):
+        KernelOperator.from_state_dict(old).density(inside(3, 1))
+    with pytest.raises(ValueError, match="column sums"):
+        JITOperator(KernelOperator.from_state_dict(old), oracle, density_guard=0.1)
     rows = far(200, 13, lo=30.0, hi=60.0)
     (_, var_new), (_, var_old) = op2.predict_coords(rows), legacy.predict_coords(rows)
     # the regression's own predicted targets, against the range widened by the margin
@@ -224,7 +251,7 @@ def test_target_range_is_learned_widened_persisted_and_absent_from_older_states(
 
     Yp = op2.blr_.predict(_features(op2, rows)) * op2.y_scale_ + op2.y_mean_
     lo, hi = op2.target_range_
-    pad = TARGET_RANGE_MARGIN * (hi - lo)
+    pad = np.maximum(TARGET_RANGE_MARGIN * (hi - lo), op2.y_scale_)
     ext = np.any((Yp < lo - pad) | (Yp > hi + pad), axis=1)
     assert ext.any() and not ext.all()
     np.testing.assert_array_equal(var_new[~ext], var_old[~ext])

@@ -294,10 +294,10 @@ def test_partial_fit_equals_fit_on_the_union(factor, data):
     Y = op1.regression_targets(train.incoming, train.beliefs)
     lo, hi = Y.min(axis=0), Y.max(axis=0)
     np.testing.assert_array_equal(op1.target_range_, [lo, hi])
-    pad = TARGET_RANGE_MARGIN * (hi - lo)
+    pad = np.maximum(TARGET_RANGE_MARGIN * (hi - lo), op1.y_scale_)
     Yp = m_ref * op1.y_scale_ + op1.y_mean_
     out = np.any((Yp < lo - pad) | (Yp > hi + pad), axis=1)
-    assert 0 < out.sum() < 0.02 * out.size  # (one row of this test set, measured)
+    assert out.sum() < 0.02 * out.size  # (none of this test set; test_density_guard.py has far rows that are)
     psi_t = op1.features_.transform(_msgs(test))
     prior = (op1.prior_var_ * np.einsum("ij,ij->i", psi_t, psi_t) + op1.noise_var_)[:, None] * op1.y_scale_ ** 2
     v_exp = v_ref[:, None] * op1.y_scale_ ** 2
@@ -816,9 +816,9 @@ def test_error_model_is_opt_in_persisted_and_the_model_of_the_held_out_residuals
         q1, lv1 = mine.predict(te.incoming)
         np.testing.assert_array_equal(q1.to_coords(), q0.to_coords())  # the beliefs do not change
         # (rows whose prediction extrapolates the learned targets' range have the prior variance
-        # as a floor under both: one row of this test set, measured)
+        # as a floor under both: none of this test set, measured)
         ins = ~op._extrapolated(op.regression_targets(te.incoming, q0))
-        assert 0.98 < ins.mean() < 1.0
+        assert 0.98 < ins.mean() <= 1.0
         if mode == "additive":
             np.testing.assert_allclose(np.exp(lv1[ins]) - np.exp(lv0[ins]), op.y_scale_ ** 2 * np.exp(e_hat[ins]),
                                        rtol=1e-6)
