@@ -13,12 +13,10 @@ import copy
 import numpy as np
 import pytest
 from test_blr import random_feature_problem
-from test_jit import KW, OKW, _FailingOracle, far, inside
+from test_jit import KW, OKW, _FailingOracle, factor, far, inside, oracle  # noqa: F401 - fixtures
 
 from kjit.blr import BayesianLinearRegression
-from kjit.factors import Logistic
 from kjit.operators import JITOperator, KernelOperator, density_guard
-from kjit.oracles import QuadratureOracle
 from kjit.training import make_training_set
 
 
@@ -68,16 +66,7 @@ def test_a_state_saved_before_column_sums_restores_without_them():
 
 
 # ---------------------------------------------------------------------- the operator's density
-@pytest.fixture(scope="module")
-def factor():
-    return Logistic()
-
-
-@pytest.fixture(scope="module")
-def oracle(factor):
-    return QuadratureOracle(factor)
-
-
+# (the logistic factor and its quadrature oracle: test_jit.py's fixtures, imported above)
 @pytest.fixture(scope="module")
 def train(factor, oracle):
     return make_training_set(factor, "x", inside, oracle, n=300, random_state=0)
