@@ -122,9 +122,9 @@ def test_novelty_figures_match_a_direct_computation():
     assert guard[20:].all() and not guard[:20].any()  # the shifted rows are the sparse ones
     g = suite._density_guard(op, data, groups, cal, test, u, kl, worst, {"t": np.inf, "s": -np.inf})
     assert g["guard_flagged_fraction"] == np.mean(guard)
-    assert g["max_kl_unflagged_at_t"] == kl.max() and g["max_kl_unflagged_at_t_guard"] == kl[~guard].max()
+    assert "max_kl_unflagged_at_t" not in g and g["max_kl_unflagged_at_t_guard"] == kl[~guard].max()
     assert g["flagged_fraction_at_t_guard"] == np.mean(guard)
-    assert g["max_kl_unflagged_at_s"] is None and g["flagged_fraction_at_s_guard"] == 1.0
+    assert g["max_kl_unflagged_at_s_guard"] is None and g["flagged_fraction_at_s_guard"] == 1.0
 
 
 def test_novelty_and_problems_scale_flags(capsys):
@@ -143,11 +143,14 @@ def test_novelty_and_problems_scale_flags(capsys):
     for a, b in zip(plain, lines):
         assert {k: v for k, v in a.items() if k not in timing} == \
             {k: v for k, v in b.items() if k not in timing and k not in added and "novchoice" not in k
-             and "guard" not in k and "unflagged" not in k
+             and "guard" not in k
              and not k.startswith("n_flagged_fraction_needed_le_006_novelty")
              and not k.startswith("n_flagged_fraction_needed_le_006_union")}
     rows = [r for r in lines if "direction" in r]
     assert rows and all(0.0 <= r[k] <= 1.0 for r in rows for k in added[:2])
+    for at in ("q90", "budget90"):  # the worst confident error, in the default rows and summary
+        assert all(r[f"max_kl_unflagged_at_{at}"] is None or r[f"max_kl_unflagged_at_{at}"] >= 0.0 for r in rows)
+        assert lines[-1][f"max_kl_unflagged_at_{at}"] == max(r[f"max_kl_unflagged_at_{at}"] or 0.0 for r in rows)
     for r in rows:  # the chosen score's figures: the headline's where u alone was kept
         for k in ("flagged_fraction_needed", "flagged_fraction_at_q90", "worst1pct_flagged_at_budget90"):
             assert 0.0 <= r[k + "_novchoice"] <= 1.0
