@@ -620,7 +620,7 @@ class KernelOperator(Operator):
         error model's log variances (n, k) where not its own prediction at ``psi`` (held-out rows)."""
         return_var = v is not None
         coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
-        outside = self._extrapolated(coords) if return_var else None
+        outside = self._extrapolated_rows(coords) if return_var else None
         base = self._base(inc)
         if self.target == "relative":
             coords = self._from_relative(coords, base)
@@ -645,7 +645,7 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
             if err is not None:
                 var = var + err
-        if outside is not None and outside.any():
+        if outside is not None:
             p = np.asarray(psi[outside], np.float64)
             prior = (self.prior_var_ * np.einsum("ij,ij->i", p, p) + self.noise_var_)[:, None] * self.y_scale_**2
             var = np.array(var, dtype=np.float64)  # (not a view of the caller's arrays)
@@ -711,13 +711,38 @@ class KernelOperator(Operator):
         ``TARGET_RANGE_MARGIN`` of its width and more than ``y_scale_`` in some coordinate (or are not
         finite); None for an
         operator restored from a state saved before the range was kept."""
+        bounds = self._range_bounds()
+        if bounds is None:
+            return None
+        with np.errstate(invalid="ignore"):
+            inside = (targets >= bounds[0]) & (targets <= bounds[1])
+        return ~inside.all(axis=-1)
+
+    def _extrapolated_rows(self, targets):
+        """:meth:`_extrapolated`'s mask where some row is extrapolated, else None (the prediction's
+        hot path: one served row is compared as Python floats — NaN compares False)."""
+        bounds = self._range_bounds()
+        if bounds is None:
+            return None
+        if targets.shape[0] == 1:
+            inside = all(a <= t <= b for t, a, b in zip(targets[0].tolist(), bounds[2], bounds[3]))
+            return None if inside else np.ones(1, dtype=bool)
+        out = self._extrapolated(targets)
+        return out if out.any() else None
+
+    def _range_bounds(self):
+        """(lo, hi) of predicted targets that are not extrapolations, as arrays and as float lists;
+        kept while ``target_range_`` is the same array (partial_fit replaces it); None without one."""
         r = getattr(self, "target_range_", None)
         if r is None:
             return None
+        cached = self.__dict__.get("_range_cache")
+        if cached is not None and cached[0] is r:
+            return cached[1]
         pad = np.maximum(TARGET_RANGE_MARGIN * (r[1] - r[0]), self.y_scale_)
-        with np.errstate(invalid="ignore"):
-            inside = (targets >= r[0] - pad) & (targets <= r[1] + pad)
-        return ~inside.all(axis=-1)
+        lo, hi = r[0] - pad, r[1] + pad
+        self._range_cache = (r, (lo, hi, lo.tolist(), hi.tolist()))
+        return self._range_cache[1]
 
     def _to_belief(self, coords, flat, shape) -> Family:
         """Belief from predicted coordinates (``flat``: the validated incoming messages); rows
