@@ -280,7 +280,11 @@ class KernelOperator(Operator):
     approximates gives far from its data): with more pairs than random features the posterior
     variance stays small everywhere, and a message far from every training row can get an
     arbitrary, confident prediction (product → z, seed 1 of benchmarks/factor_suite.py: KL up to
-    5.8e5 with a variance under the calibrated threshold).  Predictions are unchanged.
+    5.8e5 with a variance under the calibrated threshold).  Predictions are unchanged.  Leave-one-
+    group-out predictions (:meth:`held_out_predict`) compare with the range without their group.
+    A threshold flags such a row only where it lies below the prior predictive variance's log (a
+    threshold above it — e.g. −5 with a prior variance of 0.1 and y_scale_ 0.1 — does not).  An
+    operator restored from a state saved before the range was kept has none and gains none.
     """
 
     def __init__(
@@ -614,13 +618,15 @@ class KernelOperator(Operator):
             z, v = self.blr_.predict(psi, dtype=self.dtype), None
         return self._finish_coords(z, v, psi, flat, inc, shape, return_features), flat, shape
 
-    def _finish_coords(self, z, v, psi, flat, inc, shape, return_features, error_log=None):
+    def _finish_coords(self, z, v, psi, flat, inc, shape, return_features, error_log=None, bounds=None):
         """predict_coords' answer from the regression's standardised means ``z`` and latent
         predictive variances ``v`` (None: no variances) at features ``psi``; ``error_log``: the
-        error model's log variances (n, k) where not its own prediction at ``psi`` (held-out rows)."""
+        error model's log variances (n, k) where not its own prediction at ``psi`` (held-out rows);
+        ``bounds``: per-row (lo, hi) of non-extrapolated targets where not the learned range's
+        (held-out rows: the range without their group, :meth:`_held_out_bounds`)."""
         return_var = v is not None
         coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
-        outside = self._extrapolated_rows(coords) if return_var else None
+        outside = self._extrapolated_rows(coords, bounds) if return_var else None
         base = self._base(inc)
         if self.target == "relative":
             coords = self._from_relative(coords, base)
@@ -718,9 +724,14 @@ class KernelOperator(Operator):
             inside = (targets >= bounds[0]) & (targets <= bounds[1])
         return ~inside.all(axis=-1)
 
-    def _extrapolated_rows(self, targets):
+    def _extrapolated_rows(self, targets, row_bounds=None):
         """:meth:`_extrapolated`'s mask where some row is extrapolated, else None (the prediction's
-        hot path: one served row is compared as Python floats — NaN compares False)."""
+        hot path: one served row is compared as Python floats — NaN compares False).
+        ``row_bounds``: (lo, hi), each (n, k), instead of the learned range's."""
+        if row_bounds is not None:
+            with np.errstate(invalid="ignore"):
+                out = ~((targets >= row_bounds[0]) & (targets <= row_bounds[1])).all(axis=-1)
+            return out if out.any() else None
         bounds = self._range_bounds()
         if bounds is None:
             return None
@@ -737,12 +748,30 @@ class KernelOperator(Operator):
         if r is None:
             return None
         cached = self.__dict__.get("_range_cache")
-        if cached is not None and cached[0] is r:
-            return cached[1]
-        pad = np.maximum(TARGET_RANGE_MARGIN * (r[1] - r[0]), self.y_scale_)
-        lo, hi = r[0] - pad, r[1] + pad
-        self._range_cache = (r, (lo, hi, lo.tolist(), hi.tolist()))
-        return self._range_cache[1]
+        if cached is not None and cached[0] is r and cached[1] is self.y_scale_:
+            return cached[2]
+        lo, hi = _padded_range(r[0], r[1], self.y_scale_)
+        self._range_cache = (r, self.y_scale_, (lo, hi, lo.tolist(), hi.tolist()))
+        return self._range_cache[2]
+
+    def _held_out_bounds(self, Z, index):
+        """Per-row (lo, hi) of non-extrapolated targets for leave-one-group-out predictions: the
+        padded range of the learned targets ``Z`` (standardised; group ``index`` per row) without
+        the row's own group — what a new problem's rows would be compared with.  None without a
+        range (an operator restored from an older state)."""
+        if getattr(self, "target_range_", None) is None:
+            return None
+        Y = Z * self.y_scale_ + self.y_mean_
+        G = int(index.max()) + 1
+        g_lo, g_hi = np.full((G, Y.shape[1]), np.inf), np.full((G, Y.shape[1]), -np.inf)
+        np.minimum.at(g_lo, index, Y)
+        np.maximum.at(g_hi, index, Y)
+        lo, hi = np.empty_like(g_lo), np.empty_like(g_hi)
+        for g in range(G):
+            others = np.arange(G) != g
+            lo[g], hi[g] = g_lo[others].min(axis=0), g_hi[others].max(axis=0)
+        lo, hi = _padded_range(lo, hi, self.y_scale_)
+        return lo[index], hi[index]
 
     def _to_belief(self, coords, flat, shape) -> Family:
         """Belief from predicted coordinates (``flat``: the validated incoming messages); rows
@@ -842,7 +871,8 @@ class KernelOperator(Operator):
         """
         z, v, Z, psi, flat, inc, shape = self._held_out_z(data, groups, beliefs)
         coords, var = self._finish_coords(z, v, psi, flat, inc, shape, False,
-                                          error_log=self._held_out_error_log(psi, groups))
+                                          error_log=self._held_out_error_log(psi, groups),
+                                          bounds=self._held_out_bounds(Z, np.unique(groups, return_inverse=True)[1]))
         return self._to_belief(coords, flat, shape), np.log(var)
 
     def _held_out_error_log(self, psi, groups, model=None):
@@ -1000,6 +1030,7 @@ class KernelOperator(Operator):
         _, beliefs = self._unpack(data, beliefs)
         coords = self._finish_coords(z, None, psi, flat, inc, shape, False)
         q_fitted = self._to_belief(coords, flat, shape)
+        bounds = self._held_out_bounds(Z, index.ravel())
         kl = [np.asarray(beliefs.kl(q_fitted), np.float64).ravel()]
         if held_out is not None:
             if not isinstance(held_out, TrainingSet):
@@ -1015,7 +1046,7 @@ class KernelOperator(Operator):
                 if em is not None:
                     self.error_model_ = em
                 _, var = self._finish_coords(z, v, psi, flat, inc, shape, False,
-                                             error_log=self._held_out_error_log(psi, groups, em))
+                                             error_log=self._held_out_error_log(psi, groups, em), bounds=bounds)
                 held = self.predict(held_out.incoming) if held_out is not None else None
                 for sc in scalars:
                     u = [self.row_uncertainty(inc, q_fitted, np.log(var), sc)]
@@ -1117,9 +1148,11 @@ class KernelOperator(Operator):
             op.search_ = json.loads(f["search"])
             # states saved before the range was kept: no extrapolation check
             op.target_range_ = np.asarray(f["target_range"], float) if "target_range" in f else None
-            if op.target_range_ is not None and op.target_range_.shape != (2, op.y_mean_.size):
-                raise ValueError(f"operator state's target_range has shape {op.target_range_.shape}, "
-                                 f"expected (2, {op.y_mean_.size})")
+            if op.target_range_ is not None and (op.target_range_.shape != (2, op.y_mean_.size)
+                                                 or not np.all(np.isfinite(op.target_range_))
+                                                 or np.any(op.target_range_[0] > op.target_range_[1])):
+                raise ValueError(f"operator state's target_range must be finite (lo, hi) rows of shape "
+                                 f"(2, {op.y_mean_.size}), got {op.target_range_.tolist()}")
             if "error_model" in state:
                 e = state["error_model"]
                 if str(e["mode"]) not in ERROR_MODEL_MODES:
@@ -1232,6 +1265,13 @@ def sign_undetermined(factor: Factor, to: str, incoming: Mapping[str, Family], c
     if lc is not None:
         und &= ~lc
     return und
+
+
+def _padded_range(lo, hi, scale):
+    """The bounds of non-extrapolated targets: the range (lo, hi) widened on each side by the
+    larger of TARGET_RANGE_MARGIN of its width and the targets' scale."""
+    pad = np.maximum(TARGET_RANGE_MARGIN * (hi - lo), scale)
+    return lo - pad, hi + pad
 
 
 def _with_dtype(feats: TwoStageFeatures, dtype) -> TwoStageFeatures:
@@ -1538,6 +1578,8 @@ class KernelEnsemble:
         self.add_variance = bool(add_variance)
         self._held = None  # (data, groups, the other members' held-out coordinates): see held_out_predict
 
+    # (the spread alone, add_variance=False, has no extrapolation floor: the operator's range floor
+    # (KernelOperator.target_range_) applies to the operator's variance, which the spread replaces)
     def with_variance(self, add_variance: bool) -> "KernelEnsemble":
         """A view of this ensemble (the same fitted members) with ``add_variance`` set."""
         other = copy.copy(self)

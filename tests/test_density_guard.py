@@ -248,10 +248,47 @@ def test_target_range_is_learned_widened_persisted_and_absent_from_older_states(
     prior = (op2.prior_var_ * np.einsum("ij,ij->i", psi, psi) + op2.noise_var_)[:, None] * op2.y_scale_ ** 2
     np.testing.assert_allclose(var_new[ext], np.maximum(var_old[ext], prior), rtol=1e-12)
     assert np.any(var_new[ext] > var_old[ext])
-    bad = copy.deepcopy(state)
-    bad["fitted"]["target_range"] = np.zeros((2, 3))
-    with pytest.raises(ValueError, match="target_range"):
-        KernelOperator.from_state_dict(bad)
+    for wrong in (np.zeros((2, 3)), np.array([[0.0, np.nan], [1.0, 1.0]]), np.array([[1.0, 0.0], [0.0, 1.0]])):
+        bad = copy.deepcopy(state)
+        bad["fitted"]["target_range"] = wrong
+        with pytest.raises(ValueError, match="target_range"):
+            KernelOperator.from_state_dict(bad)
+    # the bounds follow the range and the scale (a cached pad is never stale)
+    lo0 = op2._range_bounds()[0].copy()
+    op2.y_scale_ = op2.y_scale_ * 10.0
+    assert np.all(op2._range_bounds()[0] < lo0)
+
+
+def test_held_out_predictions_compare_with_the_range_without_their_group(op, train, factor, oracle):
+    """Leave-one-group-out: a group whose targets lie outside every other group's is extrapolated
+    there (as a new problem's rows would be), though inside the full range."""
+    from kjit.operators import TARGET_RANGE_MARGIN
+    from kjit.training import TrainingSet
+
+    more = make_training_set(factor, "x", far, oracle, n=30, random_state=9)
+    both = TrainingSet.concatenate([train, more])
+    op2 = copy.deepcopy(op).partial_fit(more)
+    groups = np.concatenate([np.arange(300) // 50, np.full(30, 6)])  # the far pairs: group 6
+    Y = op2.regression_targets(both.incoming, both.beliefs)
+    z, v, Z, psi, *_ = op2._held_out_z(both, groups)
+    Yp = z * op2.y_scale_ + op2.y_mean_
+    ext = np.zeros(len(Y), dtype=bool)
+    for g in range(7):  # the independent computation: each group against the others' padded range
+        o = groups != g
+        lo, hi = Y[o].min(axis=0), Y[o].max(axis=0)
+        pad = np.maximum(TARGET_RANGE_MARGIN * (hi - lo), op2.y_scale_)
+        m = groups == g
+        ext[m] = np.any((Yp[m] < lo - pad) | (Yp[m] > hi + pad), axis=1)
+    # the far group widens the learned range; without it its rows see the narrower one
+    lo_rows, hi_rows = op2._held_out_bounds(Z, groups)
+    lo_full, hi_full = op2._range_bounds()[:2]
+    assert np.any((lo_rows[groups == 6] > lo_full) | (hi_rows[groups == 6] < hi_full))
+    # a group inside: the full range (up to the rounding of targets rebuilt from standardised ones)
+    np.testing.assert_allclose(lo_rows[groups == 0], np.broadcast_to(lo_full, (50, 2)), rtol=1e-12, atol=1e-12)
+    _, lv = op2.held_out_predict(both, groups)
+    prior = (op2.prior_var_ * np.einsum("ij,ij->i", psi, psi) + op2.noise_var_)[:, None] * op2.y_scale_ ** 2
+    raw = v[:, None] * op2.y_scale_ ** 2
+    np.testing.assert_allclose(np.exp(lv), np.where(ext[:, None], np.maximum(raw, prior), raw), rtol=1e-9)
 
 
 def test_a_failed_round_restores_the_target_range(op, oracle, monkeypatch):
@@ -282,7 +319,9 @@ def test_one_row_takes_the_same_extrapolation_decision_as_a_batch(op, factor, or
     for i in range(len(Yp)):
         one = op2._extrapolated_rows(Yp[i:i + 1])
         assert (one is not None) == batch[i] and (one is None or one.tolist() == [True])
-    assert op2._extrapolated_rows(np.array([[np.nan, 0.0]])) is not None
+    for bad in ([np.nan, 0.0], [np.inf, 0.0], [0.0, -np.inf]):  # both paths: not finite is outside
+        assert op2._extrapolated_rows(np.array([bad])) is not None
+        assert op2._extrapolated(np.array([bad, bad])).all()
     np.testing.assert_array_equal(op2._extrapolated_rows(Yp), batch)
     # and the variances (floored where extrapolated) agree; the regression's own one-row and batch
     # variances differ by rounding (dsymv against a batch product: 4e-9 relative, measured)

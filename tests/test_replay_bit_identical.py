@@ -59,6 +59,7 @@ def _run(pristine, tmp, updates, stops: dict[int, str], shared=None):
     op = s.entries["logistic-x"].jit.operator
     coords, var = op.predict_coords(probe)
     blr = op.blr_.state_dict()
+    blr["target_range"] = op.target_range_  # (the operator's, learned with the regression)
     s.abandon()
     return coords, var, blr
 
@@ -66,7 +67,7 @@ def _run(pristine, tmp, updates, stops: dict[int, str], shared=None):
 def _assert_identical(a, b):
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
-    for k in ("A", "b", "yy", "Sigma", "coef", "pending_X", "pending_Y"):
+    for k in ("A", "b", "yy", "Sigma", "coef", "pending_X", "pending_Y", "x_sum", "target_range"):
         np.testing.assert_array_equal(a[2][k], b[2][k], err_msg=k)
     assert a[2]["n"] == b[2]["n"] and a[2]["n_since_refactor"] == b[2]["n_since_refactor"]
 
