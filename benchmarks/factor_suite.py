@@ -261,13 +261,15 @@ at budget90 36 → 35.  Seventeenth session, default: the operator's range floor
 (``KernelOperator.target_range_``, ``TARGET_RANGE_MARGIN``): a prediction outside the learned
 targets' range by more than max(a quarter of the range, ``y_scale_``) gets the regression's prior
 predictive variance — it targets the output, not the input, so a far row whose prediction stays
-plausible is left alone.  Seeds 0–3 (the quarter fixed on 0–1, checked on 2–3; the ``y_scale_``
-floor added after jit_uci, re-run on all four): mean log KL identical on every direction; the
-flagged share moved on 8 of 112 (direction, threshold) pairs, by −0.036 to +0.012; product → z at
-seed 1 worst 1 % flagged 0.93 → 1.00, ``flagged_fraction_needed`` 0.598 → 0.011; both goals at
-q90 23 → 23, at budget90 35 → 36, ranking within 6 % 40 → 41; the worst confident error over the
-56 directions (``max_kl_unflagged_at_q90``, a default key since: the largest test KL the q90
-threshold leaves unflagged, and at budget90) 5.8e5 → 0.79 (Gaussian → τ at seed 2, not a far row).
+plausible is left alone; leave-one-problem-out rows compare with the range without their problem.
+Seeds 0–5 (the quarter fixed on 0–1, checked on 2–3; the ``y_scale_`` floor added after jit_uci;
+all six re-run on the final rule, against the code before it): mean log KL identical on every
+direction; the flagged share moved on 10 of 168 (direction, threshold) pairs, by −0.036 to
++0.012; product → z at seed 1 worst 1 % flagged 0.93 → 1.00, ``flagged_fraction_needed`` 0.598 →
+0.011; both goals at q90 33 → 33, at budget90 54 → 55, ranking within 6 % 60 → 61 of 84; the worst
+confident error over the 84 directions (``max_kl_unflagged_at_q90``, a default key since: the
+largest test KL the q90 threshold leaves unflagged, and at budget90) 5.8e5 → 0.79 (Gaussian → τ at
+seed 2, not a far row; every other direction below 0.016 at either threshold).
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
 q90 / budget90 and ranked within 6 % on 6 / 8 / 9 and 5 / 8 / 7 directions at seeds 0 / 1 (1 ×:
