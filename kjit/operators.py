@@ -686,18 +686,8 @@ class KernelOperator(Operator):
         column sums, S_g and n_g those of the row's group — what a new problem's messages would
         see (a row's own problem sends near-duplicates of it).  ``data``: a TrainingSet or its
         incoming messages."""
-        self._check_fitted()
         incoming = self._unpack(data, None)[0] if isinstance(data, TrainingSet) else data
-        messages, shape, _ = self._messages(incoming)
-        if len(shape) != 1 or shape[0] != self.blr_.n_:
-            raise ValueError(f"`data` must be the pairs the operator has learned: it has {math.prod(shape)}, "
-                             f"the operator {self.blr_.n_}")
-        groups = np.asarray(groups)
-        if groups.shape != shape:
-            raise ValueError(f"`groups` has shape {groups.shape}, expected {shape}")
-        labels, index = np.unique(groups, return_inverse=True)
-        if labels.size < 2:
-            raise ValueError("`groups` must name at least 2 groups")
+        messages, _, _, labels, index = self._learned_rows(incoming, groups)
         s = self.blr_.x_sum_
         if s is None:
             raise ValueError("this operator's regression has no column sums (restored from an older state)")
@@ -712,34 +702,31 @@ class KernelOperator(Operator):
         counts = np.bincount(index, minlength=labels.size)
         return np.einsum("ij,ij->i", psi, s - sums[index]) / (self.blr_.n_ - counts[index])
 
-    def _extrapolated(self, targets):
+    def _extrapolated(self, targets, bounds=None):
         """Rows whose predicted regression targets (n, k) lie outside the learned range by more than
         ``TARGET_RANGE_MARGIN`` of its width and more than ``y_scale_`` in some coordinate (or are not
-        finite); None for an
-        operator restored from a state saved before the range was kept."""
-        bounds = self._range_bounds()
+        finite); None for an operator restored from a state saved before the range was kept.
+        ``bounds``: (lo, hi) — e.g. per row, (n, k) each — instead of the learned range's."""
         if bounds is None:
-            return None
+            b = self._range_bounds()
+            if b is None:
+                return None
+            bounds = b[:2]
         with np.errstate(invalid="ignore"):
             inside = (targets >= bounds[0]) & (targets <= bounds[1])
         return ~inside.all(axis=-1)
 
-    def _extrapolated_rows(self, targets, row_bounds=None):
+    def _extrapolated_rows(self, targets, bounds=None):
         """:meth:`_extrapolated`'s mask where some row is extrapolated, else None (the prediction's
-        hot path: one served row is compared as Python floats — NaN compares False).
-        ``row_bounds``: (lo, hi), each (n, k), instead of the learned range's."""
-        if row_bounds is not None:
-            with np.errstate(invalid="ignore"):
-                out = ~((targets >= row_bounds[0]) & (targets <= row_bounds[1])).all(axis=-1)
-            return out if out.any() else None
-        bounds = self._range_bounds()
-        if bounds is None:
-            return None
-        if targets.shape[0] == 1:
-            inside = all(a <= t <= b for t, a, b in zip(targets[0].tolist(), bounds[2], bounds[3]))
+        hot path: one served row is compared as Python floats — NaN compares False)."""
+        if bounds is None and targets.shape[0] == 1:
+            b = self._range_bounds()
+            if b is None:
+                return None
+            inside = all(lo <= t <= hi for t, lo, hi in zip(targets[0].tolist(), b[2], b[3]))
             return None if inside else np.ones(1, dtype=bool)
-        out = self._extrapolated(targets)
-        return out if out.any() else None
+        out = self._extrapolated(targets, bounds)
+        return out if out is not None and out.any() else None
 
     def _range_bounds(self):
         """(lo, hi) of predicted targets that are not extrapolations, as arrays and as float lists;
@@ -900,12 +887,10 @@ class KernelOperator(Operator):
                                              psi[rows])
         return out
 
-    def _held_out_z(self, data, groups, beliefs=None):
-        """held_out_predict's work in the regression's standardised coordinates: ``(z (n, k)
-        leave-one-group-out means, v (n,) their latent predictive variances ψᵀΣ₋ψ + σ_y², Z (n, k)
-        the standardised targets, ψ, flat, inc, shape)``."""
+    def _learned_rows(self, incoming, groups):
+        """The checks of a leave-one-group-out computation on the pairs the operator has learned:
+        ``(feature inputs, shape, validated incoming, group labels, each row's group index)``."""
         self._check_fitted()
-        incoming, beliefs = self._unpack(data, beliefs)
         messages, shape, inc = self._messages(incoming)
         if len(shape) != 1:
             raise ValueError("`incoming` must be 1-D batches")
@@ -919,6 +904,15 @@ class KernelOperator(Operator):
         if n != self.blr_.n_:
             raise ValueError(f"`data` must be the pairs the operator has learned: it has {n}, the operator "
                              f"{self.blr_.n_}")
+        return messages, shape, inc, labels, index
+
+    def _held_out_z(self, data, groups, beliefs=None):
+        """held_out_predict's work in the regression's standardised coordinates: ``(z (n, k)
+        leave-one-group-out means, v (n,) their latent predictive variances ψᵀΣ₋ψ + σ_y², Z (n, k)
+        the standardised targets, ψ, flat, inc, shape)``."""
+        incoming, beliefs = self._unpack(data, beliefs)
+        messages, shape, inc, labels, index = self._learned_rows(incoming, groups)
+        n = shape[0]
         flat = {v: m.ravel() for v, m in inc.items()}
         psi = np.asarray(self.features_.transform(messages), np.float64)
         with np.errstate(all="ignore"):
