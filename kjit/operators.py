@@ -671,14 +671,18 @@ class KernelOperator(Operator):
         benchmarks/factor_suite.py: KL up to 5.8e5 at the headline threshold's confidence).  A
         ValueError for a regression restored from a state saved before column sums were kept."""
         self._check_fitted()
-        if self.blr_.x_sum_ is None:
-            raise ValueError("this operator's regression has no column sums (restored from an older state)")
         messages, shape, _ = self._messages(incoming)
         return self._density(self.features_.transform(messages)).reshape(shape)
 
-    def _density(self, psi) -> np.ndarray | None:
+    def _density(self, psi) -> np.ndarray:
+        return np.asarray(psi, np.float64) @ (self._column_sums() / self.blr_.n_)
+
+    def _column_sums(self) -> np.ndarray:
+        """The regression's column sums Σψ over the learned rows; a ValueError without them."""
         s = self.blr_.x_sum_
-        return None if s is None else np.asarray(psi, np.float64) @ (s / self.blr_.n_)
+        if s is None:
+            raise ValueError("this operator's regression has no column sums (restored from an older state)")
+        return s
 
     def held_out_density(self, data: TrainingSet | Mapping[str, Family], groups) -> np.ndarray:
         """:meth:`density` of the pairs this operator has learned, each without its own group
@@ -688,9 +692,7 @@ class KernelOperator(Operator):
         incoming messages."""
         incoming = self._unpack(data, None)[0] if isinstance(data, TrainingSet) else data
         messages, _, _, labels, index = self._learned_rows(incoming, groups)
-        s = self.blr_.x_sum_
-        if s is None:
-            raise ValueError("this operator's regression has no column sums (restored from an older state)")
+        s = self._column_sums()
         psi = np.asarray(self.features_.transform(messages), np.float64)
         # the check that `data` is what was learned (float32 features: rounded versions of the fit's)
         tol = (1e-8 if self.features_.dtype == np.float64 else 1e-3) * max(float(np.max(np.abs(s))), 1.0)
@@ -2240,16 +2242,13 @@ class JITOperator(Operator):
             return np.log(np.maximum(var - op.noise_var_ * np.asarray(op.y_scale_) ** 2, 0.0))
 
     def _guarded(self, psi):
-        """Rows (features ``psi``) below the density guard; None without a guard (or without the
-        regression's column sums)."""
+        """Rows (features ``psi``) below the density guard; None without a guard (the constructor
+        refuses a guard on a regression without column sums)."""
         if self.density_guard is None or psi is None:
             return None
         op = self.operator
-        d = op._density(psi)
-        if d is None:
-            return None
         # as counts of nearby rows (see density_guard): d n_now < guard n_then
-        return d * op.n_train_ < self.density_guard * (self.guard_rows_ or op.n_train_)
+        return op._density(psi) * op.n_train_ < self.density_guard * self.guard_rows_
 
     def _uncertain(self, flat, coords, logvar, psi=None):
         """Rows to consult: the belief's log predictive variance exceeds the threshold in some
