@@ -41,7 +41,7 @@ from .protocols import Operator
 from .reductions import all_finite, any_
 from .training import TrainingSet
 
-__all__ = ["KernelOperator", "ApproximationOverflowError", "respect_factor_bounds", "sign_undetermined", "SIGN_Z"]
+__all__ = ["KernelOperator", "ApproximationOverflowError", "TargetsOutOfRangeError", "respect_factor_bounds", "sign_undetermined", "SIGN_Z"]
 
 # an outgoing message whose precision is within SIGN_Z predictive standard deviations of 0 has
 # an undetermined sign: a just-in-time operator consults its oracle for it (see sign_undetermined)
@@ -64,6 +64,16 @@ MIN_TARGET_SCALE = 0.1
 #: learns a near-exact reference's tiny corrections, whose range a quarter of itself hardly widens
 #: (consulted after the first data set 0.49 → 0.69 % at seed 0, 1.18 → 1.42 % at seed 2).
 TARGET_RANGE_MARGIN = 0.25
+#: a pair whose regression target lies outside the learned targets' range by more than this many
+#: times the larger of the range's width and the targets' scale ``y_scale_``, in any coordinate, is
+#: not learned (:meth:`KernelOperator.out_of_range_rows`): one such pair moves the predictions
+#: everywhere (measured on the service's default exp → x and logistic → x operators, 400 messages
+#: of their default distribution, the largest KL between the predictions before and after learning
+#: one pair at a target R widths out: R 10 → 0.047 / 0.010 from a row inside the training
+#: distribution, ≤ 4e-7 from far rows; R 100 → 28 / 0.58; a pair of exp → x at Gamma rate 1e100,
+#: whose reference is off by 1e40, made every prediction ~1e35 and stayed confident).  The JIT
+#: answers such rows with the oracle and does not learn them; ``partial_fit`` refuses them.
+LEARN_RANGE_FACTOR = 10.0
 # "auto" width search: a pattern search on the log2 lattice of (inner, outer) width factors
 _LOG2_BOUNDS = (-10, 6)
 _MAX_EVALS = 40
@@ -492,8 +502,12 @@ class KernelOperator(Operator):
         self.fit_seconds_ = time.perf_counter() - t0
         return self
 
-    def partial_fit(self, data: TrainingSet | tuple, beliefs: Family | None = None) -> "KernelOperator":
-        """Online update with new (incoming, belief) pairs: O(D_out²) per pair, no refit."""
+    def partial_fit(self, data: TrainingSet | tuple, beliefs: Family | None = None,
+                    check_range: bool = True) -> "KernelOperator":
+        """Online update with new (incoming, belief) pairs: O(D_out²) per pair, no refit.  Pairs
+        whose targets lie far outside the learned range are refused (:class:`TargetsOutOfRangeError`,
+        :data:`LEARN_RANGE_FACTOR`) unless ``check_range`` is False — for replaying pairs already
+        acknowledged, which must rebuild the operator as it was (a log written before the check)."""
         self._check_fitted()
         incoming, beliefs = self._unpack(data, beliefs)
         messages, shape, _ = self._messages(incoming)
@@ -503,12 +517,43 @@ class KernelOperator(Operator):
         with np.errstate(all="ignore"):
             Z = (Y - self.y_mean_) / self.y_scale_
         _require_finite_rows(Z, "standardised regression targets")
+        far = self._beyond_learnable(Y) if check_range else np.zeros(len(Y), dtype=bool)
+        if far.any():
+            rows = np.flatnonzero(far)
+            raise TargetsOutOfRangeError(
+                f"the beliefs of rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} cannot be learned: their "
+                f"regression targets lie more than {LEARN_RANGE_FACTOR:g} times the learned range's width outside it "
+                "(one such pair would move every prediction)", rows=rows)
         psi = self.features_.transform(messages).astype(np.float64, copy=False)
         self.blr_.partial_fit(psi, Z)
         if getattr(self, "target_range_", None) is not None and len(Y):
             self.target_range_ = np.stack([np.minimum(self.target_range_[0], Y.min(axis=0)),
                                            np.maximum(self.target_range_[1], Y.max(axis=0))])
         return self
+
+    def out_of_range_rows(self, data: TrainingSet | Mapping[str, Family], beliefs: Family | None = None) -> np.ndarray:
+        """The pairs :meth:`partial_fit` refuses as too far out (a flat bool mask): their regression
+        targets are finite and lie outside the learned range by more than :data:`LEARN_RANGE_FACTOR`
+        times the larger of its width and ``y_scale_`` (none for an operator restored from a state
+        saved before the range was kept).  Pairs with targets that are not finite are not among
+        them (partial_fit refuses those as :class:`TargetsNotFiniteError`)."""
+        self._check_fitted()
+        incoming, beliefs = self._unpack(data, beliefs)
+        flat, shape = self.factor.flat_incoming(incoming, self.to)
+        with np.errstate(all="ignore"):
+            Y = self._check_beliefs(beliefs.ravel(), math.prod(shape))
+            if self.target == "relative":
+                Y = self._to_relative(Y, self._reference(flat))
+        return np.all(np.isfinite(Y), axis=-1) & self._beyond_learnable(Y)
+
+    def _beyond_learnable(self, Y) -> np.ndarray:
+        """Rows of targets ``Y`` (n, k) beyond :data:`LEARN_RANGE_FACTOR` widths of the learned range."""
+        r = getattr(self, "target_range_", None)
+        if r is None:
+            return np.zeros(len(Y), dtype=bool)
+        pad = LEARN_RANGE_FACTOR * np.maximum(r[1] - r[0], self.y_scale_)
+        with np.errstate(invalid="ignore"):
+            return np.any((Y < r[0] - pad) | (Y > r[1] + pad), axis=-1)
 
     def _unpack(self, data, beliefs):
         if isinstance(data, TrainingSet):
@@ -1164,6 +1209,15 @@ class KernelOperator(Operator):
         if op.features_.n_outer != op.blr_.coef_.shape[0]:
             raise ValueError("operator state is inconsistent: feature size differs from regression size")
         return op
+
+
+class TargetsOutOfRangeError(ValueError):
+    """Pairs whose regression targets lie too far outside the range the operator has learned to be
+    learned (:data:`LEARN_RANGE_FACTOR`); ``rows``: their positions in the batch."""
+
+    def __init__(self, message: str, rows=None):
+        super().__init__(message)
+        self.rows = None if rows is None else np.asarray(rows)
 
 
 class TargetsNotFiniteError(ValueError):
@@ -2156,7 +2210,7 @@ class JITOperator(Operator):
         self._counts["seconds_predict"] += time.perf_counter() - t
         uncertain = self._uncertain(flat, coords, logvar, psi)
         consulted = np.zeros(n, dtype=bool)
-        answers = []  # (row indices, oracle beliefs)
+        answers = []  # (row indices, oracle beliefs, the rows of them learned)
         rounds = 0
         while uncertain.any():
             rows = np.flatnonzero(uncertain)
@@ -2181,7 +2235,12 @@ class JITOperator(Operator):
             q_or = self._oracle_beliefs(sub, offset + idx)
             self._counts["consultations"] += idx.size
             consulted[idx] = True
-            answers.append((idx, q_or))
+            # a pair far outside the learned range is answered by the oracle but not learned: it
+            # would move every prediction (LEARN_RANGE_FACTOR)
+            learn = ~self.operator.out_of_range_rows(sub, q_or)
+            answers.append((idx, q_or, idx[learn]))
+            if not learn.all():
+                sub, q_or = {v: m[learn] for v, m in sub.items()}, q_or[learn]
             t = time.perf_counter()
             if self._undo is None and (self.selection == "greedy" or self._keep_undo):
                 # a later round's oracle call may fail: keep what to restore (atomic request)
@@ -2189,14 +2248,15 @@ class JITOperator(Operator):
                 rng_ = getattr(op, "target_range_", None)
                 self._undo = lambda: (setattr(op, "blr_", blr), setattr(op, "target_range_", rng_))
             try:
-                self.operator.partial_fit(sub, q_or)
-            except TargetsNotFiniteError as exc:  # rows of the sub-batch: name the request's
-                rows = (offset + idx)[exc.rows]
+                if learn.any():
+                    self.operator.partial_fit(sub, q_or)
+            except TargetsNotFiniteError as exc:  # rows of the learned sub-batch: name the request's
+                rows = (offset + idx[learn])[exc.rows]
                 raise TargetsNotFiniteError(f"the oracle's beliefs for rows {rows[:10].tolist()}"
                                             f"{'…' if rows.size > 10 else ''} cannot be learned: their regression "
                                             "targets are not finite (too far from their reference)", rows=rows) from None
             self._counts["seconds_update"] += time.perf_counter() - t
-            self._counts["updates"] += idx.size
+            self._counts["updates"] += int(learn.sum())
             rest = np.flatnonzero(uncertain & ~consulted)
             uncertain[:] = False
             if rest.size:
@@ -2211,12 +2271,12 @@ class JITOperator(Operator):
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
-        self.last_learned_groups_ = [offset + idx for idx, _ in answers]
+        self.last_learned_groups_ = [offset + learned for _, _, learned in answers if learned.size]
         q_hat = respect_factor_bounds(self.factor, self.to, flat, self.family.from_coords(coords))[0]
         if answers:
             # return the oracle's own message for consulted rows (not a coordinate round trip)
             params = [np.array(p) for p in q_hat.params]
-            for idx, q_or in answers:
+            for idx, q_or, _ in answers:
                 for p_all, p_or in zip(params, q_or.params):
                     p_all[idx] = p_or
             q_hat = self.family(*params)

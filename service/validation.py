@@ -14,7 +14,9 @@ carry, and observations that are plausible data (service/README.md, "Hostile inp
   targets of the default operators lie within about 5 — or, failing that, if a deterministic
   oracle for the factor gives, for the row's incoming messages, a belief within ``max_kl``
   nats (KL[oracle ‖ observed]) of it.  Anything else (an oracle that cannot answer included)
-  is rejected, and the whole request with it.
+  is rejected, and the whole request with it.  So is a belief, however right, whose regression
+  targets lie far outside the range the operator has learned (``KernelOperator.out_of_range_rows``):
+  learning that one pair would move every prediction.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from kjit.families import Family
-from kjit.operators import TargetsNotFiniteError
+from kjit.operators import LEARN_RANGE_FACTOR, TargetsNotFiniteError
 from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 from kjit.reductions import all_finite
 
@@ -166,22 +168,33 @@ def spot_oracle(jit) -> Any:
     return jit.oracle
 
 
+_NOT_PRODUCIBLE = "not a belief the factor can produce from these incoming messages: "
+
+
 def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: float,
                      max_kl: float, slot: Callable[[], ContextManager] | None = None) -> list[tuple[int, str]]:
-    """``(row, why)`` for the observations the rule in the module docstring rejects; ``slot``:
-    a context manager held while the oracle checks the rows beyond ``max_z``."""
+    """``(row, why)`` for the observations the rule in the module docstring rejects (``why``: a
+    sentence); ``slot``: a context manager held while the oracle checks the rows beyond ``max_z``."""
     op = jit.operator
     n = len(beliefs)
     with np.errstate(all="ignore"):
         try:
             Y = op.regression_targets(incoming, beliefs)
         except TargetsNotFiniteError as exc:
-            return [(int(i), "its regression coordinates are not finite numbers") for i in exc.rows]
+            return [(int(i), _NOT_PRODUCIBLE + "its regression coordinates are not finite numbers") for i in exc.rows]
         except NUMERIC_ERRORS as exc:
-            return [(0, f"the beliefs cannot be regressed: {exc}")]
+            return [(0, _NOT_PRODUCIBLE + f"the beliefs cannot be regressed: {exc}")]
         Z = (np.asarray(Y, float).reshape(n, -1) - op.y_mean_) / op.y_scale_
     finite = np.isfinite(Z).all(axis=1)
-    bad = [(int(i), "its regression coordinates are not finite numbers") for i in np.flatnonzero(~finite)]
+    bad = [(int(i), _NOT_PRODUCIBLE + "its regression coordinates are not finite numbers") for i in np.flatnonzero(~finite)]
+    # a pair far outside what the operator has learned moves every prediction, however right it is
+    # (KernelOperator.out_of_range_rows): refused before the oracle is asked
+    beyond = finite & np.asarray(op.out_of_range_rows(incoming, beliefs), bool)
+    bad += [(int(i), f"a belief this operator cannot learn: its regression targets lie more than {LEARN_RANGE_FACTOR:g} "
+                     "times the learned range's width outside the range it has learned (learning it would move every "
+                     "prediction; mode=oracle answers such messages)")
+            for i in np.flatnonzero(beyond)]
+    finite &= ~beyond
     far = np.flatnonzero(finite & (np.abs(np.where(np.isfinite(Z), Z, 0.0)).max(axis=1) > max_z))
     if far.size:
         sub = {v: m.ravel()[far] for v, m in incoming.items()}
@@ -200,7 +213,7 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
         for j, i in enumerate(far):
             if not (kl[j] <= max_kl):
                 zmax = float(np.max(np.abs(Z[i])))
-                bad.append((int(i), why or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
+                bad.append((int(i), _NOT_PRODUCIBLE + (why or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
                                            f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
-                                           f"away (> {max_kl:g})"))
+                                           f"away (> {max_kl:g})")))
     return sorted(bad)

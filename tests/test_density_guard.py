@@ -13,7 +13,7 @@ import copy
 import numpy as np
 import pytest
 from test_blr import random_feature_problem
-from test_jit import KW, OKW, _FailingOracle, factor, far, inside, oracle  # noqa: F401 - fixtures
+from test_jit import KW, OKW, _FailingOracle, concat, factor, far, inside, oracle  # noqa: F401 - fixtures
 
 from kjit.blr import BayesianLinearRegression
 from kjit.operators import JITOperator, KernelOperator, density_guard
@@ -329,3 +329,128 @@ def test_one_row_takes_the_same_extrapolation_decision_as_a_batch(op, factor, or
     for i in np.flatnonzero(batch)[:3].tolist() + np.flatnonzero(~batch)[:3].tolist():
         one = {v: m[i:i + 1] for v, m in rows.items()}
         np.testing.assert_allclose(op2.predict_coords(one)[1], var_batch[i:i + 1], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------- pairs too far out to be learned
+class _ShiftedOracle:
+    """The exact oracle, with the belief of rows ``bad`` moved ``shift`` of its sd along x's mean."""
+
+    def __init__(self, oracle, bad, shift):
+        self.inner, self.factor, self.bad, self.shift = oracle, oracle.factor, np.asarray(bad), shift
+
+    def belief(self, incoming, to):
+        from kjit.families import Gaussian
+
+        q = self.inner.belief(incoming, to)
+        mean = np.array(q.mean(), dtype=float)
+        mean[self.bad] += self.shift * np.sqrt(q.var()[self.bad])
+        return Gaussian(mean, q.var())
+
+
+def _beyond_by_hand(op, Y):
+    """The rows of targets ``Y`` more than LEARN_RANGE_FACTOR widths (at least y_scale_) outside the range."""
+    from kjit.operators import LEARN_RANGE_FACTOR
+
+    lo, hi = op.target_range_
+    pad = LEARN_RANGE_FACTOR * np.maximum(hi - lo, op.y_scale_)
+    return np.any((Y < lo - pad) | (Y > hi + pad), axis=1)
+
+
+def test_a_pair_far_outside_the_learned_range_is_refused_and_changes_nothing(op, oracle):
+    from kjit.families import Gaussian
+    from kjit.operators import TargetsOutOfRangeError
+
+    rows = inside(6, 90)
+    q = oracle.belief(rows, "x")
+    mean = np.array(q.mean(), dtype=float)
+    mean[[1, 4]] += np.array([1e3, -30.0]) * np.sqrt(q.var()[[1, 4]])  # 1e3 sd out, and 30 sd
+    bad = Gaussian(mean, q.var())
+    Y = op.regression_targets(rows, bad)
+    expect = _beyond_by_hand(op, Y)
+    assert expect[1] and not expect[[0, 2, 3, 5]].any()  # (1e3 sd is far outside; exact rows are not)
+    np.testing.assert_array_equal(op.out_of_range_rows(rows, bad), expect)
+    twin = copy.deepcopy(op)
+    with pytest.raises(TargetsOutOfRangeError, match=r"rows \[1") as err:
+        twin.partial_fit(rows, bad)
+    np.testing.assert_array_equal(err.value.rows, np.flatnonzero(expect))
+    np.testing.assert_array_equal(twin.blr_.coef_, op.blr_.coef_)
+    np.testing.assert_array_equal(twin.target_range_, op.target_range_)
+    # the exact beliefs are learned as before
+    assert not twin.out_of_range_rows(rows, q).any()
+    # a replay of acknowledged pairs learns them as they were
+    replayed = copy.deepcopy(op).partial_fit(rows, bad, check_range=False)
+    assert replayed.n_train_ == op.n_train_ + 6
+    twin.partial_fit(rows, q)
+    # an operator restored from a state saved before the range was kept refuses nothing
+    old = copy.deepcopy(op.state_dict())
+    del old["fitted"]["target_range"]
+    assert not KernelOperator.from_state_dict(old).out_of_range_rows(rows, bad).any()
+
+
+def test_the_jit_answers_an_unlearnable_row_with_the_oracle_and_does_not_learn_it(op, oracle):
+    """One consulted row whose answer lies far outside what the operator has learned: it is returned
+    (the oracle's answer), not learned; the other consulted rows are, and predictions elsewhere move
+    only by what they teach."""
+    rows = concat(far(3, 91, lo=30.0, hi=60.0), inside(20, 92))
+    shifted = _ShiftedOracle(oracle, bad=[1], shift=1e4)  # the request's row 1: 1e4 sd off
+    jit = JITOperator(copy.deepcopy(op), shifted, threshold=-5.0, selection="all")
+    probe = inside(50, 93)
+    q, _, consulted = jit.predict(rows)
+    assert consulted[:3].all()
+    want = shifted.belief({v: m[:3] for v, m in rows.items()}, "x")
+    np.testing.assert_array_equal(q.mean()[:3], want.mean())  # the oracle's answers, returned as given
+    learned = np.concatenate(jit.last_learned_groups_)
+    assert 1 not in learned.tolist() and {0, 2} <= set(learned.tolist())
+    assert jit.operator.n_train_ == op.n_train_ + learned.size
+    assert jit.raw_counters()["updates"] == learned.size
+    # the same operator taught only the learned rows, directly
+    sub = {v: m[learned] for v, m in rows.items()}
+    ref = copy.deepcopy(op).partial_fit(sub, oracle.belief(sub, "x"))  # (row 1, the shifted one, is not among them)
+    np.testing.assert_array_equal(jit.operator.belief(probe).mean(), ref.belief(probe).mean())
+
+
+def test_the_service_refuses_an_observation_it_cannot_learn_and_a_jit_request_does_not_learn_it(tmp_path):
+    """A pair far outside what product → z has learned (found by an adversarial review): x, y ~ N(1, 1)
+    and z's message N(1e4, 1), whose exact belief (≈ N(9999, 1)) lies ~3e3 target scales from the
+    learned range.  Learned, it moved ordinary predictions by ~1e2 while they stayed "confident".  As
+    an observation: 422 naming the row, nothing changed; through mode=jit: answered by the oracle,
+    not learned."""
+    from fastapi.testclient import TestClient
+
+    from service import Settings, create_app
+    from service.store import OperatorStore
+    from service.training import DEFAULT_DISTRIBUTIONS, TrainSpec, train_operator
+
+    store = OperatorStore(tmp_path / "store")
+    store.open()
+    jit, _, info = train_operator(TrainSpec("product", "z", n=300, n_inner=50, n_outer=100, threshold=0.0,
+                                            random_state=0))
+    store.create("product-z", jit, {"training": info, "threshold": 0.0})
+    store.close()
+    auth = {"Authorization": "Bearer t0ken"}
+    inc = DEFAULT_DISTRIBUTIONS["product"](5, np.random.default_rng(3))
+    probe = {"to": "z", "incoming": {v: {"family": "gaussian", "mean": m.mean().tolist(), "var": m.var().tolist()}
+                                     for v, m in inc.items()}}
+    far_row = {"x": {"family": "gaussian", "mean": [1.0], "var": [1.0]},
+               "y": {"family": "gaussian", "mean": [1.0], "var": [1.0]},
+               "z": {"family": "gaussian", "mean": [1e4], "var": [1.0]}}
+    with TestClient(create_app(Settings(store=tmp_path / "store", token="t0ken")), raise_server_exceptions=False) as c:
+        for _ in range(500):
+            if c.get("/ready").status_code == 200:
+                break
+        before = c.post("/v1/operators/product-z/messages?mode=predict", json=probe).json()
+        exact = c.post("/v1/operators/product-z/messages?mode=oracle", headers=auth,
+                       json={"to": "z", "incoming": far_row}).json()["beliefs"]
+        assert abs(exact["mean"][0] - 9999.0) < 1.0
+        r = c.post("/v1/operators/product-z/observations", headers=auth,
+                   json={"incoming": far_row, "beliefs": {"family": "gaussian", "mean": exact["mean"], "var": exact["var"]}})
+        assert r.status_code == 422, r.text
+        d = r.json()["detail"][0]
+        assert d["loc"] == ["body", "beliefs", 0] and "cannot learn" in d["msg"]
+        # a jit request that consults it: answered by the oracle, nothing learned
+        j = c.post("/v1/operators/product-z/messages?mode=jit", headers=auth, json={"to": "z", "incoming": far_row})
+        assert j.status_code == 200 and j.json()["n_consulted"] == 1, j.text
+        assert j.json()["beliefs"]["mean"] == exact["mean"]
+        after = c.post("/v1/operators/product-z/messages?mode=predict", json=probe).json()
+        assert after["version"] == before["version"] == 0
+        assert after["beliefs"] == before["beliefs"] and after["log_var"] == before["log_var"]

@@ -182,8 +182,7 @@ def observations(
                            slot=oracle_slot)
     if bad:
         raise ApiError.many(422, [{"loc": ["body", "beliefs", i], "type": "implausible_belief",
-                                   "msg": f"row {i}: not a belief the factor can produce from these incoming "
-                                          f"messages: {why}"} for i, why in bad])
+                                   "msg": f"row {i}: {why}"} for i, why in bad])
     try:
         version, accepted, dup = entry.observe(inc, beliefs, idempotency_key,
                                                canonical_hash(req) if idempotency_key else None)

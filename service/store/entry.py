@@ -182,7 +182,8 @@ class Entry:
         start = 0
         for size in sizes:  # one partial_fit per group, as the operator learned them
             sl = slice(start, start + size)
-            self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl])
+            # (acknowledged pairs: learned as they were, whatever today's range check says)
+            self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl], check_range=False)
             start += size
         self._account(rec, len(bel))
         self.last_rid = rec.get("rid")
