@@ -241,3 +241,41 @@ def test_a_jit_record_learned_in_rounds_is_replayed_round_by_round(store_dir, pr
         np.testing.assert_array_equal(e.jit.operator.belief(test).mean(), local.operator.belief(test).mean())
     finally:
         store.abandon()
+
+
+def test_a_failed_log_rotation_does_not_fail_the_durable_update_it_follows(store_dir, monkeypatch):
+    """The record that makes a snapshot due is durable and applied before the log rotates; a rotation
+    that fails (found in review: EMFILE from prlimit) answered 500 "rolled back" for it, and a client
+    retrying without a key learned it twice.  Now: 2xx, the rotation retried after the next record,
+    and a restart replays exactly what was acknowledged."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from service.store.log import OperatorLog
+
+    real = OperatorLog.next_generation
+    calls = {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(24, "Too many open files")
+        return real(self)
+
+    monkeypatch.setattr(OperatorLog, "next_generation", flaky)
+    pairs = _pairs(5)
+    with TestClient(create_app(settings_for(store_dir, snapshot_every=3))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        versions = []
+        for inc, q in pairs:
+            r = c.post("/v1/operators/logistic-x/observations", headers=AUTH,
+                       json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+            assert r.status_code == 200, r.text
+            versions.append(r.json()["version"])
+        assert versions == [1, 2, 3, 4, 5] and calls["n"] == 2  # failed after the 3rd, retried after the 4th
+        served = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(probe("logistic", 5), "x")).json()
+    monkeypatch.setattr(OperatorLog, "next_generation", real)
+    with TestClient(create_app(settings_for(store_dir, snapshot_every=3))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        again = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(probe("logistic", 5), "x")).json()
+        assert again["version"] == 5 and again["beliefs"] == served["beliefs"]

@@ -208,15 +208,29 @@ class Entry:
 
     # ---------------------------------------------------------------- snapshots
     def _snapshot_if_due(self) -> None:
-        """Hand the state to the snapshot writer every ``snapshot_every`` records (lock held)."""
+        """Hand the state to the snapshot writer every ``snapshot_every`` records (lock held).  Called
+        after an update is durable: a rotation that fails (no file descriptor, a full disk) must not
+        turn that update's answer into an error — it is logged, appending goes on in the generation
+        that holds every record, and the rotation is tried again after the next record."""
         if self.log.n_records >= self.store.snapshot_every:
-            self._rotate()
+            gen = self.log.gen
+            try:
+                self._rotate()
+            except Exception as exc:  # noqa: BLE001 - the update is durable; only the rotation failed
+                log.error("operator %r: could not start log generation %d (%s: %s); the update is durable in "
+                          "generation %d, the rotation will be retried", self.name, gen + 1, type(exc).__name__,
+                          exc, gen)
+                if self.log.gen != gen or self.log._fh is None:
+                    try:
+                        self.log.resume(gen)
+                    except OSError as exc2:  # the next append reports it (PersistError: 503, nothing lost)
+                        log.error("operator %r: could not reopen log generation %d (%s)", self.name, gen, exc2)
 
     def _rotate(self) -> None:
         """Start log G+1 and hand the state at this point to the snapshot writer (lock held)."""
         t = time.perf_counter()
+        gen = self.log.next_generation()  # (first: if it fails, nothing else has changed)
         data = self._snapshot_bytes()
-        gen = self.log.next_generation()
         self.store._enqueue_snapshot(self, gen, data)
         self.store.observe("snapshot_serialise", time.perf_counter() - t)
 

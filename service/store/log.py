@@ -141,6 +141,8 @@ class OperatorLog:
         """Append one record and fsync it; on failure cut the partial write off and raise PersistError."""
         data = encode_record(rec)
         t = time.perf_counter()
+        if self._fh is None:
+            raise PersistError(f"could not write the update log of {self.name!r}: it is not open (a failed rotation)")
         try:
             append_durably(self._fh, data)
         except OSError as exc:
