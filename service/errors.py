@@ -105,15 +105,14 @@ async def validation_handler(request: Request, exc: RequestValidationError):
 
 
 def allowed_methods(app, path: str) -> list[str]:
-    """The methods the API serves on ``path``, from its OpenAPI paths (HEAD with GET, as served)."""
+    """The methods the API serves on ``path``, from its OpenAPI paths (HEAD is not served: FastAPI's
+    GET routes answer it 405, so an ``Allow`` listing it was wrong — found in review)."""
     from starlette.routing import compile_path
 
     out = set()
     for template, ops in app.openapi().get("paths", {}).items():
         if compile_path(template)[0].match(path):
             out |= {m.upper() for m in ops if m.lower() in _HTTP_METHODS}
-    if "GET" in out:
-        out.add("HEAD")
     return sorted(out)
 
 

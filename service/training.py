@@ -42,6 +42,8 @@ from kjit.operators import JITOperator, KernelOperator, calibrate_threshold
 from kjit.oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
 from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
+from .schemas import PARAM_MAX, POSITIVE_MIN
+
 __all__ = [
     "DEFAULT_DISTRIBUTIONS",
     "default_specs",
@@ -90,6 +92,14 @@ def sampler_from_ranges(factor: Factor, ranges: Mapping[str, Mapping[str, Mappin
                 raise ValueError(f"{v}.{p}: `scale` must be 'linear' or 'log'")
             if scale == "log" and lo <= 0:
                 raise ValueError(f"{v}.{p}: a log scale needs low > 0")
+            # the range a request's messages may carry (service.schemas): an operator trained beyond it
+            # would learn messages the API refuses (found in review: var 1e-300 .. 1e-200 trained)
+            kind = getattr(fam, "json_columns", {}).get(p)
+            lo_ok = {"positive": POSITIVE_MIN, "probability": 0.0}.get(kind, -PARAM_MAX)
+            hi_ok = 1.0 if kind == "probability" else PARAM_MAX
+            if not (lo_ok <= lo and hi <= hi_ok):
+                raise ValueError(f"{v}.{p}: the range must lie within [{lo_ok:g}, {hi_ok:g}], the values a "
+                                 "request's messages may carry")
     # check the ranges give valid messages at their corners
     for v in factor.variables:
         fam = factor.families[v]

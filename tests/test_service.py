@@ -389,6 +389,18 @@ CASES = [
             "x": {"mean": {"low": -1, "high": 1}, "var": {"low": -1, "high": 1}},
             "z": {"alpha": {"low": 1, "high": 2}, "beta": {"low": 1, "high": 2}}}}}}, 422,
      ["body", "source", "distribution", "x"]),
+    # ranges beyond what a request's messages may carry (found in review: 202, then a raw numpy error, or an
+    # operator trained on variances 1e-300 .. 1e-200 that the API refuses)
+    ("train: range beyond the messages' (mean)", "POST", "/v1/operators", {"json": {"name": "a", "factor": "logistic",
+        "to": "x", "source": {"kind": "oracle", "n": 50, "distribution": {
+            "x": {"mean": {"low": -1e308, "high": 1e308}, "var": {"low": 1, "high": 2}},
+            "z": {"alpha": {"low": 1, "high": 2}, "beta": {"low": 1, "high": 2}}}}}}, 422,
+     ["body", "source", "distribution", "x", "mean"]),
+    ("train: range beyond the messages' (var)", "POST", "/v1/operators", {"json": {"name": "a", "factor": "logistic",
+        "to": "x", "source": {"kind": "oracle", "n": 50, "distribution": {
+            "x": {"mean": {"low": -1, "high": 1}, "var": {"low": 1e-300, "high": 1e-200, "scale": "log"}},
+            "z": {"alpha": {"low": 1, "high": 2}, "beta": {"low": 1, "high": 2}}}}}}, 422,
+     ["body", "source", "distribution", "x", "var"]),
     ("train: missing token", "POST", "/v1/operators", {"json": {"name": "a", "factor": "logistic", "to": "x",
                                                                  "source": {"kind": "oracle", "n": 50}},
                                                         "headers": {"Authorization": ""}}, 401,
@@ -468,3 +480,13 @@ def test_oracle_failure_is_a_4xx_and_changes_nothing(app_client):
     else:
         assert r.status_code == 422 and r.json()["detail"][0]["type"] == "oracle_failed", r.text
         assert _state(app_client, "logistic-z") == before
+
+
+def test_allow_lists_only_the_methods_served(app_client):
+    """A 405's ``Allow`` names what the path serves: HEAD is not served (FastAPI's GET routes answer it
+    405), so listing it was wrong (found in review: HEAD /health 405 with ``Allow: GET, HEAD``)."""
+    for path, allowed in (("/health", {"GET"}), ("/v1/operators", {"GET", "POST"})):
+        for method in ("HEAD", "DELETE"):
+            r = app_client.request(method, path)
+            assert r.status_code == 405, (method, path, r.status_code)
+            assert set(r.headers["allow"].replace(" ", "").split(",")) == allowed, r.headers["allow"]
