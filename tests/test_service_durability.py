@@ -279,3 +279,31 @@ def test_a_failed_log_rotation_does_not_fail_the_durable_update_it_follows(store
         poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
         again = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(probe("logistic", 5), "x")).json()
         assert again["version"] == 5 and again["beliefs"] == served["beliefs"]
+
+
+def test_a_jit_request_whose_record_cannot_be_written_is_not_counted(store_dir, monkeypatch):
+    """503 'nothing was learned' means nothing changed — the JIT counters included (found in review:
+    they kept the failed request's calls, consultations and updates, and wrote them with the next
+    record)."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from service.store.errors import PersistError
+    from service.store.log import OperatorLog
+
+    far_x = {"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [20.0, -25.0], "var": [1.0, 2.0]},
+                                     "z": {"family": "beta", "alpha": [2.0, 1.0], "beta": [1.0, 2.0]}}}
+    with TestClient(create_app(settings_for(store_dir))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        before = c.get("/v1/operators/logistic-x").json()
+        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=far_x).json()["uncertain"] == [True, True]
+
+        def full_disk(self, rec):
+            raise PersistError("could not write the update log: [Errno 27] File too large")
+
+        monkeypatch.setattr(OperatorLog, "append", full_disk)
+        r = c.post("/v1/operators/logistic-x/messages?mode=jit", headers=AUTH, json=far_x)
+        assert r.status_code == 503 and r.json()["detail"][0]["type"] == "not_persisted", r.text
+        after = c.get("/v1/operators/logistic-x").json()
+        assert after["counters"] == before["counters"] and after["version"] == before["version"]
+        assert after["n_train"] == before["n_train"]

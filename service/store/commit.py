@@ -87,6 +87,7 @@ class Standalone:
         e = self.entry
         with e.lock.write():
             jit = e.jit
+            counters = jit.raw_counters()  # restored if the request's record cannot be written
             try:
                 q, cert, logvar, consulted = _answer(jit, incoming)
             except (OracleFailure, Unprocessable):
@@ -98,21 +99,23 @@ class Standalone:
             if rec is not None:
                 rec["seq"] = e.version + 1
                 rec["counters"] = jit.raw_counters()
-                self._commit(rec, None)  # JITOperator.predict already learned the pairs
+                self._commit(rec, None, counters)  # JITOperator.predict already learned the pairs
             return q, logvar, consulted, e.version, n_learned, cert
 
-    def _commit(self, rec: dict, apply: Callable[[], None] | None) -> None:
-        """Apply (if ``apply``) and log ``rec`` atomically w.r.t. readers; exclusive lock held."""
+    def _commit(self, rec: dict, apply: Callable[[], None] | None, counters: dict | None = None) -> None:
+        """Apply (if ``apply``) and log ``rec`` atomically w.r.t. readers; exclusive lock held.
+        ``counters``: the JIT counters before the request (a jit request, which counted itself
+        already) — what a failure leaves, since the request changed nothing."""
         e = self.entry
         try:
             if apply is not None:
                 apply()
             e.log.append(rec)
         except PersistError:
-            e._recover("an update could not be written")
+            e._recover("an update could not be written", counters)
             raise
         except Exception as exc:
-            e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})")
+            e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})", counters)
             if isinstance(exc, NUMERIC_ERRORS):
                 raise Unprocessable(str(exc)) from exc
             raise

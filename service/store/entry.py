@@ -134,11 +134,15 @@ class Entry:
         self.audited_pairs = int(svc.get("audited_pairs", 0))
         return svc
 
-    def _recover(self, why: str) -> None:
+    def _recover(self, why: str, counters: dict | None = None) -> None:
+        """Rebuild the operator from the store after a failed update.  ``counters``: the JIT counters
+        to keep (default: those in memory, which count the requests that succeeded — a failed jit
+        request passes the ones from before it, as it counted itself already; found in review:
+        a 503 'nothing was learned' request stayed counted, and became durable with the next record)."""
         log.error("operator %s: %s; rebuilding it from the store", self.name, why)
-        # the JIT counters in memory count the requests that succeeded; those on disk only
-        # reach the last snapshot or jit record: keep the former
-        counters = self.jit.raw_counters() if self.jit is not None else None
+        # those on disk only reach the last snapshot or jit record
+        if counters is None:
+            counters = self.jit.raw_counters() if self.jit is not None else None
         try:
             self.load()
             if counters is not None:
