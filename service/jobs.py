@@ -5,7 +5,8 @@ kernel operator, calibrates its threshold and writes it to the store, which serv
 then on.  Each job's record is written to ``<store>/jobs/<id>.json`` (atomically) when it is
 queued, starts and ends, so ``GET /v1/jobs/{id}`` answers across restarts; a job that was
 queued or running when the server stopped is recorded as failed ("interrupted") on the next
-start (its half-written operator directory is removed when the store opens).
+start (its half-written operator directory is removed when the store opens) — or as succeeded if
+the store had installed its operator (the install is atomic; the job's record came after it).
 """
 
 from __future__ import annotations
@@ -110,11 +111,27 @@ class JobManager:
                 log.warning("job record %s unreadable (%s): skipped", path.name, exc)
                 continue
             if job.status in ("queued", "running"):
-                job.status = "failed"
-                job.error = "interrupted: the server stopped before the job finished"
+                installed = self._installed_meta(job)
+                if installed is not None:  # stopped after the store installed its operator (atomic)
+                    job.status, job.result = "succeeded", installed.get("training")
+                    job.stage, job.done, job.total = "done", 1, 1
+                else:
+                    job.status = "failed"
+                    job.error = "interrupted: the server stopped before the job finished"
                 job.finished = job.finished or _now()
                 self._save(job)
             self.jobs[job.id] = job
+
+    def _installed_meta(self, job: Job) -> dict | None:
+        """The meta of the operator ``job`` installed, if the store holds it (its meta names the job):
+        a server stopped between the store's atomic install and the job's record (found in review:
+        the job said "failed (interrupted)" while its operator was served, and a retry got 409)."""
+        path = Path(self.store.root) / "operators" / job.name / "meta.json"
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return meta if isinstance(meta, dict) and meta.get("job") == job.id else None
 
     def _save(self, job: Job) -> None:
         try:
