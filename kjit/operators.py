@@ -2415,6 +2415,32 @@ class JITOperator(Operator):
         return self.to
 
     # ------------------------------------------------------------------ state
+    def oracle_state(self) -> dict | None:
+        """The oracle's mutable state — its random generator (and a sampler's reused particle
+        draw) — as JSON-able values, or None for an oracle without one (quadrature, a client's).
+        :meth:`set_oracle_state` restores it: what a service's update record carries so that
+        replaying the record continues the oracle's stream exactly (state_dict holds it too)."""
+        from .oracles import ImportanceSamplingOracle, MessageImportanceSampler
+
+        o = self.oracle
+        if isinstance(o, MessageImportanceSampler):
+            return {"rng_state": json.dumps(o._rng.bit_generator.state)}
+        if isinstance(o, ImportanceSamplingOracle):
+            return {"rng_state": json.dumps(o._rng.bit_generator.state), "pool": json.dumps(o.pool_state())}
+        return None
+
+    def set_oracle_state(self, state: Mapping) -> None:
+        """Restore :meth:`oracle_state`'s answer (on the same kind of oracle)."""
+        from .oracles import ImportanceSamplingOracle, MessageImportanceSampler
+
+        o = self.oracle
+        if not isinstance(o, (ImportanceSamplingOracle, MessageImportanceSampler)):
+            raise ValueError(f"a {type(o).__name__} has no generator state to restore")
+        o._rng.bit_generator.state = json.loads(state["rng_state"])
+        if isinstance(o, ImportanceSamplingOracle) and "pool" in state:
+            o._pool = None
+            o.set_pool_state(json.loads(state["pool"]))
+
     def state_dict(self) -> dict:
         """Everything needed to continue exactly where this operator stopped: the learned
         operator (or the pending initial batch), counters, threshold, and the oracle's

@@ -307,3 +307,39 @@ def test_a_jit_request_whose_record_cannot_be_written_is_not_counted(store_dir, 
         after = c.get("/v1/operators/logistic-x").json()
         assert after["counters"] == before["counters"] and after["version"] == before["version"]
         assert after["n_train"] == before["n_train"]
+
+
+def test_a_sampler_continues_its_stream_after_a_crash_as_without_one(tmp_path):
+    """A jit record carries the sampler's generator state, and replaying it restores it: a server
+    restarted from a crash image (the store copied right after a jit request's 2xx, no final
+    snapshot) answers the next jit request bit for bit like the server that went on (found in
+    review: it redrew the particles it had already used, -2.5156 vs -2.4878)."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from service.training import TrainSpec, train_operator
+
+    store = OperatorStore(tmp_path / "store")
+    store.open()
+    jit, _, info = train_operator(TrainSpec("logistic", "x", n=300, n_inner=50, n_outer=100, threshold=0.0,
+                                            oracle="importance_sampling", n_samples=5000, random_state=0))
+    _, lv = jit.operator.predict(probe("logistic", 400, seed=7))
+    jit.threshold = float(np.median(lv.max(axis=-1)))  # half the messages consult
+    store.create("is-x", jit, {"training": info, "threshold": jit.threshold})
+    store.close()
+    j1, j2 = body(probe("logistic", 10, seed=31), "x"), body(probe("logistic", 10, seed=32), "x")
+    with TestClient(create_app(settings_for(tmp_path / "store"))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        r1 = c.post("/v1/operators/is-x/messages?mode=jit", headers=AUTH, json=j1).json()
+        assert r1["n_consulted"] > 0 and r1["version"] == 1
+        shutil.copytree(tmp_path / "store", tmp_path / "crashed")  # the disk as a kill -9 would leave it
+        went_on = c.post("/v1/operators/is-x/messages?mode=jit", headers=AUTH, json=j2).json()
+    (tmp_path / "crashed" / ".lock").unlink(missing_ok=True)
+    with TestClient(create_app(settings_for(tmp_path / "crashed"))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        assert c.get("/v1/operators/is-x").json()["version"] == 1  # replayed from the log
+        restarted = c.post("/v1/operators/is-x/messages?mode=jit", headers=AUTH, json=j2).json()
+    assert went_on["n_consulted"] > 0
+    assert restarted["beliefs"] == went_on["beliefs"] and restarted["version"] == went_on["version"]

@@ -99,6 +99,9 @@ class Standalone:
             if rec is not None:
                 rec["seq"] = e.version + 1
                 rec["counters"] = jit.raw_counters()
+                oracle = jit.oracle_state()
+                if oracle is not None:  # a sampler's generator: a replay continues its stream exactly
+                    rec["oracle_state"] = oracle
                 self._commit(rec, None, counters)  # JITOperator.predict already learned the pairs
             return q, logvar, consulted, e.version, n_learned, cert
 

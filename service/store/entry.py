@@ -207,6 +207,10 @@ class Entry:
             if rec.get("counters"):
                 known = self.jit.raw_counters()
                 self.jit.set_counters({k: v for k, v in rec["counters"].items() if k in known})
+            if rec.get("oracle_state") and rec.get("rid") is None:
+                # (this server's own record: its sampler goes on from where the request left it, as it
+                # did before a restart — found in review: after kill -9 it redrew particles already used)
+                self.jit.set_oracle_state(rec["oracle_state"])
         if rec.get("key"):
             self.keys.remember(rec["key"], rec.get("body_hash", ""), int(rec["seq"]), n)
 
