@@ -2394,7 +2394,9 @@ class JITOperator(Operator):
             t_cal = calibrate_threshold(self.operator, held, self.target_kl)
             if np.isfinite(t_cal):
                 self.threshold = t_cal
-            self.operator.partial_fit(held)
+            far = self.operator.out_of_range_rows(held)  # (answered already; not learned: LEARN_RANGE_FACTOR)
+            if not far.all():
+                self.operator.partial_fit(held.subset(np.flatnonzero(~far)) if far.any() else held)
         if self.guard_share is not None:
             # each learned row of the batch without its request's rows (a request of EP is a sweep: its
             # rows are distinct messages, while later sweeps resend near-duplicates of them)

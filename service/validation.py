@@ -169,30 +169,35 @@ def spot_oracle(jit) -> Any:
 
 
 _NOT_PRODUCIBLE = "not a belief the factor can produce from these incoming messages: "
+_IMPLAUSIBLE = "implausible_belief"
 
 
 def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: float,
-                     max_kl: float, slot: Callable[[], ContextManager] | None = None) -> list[tuple[int, str]]:
-    """``(row, why)`` for the observations the rule in the module docstring rejects (``why``: a
-    sentence); ``slot``: a context manager held while the oracle checks the rows beyond ``max_z``."""
+                     max_kl: float, slot: Callable[[], ContextManager] | None = None) -> list[tuple[int, str, str]]:
+    """``(row, why, type)`` for the observations the rule in the module docstring rejects (``why``: a
+    sentence; ``type``: ``implausible_belief``, or ``not_learnable`` for a pair too far outside what the
+    operator has learned); ``slot``: a context manager held while the oracle checks the rows beyond
+    ``max_z``."""
     op = jit.operator
     n = len(beliefs)
     with np.errstate(all="ignore"):
         try:
             Y = op.regression_targets(incoming, beliefs)
         except TargetsNotFiniteError as exc:
-            return [(int(i), _NOT_PRODUCIBLE + "its regression coordinates are not finite numbers") for i in exc.rows]
+            return [(int(i), _NOT_PRODUCIBLE + "its regression coordinates are not finite numbers", _IMPLAUSIBLE)
+                    for i in exc.rows]
         except NUMERIC_ERRORS as exc:
-            return [(0, _NOT_PRODUCIBLE + f"the beliefs cannot be regressed: {exc}")]
+            return [(0, _NOT_PRODUCIBLE + f"the beliefs cannot be regressed: {exc}", _IMPLAUSIBLE)]
         Z = (np.asarray(Y, float).reshape(n, -1) - op.y_mean_) / op.y_scale_
     finite = np.isfinite(Z).all(axis=1)
-    bad = [(int(i), _NOT_PRODUCIBLE + "its regression coordinates are not finite numbers") for i in np.flatnonzero(~finite)]
+    bad = [(int(i), _NOT_PRODUCIBLE + "its regression coordinates are not finite numbers", _IMPLAUSIBLE)
+           for i in np.flatnonzero(~finite)]
     # a pair far outside what the operator has learned moves every prediction, however right it is
     # (KernelOperator.out_of_range_rows): refused before the oracle is asked
     beyond = finite & np.asarray(op.out_of_range_rows(incoming, beliefs), bool)
     bad += [(int(i), f"a belief this operator cannot learn: its regression targets lie more than {LEARN_RANGE_FACTOR:g} "
                      "times the learned range's width outside the range it has learned (learning it would move every "
-                     "prediction; mode=oracle answers such messages)")
+                     "prediction; mode=oracle answers such messages)", "not_learnable")
             for i in np.flatnonzero(beyond)]
     finite &= ~beyond
     far = np.flatnonzero(finite & (np.abs(np.where(np.isfinite(Z), Z, 0.0)).max(axis=1) > max_z))
@@ -215,5 +220,5 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
                 zmax = float(np.max(np.abs(Z[i])))
                 bad.append((int(i), _NOT_PRODUCIBLE + (why or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
                                            f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
-                                           f"away (> {max_kl:g})")))
+                                           f"away (> {max_kl:g})"), _IMPLAUSIBLE))
     return sorted(bad)

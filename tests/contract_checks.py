@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 #: 422 types the server raises for rules a schema shared by every operator cannot state
 SEMANTIC_422 = {"unknown_variable", "missing", "wrong_family", "length_mismatch", "too_long", "unknown_recipient",
-                "wrong_recipient", "not_computable", "oracle_failed", "implausible_belief", "no_server_oracle",
+                "wrong_recipient", "not_computable", "oracle_failed", "implausible_belief", "not_learnable", "no_server_oracle",
                 "too_short", "value_error"}
 
 _validators: dict = {}

@@ -759,7 +759,7 @@ def test_implausible_rows_names_the_row_whose_targets_are_not_finite(review_jit)
     mean[2] = 1e308  # relative mean (1e308 - c) / sd_ref, sd_ref ~ 1e-2: overflows
     beliefs = Gaussian(mean, np.full(n, 1e-4))
     bad = implausible_rows(review_jit, inc, beliefs, max_z=1e300, max_kl=1e300)
-    assert [i for i, _ in bad] == [2], bad
+    assert [i for i, *_ in bad] == [2], bad
 
 
 def test_default_logistic_x_operator_is_uncertain_where_its_answer_is_wrong():

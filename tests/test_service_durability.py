@@ -343,3 +343,45 @@ def test_a_sampler_continues_its_stream_after_a_crash_as_without_one(tmp_path):
         restarted = c.post("/v1/operators/is-x/messages?mode=jit", headers=AUTH, json=j2).json()
     assert went_on["n_consulted"] > 0
     assert restarted["beliefs"] == went_on["beliefs"] and restarted["version"] == went_on["version"]
+
+
+def test_a_rotation_that_fails_after_creating_the_new_log_leaves_the_old_one_the_last(tmp_path, monkeypatch):
+    """The rotation created log G+1, then failed (its directory fsync: EMFILE); appending went back to
+    log G.  The empty log G+1 must not make G a closed log: a torn tail from a later crash mid-append is
+    cut, not refused as damage (found in the review of the first fix: the operator failed to load)."""
+    from kjit.factors import Logistic
+    from service.store import log as logmod
+    from service.training import TrainSpec, train_operator
+
+    store = OperatorStore(tmp_path / "store", snapshot_every=2)
+    store.open()
+    jit, _, info = train_operator(TrainSpec("logistic", "x", n=200, n_inner=40, n_outer=80, threshold=0.0,
+                                            random_state=0))
+    store.create("lx", jit, {"training": info, "threshold": 0.0})
+    e = store.get("lx")
+    oracle = QuadratureOracle(Logistic())
+    real, calls = logmod.fsync_dir, {"n": 0}
+
+    def flaky(path):
+        if e.log.gen == 1 and calls["n"] == 0:  # the new generation's directory entry
+            calls["n"] += 1
+            raise OSError(24, "Too many open files")
+        return real(path)
+
+    monkeypatch.setattr(logmod, "fsync_dir", flaky)
+    for i in range(2):
+        inc = probe("logistic", 2, seed=100 + i)
+        e.observe(inc, oracle.belief(inc, "x"), None, None)
+    assert calls["n"] == 1 and e.log.gen == 0 and e.version == 2
+    monkeypatch.setattr(logmod, "fsync_dir", real)
+    path = tmp_path / "store" / "operators" / "lx"
+    assert not (path / "log-00000001.jsonl").exists()  # the empty new log is gone
+    with open(path / "log-00000000.jsonl", "ab") as fh:
+        fh.write(b'{"partial')  # a crash in the middle of the next append
+    (path / "log-00000001.jsonl").write_bytes(b"")  # and even if it had stayed behind
+    store.abandon()
+    again = OperatorStore(tmp_path / "store", snapshot_every=2)
+    again.open()
+    again.load_all()
+    assert again.failed == {} and again.get("lx").version == 2
+    again.close()

@@ -356,18 +356,19 @@ class Factor:
         if isinstance(q, Gaussian) and isinstance(incoming.get(to), Gaussian):
             lc = self.log_concave(to, incoming)
             if lc is not None:
-                # Brascamp–Lieb (see log_concave): a wider belief is a rule that lost its accuracy —
-                # messages beyond what doubles can resolve (N(1e50, 1), Beta(1, 1e100) on logistic's
-                # z: found in review, answered as N(1e50, 4e70) and N(−5e58, 1e117))
+                # Brascamp–Lieb (see log_concave): a belief twice as wide is a rule that lost its
+                # accuracy — messages beyond what doubles can resolve (N(1e50, 1), Beta(1, 1e100) on
+                # logistic's z: found in review, answered as N(1e50, 4e70) and N(−5e58, 1e117)).  Less
+                # is round-off (a second review: 1e-3 relative at |mean|/sd ~ 1e8), which the operators
+                # move onto the bound (respect_factor_bounds) as before
                 with np.errstate(invalid="ignore"):
-                    bad = np.asarray(lc, bool) & ~(np.asarray(q.var(), float) <= np.asarray(incoming[to].var(), float)
-                                                   * (1.0 + 1e-6))
+                    bad = np.asarray(lc, bool) & ~(np.asarray(q.var(), float) <= 2.0 * np.asarray(incoming[to].var(), float))
                 if bad.any():
                     rows = np.flatnonzero(np.broadcast_to(bad, q.shape).ravel())
                     raise OracleError(f"factor {self.name!r}: the exact rule's belief on {to!r} is wider than the incoming "
-                                      f"message for rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''}, which a "
-                                      "log-concave factor cannot give: the messages are beyond the rule's numerical "
-                                      "reach", rows=rows)
+                                      f"message (twice or more) for rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''}, "
+                                      "which a log-concave factor cannot give: the messages are beyond the rule's "
+                                      "numerical reach", rows=rows)
         return q
 
     def exact_message(self, incoming: Mapping[str, Family], to: str) -> Family:

@@ -181,8 +181,8 @@ def observations(
     bad = implausible_rows(jit, inc, beliefs, settings.observation_max_z, settings.observation_max_kl,
                            slot=oracle_slot)
     if bad:
-        raise ApiError.many(422, [{"loc": ["body", "beliefs", i], "type": "implausible_belief",
-                                   "msg": f"row {i}: {why}"} for i, why in bad])
+        raise ApiError.many(422, [{"loc": ["body", "beliefs", i], "type": kind,
+                                   "msg": f"row {i}: {why}"} for i, why, kind in bad])
     try:
         version, accepted, dup = entry.observe(inc, beliefs, idempotency_key,
                                                canonical_hash(req) if idempotency_key else None)

@@ -34,6 +34,13 @@ log = logging.getLogger("kjit.service.store")
 __all__ = ["Entry"]
 
 
+def _empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except FileNotFoundError:
+        return True
+
+
 class Entry:
     """One operator of the store: the JIT operator, its lock, its log and its version.
 
@@ -71,7 +78,9 @@ class Entry:
         self.log.delete(stale)  # (only once the newest snapshot has loaded: until then they may be needed)
         n_replayed = 0
         for i, path in enumerate(logs):
-            n_replayed += self._replay(path, last=i == len(logs) - 1)
+            # the last log with records may have a torn tail (a crash mid-append) to cut; logs after it
+            # that hold nothing (a rotation that failed half-way) do not make it a closed log
+            n_replayed += self._replay(path, last=all(_empty(p) for p in logs[i + 1:]))
         self.log.resume(max([_generation(snap)] + [_generation(p) for p in logs]))
         self._counters_at_snapshot = self.jit.raw_counters() if not n_replayed else None
         if n_replayed:
@@ -180,8 +189,8 @@ class Entry:
     # ---------------------------------------------------------------- records
     def _apply_record(self, rec) -> None:
         inc, bel = messages_from_record(self.jit, rec)
-        sizes = [int(g) for g in rec.get("groups", [len(bel)])]
-        if sum(sizes) != len(bel) or min(sizes) < 1:
+        sizes = [int(g) for g in rec.get("groups", [len(bel)])] if len(bel) else []  # (an audit that learned nothing)
+        if sum(sizes) != len(bel) or (sizes and min(sizes) < 1):
             raise ValueError(f"record {rec.get('seq')}: groups {sizes} for {len(bel)} beliefs")
         start = 0
         for size in sizes:  # one partial_fit per group, as the operator learned them
@@ -189,6 +198,11 @@ class Entry:
             # (acknowledged pairs: learned as they were, whatever today's range check says)
             self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl], check_range=False)
             start += size
+        if rec.get("oracle_state") and rec.get("rid") is None:
+            # this server's own jit record: its sampler goes on from where the request left it, as it did
+            # before the restart (found in review: after kill -9 it redrew particles already used).  Not on
+            # live commits (the state is the live one) nor other replicas' records (generators are per replica)
+            self.jit.set_oracle_state(rec["oracle_state"])
         self._account(rec, len(bel))
         self.last_rid = rec.get("rid")
 
@@ -207,10 +221,6 @@ class Entry:
             if rec.get("counters"):
                 known = self.jit.raw_counters()
                 self.jit.set_counters({k: v for k, v in rec["counters"].items() if k in known})
-            if rec.get("oracle_state") and rec.get("rid") is None:
-                # (this server's own record: its sampler goes on from where the request left it, as it
-                # did before a restart — found in review: after kill -9 it redrew particles already used)
-                self.jit.set_oracle_state(rec["oracle_state"])
         if rec.get("key"):
             self.keys.remember(rec["key"], rec.get("body_hash", ""), int(rec["seq"]), n)
 
@@ -230,7 +240,7 @@ class Entry:
                           exc, gen)
                 if self.log.gen != gen or self.log._fh is None:
                     try:
-                        self.log.resume(gen)
+                        self.log.abandon_generation(gen)
                     except OSError as exc2:  # the next append reports it (PersistError: 503, nothing lost)
                         log.error("operator %r: could not reopen log generation %d (%s)", self.name, gen, exc2)
 
@@ -253,9 +263,10 @@ class Entry:
             state["service"]["shared_base"] = self.base_hash
             if self.last_rid is not None:
                 state["service"]["shared_last_rid"] = self.last_rid
-        self.snapshot_version = self.version
+        data = dumps_state("JITOperator", state)
+        self.snapshot_version = self.version  # (once the bytes exist: a failed serialisation leaves them)
         self._counters_at_snapshot = dict(state["counters"])
-        return dumps_state("JITOperator", state)
+        return data
 
     def snapshot_now(self) -> None:
         """Write a snapshot synchronously if anything changed since the last one (shutdown)."""
@@ -353,11 +364,23 @@ class Entry:
         same path as observations.  ``make_payload(stats, threshold)`` builds the record's ``audit``
         part under the exclusive lock (the threshold decision sees every earlier audit).  Returns
         the version."""
+        learned = {}
+
         def make():
-            return pairs_record("audit", incoming, beliefs,
+            # pairs far outside what the operator has learned are audited (their KLs are in the payload:
+            # they are the worst) but not learned (KernelOperator.out_of_range_rows; found in review: one
+            # such row made the whole audit fail after a rebuild of the operator)
+            keep = np.flatnonzero(~self.jit.operator.out_of_range_rows(incoming, beliefs))
+            learned["pairs"] = ({v: m[keep] for v, m in incoming.items()}, beliefs[keep])
+            return pairs_record("audit", *learned["pairs"],
                                 audit=make_payload(self.audit_stats, float(self.jit.threshold)))
 
-        rec = self.commit.update(make, lambda jit: jit.operator.partial_fit(incoming, beliefs))
+        def apply(jit):
+            inc, bel = learned["pairs"]
+            if len(bel):
+                jit.operator.partial_fit(inc, bel)
+
+        rec = self.commit.update(make, apply)
         version = int(rec["seq"])
         change = rec.get("audit", {}).get("threshold_change")
         if change:

@@ -137,6 +137,21 @@ class OperatorLog:
             os.fsync(self._fh.fileno())
             fsync_dir(self.path)
 
+    def abandon_generation(self, gen: int) -> None:
+        """Go back to appending to generation ``gen`` after a rotation to ``gen + 1`` failed: the new
+        log, if it was created and holds nothing, is removed — left behind it would make ``gen`` a
+        closed log, whose torn tail (a crash mid-append, never acknowledged) then refuses to load
+        instead of being cut (found in review)."""
+        self.close()
+        new = self._log_path(gen + 1)
+        try:
+            if new.exists() and new.stat().st_size == 0:
+                new.unlink()
+                fsync_dir(self.path)
+        except OSError:
+            pass  # (the loader also treats a log followed only by empty ones as the last)
+        self.resume(gen)
+
     def append(self, rec: Mapping[str, Any]) -> None:
         """Append one record and fsync it; on failure cut the partial write off and raise PersistError."""
         data = encode_record(rec)
