@@ -456,7 +456,7 @@ class RemoteOperator:
                 p[rows] = new
             q = fam(*params)
             natural = (q / flat[self.to]).natural().reshape(len(q), -1)
-            self.observe(sub, q_or, skip_unlearnable=True)  # durable on the server when this returns; retried once-only
+            self._observe_learnable(sub, q_or)  # durable on the server when this returns; retried once-only
             consulted = uncertain
             self.consultations_ += int(rows.size)
             # the rows answered here carry the local oracle's certificates
@@ -498,11 +498,8 @@ class RemoteOperator:
         self.observe(incoming, beliefs)
         return self
 
-    def observe(self, incoming: Mapping[str, Family], beliefs: Family, skip_unlearnable: bool = False) -> dict:
-        """Like :meth:`partial_fit`, returning the server's answer (``accepted``, ``version``...).
-        ``skip_unlearnable``: rows the server refuses as ``not_learnable`` (too far outside what the
-        operator has learned) are left out and the rest sent again, as the server's own ``mode=jit``
-        leaves such rows unlearned (the just-in-time loop with a local oracle does this)."""
+    def observe(self, incoming: Mapping[str, Family], beliefs: Family) -> dict:
+        """Like :meth:`partial_fit`, returning the server's answer (``accepted``, ``version``...)."""
         flat, shape = self._flat(incoming)
         if not isinstance(beliefs, self.family):
             raise ValueError(f"`beliefs` must be {self.family.__name__} messages, got {type(beliefs).__name__}")
@@ -513,22 +510,27 @@ class RemoteOperator:
         step = self.max_batch
         out = None
         for s in range(0, n, step):
-            part_inc, part_b = {v: m[s:s + step] for v, m in flat.items()}, b[s:s + step]
-            while True:
-                body = {"incoming": {v: _columns(m, f"incoming[{v!r}]") for v, m in part_inc.items()},
-                        "beliefs": _columns(part_b, "beliefs")}
-                try:
-                    out = self._request("POST", f"/v1/operators/{self.name}/observations", json_body=body,
-                                        headers={"Idempotency-Key": uuid.uuid4().hex}, retry="connection")
-                except RemoteValidationError as exc:
-                    far = _not_learnable_rows(exc) if skip_unlearnable else None
-                    if far is None:
-                        raise
-                    keep = np.setdiff1d(np.arange(len(part_b)), far)  # (nothing was learned: resend the rest)
-                    if keep.size == 0:
-                        break
-                    part_inc, part_b = {v: m[keep] for v, m in part_inc.items()}, part_b[keep]
-                    continue
-                self.last_version_ = out["version"]
-                break
+            body = {"incoming": {v: _columns(m[s:s + step], f"incoming[{v!r}]") for v, m in flat.items()},
+                    "beliefs": _columns(b[s:s + step], "beliefs")}
+            out = self._request("POST", f"/v1/operators/{self.name}/observations", json_body=body,
+                                headers={"Idempotency-Key": uuid.uuid4().hex}, retry="connection")
+            self.last_version_ = out["version"]
         return out
+
+    def _observe_learnable(self, incoming: Mapping[str, Family], beliefs: Family) -> None:
+        """:meth:`observe` for the just-in-time loop with a local oracle, one server batch at a time:
+        rows the server refuses as ``not_learnable`` (too far outside what the operator has learned)
+        are left out and the rest sent again — the server's own ``mode=jit`` leaves such rows unlearned
+        (found in review: one such row made every call fail)."""
+        n, step = len(beliefs), self.max_batch
+        for s in range(0, n, step):
+            inc, bel = {v: m[s:s + step] for v, m in incoming.items()}, beliefs[s:s + step]
+            try:
+                self.observe(inc, bel)
+            except RemoteValidationError as exc:
+                far = _not_learnable_rows(exc)
+                if far is None:
+                    raise
+                keep = np.setdiff1d(np.arange(len(bel)), far)  # (a refused request learned nothing)
+                if keep.size:
+                    self.observe({v: m[keep] for v, m in inc.items()}, bel[keep])

@@ -192,14 +192,6 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
     finite = np.isfinite(Z).all(axis=1)
     bad = [(int(i), _NOT_PRODUCIBLE + "its regression coordinates are not finite numbers", _IMPLAUSIBLE)
            for i in np.flatnonzero(~finite)]
-    # a pair far outside what the operator has learned moves every prediction, however right it is
-    # (KernelOperator.out_of_range_rows): refused before the oracle is asked
-    beyond = finite & np.asarray(op.out_of_range_rows(incoming, beliefs), bool)
-    bad += [(int(i), f"a belief this operator cannot learn: its regression targets lie more than {LEARN_RANGE_FACTOR:g} "
-                     "times the learned range's width outside the range it has learned (learning it would move every "
-                     "prediction; mode=oracle answers such messages)", "not_learnable")
-            for i in np.flatnonzero(beyond)]
-    finite &= ~beyond
     far = np.flatnonzero(finite & (np.abs(np.where(np.isfinite(Z), Z, 0.0)).max(axis=1) > max_z))
     if far.size:
         sub = {v: m.ravel()[far] for v, m in incoming.items()}
@@ -221,4 +213,12 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
                 bad.append((int(i), _NOT_PRODUCIBLE + (why or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
                                            f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
                                            f"away (> {max_kl:g})"), _IMPLAUSIBLE))
+    # a plausible pair far outside what the operator has learned moves every prediction, however right it
+    # is (KernelOperator.out_of_range_rows): refused too, as not_learnable (an implausible one says so)
+    refused = {i for i, *_ in bad}
+    beyond = finite & np.asarray(op.out_of_range_rows(incoming, beliefs), bool)
+    bad += [(int(i), f"a belief this operator cannot learn: its regression targets lie more than {LEARN_RANGE_FACTOR:g} "
+                     "times the learned range's width outside the range it has learned (learning it would move every "
+                     "prediction; mode=oracle answers such messages)", "not_learnable")
+            for i in np.flatnonzero(beyond) if int(i) not in refused]
     return sorted(bad)
