@@ -517,7 +517,7 @@ class KernelOperator(Operator):
         with np.errstate(all="ignore"):
             Z = (Y - self.y_mean_) / self.y_scale_
         _require_finite_rows(Z, "standardised regression targets")
-        far = self._beyond_learnable(Y) if check_range else np.zeros(len(Y), dtype=bool)
+        far = self.targets_out_of_range(Y) if check_range else np.zeros(len(Y), dtype=bool)
         if far.any():
             rows = np.flatnonzero(far)
             raise TargetsOutOfRangeError(
@@ -544,10 +544,11 @@ class KernelOperator(Operator):
             Y = self._check_beliefs(beliefs.ravel(), math.prod(shape))
             if self.target == "relative":
                 Y = self._to_relative(Y, self._reference(flat))
-        return np.all(np.isfinite(Y), axis=-1) & self._beyond_learnable(Y)
+        return np.all(np.isfinite(Y), axis=-1) & self.targets_out_of_range(Y)
 
-    def _beyond_learnable(self, Y) -> np.ndarray:
-        """Rows of targets ``Y`` (n, k) beyond :data:`LEARN_RANGE_FACTOR` widths of the learned range."""
+    def targets_out_of_range(self, Y) -> np.ndarray:
+        """Rows of regression targets ``Y`` (n, k; :meth:`regression_targets`) beyond
+        :data:`LEARN_RANGE_FACTOR` widths of the learned range (NaN rows: not beyond)."""
         r = getattr(self, "target_range_", None)
         if r is None:
             return np.zeros(len(Y), dtype=bool)

@@ -214,9 +214,9 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
                                            f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
                                            f"away (> {max_kl:g})"), _IMPLAUSIBLE))
     # a plausible pair far outside what the operator has learned moves every prediction, however right it
-    # is (KernelOperator.out_of_range_rows): refused too, as not_learnable (an implausible one says so)
+    # is (KernelOperator.targets_out_of_range): refused too, as not_learnable (an implausible one says so)
     refused = {i for i, *_ in bad}
-    beyond = finite & np.asarray(op.out_of_range_rows(incoming, beliefs), bool)
+    beyond = finite & np.asarray(op.targets_out_of_range(np.asarray(Y, float).reshape(n, -1)), bool)
     bad += [(int(i), f"a belief this operator cannot learn: its regression targets lie more than {LEARN_RANGE_FACTOR:g} "
                      "times the learned range's width outside the range it has learned (learning it would move every "
                      "prediction; mode=oracle answers such messages)", "not_learnable")
