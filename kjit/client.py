@@ -39,18 +39,19 @@ import json
 import math
 import time
 import uuid
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
 
 from .certificates import Certificates, last_certificates, outgoing_proper
-from .errors import rows_of_batch
+from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .reductions import all_finite
 from .transport import HttpxSession, Session, TransportError
 
-__all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError"]
+__all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError", "UnknownOperatorError"]
 
 _MODES = ("predict", "jit", "oracle")
 
@@ -67,7 +68,15 @@ class RemoteOperatorError(RuntimeError):
 
 
 class RemoteValidationError(RemoteOperatorError, ValueError):
-    """The server rejected the input (4xx): the message names the field."""
+    """The server rejected the input (4xx): the message names the field.  ``rows``: the rows of the
+    batch a 422 named (``["body", "incoming", v, p, i]``), when every complaint names one — the EP
+    engines then skip just those and ask again for the rest."""
+
+    rows = None
+
+
+class UnknownOperatorError(RemoteValidationError, ConfigurationError):
+    """The server has no operator of this name (404): EP raises it at once (a ConfigurationError)."""
 
 
 def _dumps(obj) -> bytes:
@@ -104,20 +113,36 @@ def _describe(detail) -> str:
     return str(detail)
 
 
-def _not_learnable_rows(exc: "RemoteOperatorError") -> np.ndarray | None:
-    """The rows a 422 refused only as ``not_learnable`` (``["body", "beliefs", i]``), or None when
-    anything else was refused."""
-    detail = getattr(exc, "detail", None)
+def _types(detail) -> set:
+    return {e.get("type") for e in detail if isinstance(e, dict)} if isinstance(detail, list) else set()
+
+
+def _named_rows(detail, prefix: list, length: int, types=None) -> np.ndarray | None:
+    """The rows (last element of each ``loc``) a 4xx ``detail`` names when every complaint's ``loc``
+    is ``prefix`` + ``length − len(prefix)`` more elements ending in a row number (and its type is
+    one of ``types``, if given); None otherwise."""
     if not isinstance(detail, list) or not detail:
         return None
     rows = []
     for e in detail:
         loc = e.get("loc") if isinstance(e, dict) else None
-        if not (isinstance(e, dict) and e.get("type") == "not_learnable" and isinstance(loc, list) and len(loc) == 3
-                and loc[:2] == ["body", "beliefs"] and isinstance(loc[2], int)):
+        if not (isinstance(loc, list) and len(loc) == length and loc[:len(prefix)] == prefix
+                and isinstance(loc[-1], int) and not isinstance(loc[-1], bool)
+                and (types is None or e.get("type") in types)):
             return None
-        rows.append(loc[2])
-    return np.asarray(rows, dtype=int)
+        rows.append(loc[-1])
+    return np.unique(np.asarray(rows, dtype=int))
+
+
+def _incoming_rows(detail) -> np.ndarray | None:
+    """The messages a 422 refused by row (``["body", "incoming", variable, parameter, row]``)."""
+    return _named_rows(detail, ["body", "incoming"], 5)
+
+
+def _refused_beliefs(exc: "RemoteOperatorError") -> np.ndarray | None:
+    """The observations a 422 refused by row — too far outside what the operator has learned, or
+    beyond what the server's plausibility rule can vouch for — or None when anything else was."""
+    return _named_rows(getattr(exc, "detail", None), ["body", "beliefs"], 3, {"not_learnable", "implausible_belief"})
 
 
 def _columns(m: Family, what: str) -> dict:
@@ -177,6 +202,7 @@ class RemoteOperator:
             raise ValueError("`oracle` must have a belief(incoming, to) method")
         self.local_oracle = oracle
         self.consultations_ = 0
+        self.unlearned_ = 0  # oracle answers (client-side oracle) the server refused to learn: used, not learned
 
         if mode not in _MODES:
             raise ValueError(f"`mode` must be one of {', '.join(_MODES)}, got {mode!r}")
@@ -264,7 +290,12 @@ class RemoteOperator:
         detail = body.get("detail") if isinstance(body, dict) else resp.text[:500]
         msg = f"{method} {path} → HTTP {resp.status_code}: {_describe(detail)}"
         cls = RemoteValidationError if resp.status_code in (400, 404, 409, 413, 422) else RemoteOperatorError
-        raise cls(msg, resp.status_code, detail, method, path)
+        if resp.status_code == 404 and path.startswith(f"/v1/operators/{self.name}") and _types(detail) == {"not_found"}:
+            cls = UnknownOperatorError
+        exc = cls(msg, resp.status_code, detail, method, path)
+        if cls is RemoteValidationError and resp.status_code == 422:
+            exc.rows = _incoming_rows(detail)
+        raise exc
 
     # ------------------------------------------------------------------ description
     def info(self, refresh: bool = False) -> dict:
@@ -356,12 +387,12 @@ class RemoteOperator:
     # ------------------------------------------------------------------ operator interface
     def _check_to(self, to):
         if to is not None and to != self.to:
-            raise ValueError(f"operator {self.name!r} sends messages to {self.to!r}, not `to`={to!r}")
+            raise ConfigurationError(f"operator {self.name!r} sends messages to {self.to!r}, not `to`={to!r}")
 
     def _flat(self, incoming: Mapping[str, Family]):
         return self.factor.flat_incoming(incoming, self.to)
 
-    def _call(self, incoming, mode, natural: bool = True, logvar: bool = True):
+    def _call(self, incoming, mode, natural: bool = True, logvar: bool = True, _refreshed: bool = False):
         """The server's answer to ``incoming`` in ``mode``: ``(beliefs, natural, logvar, consulted,
         shape, flat)``; ``natural`` / ``logvar`` False: those columns are not decoded (None)."""
         flat, shape = self._flat(incoming)
@@ -374,8 +405,18 @@ class RemoteOperator:
         for s in range(0, n, step):
             rows = flat if n <= step else {v: m[s:s + step] for v, m in flat.items()}  # (one part: no copies)
             body = {"to": self.to, "incoming": {v: _columns(m, f"incoming[{v!r}]") for v, m in rows.items()}}
-            parts.append(self._request("POST", f"/v1/operators/{self.name}/messages", json_body=body,
-                                       params={"mode": mode}, retry=retry))
+            try:
+                parts.append(self._request("POST", f"/v1/operators/{self.name}/messages", json_body=body,
+                                           params={"mode": mode}, retry=retry))
+            except RemoteValidationError as exc:
+                if not parts and not _refreshed and _types(exc.detail) == {"too_long"}:
+                    # the server's limits changed (a restart with a smaller KJIT_MAX_BATCH): learn them and
+                    # split again — nothing was done yet (found in review: every later call failed)
+                    self.info(refresh=True)
+                    return self._call(incoming, mode, natural, logvar, _refreshed=True)
+                if exc.rows is not None:
+                    exc.rows = exc.rows + s  # the part's rows as the batch's
+                raise
         fam = self.family
 
         def joined(fn):
@@ -390,6 +431,11 @@ class RemoteOperator:
         self.last_version_ = parts[-1]["version"]
         self.last_consulted_ = int(np.count_nonzero(consulted))
         self._cert = self._certificates(parts, beliefs, flat, consulted)
+        thr = self._cert.threshold
+        if thr is not None and self._info is not None and self._info.get("threshold") != thr:
+            # the served threshold moved (the audit lowers it): what `threshold` reports from now on
+            # (found in review: EP kept the first one and used uncertain answers uncounted)
+            self._info = {**self._info, "threshold": thr}
         self.last_uncertain_ = uncertain
         return (beliefs, joined(lambda p: _columns_array(p["messages"]["natural"], p["n"])) if natural else None,
                 self._logvar(parts) if logvar else None, consulted, shape, flat)
@@ -519,18 +565,24 @@ class RemoteOperator:
 
     def _observe_learnable(self, incoming: Mapping[str, Family], beliefs: Family) -> None:
         """:meth:`observe` for the just-in-time loop with a local oracle, one server batch at a time:
-        rows the server refuses as ``not_learnable`` (too far outside what the operator has learned)
-        are left out and the rest sent again — the server's own ``mode=jit`` leaves such rows unlearned
-        (found in review: one such row made every call fail)."""
+        rows the server refuses by row — too far outside what the operator has learned
+        (``not_learnable``), or beyond what its plausibility rule can vouch for (``implausible_belief``:
+        a server without the factor's code cannot check a far row) — are left out and the rest sent
+        again; the local oracle's answers are used either way (found in review: one such row discarded
+        the whole batch's exact answers, every call, and EP never got past its first iterate).  The
+        rows left unlearned are counted in ``unlearned_`` and a warning names the reason."""
         n, step = len(beliefs), self.max_batch
         for s in range(0, n, step):
             inc, bel = {v: m[s:s + step] for v, m in incoming.items()}, beliefs[s:s + step]
             try:
                 self.observe(inc, bel)
             except RemoteValidationError as exc:
-                far = _not_learnable_rows(exc)
-                if far is None:
+                refused = _refused_beliefs(exc)
+                if refused is None:
                     raise
-                keep = np.setdiff1d(np.arange(len(bel)), far)  # (a refused request learned nothing)
+                self.unlearned_ += int(refused.size)
+                warnings.warn(f"operator {self.name!r}: {refused.size} oracle answer(s) used but not learned (the "
+                              f"server refused them: {_describe(exc.detail)})", RuntimeWarning, stacklevel=3)
+                keep = np.setdiff1d(np.arange(len(bel)), refused)  # (a refused request learned nothing)
                 if keep.size:
                     self.observe({v: m[keep] for v, m in inc.items()}, bel[keep])

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["OracleError", "LowESSError", "gaussian_or_error", "rows_of_batch"]
+__all__ = ["OracleError", "LowESSError", "ConfigurationError", "gaussian_or_error", "rows_of_batch"]
+
+
+class ConfigurationError(ValueError):
+    """An error no retry and no skipped row can fix — an operator asked for a recipient it does not
+    send to, a served operator that does not exist: the EP engines raise it at once instead of
+    skipping every update and ending at ``max_iter`` with the prior (found in review: a mistyped
+    operator name made ``fit()`` return the prior with no warning)."""
 
 
 class OracleError(RuntimeError):

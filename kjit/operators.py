@@ -34,6 +34,7 @@ import numpy as np
 
 from .blr import BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, certified, outgoing_proper, projection_convention
+from .errors import ConfigurationError
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .features import TwoStageFeatures, component_moments
@@ -1111,7 +1112,7 @@ class KernelOperator(Operator):
 
     def _check_to(self, to):
         if to is not None and to != self.to:
-            raise ValueError(
+            raise ConfigurationError(
                 f"this operator sends messages to {self.to!r}, not `to`={to!r} (factor {self.factor.name!r})"
             )
 
@@ -2074,7 +2075,7 @@ class JITOperator(Operator):
 
     def _check_to(self, to):
         if to is not None and to != self.to:
-            raise ValueError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
+            raise ConfigurationError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
 
     def predict(self, incoming: Mapping[str, Family], to: str | None = None, revertible: bool = False):
         """Belief, log predictive variance (n, k) and the mask of rows the oracle answered.

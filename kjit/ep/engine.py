@@ -148,7 +148,7 @@ from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
 from ..certificates import Certificates, certified, count_answers, last_certificates, outgoing_proper
-from ..errors import rows_of_batch
+from ..errors import ConfigurationError, rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
 __all__ = [
@@ -163,6 +163,11 @@ __all__ = [
 ]
 
 SKIP_REASONS = ("cavity", "operator_error", "invalid", "negative", "not_pd")
+#: a run stops (``outcome="operator_failed"``, with a warning) after this many consecutive iterations
+#: in which the operator failed every update it was asked — an unreachable server, a batch refused
+#: whole: more iterations cannot help (found in review: a hung server kept a run going for hours and
+#: ``fit()`` returned the prior quietly)
+OPERATOR_FAILURE_ITERATIONS = 3
 
 # what the engine does with an answer whose log predictive variance exceeds the operator's
 # threshold: use it and warn at the end of the run (counted per iteration in n_uncertain), raise
@@ -282,7 +287,7 @@ class EPResult:
     seconds: float
     operator_calls: int
     schedule: str
-    outcome: str = "converged"   # "converged", "max_iter" or "diverged" (status says more)
+    outcome: str = "converged"   # "converged", "max_iter", "diverged" or "operator_failed" (status says more)
     diverged_at: int | None = None  # the iteration whose update was refused as divergent
 
     @property
@@ -744,8 +749,8 @@ class LinearEP:
                 with np.errstate(all="ignore"):
                     q, lv = self._query(incoming, rec)
                 break
-            except UncertainAnswerError:
-                raise
+            except (UncertainAnswerError, ConfigurationError):
+                raise  # (a wrong recipient or operator name: no skip or retry can fix it)
             except Exception as exc:  # an operator failure must not end the run: skip and report
                 if len(errors) < 5:
                     errors.append(f"{type(exc).__name__}: {exc}")
@@ -955,6 +960,7 @@ class LinearEP:
         # prior marginal variance of each predictor: the unit in which a site precision is
         # judged divergent (λ_i · a_iᵀΣ0a_i > divergence_limit)
         v0 = np.einsum("ij,j,ij->i", A, 1.0 / prior_prec, A)
+        failing = 0  # consecutive iterations in which the operator failed every update it was asked
         for it in range(1, int(self.max_iter) + 1):
             t0 = time.perf_counter()
             h_new, lam_new, state_new, rec = step(A, prior_prec, observed, h, lam, state)
@@ -962,6 +968,9 @@ class LinearEP:
             rec.seconds = time.perf_counter() - t0
             history.append(rec)
             calls += rec.operator_calls
+            failing = failing + 1 if rec.n_updated == 0 and rec.skipped.get("operator_error", 0) > 0 else 0
+            if failing >= OPERATOR_FAILURE_ITERATIONS:
+                break  # (an unreachable server, every row refused: more iterations cannot help)
             cause = _divergence(h_new, lam_new, state_new, v0, self.divergence_limit)
             if cause is not None:  # keep the last finite state and stop
                 diverged = (it, cause)
@@ -979,7 +988,13 @@ class LinearEP:
                     break
         iterations = len(history)
         last = history[-1]
-        if diverged is not None:
+        failed = diverged is None and not converged and failing >= OPERATOR_FAILURE_ITERATIONS
+        if failed:
+            status = (f"stopped at iteration {iterations}: the operator failed every update of the last "
+                      f"{failing} iterations ({last.errors[0] if last.errors else 'no message'})")
+            warnings.warn(f"EP with {type(self.operator).__name__}: {status}; the posterior is the last state "
+                          "it could update", RuntimeWarning, stacklevel=3)
+        elif diverged is not None:
             status = (f"diverged at iteration {diverged[0]}: {diverged[1]}; the posterior is the last finite "
                       f"state (after iteration {diverged[0] - 1})")
         elif converged and self.stop_rule is not None:
@@ -1003,7 +1018,8 @@ class LinearEP:
         log_z, note = self._log_evidence(A, prior_prec, observed, h, lam, state)
         if log_z is not None and not converged:
             note += "; EP did not converge, so this is the estimate at the last iterate"
-        outcome = "diverged" if diverged is not None else ("converged" if converged else "max_iter")
+        outcome = ("diverged" if diverged is not None else "converged" if converged
+                   else "operator_failed" if failed else "max_iter")
         return EPResult(
             posterior=GaussianPosterior(state.mean, state.cov),
             site_shift=h,

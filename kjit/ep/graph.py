@@ -42,6 +42,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..certificates import certified, count_answers
+from ..errors import ConfigurationError
 from ..factors import Factor, get_factor
 from ..families import Family
 
@@ -480,6 +481,8 @@ class GraphEP:
                         if len(cert) == live.size:
                             count_answers(rec.answers, cert)
                         break
+                    except ConfigurationError:
+                        raise  # (a wrong recipient or operator name: no skip or retry can fix it)
                     except Exception as exc:  # skip and report, as LinearEP does
                         if len(rec.errors) < 5:
                             rec.errors.append(f"{f.name}→{to}: {type(exc).__name__}: {exc}")
