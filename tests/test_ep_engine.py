@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -188,17 +190,22 @@ def test_nan_messages_never_reach_the_posterior(schedule):
 @pytest.mark.parametrize("schedule", ["parallel", "sequential"])
 def test_partly_bad_operator_skips_only_the_bad_sites(grid_op, schedule):
     X, y = logistic_problem(10, 2, seed=4)
-    res = LinearEP(_PartlyBadOperator(grid_op), max_iter=5, schedule=schedule).run(X, _labels(y))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = LinearEP(_PartlyBadOperator(grid_op), max_iter=5, schedule=schedule).run(X, _labels(y))
     assert np.all(np.isfinite(res.mean)) and np.all(np.isfinite(res.cov))
     assert np.all(np.linalg.eigvalsh(res.cov) > 0)
     if schedule == "parallel":  # batch index 0 / 1 are sites 0 / 1
         assert all(r.skipped["invalid"] == 2 and r.n_updated == 8 for r in res.history)
         assert res.site_precision[0] == 0 and res.site_precision[1] == 0
         assert np.all(res.site_precision[2:] > 0)
+        assert not res.converged and "max_iter=5" in res.status and res.outcome == "max_iter"
     else:  # every batch has one element, index 0: every update is NaN (or fails)
         assert all(r.n_skipped == 10 and r.n_updated == 0 for r in res.history)
         np.testing.assert_array_equal(res.mean, 0.0)
-    assert not res.converged and "max_iter=5" in res.status
+        # nothing could be updated for three iterations: the run stops and says so (a warning)
+        assert res.outcome == "operator_failed" and res.iterations == 3 and not res.converged
+        assert any("failed every update" in str(w.message) for w in caught)
 
 
 def test_raising_operator_is_reported_not_fatal():
