@@ -135,8 +135,10 @@ def _named_rows(detail, prefix: list, length: int, types=None) -> np.ndarray | N
 
 
 def _incoming_rows(detail) -> np.ndarray | None:
-    """The messages a 422 refused by row (``["body", "incoming", variable, parameter, row]``)."""
-    return _named_rows(detail, ["body", "incoming"], 5)
+    """The messages a 422 refused by row: ``["body", "incoming", variable, parameter, row]`` (the
+    request's schema) or ``["body", "incoming", row]`` (the server's own checks, an oracle failure)."""
+    rows = _named_rows(detail, ["body", "incoming"], 5)
+    return rows if rows is not None else _named_rows(detail, ["body", "incoming"], 3)
 
 
 def _refused_beliefs(exc: "RemoteOperatorError") -> np.ndarray | None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from .blr import BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, certified, outgoing_proper, projection_convention
-from .errors import ConfigurationError
+from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .features import TwoStageFeatures, component_moments
@@ -2048,6 +2048,10 @@ class JITOperator(Operator):
             q, cert = certified(self.oracle, incoming, self.to)
         except LowESSError as exc:
             raise LowESSError(np.asarray(positions)[exc.rows], exc.ess, exc.min_ess) from exc
+        except Exception as exc:  # any other error naming rows (the exact rule's OracleError): the request's
+            if getattr(exc, "rows", None) is not None:
+                raise rows_of_batch(exc, positions)
+            raise
         finally:
             self._counts["seconds_oracle"] += time.perf_counter() - t
         # a sampled (or round-off) answer on the wrong side of the factor's bound is moved onto
@@ -2396,15 +2400,22 @@ class JITOperator(Operator):
             t_cal = calibrate_threshold(self.operator, held, self.target_kl)
             if np.isfinite(t_cal):
                 self.threshold = t_cal
-            far = self.operator.out_of_range_rows(held)  # (answered already; not learned: LEARN_RANGE_FACTOR)
+            # held-out rows far outside the fitted range are answered already but not learned
+            # (LEARN_RANGE_FACTOR); the fitted rows are inside it by construction
+            far = self.operator.out_of_range_rows(held)
+            unlearned = self.operator.out_of_range_rows(incoming, beliefs)
             if not far.all():
                 self.operator.partial_fit(held.subset(np.flatnonzero(~far)) if far.any() else held)
         if self.guard_share is not None:
             # each learned row of the batch without its request's rows (a request of EP is a sweep: its
             # rows are distinct messages, while later sweeps resend near-duplicates of them)
             sizes = [len(p[1]) for p in self._pending]
-            groups = (np.repeat(np.arange(len(sizes)), sizes) if len(sizes) > 1
-                      else np.arange(self.operator.n_train_))
+            groups = np.repeat(np.arange(len(sizes)), sizes) if len(sizes) > 1 else np.arange(sum(sizes))
+            if self.target_kl is not None and unlearned.any():  # (the rows learned, only: found in review)
+                keep = np.flatnonzero(~unlearned)
+                incoming, groups = {v: m[keep] for v, m in incoming.items()}, groups[keep]
+                if len(sizes) == 1:
+                    groups = np.arange(keep.size)
             self.density_guard = density_guard(self.operator, share=self.guard_share, fitted=incoming, groups=groups)
         self.guard_rows_ = self.operator.n_train_
         self._pending = []

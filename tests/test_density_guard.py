@@ -477,15 +477,19 @@ def test_an_unlearnable_row_in_the_held_out_quarter_of_the_initial_batch_is_not_
     from kjit.families import Beta, Gaussian
 
     odd = {"x": Gaussian(np.array([-1e4]), np.array([1e3])), "z": Beta(np.array([2.0]), np.array([1.0]))}
-    for pos in (12, 15, 33, 39):  # positions that fall in the held-out quarter (split with random_state 0)
+    for pos, share in ((12, None), (15, None), (33, None), (39, None), (12, 0.05), (39, 0.05)):
+        # positions that fall in the held-out quarter (split with random_state 0); with a density guard
+        # calibrated on the learned rows too (a second review: it was given every row, and raised)
         base = inside(39, 5)
         rows = {v: type(base[v]).concatenate([base[v][:pos], odd[v], base[v][pos:]]) for v in base}
-        jit = JITOperator(None, oracle, to="x", initial_batch=40, target_kl=0.05, operator_kwargs=OKW)
+        jit = JITOperator(None, oracle, to="x", initial_batch=40, target_kl=0.05, operator_kwargs=OKW,
+                          guard_share=share)
         q, _, consulted = jit.predict(rows)
         assert consulted.all() and jit.operator is not None
         assert jit.operator.n_train_ == 39  # (the far row, not learned)
         np.testing.assert_array_equal(q.mean()[pos], oracle.belief({v: m[pos:pos + 1] for v, m in rows.items()},
                                                                     "x").mean())
+        assert (jit.density_guard is None) == (share is None)
 
 
 def test_an_audit_learns_only_the_rows_it_can_and_keeps_every_rows_statistics(tmp_path):

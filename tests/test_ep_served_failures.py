@@ -120,3 +120,31 @@ def test_the_client_follows_a_smaller_batch_limit_and_a_lowered_threshold(store_
         entry.jit.threshold = thr0 - 2.0
         op.belief({v: m[:2] for v, m in inc.items()})
         assert op.threshold == pytest.approx(thr0 - 2.0)
+
+
+def test_an_oracle_failure_on_one_row_is_named_by_the_jit_and_the_server(live):
+    """The exact rule refuses one row (beyond its numerical reach): the JIT names the request's row
+    (it named the consulted sub-batch's), the server's 422 names it (``["body", "incoming", i]``), the
+    client passes it on, and EP skips that row only (a second review: the whole batch was skipped and
+    the new early stop then ended the run at the prior)."""
+    import copy
+
+    from kjit.errors import OracleError
+    from kjit.families import Gaussian
+    from kjit.operators import JITOperator
+
+    inc = probe("logistic", 10)
+    inc["x"] = Gaussian(np.where(np.arange(10) == 7, 1e50, inc["x"].mean()), inc["x"].var())
+    jit = live.app.state.store.entries["logistic-x"].jit
+    local = JITOperator(copy.deepcopy(jit.operator), QuadratureOracle(Logistic()), threshold=-1e9)  # consult all
+    with pytest.raises(OracleError) as err:
+        local.predict(inc)
+    np.testing.assert_array_equal(err.value.rows, [7])
+    X, obs = _problem(n=30)
+    obs["z"] = Beta(np.where(np.arange(30) == 3, 1.0, obs["z"].alpha), np.where(np.arange(30) == 3, 1e90, obs["z"].beta))
+    with RemoteOperator(live.url, "logistic-x", mode="oracle", token=TOKEN) as op:
+        r = LinearEP(op, site_var="x", max_iter=30).run(X, obs)
+    assert r.outcome == "max_iter" and all(h.skipped["operator_error"] == 1 for h in r.history)
+    keep = np.arange(30) != 3
+    ref = LinearEP(QuadratureOracle(Logistic()), site_var="x", max_iter=30).run(X[keep], {"z": obs["z"][keep]})
+    np.testing.assert_allclose(r.posterior.mean, ref.posterior.mean, atol=1e-6)

@@ -91,6 +91,17 @@ def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
                                             f"{to!r}{hint}", "wrong_recipient")
 
 
+def _rows_within(rows, n: int):
+    """``rows`` as a sorted list of distinct row numbers of a batch of ``n``, or None (none, or any out of it)."""
+    if rows is None:
+        return None
+    try:
+        r = np.unique(np.asarray(rows, dtype=int).ravel())
+    except (TypeError, ValueError):
+        return None
+    return r.tolist() if r.size and r.min() >= 0 and r.max() < n else None
+
+
 def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
               req: schemas.MessagesRequest, mode: str, wait: bool = True) -> Response:
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
@@ -112,6 +123,10 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
         else:  # mode=predict also marks the rows the just-in-time rule would consult ("uncertain")
             q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode, wait=wait)
     except OracleFailure as exc:
+        rows = _rows_within(exc.rows, n_rows)
+        if rows is not None:  # by row: a client (the EP engines) can skip just those and ask again for the rest
+            raise row_errors(rows, ["body", "incoming"], f"the oracle failed on this message: {exc}",
+                             "oracle_failed") from None
         raise ApiError(422, ["body", "incoming"], f"the oracle failed on these messages: {exc}", "oracle_failed") from None
     except Unprocessable as exc:
         rows = bad_feature_rows(entry.jit.operator, inc)

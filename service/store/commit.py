@@ -53,7 +53,7 @@ def _answer(jit, incoming, revertible: bool = False):
     try:
         q, cert = jit.certified(incoming, jit.to, revertible=revertible)
     except OracleError as exc:
-        raise OracleFailure(str(exc)) from None
+        raise OracleFailure(str(exc), getattr(exc, "rows", None)) from None
     except NUMERIC_ERRORS as exc:
         raise Unprocessable(str(exc)) from None
     return q, cert, cert.log_var, cert.source != "learned"

@@ -334,7 +334,7 @@ class Entry:
                 q, cert = certified(self.jit.oracle, incoming, self.jit.to)
                 cert = cert.with_(threshold=self.jit.threshold)
             except (OracleError, *NUMERIC_ERRORS) as exc:
-                raise OracleFailure(str(exc)) from None
+                raise OracleFailure(str(exc), getattr(exc, "rows", None)) from None
             version = self.version
         return q, None, np.ones(n, dtype=bool), version, 0, cert
 

@@ -26,7 +26,11 @@ class PersistError(RuntimeError):
 
 
 class OracleFailure(RuntimeError):
-    pass
+    """The oracle could not answer; ``rows``: the request's rows it named, if it named them."""
+
+    def __init__(self, message: str = "", rows=None):
+        super().__init__(message)
+        self.rows = rows
 
 
 class Unprocessable(ValueError):
