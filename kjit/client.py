@@ -271,7 +271,9 @@ class RemoteOperator:
                 raise RemoteOperatorError(
                     f"{method} {self.url}{path}: no answer from the server ({type(exc).__name__}: {exc})"
                     + (f" after {attempt + 1} attempts" if attempt else ""), None, None, method, path) from exc
-            if resp.status_code == 503 and retry != "never" and attempt + 1 < attempts \
+            # a server not ready (503) or whose oracle slots are busy (429 oracle_busy): nothing was done,
+            # and it says when to come back
+            if resp.status_code in (429, 503) and retry != "never" and attempt + 1 < attempts \
                     and resp.headers.get("Retry-After") is not None:
                 time.sleep(max(wait, min(float(resp.headers.get("Retry-After", "1")), 5.0)))
                 wait *= 2

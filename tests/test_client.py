@@ -215,3 +215,38 @@ def test_oracle_mode_is_split_at_the_servers_oracle_batch_limit(store_dir):
             with pytest.raises(RemoteOperatorError) as ei:
                 anon.belief(inc)
             assert ei.value.status == 401
+
+
+class _BusyOnce(AcceptLoop):
+    """Answers its first request 429 (``oracle_busy``, ``Retry-After: 0``), every later one 200 —
+    one request per connection (``Connection: close``)."""
+
+    def __init__(self):
+        self.requests = 0
+        super().__init__()
+
+    def on_connection(self, c):
+        c.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(65536)
+        self.requests += 1
+        if self.requests == 1:
+            body = b'{"detail":[{"loc":[],"msg":"the oracle is busy","type":"oracle_busy"}]}'
+            head = b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 0\r\n"
+        else:
+            body, head = b'{"status":"ok"}', b"HTTP/1.1 200 OK\r\n"
+        c.sendall(head + b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        c.close()
+
+
+def test_a_busy_oracle_slot_is_retried_when_the_server_says_when():
+    """429 ``oracle_busy`` carries Retry-After, as a 503 while loading does: nothing was done, so it is
+    retried (before: the call failed at once, and EP skipped the batch)."""
+    busy = _BusyOnce()
+    try:
+        op = RemoteOperator(busy.url, "logistic-x", retries=2, backoff=0.01)
+        assert op.health() == {"status": "ok"} and busy.requests == 2
+    finally:
+        busy.close()
