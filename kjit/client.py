@@ -69,8 +69,8 @@ class RemoteOperatorError(RuntimeError):
 
 class RemoteValidationError(RemoteOperatorError, ValueError):
     """The server rejected the input (4xx): the message names the field.  ``rows``: the rows of the
-    batch a 422 named (``["body", "incoming", v, p, i]``), when every complaint names one — the EP
-    engines then skip just those and ask again for the rest."""
+    batch a 422 named (``["body", "incoming", v, p, i]`` or ``["body", "incoming", i]``), when every
+    complaint names one — the EP engines then skip just those and ask again for the rest."""
 
     rows = None
 

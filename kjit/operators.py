@@ -2403,7 +2403,8 @@ class JITOperator(Operator):
             # held-out rows far outside the fitted range are answered already but not learned
             # (LEARN_RANGE_FACTOR); the fitted rows are inside it by construction
             far = self.operator.out_of_range_rows(held)
-            unlearned = self.operator.out_of_range_rows(incoming, beliefs)
+            if far.any() and self.guard_share is not None:  # the same, over every row, for the guard
+                unlearned = self.operator.out_of_range_rows(incoming, beliefs)  # (before learning widens it)
             if not far.all():
                 self.operator.partial_fit(held.subset(np.flatnonzero(~far)) if far.any() else held)
         if self.guard_share is not None:
@@ -2411,7 +2412,7 @@ class JITOperator(Operator):
             # rows are distinct messages, while later sweeps resend near-duplicates of them)
             sizes = [len(p[1]) for p in self._pending]
             groups = np.repeat(np.arange(len(sizes)), sizes) if len(sizes) > 1 else np.arange(sum(sizes))
-            if self.target_kl is not None and unlearned.any():  # (the rows learned, only: found in review)
+            if self.target_kl is not None and far.any():  # the rows learned, only (found in review)
                 keep = np.flatnonzero(~unlearned)
                 incoming, groups = {v: m[keep] for v, m in incoming.items()}, groups[keep]
                 if len(sizes) == 1:
@@ -2469,12 +2470,11 @@ class JITOperator(Operator):
             oracle = {"kind": "message_sampler", "target_se": o.target_se, "min_ess": o.min_ess,
                       "target_ess": json.dumps(o.target_ess), "n_initial": o.n_initial,
                       "max_samples": o.max_samples, "growth": o.growth, "chunk_elements": o.chunk_elements,
-                      "rng_state": json.dumps(o._rng.bit_generator.state)}
+                      **self.oracle_state()}
         elif isinstance(self.oracle, ImportanceSamplingOracle):  # noqa: SIM114
             o = self.oracle
             oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
-                      "chunk": o.chunk, "rng_state": json.dumps(o._rng.bit_generator.state),
-                      "reuse": o.reuse, "pool": json.dumps(o.pool_state()),
+                      "chunk": o.chunk, "reuse": o.reuse, **self.oracle_state(),
                       "proposal": json.dumps({v: [family_name(m), m.to_dict()] for v, m in o.proposal.items()})}
         elif isinstance(self.oracle, QuadratureOracle):
             oracle = {"kind": "quadrature"}
@@ -2517,9 +2517,6 @@ class JITOperator(Operator):
                 oracle = ImportanceSamplingOracle(factor, n_samples=int(o["n_samples"]), proposal=proposal,
                                                   min_ess=float(o["min_ess"]), chunk=int(o["chunk"]),
                                                   reuse=int(o.get("reuse", 1)))
-                oracle._rng.bit_generator.state = json.loads(o["rng_state"])
-                if "pool" in o:  # mid-way through a reused particle draw: the same particles again
-                    oracle.set_pool_state(json.loads(o["pool"]))
             elif o["kind"] == "client":
                 oracle = ClientOracle(factor)
             elif o["kind"] == "message_sampler":
@@ -2528,7 +2525,6 @@ class JITOperator(Operator):
                     target_ess=json.loads(o["target_ess"]), n_initial=int(o["n_initial"]),
                     max_samples=int(o["max_samples"]), growth=int(o["growth"]),
                     chunk_elements=int(o["chunk_elements"]))
-                oracle._rng.bit_generator.state = json.loads(o["rng_state"])
             else:
                 raise ValueError(f"unknown oracle kind {o['kind']!r}")
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
@@ -2536,6 +2532,9 @@ class JITOperator(Operator):
                       to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]), target_kl=p.get("target_kl"),
                       selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"),
                       density_guard=p.get("density_guard"), guard_share=p.get("guard_share"))
+            if o["kind"] in ("importance_sampling", "message_sampler"):
+                # the generator (and, mid-way through a reused particle draw, the same particles again)
+                jit.set_oracle_state(o)
             if p.get("guard_rows") is not None:
                 jit.guard_rows_ = int(p["guard_rows"])
             for k, v in state["counters"].items():
