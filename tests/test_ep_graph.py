@@ -144,7 +144,7 @@ def _random_graph(rng):
 
 def _check_random_graphs(n, seed, max_iter=15):
     rng = np.random.default_rng(seed)
-    outcomes = {"converged": 0, "max_iter": 0, "diverged": 0}
+    outcomes = {"converged": 0, "max_iter": 0, "diverged": 0, "operator_failed": 0}
     for k in range(n):
         g = _random_graph(rng)
         if not g.factors:
@@ -155,7 +155,7 @@ def _check_random_graphs(n, seed, max_iter=15):
             assert np.all(np.isfinite(q.natural())) and bool(q.is_proper), (k, v, q, res.status)
         outcomes[res.outcome] += 1
         assert res.status.startswith({"converged": "converged", "max_iter": "stopped at max_iter",
-                                      "diverged": "diverged"}[res.outcome])
+                                      "diverged": "diverged", "operator_failed": "stopped at iteration"}[res.outcome])
     return outcomes
 
 
@@ -246,3 +246,21 @@ def test_a_diverging_graph_stops_with_the_last_finite_state():
     assert res.status.startswith("diverged at iteration")
     q = res.beliefs["w"]
     assert np.all(np.isfinite(q.natural())) and bool(q.is_proper)
+
+
+def test_operators_that_fail_every_update_stop_graph_ep_with_a_warning():
+    """As LinearEP: three iterations in which every update failed (an unreachable server) end the run,
+    outcome 'operator_failed', with a warning — not max_iter iterations and a quiet prior."""
+    from kjit.ep.engine import OPERATOR_FAILURE_ITERATIONS
+
+    class _Down:
+        factor, to = Logistic(), "x"
+
+        def belief(self, incoming, to=None):
+            raise RuntimeError("no answer from the server (ConnectError)")
+
+    y = np.random.default_rng(0).integers(0, 2, 10)
+    with pytest.warns(RuntimeWarning, match="failed every update"):
+        res = GraphEP(_logistic_graph(y), operators={("logistic", "x"): _Down()}, max_iter=50).run()
+    assert res.outcome == "operator_failed" and res.iterations == OPERATOR_FAILURE_ITERATIONS
+    assert "ConnectError" in res.status and not res.converged

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -43,6 +44,7 @@ import numpy as np
 
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError
+from .engine import OPERATOR_FAILURE_ITERATIONS
 from ..factors import Factor, get_factor
 from ..families import Family
 
@@ -177,7 +179,7 @@ class GraphIteration:
 class GraphResult:
     beliefs: dict[str, Family]
     converged: bool
-    outcome: str          # "converged", "max_iter" or "diverged"
+    outcome: str          # "converged", "max_iter", "diverged" or "operator_failed" (engine.OPERATOR_FAILURE_ITERATIONS)
     iterations: int
     status: str
     history: list[GraphIteration]
@@ -320,6 +322,7 @@ class GraphEP:
         post = self._posteriors(prior_nat, sites)
         history: list[GraphIteration] = []
         converged, diverged, calls = False, None, 0
+        failing = 0  # consecutive iterations in which the operators failed every update they were asked
         t_start = time.perf_counter()
         # a site larger than divergence_limit × (1 + its variable's prior natural parameters) is divergent
         scale = {v: 1.0 + np.max(np.abs(p)) for v, p in prior_nat.items()}
@@ -357,8 +360,18 @@ class GraphEP:
             if rec.n_skipped == 0 and rec.max_change < self.tol:
                 converged = True
                 break
+            failing = failing + 1 if rec.n_updated == 0 and rec.skipped["operator_error"] > 0 else 0
+            if failing >= OPERATOR_FAILURE_ITERATIONS:
+                break  # (as LinearEP: more iterations cannot help)
         n = len(history)
-        if diverged is not None:
+        failed = diverged is None and not converged and failing >= OPERATOR_FAILURE_ITERATIONS
+        if failed:
+            outcome, status = "operator_failed", (
+                f"stopped at iteration {n}: the operators failed every update of the last {failing} iterations "
+                f"({history[-1].errors[0] if history[-1].errors else 'no message'})")
+            warnings.warn(f"graph EP: {status}; the beliefs are the last state it could update", RuntimeWarning,
+                          stacklevel=2)
+        elif diverged is not None:
             outcome, status = "diverged", f"diverged at iteration {diverged[0]}: {diverged[1]}; the beliefs are the last finite state"
         elif converged:
             outcome, status = "converged", f"converged after {n} iteration(s) (max change {history[-1].max_change:.3g} < tol {self.tol:g})"
