@@ -303,6 +303,13 @@ def test_a_standalone_store_with_updates_does_not_silently_lose_them(store_dir, 
     with _replica(store_dir, fresh) as s, httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
         d = c.get("/v1/operators/logistic-x").json()
         assert d["n_train"] == 303 and d["version"] == 0  # the learned pairs are in the published base
+        before = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(inc, "x")).json()
+    # restarted before any update, it loads the base it published (found in review: it loaded its
+    # standalone snapshot again, which the shared store then refused as another copy)
+    with _replica(store_dir, fresh) as s, httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
+        assert c.get("/ready").json()["failed"] == {}
+        again = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(inc, "x")).json()
+        assert again["version"] == 0 and again["beliefs"] == before["beliefs"]
 
 
 def test_merge_without_a_shared_store_is_409(live):
@@ -383,3 +390,47 @@ def test_two_kjit_serve_processes_share_redis(store_dir, pristine_store, tmp_pat
     for inc, q in pairs:
         local.operator.partial_fit(inc, q)
     np.testing.assert_array_equal(pa["beliefs"]["mean"], local.operator.predict(test)[0].mean())
+
+
+def test_a_shared_log_that_lost_records_answers_503_and_fails_the_operator(store_dir, tmp_path):
+    """A shared log reset under a replica (a Redis restarted without its append-only file, here the
+    directory log emptied): the request that finds it gets 503 and the operator is reported failed —
+    not a 500 (found in review: update_failed / internal_error)."""
+    shared = str(tmp_path / "shared")
+    pairs = _oracle_pairs(3, rows=2, seed=31)
+    with _replica(store_dir, shared) as s, httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
+        for inc, q in pairs[:2]:
+            _observe(c, inc, q)
+        (tmp_path / "shared" / "logistic-x" / "log.jsonl").write_bytes(b"")  # the records are gone
+        inc, q = pairs[2]
+        r = c.post("/v1/operators/logistic-x/observations",
+                   json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+        assert r.status_code == 503 and "fewer than 2 records" in r.text, r.text
+        assert "logistic-x" in c.get("/ready").json()["failed"]
+        j = c.post("/v1/operators/logistic-x/messages?mode=jit", json=body(inc, "x"))
+        assert j.status_code == 503, j.text
+
+
+def test_publishing_the_base_starts_its_audit_statistics_from_zero_and_snapshots_it(tmp_path):
+    """Version 0 of a shared log is the base, which carries no audit statistics: the replica that
+    published it keeps none either (as every replica that adopts it), and its local snapshot is the
+    base (found in review: 40 audits on one replica, 0 on the other, at the same version)."""
+    from service.store import OperatorStore
+    from service.training import TrainSpec, train_operator
+
+    store = OperatorStore(tmp_path / "store")
+    store.open()
+    jit, _, info = train_operator(TrainSpec("logistic", "x", n=200, n_inner=40, n_outer=80, threshold=0.0,
+                                            random_state=0))
+    store.create("lx", jit, {"training": info, "threshold": 0.0})
+    e = store.get("lx")
+    inc = probe("logistic", 3, seed=5)
+    e.audit_update(inc, QuadratureOracle(Logistic()).belief(inc, "x"), lambda stats, threshold: {
+        "kl": [1e-6] * 3, "log_var": [-5.0] * 3, "confident": [True] * 3, "target": 0.1, "time": 0.0})
+    assert e.audit_stats.count == 3 and e.audited_pairs == 3 and e.version == 1
+    e.restart_at_base(e.base_blob())
+    assert e.audit_stats.count == 0 and e.audited_pairs == 0 and e.version == 0
+    snaps = sorted((tmp_path / "store" / "operators" / "lx").glob("snapshot-*.npz"))
+    logs = sorted((tmp_path / "store" / "operators" / "lx").glob("log-*.jsonl"))
+    assert len(snaps) == 1 and snaps[0].name == "snapshot-00000001.npz" and [p.name for p in logs] == ["log-00000001.jsonl"]
+    store.close()

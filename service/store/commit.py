@@ -31,7 +31,7 @@ from kjit.oracles import OracleError
 from ..files import decode_record, encode_record
 from ..shared import SharedLog, SharedLogError
 from ..validation import NUMERIC_ERRORS
-from .errors import Conflict, OracleFailure, PersistError, Unprocessable
+from .errors import Conflict, OracleFailure, PersistError, SharedLogDamaged, Unprocessable
 from .records import jit_record, record_rows, sha256
 
 log = logging.getLogger("kjit.service.store")
@@ -223,7 +223,7 @@ class Replicated:
         except (ValueError, KeyError) as exc:
             why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             e.store._fail(e.name, why)
-            raise ValueError(why) from exc
+            raise SharedLogDamaged(why) from exc
         for raw in raws:
             try:
                 rec = decode_record(raw.rstrip(b"\n"))
@@ -234,7 +234,7 @@ class Replicated:
             except Exception as exc:
                 why = f"the shared log could not be applied after version {e.version}: {type(exc).__name__}: {exc}"
                 e.store._fail(e.name, why)
-                raise ValueError(why) from exc
+                raise SharedLogDamaged(why) from exc
             n += 1
             if rid is not None and rec.get("rid") == rid:
                 found = seq
@@ -275,6 +275,8 @@ class Replicated:
                 found = self.catch_up(rid)
             except SharedLogError as exc:
                 raise PersistError(f"the shared store is unavailable: {exc}") from exc
+            except SharedLogDamaged as exc:  # (found in review: a 500 for the request that found it)
+                raise PersistError(f"{exc}; the operator is reported failed") from exc
             if found is not None:
                 return {"seq": found, "found": True}
             rec = make()
@@ -327,6 +329,8 @@ class Replicated:
                     self.catch_up()
                 except SharedLogError as exc:
                     raise PersistError(f"the shared store is unavailable: {exc}") from exc
+                except SharedLogDamaged as exc:
+                    raise PersistError(f"{exc}; the operator is reported failed") from exc
                 jit = e.jit
                 q, cert, logvar, consulted = _answer(jit, incoming, revertible=True)
                 rec, n_learned = jit_record(jit, incoming, q)

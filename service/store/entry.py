@@ -170,13 +170,19 @@ class Entry:
         return dumps_state("JITOperator", state)
 
     def restart_at_base(self, blob: bytes) -> None:
-        """This state was just published as the shared base: it is version 0 of the shared log."""
+        """This state was just published as the shared base: it is version 0 of the shared log.  Its
+        local snapshot is written now (found in review: a restart before the next update loaded the
+        standalone snapshot again, which the shared store then refused as another copy), and the audit
+        statistics start from zero, as on every other replica (the base does not carry them)."""
         self.version = self.snapshot_version = 0
         self.observed_pairs = self.learned_pairs = 0
+        self.audited_pairs = 0
+        self.audit_stats = AuditStats()
         self.keys.clear()
         self.last_rid = None
         self.base_hash = sha256(blob)
-        self.log.n_records = self.store.snapshot_every  # a local snapshot at the next update
+        data = self._snapshot_bytes()
+        self.log.write_snapshot(self.log.next_generation(), data)
 
     def adopt_base(self, blob: bytes, source: str) -> None:
         """Start from another replica's base (and its creator's description of the operator)."""

@@ -35,3 +35,8 @@ class OracleFailure(RuntimeError):
 
 class Unprocessable(ValueError):
     """The input is valid but the numerics cannot carry it (nothing was changed)."""
+
+
+class SharedLogDamaged(ValueError):
+    """A replica's shared log no longer holds what the replica applied (lost or rewritten records), or
+    a record of it cannot be applied: the operator is reported failed (a request that finds it: 503)."""
