@@ -418,15 +418,10 @@ def test_the_service_refuses_an_observation_it_cannot_learn_and_a_jit_request_do
     from fastapi.testclient import TestClient
 
     from service import Settings, create_app
-    from service.store import OperatorStore
-    from service.training import DEFAULT_DISTRIBUTIONS, TrainSpec, train_operator
+    from service.training import DEFAULT_DISTRIBUTIONS
+    from test_service_fixtures import small_store
 
-    store = OperatorStore(tmp_path / "store")
-    store.open()
-    jit, _, info = train_operator(TrainSpec("product", "z", n=300, n_inner=50, n_outer=100, threshold=0.0,
-                                            random_state=0))
-    store.create("product-z", jit, {"training": info, "threshold": 0.0})
-    store.close()
+    small_store(tmp_path / "store", "product-z", "product", "z").close()
     auth = {"Authorization": "Bearer t0ken"}
     inc = DEFAULT_DISTRIBUTIONS["product"](5, np.random.default_rng(3))
     probe = {"to": "z", "incoming": {v: {"family": "gaussian", "mean": m.mean().tolist(), "var": m.var().tolist()}
@@ -457,12 +452,13 @@ def test_the_service_refuses_an_observation_it_cannot_learn_and_a_jit_request_do
         # the client's own just-in-time loop (a local oracle) leaves the row out of what it sends back,
         # as mode=jit does (found in review: the whole batch's observation was refused, every call)
         from kjit.client import RemoteOperator
+        from kjit.factors import get_factor
         from kjit.families import Gaussian
         from kjit.oracles import QuadratureOracle
 
         rows = {v: Gaussian.concatenate([m, Gaussian(far_row[v]["mean"], far_row[v]["var"])]) for v, m in inc.items()}
         remote = RemoteOperator("http://testserver", "product-z", token="t0ken", client=c,
-                                oracle=QuadratureOracle(jit.factor))
+                                oracle=QuadratureOracle(get_factor("product")))
         q, _, consulted = remote.predict(rows)
         assert consulted[-1] and q.mean()[-1] == exact["mean"][0]
         n_sent = int(consulted[:-1].sum())  # the other consulted rows are learned
@@ -497,13 +493,10 @@ def test_an_audit_learns_only_the_rows_it_can_and_keeps_every_rows_statistics(tm
     outside what the operator has learned is audited (its KL counts: it is the worst) but not learned
     (found in review: it failed the whole audit after rebuilding the operator from disk)."""
     from service.store import OperatorStore
-    from service.training import DEFAULT_DISTRIBUTIONS, TrainSpec, train_operator
+    from service.training import DEFAULT_DISTRIBUTIONS
+    from test_service_fixtures import small_store
 
-    store = OperatorStore(tmp_path / "store")
-    store.open()
-    jit, _, info = train_operator(TrainSpec("product", "z", n=300, n_inner=50, n_outer=100, threshold=0.0,
-                                            random_state=0))
-    store.create("product-z", jit, {"training": info, "threshold": 0.0})
+    store = small_store(tmp_path / "store", "product-z", "product", "z")
     e = store.get("product-z")
     from kjit.families import Gaussian
 

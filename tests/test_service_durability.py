@@ -22,6 +22,7 @@ from test_service_fixtures import (  # noqa: F401 - fixtures
     pristine_store,
     probe,
     settings_for,
+    small_store,
     store_dir,
 )
 from test_service import AUTH, beliefs_body, body
@@ -319,16 +320,12 @@ def test_a_sampler_continues_its_stream_after_a_crash_as_without_one(tmp_path):
     from fastapi.testclient import TestClient
 
     from service import create_app
-    from service.training import TrainSpec, train_operator
 
-    store = OperatorStore(tmp_path / "store")
-    store.open()
-    jit, _, info = train_operator(TrainSpec("logistic", "x", n=300, n_inner=50, n_outer=100, threshold=0.0,
-                                            oracle="importance_sampling", n_samples=5000, random_state=0))
-    _, lv = jit.operator.predict(probe("logistic", 400, seed=7))
-    jit.threshold = float(np.median(lv.max(axis=-1)))  # half the messages consult
-    store.create("is-x", jit, {"training": info, "threshold": jit.threshold})
-    store.close()
+    def half_consult(jit):  # the median log variance as the threshold: half the messages consult
+        jit.threshold = float(np.median(jit.operator.predict(probe("logistic", 400, seed=7))[1].max(axis=-1)))
+
+    small_store(tmp_path / "store", "is-x", "logistic", "x", prepare=half_consult, oracle="importance_sampling",
+                n_samples=5000).close()
     j1, j2 = body(probe("logistic", 10, seed=31), "x"), body(probe("logistic", 10, seed=32), "x")
     with TestClient(create_app(settings_for(tmp_path / "store"))) as c:
         poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
@@ -351,13 +348,8 @@ def test_a_rotation_that_fails_after_creating_the_new_log_leaves_the_old_one_the
     cut, not refused as damage (found in the review of the first fix: the operator failed to load)."""
     from kjit.factors import Logistic
     from service.store import log as logmod
-    from service.training import TrainSpec, train_operator
 
-    store = OperatorStore(tmp_path / "store", snapshot_every=2)
-    store.open()
-    jit, _, info = train_operator(TrainSpec("logistic", "x", n=200, n_inner=40, n_outer=80, threshold=0.0,
-                                            random_state=0))
-    store.create("lx", jit, {"training": info, "threshold": 0.0})
+    store = small_store(tmp_path / "store", "lx", "logistic", "x", snapshot_every=2, n=200, n_inner=40, n_outer=80)
     e = store.get("lx")
     oracle = QuadratureOracle(Logistic())
     real, calls = logmod.fsync_dir, {"n": 0}

@@ -27,6 +27,20 @@ SMALL = {"logistic-x": ("logistic", "x"), "logistic-z": ("logistic", "z"), "comp
 TOKEN = "s3cret-token"
 
 
+def small_store(root, name: str, factor: str, to: str, snapshot_every: int | None = None, prepare=None, **spec):
+    """An opened store at ``root`` holding one small operator ``name`` (``train_operator`` with
+    threshold 0, seed 0, and ``spec`` — n 300, D 50/100 by default); ``prepare(jit)`` may change it
+    before it is stored.  The caller closes the store."""
+    spec = {"n": 300, "n_inner": 50, "n_outer": 100, "threshold": 0.0, "random_state": 0, **spec}
+    store = OperatorStore(root, **({} if snapshot_every is None else {"snapshot_every": snapshot_every}))
+    store.open()
+    jit, _, info = train_operator(TrainSpec(factor, to, **spec))
+    if prepare is not None:
+        prepare(jit)
+    store.create(name, jit, {"training": info, "threshold": jit.threshold})
+    return store
+
+
 def probe(factor_name: str, n: int = 40, seed: int = 123):
     return DEFAULT_DISTRIBUTIONS[factor_name](n, np.random.default_rng(seed))
 

@@ -415,14 +415,9 @@ def test_publishing_the_base_starts_its_audit_statistics_from_zero_and_snapshots
     """Version 0 of a shared log is the base, which carries no audit statistics: the replica that
     published it keeps none either (as every replica that adopts it), and its local snapshot is the
     base (found in review: 40 audits on one replica, 0 on the other, at the same version)."""
-    from service.store import OperatorStore
-    from service.training import TrainSpec, train_operator
+    from test_service_fixtures import small_store
 
-    store = OperatorStore(tmp_path / "store")
-    store.open()
-    jit, _, info = train_operator(TrainSpec("logistic", "x", n=200, n_inner=40, n_outer=80, threshold=0.0,
-                                            random_state=0))
-    store.create("lx", jit, {"training": info, "threshold": 0.0})
+    store = small_store(tmp_path / "store", "lx", "logistic", "x", n=200, n_inner=40, n_outer=80)
     e = store.get("lx")
     inc = probe("logistic", 3, seed=5)
     e.audit_update(inc, QuadratureOracle(Logistic()).belief(inc, "x"), lambda stats, threshold: {
