@@ -215,7 +215,10 @@ def _train(args) -> int:
     from .persistence import save_operator
     from .training import TrainingSet, make_training_set
 
-    factor = get_factor(args.factor)
+    try:
+        factor = get_factor(args.factor)
+    except TypeError as exc:  # a factor that needs parameters (`declared`): a message, not a traceback
+        raise ValueError(f"factor {args.factor!r} cannot be built without parameters: {exc}") from None
     factor.check_to(args.to)
     if args.oracle == "quadrature":
         oracle = QuadratureOracle(factor)

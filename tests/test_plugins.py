@@ -228,3 +228,30 @@ def test_factors_option_and_environment_variable():
     assert Settings.from_env({}).factors == ()
     with pytest.raises(ValueError, match="factor module 'kjit_no_such_module' could not be imported"):
         Settings(factors=("kjit_no_such_module",)).import_factors()
+
+
+def test_a_factory_that_fails_or_returns_no_factor_is_named_not_raised_raw(monkeypatch, tmp_path):
+    """A plugin's factory with its own bug (raises RuntimeError, or returns None): get_factor raises
+    FactorBuildError (a ValueError naming the factor), POST /v1/operators answers 422 on body.factor,
+    and the server's default operators skip it (found in review: a 500, and `kjit serve` would not
+    start)."""
+    from fastapi.testclient import TestClient
+
+    from service import Settings, create_app
+    from service.training import default_specs
+
+    def raising():
+        raise RuntimeError("license server unreachable")
+
+    monkeypatch.setitem(F._REGISTRY, "broken_raising", raising)
+    monkeypatch.setitem(F._REGISTRY, "broken_none", lambda: None)
+    for name, why in (("broken_raising", "its factory failed (RuntimeError: license server unreachable)"),
+                      ("broken_none", "its factory returned NoneType, not a Factor")):
+        with pytest.raises(F.FactorBuildError, match=f"factor '{name}': {why.split('(')[0]}"):
+            F.get_factor(name)
+    assert not any(k.startswith("broken") for k in default_specs())
+    with TestClient(create_app(Settings(store=tmp_path / "store", token="t", default_operators=()))) as c:
+        for name in ("broken_raising", "broken_none"):
+            r = c.post("/v1/operators", headers={"Authorization": "Bearer t"},
+                       json={"name": "b", "factor": name, "to": "x", "source": {"kind": "oracle", "n": 50}})
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "factor"], r.text

@@ -387,6 +387,13 @@ CASES = [
     ("train: path outside the store", "POST", "/v1/operators", {"json": {
         "name": "a", "factor": "logistic", "to": "x", "source": {"kind": "file", "path": "../../etc/passwd"}}}, 422,
      ["body", "source", "path"]),
+    # file names the OS refuses (found in review: 500 and a reset connection)
+    ("train: a NUL in the path", "POST", "/v1/operators", {"json": {
+        "name": "a", "factor": "logistic", "to": "x", "source": {"kind": "file", "path": "good.npz\u0000x"}}}, 422,
+     ["body", "source", "path"]),
+    ("train: a path too long", "POST", "/v1/operators", {"json": {
+        "name": "a", "factor": "logistic", "to": "x", "source": {"kind": "file", "path": "x" * 300}}}, 422,
+     ["body", "source", "path"]),
     ("train: too few pairs", "POST", "/v1/operators", {"json": {"name": "a", "factor": "logistic", "to": "x",
                                                                  "source": {"kind": "oracle", "n": 1}}}, 422,
      ["body", "source", "n"]),

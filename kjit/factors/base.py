@@ -65,6 +65,7 @@ __all__ = [
     "load_entry_points",
     "ENTRY_POINT_GROUP",
     "UnknownFactorError",
+    "FactorBuildError",
 ]
 
 log = logging.getLogger("kjit.factors")
@@ -74,6 +75,17 @@ ENTRY_POINT_GROUP = "kjit.factors"
 
 class UnknownFactorError(ValueError):
     """No factor of this name is registered (a ``ValueError``; ``.name`` is the name asked for)."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        super().__init__(message)
+
+
+class FactorBuildError(ValueError):
+    """A registered factor's factory failed (an exception other than a ValueError / TypeError about
+    its parameters) or returned something that is not a Factor: a broken plugin, named, instead of a
+    bare exception from inside it (found in review: a 500 on POST /v1/operators, and ``kjit serve``
+    would not start)."""
 
     def __init__(self, name: str, message: str):
         self.name = name
@@ -588,7 +600,21 @@ def get_factor(name: str, **params) -> Factor:
         if _PLUGIN_ERRORS:
             msg += "; plugins that failed to load: " + "; ".join(f"{k} ({v})" for k, v in _PLUGIN_ERRORS.items())
         raise UnknownFactorError(name, msg)
-    return factory(**params)
+    try:
+        factor = factory(**params)
+    except (ValueError, TypeError):
+        raise  # the parameters: the caller names them
+    except Exception as exc:  # a plugin's own bug
+        why = f"factor {name!r}: its factory failed ({type(exc).__name__}: {exc})"
+        _PLUGIN_ERRORS[f"factory {name}"] = why
+        log.warning("%s", why)
+        raise FactorBuildError(name, why) from exc
+    if not isinstance(factor, Factor):
+        why = f"factor {name!r}: its factory returned {type(factor).__name__}, not a Factor"
+        _PLUGIN_ERRORS[f"factory {name}"] = why
+        log.warning("%s", why)
+        raise FactorBuildError(name, why)
+    return factor
 
 
 def registered_factors() -> tuple[str, ...]:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from kjit.factors import get_factor, registered_factors
+from kjit.factors import FactorBuildError, UnknownFactorError, get_factor, registered_factors
 from kjit.training import TrainingSet
 
 from .. import schemas
@@ -116,7 +116,7 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
     try:
         factor = get_factor(req.factor, **req.factor_params)
     except ValueError as exc:
-        field = "factor" if "unknown factor" in str(exc) else "factor_params"
+        field = "factor" if isinstance(exc, (UnknownFactorError, FactorBuildError)) else "factor_params"
         raise ApiError(422, ["body", field], str(exc), "value_error") from None
     except TypeError as exc:
         raise ApiError(422, ["body", "factor_params"], f"factor {req.factor!r}: {exc}", "value_error") from None
@@ -151,11 +151,16 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
             spec.distribution = ranges
     else:
         base = settings.training_dir.resolve()
-        p = (base / src.path).resolve()
+        try:
+            p = (base / src.path).resolve()
+            p_is_file = p.is_file()
+        except (ValueError, OSError) as exc:  # a NUL byte, a name too long (found in review: 500)
+            raise ApiError(422, ["body", "source", "path"], f"{src.path[:100]!r} is not a usable file name "
+                                                            f"({type(exc).__name__})", "value_error") from None
         if not p.is_relative_to(base):
             raise ApiError(422, ["body", "source", "path"], f"{src.path!r} is outside the training-set directory",
                            "value_error")
-        if not p.is_file():
+        if not p_is_file:
             raise ApiError(422, ["body", "source", "path"], f"no training-set file {src.path!r} in the store's "
                                                             f"training-set directory", "value_error")
         spec.training_set = str(p)
