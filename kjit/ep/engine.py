@@ -169,6 +169,19 @@ SKIP_REASONS = ("cavity", "operator_error", "invalid", "negative", "not_pd")
 #: ``fit()`` returned the prior quietly)
 OPERATOR_FAILURE_ITERATIONS = 3
 
+
+def count_failing(failing: int, n_updated: int, operator_errors: int) -> int:
+    """The run of consecutive iterations in which the operator failed every update it was asked."""
+    return failing + 1 if n_updated == 0 and operator_errors > 0 else 0
+
+
+def operator_failure(failing: int, iterations: int, errors, who: str) -> str:
+    """The status of a run stopped by :data:`OPERATOR_FAILURE_ITERATIONS`, also warned (RuntimeWarning)."""
+    status = (f"stopped at iteration {iterations}: the operator failed every update of the last {failing} "
+              f"iterations ({errors[0] if errors else 'no message'})")
+    warnings.warn(f"{who}: {status}; the posterior is the last state it could update", RuntimeWarning, stacklevel=3)
+    return status
+
 # what the engine does with an answer whose log predictive variance exceeds the operator's
 # threshold: use it and warn at the end of the run (counted per iteration in n_uncertain), raise
 # UncertainAnswerError, or replace it by the oracle's answer
@@ -968,7 +981,7 @@ class LinearEP:
             rec.seconds = time.perf_counter() - t0
             history.append(rec)
             calls += rec.operator_calls
-            failing = failing + 1 if rec.n_updated == 0 and rec.skipped.get("operator_error", 0) > 0 else 0
+            failing = count_failing(failing, rec.n_updated, rec.skipped.get("operator_error", 0))
             if failing >= OPERATOR_FAILURE_ITERATIONS:
                 break  # (an unreachable server, every row refused: more iterations cannot help)
             cause = _divergence(h_new, lam_new, state_new, v0, self.divergence_limit)
@@ -990,10 +1003,7 @@ class LinearEP:
         last = history[-1]
         failed = diverged is None and not converged and failing >= OPERATOR_FAILURE_ITERATIONS
         if failed:
-            status = (f"stopped at iteration {iterations}: the operator failed every update of the last "
-                      f"{failing} iterations ({last.errors[0] if last.errors else 'no message'})")
-            warnings.warn(f"EP with {type(self.operator).__name__}: {status}; the posterior is the last state "
-                          "it could update", RuntimeWarning, stacklevel=3)
+            status = operator_failure(failing, iterations, last.errors, f"EP with {type(self.operator).__name__}")
         elif diverged is not None:
             status = (f"diverged at iteration {diverged[0]}: {diverged[1]}; the posterior is the last finite "
                       f"state (after iteration {diverged[0] - 1})")

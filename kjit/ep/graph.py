@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -44,7 +43,7 @@ import numpy as np
 
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError
-from .engine import OPERATOR_FAILURE_ITERATIONS
+from .engine import OPERATOR_FAILURE_ITERATIONS, count_failing, operator_failure
 from ..factors import Factor, get_factor
 from ..families import Family
 
@@ -360,17 +359,13 @@ class GraphEP:
             if rec.n_skipped == 0 and rec.max_change < self.tol:
                 converged = True
                 break
-            failing = failing + 1 if rec.n_updated == 0 and rec.skipped["operator_error"] > 0 else 0
+            failing = count_failing(failing, rec.n_updated, rec.skipped["operator_error"])
             if failing >= OPERATOR_FAILURE_ITERATIONS:
                 break  # (as LinearEP: more iterations cannot help)
         n = len(history)
         failed = diverged is None and not converged and failing >= OPERATOR_FAILURE_ITERATIONS
         if failed:
-            outcome, status = "operator_failed", (
-                f"stopped at iteration {n}: the operators failed every update of the last {failing} iterations "
-                f"({history[-1].errors[0] if history[-1].errors else 'no message'})")
-            warnings.warn(f"graph EP: {status}; the beliefs are the last state it could update", RuntimeWarning,
-                          stacklevel=2)
+            outcome, status = "operator_failed", operator_failure(failing, n, history[-1].errors, "graph EP")
         elif diverged is not None:
             outcome, status = "diverged", f"diverged at iteration {diverged[0]}: {diverged[1]}; the beliefs are the last finite state"
         elif converged:

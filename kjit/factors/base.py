@@ -600,20 +600,19 @@ def get_factor(name: str, **params) -> Factor:
         if _PLUGIN_ERRORS:
             msg += "; plugins that failed to load: " + "; ".join(f"{k} ({v})" for k, v in _PLUGIN_ERRORS.items())
         raise UnknownFactorError(name, msg)
+    def broken(why: str) -> FactorBuildError:  # remembered with the plugins' errors, and logged
+        _PLUGIN_ERRORS[f"factory {name}"] = why = f"factor {name!r}: {why}"
+        log.warning("%s", why)
+        return FactorBuildError(name, why)
+
     try:
         factor = factory(**params)
     except (ValueError, TypeError):
         raise  # the parameters: the caller names them
     except Exception as exc:  # a plugin's own bug
-        why = f"factor {name!r}: its factory failed ({type(exc).__name__}: {exc})"
-        _PLUGIN_ERRORS[f"factory {name}"] = why
-        log.warning("%s", why)
-        raise FactorBuildError(name, why) from exc
+        raise broken(f"its factory failed ({type(exc).__name__}: {exc})") from exc
     if not isinstance(factor, Factor):
-        why = f"factor {name!r}: its factory returned {type(factor).__name__}, not a Factor"
-        _PLUGIN_ERRORS[f"factory {name}"] = why
-        log.warning("%s", why)
-        raise FactorBuildError(name, why)
+        raise broken(f"its factory returned {type(factor).__name__}, not a Factor")
     return factor
 
 
