@@ -244,11 +244,10 @@ class Entry:
                 log.error("operator %r: could not start log generation %d (%s: %s); the update is durable in "
                           "generation %d, the rotation will be retried", self.name, gen + 1, type(exc).__name__,
                           exc, gen)
-                if self.log.gen != gen or self.log._fh is None:
-                    try:
-                        self.log.abandon_generation(gen)
-                    except OSError as exc2:  # the next append reports it (PersistError: 503, nothing lost)
-                        log.error("operator %r: could not reopen log generation %d (%s)", self.name, gen, exc2)
+                try:  # (whatever step failed: generation gen, open for appending, and no empty gen + 1)
+                    self.log.abandon_generation(gen)
+                except OSError as exc2:  # the next append reports it (PersistError: 503, nothing lost)
+                    log.error("operator %r: could not reopen log generation %d (%s)", self.name, gen, exc2)
 
     def _rotate(self) -> None:
         """Start log G+1 and hand the state at this point to the snapshot writer (lock held)."""
