@@ -5,7 +5,8 @@ carry, and observations that are plausible data (service/README.md, "Hostile inp
   pydantic-core (strict numbers, lists that stop at their first bad element), after a cheap
   guard on how many values it holds: a body with more commas than the largest valid request
   could need, or more than :data:`MAX_KEYS` colons, is refused before anything is parsed, so a
-  16 MiB body of bad numbers costs a byte count, not a parse tree.
+  16 MiB body of bad numbers costs a byte count, not a parse tree.  A body that repeats a key
+  within one object (:func:`duplicate_key`) is refused too: parsers disagree on which one counts.
 * :func:`bad_feature_rows`, :func:`bad_output_rows` — rows whose random features or predicted
   belief are not finite (a message the operator cannot evaluate): 422 naming the rows.
 * :func:`implausible_rows` — the observation rule: a belief is accepted if its standardised
@@ -22,6 +23,7 @@ carry, and observations that are plausible data (service/README.md, "Hostile inp
 from __future__ import annotations
 
 import copy
+import json
 import math
 from contextlib import nullcontext
 from typing import Any, Awaitable, Callable, ContextManager, TypeVar
@@ -38,7 +40,7 @@ from kjit.reductions import all_finite
 
 from .errors import ApiError, clean_errors
 
-__all__ = ["parse_body", "bad_feature_rows", "bad_output_rows", "implausible_rows", "MAX_VALUES_PER_ROW",
+__all__ = ["parse_body", "duplicate_key", "bad_feature_rows", "bad_output_rows", "implausible_rows", "MAX_VALUES_PER_ROW",
            "NUMERIC_ERRORS"]
 
 M = TypeVar("M", bound=BaseModel)
@@ -87,9 +89,57 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
         raise ApiError(422, ["body"], f"the body holds more than {MAX_KEYS} object keys (a valid request has a few "
                                       f"dozen)", "too_many_keys")
     try:
-        return model.model_validate_json(raw)
+        parsed = model.model_validate_json(raw)
     except ValidationError as exc:
         raise ApiError.many(422, clean_errors(exc.errors(include_url=False, include_input=False), ["body"]))
+    loc = duplicate_key(raw)
+    if loc is not None:
+        raise ApiError(422, ["body", *loc], f"the key {loc[-1]!r} appears more than once in the same object: "
+                                            f"which one is meant is ambiguous (send each key once)", "duplicate_key")
+    return parsed
+
+
+def duplicate_key(raw: bytes) -> list | None:
+    """The location (keys and list indices from the top) of the first key that a JSON text repeats
+    within one object, or None.  pydantic keeps the last of repeated keys and other parsers the
+    first, so such a body means different things to a proxy and to this server: it is refused.
+    Python's parser reads the body again (a few µs for one message; its C scanner for the number
+    arrays, a Python call per object only); None for a text it cannot read."""
+    found: list = []
+
+    def hook(pairs):
+        d = dict(pairs)
+        if len(d) != len(pairs) and not found:
+            seen: set = set()
+            for k, _ in pairs:
+                if k in seen:
+                    found.append((d, k))
+                    break
+                seen.add(k)
+        return d
+
+    try:
+        tree = json.loads(raw, object_pairs_hook=hook)
+    except (ValueError, RecursionError):
+        return None
+    if not found:
+        return None
+    target, key = found[0]
+    path = _path_to(tree, target)
+    return None if path is None else [*path, key]
+
+
+def _path_to(node, target) -> list | None:
+    """Keys and indices leading from ``node`` to the object ``target`` (by identity), or None."""
+    if node is target:
+        return []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, child in items:
+        if isinstance(child, (dict, list)):
+            sub = _path_to(child, target)
+            if sub is not None:
+                return [k, *sub]
+    return None
 
 
 #: bodies up to this size are parsed on the event loop (tens of µs: cheaper than a thread hop);

@@ -351,6 +351,45 @@ def test_a_body_with_thousands_of_keys_is_refused_unparsed(app_client):
         {"loc": ["body"], "type": "too_many_keys", "msg": r.json()["detail"][0]["msg"]}]
 
 
+@pytest.mark.parametrize("mode", ["predict", "jit"])
+def test_a_key_repeated_within_an_object_is_a_422_naming_it_and_changes_nothing(app_client, mode):
+    """pydantic keeps the last of repeated keys (another parser, e.g. a proxy's, the first): the
+    same bytes would mean two different messages, so the body is refused, at the repeated key."""
+    before = state(app_client)
+    good = json.dumps(good_x(1))
+    bodies = {  # (the repeated key, where)
+        ("body", "incoming", "x", "mean"): good.replace('"mean": [0.0]', '"mean": [0.0], "mean": [1e3]'),
+        ("body", "to"): good.replace('{"to": "x"', '{"to": "z", "to": "x"'),
+        ("body", "incoming", "z"): good.replace('"incoming": {', '"incoming": {"z": {"family": "gaussian", '
+                                                '"mean": [1.0], "var": [1.0]}, '),
+    }
+    for loc, raw in bodies.items():
+        assert json.loads(raw)  # valid JSON, and valid for the schema once the duplicate is dropped
+        r = app_client.post(f"/v1/operators/logistic-x/messages?mode={mode}", content=raw.encode(),
+                            headers={"Content-Type": "application/json", **AUTH})
+        assert r.status_code == 422, (loc, r.text)
+        assert r.json()["detail"][0]["type"] == "duplicate_key" and tuple(r.json()["detail"][0]["loc"]) == loc
+    r = app_client.post("/v1/operators/logistic-x/observations", headers={"Content-Type": "application/json", **AUTH},
+                        content=json.dumps({"incoming": good_x(1)["incoming"], "beliefs": {
+                            "family": "gaussian", "mean": [0.1], "var": [0.5]}}).replace(
+                            '"var": [0.5]', '"var": [0.5], "var": [0.4]').encode())
+    assert r.status_code == 422 and locs(r) == [("body", "beliefs", "var")]
+    assert state(app_client) == before
+    # the same keys in different objects are not repeats
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", content=good.encode(),
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 200
+
+
+def test_duplicate_key_locates_the_repeat_in_nested_lists_and_reads_only_json():
+    from service.validation import duplicate_key
+
+    assert duplicate_key(b'{"a": [1, {"b": 1}, [{"c": 1, "c": 2}]]}') == ["a", 2, 0, "c"]
+    assert duplicate_key(b'{"a": {"b": 1}, "b": {"a": 2}}') is None
+    assert duplicate_key(b'{"a": 1, "a": 1}') == ["a"]  # (even with the same value)
+    assert duplicate_key(b"not json") is None and duplicate_key(b"[" * 100000) is None
+
+
 def test_the_limits_are_kjit_environment_settings():
     from service.settings import Settings
 
