@@ -33,7 +33,7 @@ import numpy as np
 from .families import Family
 from .reductions import all_finite
 
-__all__ = ["SOURCES", "Certificates", "certified", "last_certificates", "projection_convention",
+__all__ = ["SOURCES", "Certificates", "above_threshold", "certified", "last_certificates", "projection_convention",
            "outgoing_proper", "count_answers", "json_columns"]
 
 #: where an answer came from
@@ -217,9 +217,7 @@ class Certificates:
         """(n,) learned answers whose log predictive variance is ≤ the threshold in every coordinate."""
         if self.threshold is None:
             return np.zeros(len(self), dtype=bool)
-        with np.errstate(invalid="ignore"):
-            ok = np.all(self.log_var <= self.threshold, axis=1)
-        return (self.source == "learned") & ok
+        return (self.source == "learned") & ~above_threshold(self.log_var, self.threshold)
 
     @property
     def uncertain(self) -> np.ndarray:
@@ -294,6 +292,14 @@ def last_certificates(op, answer) -> Certificates | None:
     if isinstance(cert, Certificates) and cert.of is answer:
         return cert
     return None
+
+
+def above_threshold(log_var, threshold) -> np.ndarray:
+    """(n,) rows of the (n, k) log variances that are not ≤ ``threshold`` in every coordinate: a NaN
+    variance, or a NaN threshold, is never confident (one rule for the JIT, the EP engines and
+    the client: ``log_var > threshold`` would let a NaN through as certain)."""
+    with np.errstate(invalid="ignore"):
+        return ~np.all(np.asarray(log_var, dtype=float) <= threshold, axis=-1)
 
 
 def certified(op, incoming: Mapping[str, Family], to, **kw) -> tuple[Family, Certificates]:

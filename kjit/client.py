@@ -41,15 +41,16 @@ import time
 import uuid
 import warnings
 from typing import Any, Mapping
+from urllib.parse import quote
 
 import numpy as np
 
-from .certificates import Certificates, last_certificates, outgoing_proper
+from .certificates import Certificates, above_threshold, last_certificates, outgoing_proper
 from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .reductions import all_finite
-from .transport import HttpxSession, Session, TransportError
+from .transport import HttpxSession, ResponseTooLarge, Session, TransportError
 
 __all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError", "UnknownOperatorError"]
 
@@ -172,6 +173,34 @@ def _joined(parts, fn) -> np.ndarray:
     return fn(parts[0]) if len(parts) == 1 else np.concatenate([fn(p) for p in parts])
 
 
+def _checked_info(info, url: str, name: str) -> dict:
+    """An operator's description as this client reads it (``factor`` and ``to`` strings, a
+    numeric or null ``threshold``, a positive ``limits.max_batch``), or a RemoteOperatorError
+    saying what is wrong (found by an audit: ``max_batch: 0`` looped on ``range()``'s error)."""
+    path = f"/v1/operators/{name}"
+
+    def bad(why):
+        return RemoteOperatorError(f"GET {url}{path}: the server's description of the operator is malformed: {why}",
+                                   200, None, "GET", path)
+
+    if not isinstance(info, dict):
+        raise bad(f"a JSON {type(info).__name__}, not an object")
+    for key in ("factor", "to"):
+        if not isinstance(info.get(key), str):
+            raise bad(f"{key} = {info.get(key)!r}")
+    thr = info.get("threshold")
+    if thr is not None and (type(thr) not in (int, float) or math.isnan(thr)):
+        raise bad(f"threshold = {thr!r}")
+    limits = info.get("limits", {})
+    if not isinstance(limits, dict):
+        raise bad(f"limits = {limits!r}")
+    for key in ("max_batch", "max_oracle_batch"):
+        v = limits.get(key)
+        if v is not None and (type(v) is not int or v < 1):
+            raise bad(f"limits.{key} = {v!r}")
+    return info
+
+
 class RemoteOperator:
     """A message operator served by ``kjit serve`` (see the module docstring).
 
@@ -214,6 +243,8 @@ class RemoteOperator:
             raise ValueError("`retries` must be >= 0")
         self.url = url.rstrip("/")
         self.name = name
+        # (quoted: a name with a space, "?" or "#" asked another operator's URL — found by an audit)
+        self._base = f"/v1/operators/{quote(str(name), safe='')}"
         self.mode = mode
         self.timeout = float(timeout)
         self.retries = int(retries)
@@ -263,7 +294,8 @@ class RemoteOperator:
             try:
                 resp = self._session.request(method, path, params=params, content=content, headers=hdrs)
             except TransportError as exc:
-                safe = retry == "connection" or (retry == "connect" and not exc.sent)
+                safe = ((retry == "connection" or (retry == "connect" and not exc.sent))
+                        and not isinstance(exc, ResponseTooLarge))  # (the same answer again)
                 if safe and attempt + 1 < attempts:
                     time.sleep(wait)
                     wait *= 2
@@ -294,7 +326,7 @@ class RemoteOperator:
         detail = body.get("detail") if isinstance(body, dict) else resp.text[:500]
         msg = f"{method} {path} → HTTP {resp.status_code}: {_describe(detail)}"
         cls = RemoteValidationError if resp.status_code in (400, 404, 409, 413, 422) else RemoteOperatorError
-        if resp.status_code == 404 and path.startswith(f"/v1/operators/{self.name}") and _types(detail) == {"not_found"}:
+        if resp.status_code == 404 and path.startswith(self._base) and _types(detail) == {"not_found"}:
             cls = UnknownOperatorError
         exc = cls(msg, resp.status_code, detail, method, path)
         if cls is RemoteValidationError and resp.status_code == 422:
@@ -305,7 +337,7 @@ class RemoteOperator:
     def info(self, refresh: bool = False) -> dict:
         """``GET /v1/operators/{name}``: factor, direction, families, sizes, counters, version."""
         if self._info is None or refresh:
-            self._info = self._request("GET", f"/v1/operators/{self.name}")
+            self._info = _checked_info(self._request("GET", self._base), self.url, self.name)
         return self._info
 
     def counters(self) -> dict:
@@ -410,7 +442,7 @@ class RemoteOperator:
             rows = flat if n <= step else {v: m[s:s + step] for v, m in flat.items()}  # (one part: no copies)
             body = {"to": self.to, "incoming": {v: _columns(m, f"incoming[{v!r}]") for v, m in rows.items()}}
             try:
-                parts.append(self._request("POST", f"/v1/operators/{self.name}/messages", json_body=body,
+                parts.append(self._request("POST", f"{self._base}/messages", json_body=body,
                                            params={"mode": mode}, retry=retry))
             except RemoteValidationError as exc:
                 if not parts and not _refreshed and _types(exc.detail) == {"too_long"}:
@@ -422,11 +454,17 @@ class RemoteOperator:
                     exc.rows = exc.rows + s  # the part's rows as the batch's
                 raise
         fam = self.family
+        path = f"{self._base}/messages"
+        for i, p in enumerate(parts):
+            self._check_answer(p, min(step, n - i * step), path)
 
         def joined(fn):
             return _joined(parts, fn)
 
-        beliefs = fam.concatenate([fam(*(p["beliefs"][k] for k in fam.param_names)) for p in parts])
+        try:
+            beliefs = fam.concatenate([fam(*(p["beliefs"][k] for k in fam.param_names)) for p in parts])
+        except ValueError as exc:  # (a family's own check: NaN, a negative variance, ...)
+            raise self._malformed(path, f"its beliefs are not {fam.__name__} messages ({exc})") from None
         consulted = joined(lambda p: np.asarray(p["consulted"], dtype=bool))
         # mode=predict: the rows the served operator's just-in-time rule would consult (None from
         # a server that does not say)
@@ -443,6 +481,51 @@ class RemoteOperator:
         self.last_uncertain_ = uncertain
         return (beliefs, joined(lambda p: _columns_array(p["messages"]["natural"], p["n"])) if natural else None,
                 self._logvar(parts) if logvar else None, consulted, shape, flat)
+
+    def _malformed(self, path: str, why: str) -> RemoteOperatorError:
+        return RemoteOperatorError(f"POST {self.url}{path}: the server's answer is malformed: {why}", 200, None,
+                                   "POST", path)
+
+    def _check_answer(self, p, rows: int, path: str) -> None:
+        """A messages answer holds what this client reads, for ``rows`` messages: beliefs of the
+        recipient's family, ``consulted``, finite natural parameters of the messages, ``log_var``
+        (or null), ``version`` — else a :class:`RemoteOperatorError` saying what is wrong (found by
+        an audit: a raw KeyError or broadcast error, or a message of NaN returned as an answer)."""
+        fam = self.family
+
+        def column(c, what):
+            if not isinstance(c, list) or len(c) != rows:
+                raise self._malformed(path, f"{what} holds {len(c) if isinstance(c, list) else type(c).__name__}"
+                                            f" values for {rows} messages")
+            return c
+
+        def columns(cs, what, finite):
+            if not isinstance(cs, list) or not cs:
+                raise self._malformed(path, f"{what} is not a list of columns")
+            for j, c in enumerate(cs):
+                column(c, f"{what}[{j}]")
+                if finite and not all(type(x) in (int, float) and math.isfinite(x) for x in c):
+                    raise self._malformed(path, f"{what}[{j}] holds a value that is not a finite number")
+
+        if not isinstance(p, dict):
+            raise self._malformed(path, f"a JSON {type(p).__name__}, not an object")
+        if p.get("n") != rows:
+            raise self._malformed(path, f"n = {p.get('n')!r} for a request of {rows} messages")
+        b = p.get("beliefs")
+        if not isinstance(b, dict) or b.get("family") != family_name(fam):
+            got = b.get("family") if isinstance(b, dict) else b
+            raise self._malformed(path, f"its beliefs are {got!r}, not {family_name(fam)} messages")
+        for name in fam.param_names:
+            column(b.get(name), f"beliefs.{name}")
+        column(p.get("consulted"), "consulted")
+        msgs = p.get("messages")
+        columns(msgs.get("natural") if isinstance(msgs, dict) else None, "messages.natural", True)
+        if p.get("log_var") is not None:
+            columns(p["log_var"], "log_var", False)
+        if p.get("uncertain") is not None:
+            column(p["uncertain"], "uncertain")
+        if type(p.get("version")) is not int:
+            raise self._malformed(path, f"version = {p.get('version')!r}")
 
     def _logvar(self, parts) -> np.ndarray:
         """The answers' log predictive variances (n, k); NaN where the server gives none (mode=oracle)."""
@@ -485,7 +568,7 @@ class RemoteOperator:
         uncertain = self.last_uncertain_
         if uncertain is None:  # a server that does not mark the rows: its threshold alone
             thr = self.threshold
-            uncertain = np.any(logvar > thr, axis=1) if thr is not None else np.zeros(len(q), dtype=bool)
+            uncertain = above_threshold(logvar, thr) if thr is not None else np.zeros(len(q), dtype=bool)
         if uncertain.any():
             rows = np.flatnonzero(uncertain)
             sub = {v: m[rows] for v, m in flat.items()}
@@ -562,7 +645,7 @@ class RemoteOperator:
         for s in range(0, n, step):
             body = {"incoming": {v: _columns(m[s:s + step], f"incoming[{v!r}]") for v, m in flat.items()},
                     "beliefs": _columns(b[s:s + step], "beliefs")}
-            out = self._request("POST", f"/v1/operators/{self.name}/observations", json_body=body,
+            out = self._request("POST", f"{self._base}/observations", json_body=body,
                                 headers={"Idempotency-Key": uuid.uuid4().hex}, retry="connection")
             self.last_version_ = out["version"]
         return out

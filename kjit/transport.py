@@ -27,11 +27,16 @@ import re
 import select
 import socket
 import threading
+import time
 from typing import Callable
 from urllib.parse import urlencode, urlsplit
 
 __all__ = ["Session", "Response", "TransportError", "ConnectError", "ConnectTimeout", "WriteError",
-           "ReadTimeout", "RemoteProtocolError"]
+           "ReadTimeout", "RemoteProtocolError", "ResponseTooLarge", "MAX_RESPONSE_BYTES"]
+
+#: the largest answer a Session reads (bytes): a one-message answer is ~1 kB, the default server's
+#: largest (10 000 rows) ~3 MB; a server announcing or sending more is refused, never buffered
+MAX_RESPONSE_BYTES = 256 * 2**20
 
 
 class TransportError(OSError):
@@ -58,6 +63,10 @@ class ReadTimeout(TransportError):
 
 class RemoteProtocolError(TransportError):
     pass
+
+
+class ResponseTooLarge(RemoteProtocolError):
+    """The answer is larger than the Session's ``max_response_bytes`` (not read past that)."""
 
 
 class Response:
@@ -125,18 +134,41 @@ class _Reader:
     ``socket.makefile("rb")`` reader gives them, kept for the connection's life (not made per
     answer), with what is left over after an answer visible (:meth:`pending`)."""
 
-    __slots__ = ("sock", "buf", "pos")
+    __slots__ = ("sock", "buf", "pos", "deadline", "timeout", "budget")
 
     def __init__(self, sock):
         self.sock = sock
         self.buf = b""
         self.pos = 0
+        self.deadline = None  # (time.monotonic() by which the answer must be complete; None: none)
+        gettimeout = getattr(sock, "gettimeout", None)  # (the socket's, as last set)
+        self.timeout = gettimeout() if gettimeout is not None else None
+        self.budget = None  # (bytes an answer may still bring; None: no limit)
 
     def pending(self) -> int:
         return len(self.buf) - self.pos
 
-    def _fill(self) -> bool:
+    def settimeout(self, timeout) -> None:
+        if timeout != self.timeout:
+            self.sock.settimeout(timeout)
+            self.timeout = timeout
+
+    def _recv(self) -> bytes:
+        """One ``recv``, within what is left of the deadline, and within the byte budget."""
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the answer took longer than the request's timeout")
+            self.settimeout(left)
         data = self.sock.recv(65536)
+        if self.budget is not None:
+            self.budget -= len(data)
+            if self.budget < 0:
+                raise ResponseTooLarge("the answer is larger than the client accepts")
+        return data
+
+    def _fill(self) -> bool:
+        data = self._recv()
         if not data:
             return False
         self.buf = self.buf[self.pos:] + data if self.pos < len(self.buf) else data
@@ -165,7 +197,7 @@ class _Reader:
             return out
         parts, self.buf, self.pos = [self.buf[self.pos:]], b"", 0
         while n is None or have < n:
-            data = self.sock.recv(65536)
+            data = self._recv()
             if not data:
                 break
             parts.append(data)
@@ -192,7 +224,6 @@ class _Connection:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.reader = _Reader(sock)
-        self.timeout = sock.gettimeout()
         self._poll = None
 
     def stale(self) -> bool:
@@ -209,9 +240,7 @@ class _Connection:
             return True
 
     def settimeout(self, timeout: float) -> None:
-        if timeout != self.timeout:
-            self.sock.settimeout(timeout)
-            self.timeout = timeout
+        self.reader.settimeout(timeout)
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -308,6 +337,10 @@ class _Response:
                     raise http.client.HTTPException(f"bad Content-Length {n!r}") from None
                 if self.length < 0:
                     raise http.client.HTTPException(f"bad Content-Length {n!r}")
+                budget = self.fp.budget if isinstance(self.fp, _Reader) else None
+                if budget is not None and self.length > budget:
+                    raise ResponseTooLarge(f"the answer announces {self.length} bytes, more than the client "
+                                           f"accepts ({budget})")
             else:
                 self.will_close = True  # the body ends where the connection does
 
@@ -356,13 +389,14 @@ class _Response:
 
 class Session:
     """Requests to one server (``base_url``: scheme, host, port and an optional path prefix) over
-    one keep-alive connection.  ``timeout``: seconds for each read and write of a request;
-    ``connect_timeout``: for opening the connection.  Requests from several threads take turns
+    one keep-alive connection.  ``timeout``: seconds for sending a request, and for its whole
+    answer; ``connect_timeout``: for opening the connection; ``max_response_bytes``: the largest
+    answer read (:class:`ResponseTooLarge` beyond).  Requests from several threads take turns
     on the connection.  ``on_request``: callables given ``(method, url, {"connect": s, "read": s})``
     before each attempt is sent (a seam for tests and logging)."""
 
     def __init__(self, base_url: str, headers: dict | None = None, timeout: float = 60.0,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, max_response_bytes: int = MAX_RESPONSE_BYTES):
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"`url` must be http(s)://host[:port][/prefix], got {base_url!r}")
@@ -379,6 +413,7 @@ class Session:
         self.headers.update(headers or {})
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
+        self.max_response_bytes = int(max_response_bytes)
         self.on_request: list[Callable] = []
         self._conn: _Connection | None = None
         self._last_query: tuple[tuple, str] | None = None
@@ -476,13 +511,20 @@ class Session:
         except BaseException:  # interrupted: unknown state
             conn.close()
             raise
+        reader = conn.reader
         try:
-            r = _Response(conn.sock, method=method, reader=conn.reader)
+            # the whole answer within the timeout (a server dripping bytes cannot hold a call
+            # forever), and no larger than the client accepts (found by an audit: 400 MB buffered)
+            reader.deadline, reader.budget = time.monotonic() + self.timeout, self.max_response_bytes
+            r = _Response(conn.sock, method=method, reader=reader)
             r.begin()
             data = r.read()
         except socket.timeout as exc:
             conn.close()
-            raise ReadTimeout(f"no answer from {self.host}:{self.port} within {self.timeout:g} s") from exc
+            raise ReadTimeout(f"no complete answer from {self.host}:{self.port} within {self.timeout:g} s") from exc
+        except ResponseTooLarge as exc:
+            conn.close()
+            raise ResponseTooLarge(f"{self.host}:{self.port}: {exc}") from exc
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise RemoteProtocolError(f"the connection to {self.host}:{self.port} broke before a complete "
@@ -490,6 +532,7 @@ class Session:
         except BaseException:  # e.g. KeyboardInterrupt: the answer may still come on this connection
             conn.close()
             raise
+        reader.deadline = reader.budget = None
         if r.will_close:
             conn.close()
         else:

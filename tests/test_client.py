@@ -250,3 +250,100 @@ def test_a_busy_oracle_slot_is_retried_when_the_server_says_when():
         assert op.health() == {"status": "ok"} and busy.requests == 2
     finally:
         busy.close()
+
+
+# ---------------------------------------------------------------- a server whose 200 answers are malformed
+# (found by the nineteenth session's audit: raw KeyError / TypeError / broadcast errors, or a message of
+# NaN returned as the answer)
+
+_INFO = {"factor": "logistic", "factor_params": {}, "to": "x", "threshold": -9.0, "limits": {"max_batch": 500},
+         "version": 1, "counters": {}}
+
+
+def _good(n):
+    return {"n": n, "version": 1, "beliefs": {"family": "gaussian", "mean": [0.5] * n, "var": [1.0] * n},
+            "messages": {"family": "gaussian", "natural": [[0.1] * n, [-0.2] * n], "is_proper": [True] * n},
+            "log_var": [[-12.0] * n, [-12.0] * n], "consulted": [False] * n, "certificates": None, "uncertain": None}
+
+
+def _bad(case, n):
+    a = _good(n)
+    if case == "a_list":
+        return [1, 2, 3]
+    if case == "detail":
+        return {"detail": "oops"}
+    if case == "beta_beliefs":
+        a["beliefs"] = {"family": "beta", "alpha": [1.0] * n, "beta": [1.0] * n}
+    if case == "one_belief_short":
+        a["beliefs"]["mean"] = a["beliefs"]["mean"][:-1]
+    if case == "null_natural":
+        a["messages"]["natural"][0][1] = None
+    if case == "nan_belief":
+        a["beliefs"]["var"][0] = -1.0
+    if case == "n_wrong":
+        a["n"] = n + 1
+    if case == "log_var_short":
+        a["log_var"] = [[-12.0] * (n - 1)] * 2
+    return a
+
+
+class _Canned(AcceptLoop):
+    """GET: the operator's description (``info``); POST: ``answer(n)`` for a request of n messages."""
+
+    def __init__(self, answer, info=_INFO):
+        self.answer, self.info = answer, info
+        super().__init__()
+
+    def on_connection(self, c):
+        import json
+
+        c.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
+        while len(body) < length:
+            body += c.recv(65536)
+        if head.startswith(b"GET"):
+            out = self.info
+        else:
+            inc = json.loads(body)["incoming"]
+            out = self.answer(len(inc["x"]["mean"]))
+        raw = json.dumps(out).encode()
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: "
+                  + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        c.close()
+
+
+_INC = {"x": Gaussian([0.5, -1.0, 2.0], [1.0, 2.0, 0.5]), "z": Beta([2.0, 1.0, 2.0], [1.0, 2.0, 1.0])}
+
+
+@pytest.mark.parametrize("case", ["a_list", "detail", "beta_beliefs", "one_belief_short", "null_natural",
+                                  "nan_belief", "n_wrong", "log_var_short"])
+def test_a_malformed_answer_is_a_remote_operator_error_saying_what_is_wrong(case):
+    srv = _Canned(lambda n: _bad(case, n))
+    try:
+        with RemoteOperator(srv.url, "op", mode="predict", retries=0) as op:
+            with pytest.raises(RemoteOperatorError, match="the server's answer is malformed"):
+                op.message(_INC)
+    finally:
+        srv.close()
+    srv = _Canned(_good)  # (the canned server itself is read correctly)
+    try:
+        with RemoteOperator(srv.url, "op", mode="predict", retries=0) as op:
+            assert np.allclose(op.belief(_INC).mean(), 0.5) and op.predict(_INC)[1].shape == (3, 2)
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("change", [{"limits": {"max_batch": 0}}, {"limits": {"max_batch": -1}}, {"threshold": "x"},
+                                    {"to": None}, {"limits": {"max_batch": 2.5}}])
+def test_a_malformed_description_is_a_remote_operator_error(change):
+    srv = _Canned(_good, info={**_INFO, **change})
+    try:
+        with RemoteOperator(srv.url, "op", mode="predict", retries=0) as op:
+            with pytest.raises(RemoteOperatorError, match="description of the operator is malformed"):
+                op.belief(_INC)
+    finally:
+        srv.close()

@@ -319,6 +319,30 @@ def test_uncertain_answers_are_counted_warned_raised_or_replaced():
         assert LinearEP(quiet, max_iter=3).run(X, lab).n_uncertain == 0
 
 
+@pytest.mark.parametrize("logvar, threshold", [(np.nan, -8.0), (-12.0, np.nan)])
+def test_a_nan_variance_or_threshold_is_never_confident(logvar, threshold):
+    """A NaN log variance (a server's null) or a NaN threshold compared with ``>`` is False: the
+    answers passed as confident and on_uncertain="raise" never fired (found by an audit: EP
+    returned a posterior off by every answer's error, with no warning)."""
+    X, y = logistic_problem(20, 2, seed=4)
+    lab = _labels(y)
+    op = _FixedOperator(-0.01, logvar=logvar, threshold=threshold)
+    with pytest.raises(UncertainAnswerError):
+        LinearEP(op, max_iter=3, on_uncertain="raise").run(X, lab)
+    with pytest.warns(UncertainAnswerWarning):
+        res = LinearEP(op, max_iter=3).run(X, lab)
+    assert res.n_uncertain == 20 * res.iterations
+
+
+def test_above_threshold_counts_nan_as_uncertain():
+    from kjit.certificates import above_threshold
+
+    lv = np.array([[-10.0, -12.0], [-10.0, np.nan], [-7.0, -12.0], [np.nan, np.nan]])
+    assert above_threshold(lv, -8.0).tolist() == [False, True, True, True]
+    assert above_threshold(lv, np.nan).tolist() == [True] * 4
+    assert above_threshold(lv, np.inf).tolist() == [False, True, False, True]
+
+
 def test_learned_operator_ep_skips_no_message_as_negative(small_op, monkeypatch):
     """The engine-level effect (the issue: 17-18 % of a served operator's messages skipped as
     negative, every iteration): with the factor's bound, none is; without it (the bound

@@ -536,3 +536,63 @@ def test_reading_a_body_in_small_pieces_copies_it_a_bounded_number_of_times():
     resp.begin()
     assert resp.read() == body
     assert r.copied <= 4 * len(body), f"{r.copied / len(body):.0f} x the body copied"
+
+
+# ---------------------------------------------------------------- found by the nineteenth session's audit of
+# the client against misbehaving servers (each failed before its fix)
+
+class _Streamer(AcceptLoop):
+    """Answers the first request with ``head`` and then ``piece`` every ``every`` s, for ``total``
+    pieces (or until the client goes)."""
+
+    def __init__(self, head: bytes, piece: bytes, every: float, total: int):
+        self.head, self.piece, self.every, self.total = head, piece, every, total
+        super().__init__()
+
+    def on_connection(self, c):
+        threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        try:
+            c.recv(65536)
+            c.sendall(self.head)
+            for _ in range(self.total):
+                c.sendall(self.piece)
+                time.sleep(self.every)
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+
+def test_a_server_dripping_its_answer_cannot_hold_a_request_past_its_timeout():
+    """The timeout bounded each recv, not the answer: a byte every 0.2 s held a 1 s request for as
+    long as the server liked (40 s in the audit)."""
+    srv = _Streamer(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"x", every=0.2, total=100)
+    s = T.Session(srv.url, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ReadTimeout, match="no complete answer"):
+        s.request("GET", "/")
+    elapsed = time.monotonic() - t0
+    srv.close()
+    # (1 s, plus the scheduling of a loaded machine; the old code took 100 × 0.2 = 20 s)
+    assert 0.9 <= elapsed < 5.0, elapsed
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked", "until_close"])
+def test_an_answer_larger_than_the_client_accepts_is_refused_not_buffered(framing):
+    heads = {"length": b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n",
+             "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+             "until_close": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"}
+    piece = b"10000\r\n" + b"x" * 0x10000 + b"\r\n" if framing == "chunked" else b"x" * 65536
+    srv = _Streamer(heads[framing], piece, every=0.0, total=64)  # 4 MiB in all
+    s = T.Session(srv.url, timeout=10.0, max_response_bytes=2**20)
+    with pytest.raises(T.ResponseTooLarge, match="than the client accepts"):
+        s.request("GET", "/")
+    srv.close()
+    assert s._conn is None  # (the connection is dropped, not reused with the rest of the answer in it)
+    if framing != "chunked":  # and within the limit the same framing is read whole
+        srv = _Streamer(heads[framing].replace(b"1000000000000", b"%d" % (4 * 65536)), piece, every=0.0, total=4)
+        r = T.Session(srv.url, timeout=10.0, max_response_bytes=2**20).request("GET", "/")
+        srv.close()
+        assert r.status_code == 200 and len(r.content) == 4 * 65536

@@ -147,7 +147,7 @@ from scipy import linalg
 from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
-from ..certificates import Certificates, certified, count_answers, last_certificates, outgoing_proper
+from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
 from ..errors import ConfigurationError, rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
@@ -715,8 +715,7 @@ class LinearEP:
         if thr is None:
             _count(rec, cert, n)
             return q, logvar_spread
-        with np.errstate(invalid="ignore"):
-            unc = ~consulted & np.any(logvar > thr, axis=-1)
+        unc = ~consulted & above_threshold(logvar, thr)
         if not unc.any():
             _count(rec, cert, n)
             return q, logvar_spread
