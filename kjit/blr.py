@@ -743,6 +743,11 @@ class BayesianLinearRegression:
                 raise ValueError(
                     f"state dict key {key!r} has shape {arrays[key].shape}, expected {shape}"
                 )
+        for key, a in arrays.items():  # (a damaged or altered file: refused here, not used as confident)
+            if not np.all(np.isfinite(a)):
+                raise ValueError(f"state dict key {key!r} holds numbers that are not finite")
+        if np.any(np.diagonal(arrays["Sigma"]) <= 0) or np.any(np.diagonal(arrays["A"]) < 0):
+            raise ValueError("state dict keys 'Sigma' / 'A' are not covariances (a diagonal entry is not positive)")
         s = None
         if "x_sum" in d:  # states saved before the column sums were kept have none
             s = np.array(get("x_sum"), dtype=np.float64, order="C", copy=True)

@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .blr import BayesianLinearRegression, _posterior_from_stats
-from .certificates import Certificates, certified, outgoing_proper, projection_convention
+from .certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
 from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
@@ -1166,13 +1166,14 @@ class KernelOperator(Operator):
     def from_state_dict(cls, state: Mapping) -> "KernelOperator":
         try:
             p, f = state["params"], state["fitted"]
-            factor = get_factor(p["factor"], **json.loads(p["factor_params"]))
+            factor = get_factor(p["factor"], **_state_json(p, "factor_params", "params/", dict))
             op = cls(
                 factor, p["to"], n_inner=p["n_inner"], n_outer=p["n_outer"], treatment=p["treatment"],
-                inner_factors=json.loads(p["inner_factors"]), width_factors=json.loads(p["width_factors"]),
+                inner_factors=_state_json(p, "inner_factors", "params/"),
+                width_factors=_state_json(p, "width_factors", "params/"),
                 prior_vars=p["prior_vars"], noise_vars=p["noise_vars"], random_state=p.get("random_state"),
                 dtype=p["dtype"], target=p.get("target", "absolute"), canonical=bool(p.get("canonical", False)),
-                width_rules=json.loads(p.get("width_rules", '["mean_variance"]')),
+                width_rules=_state_json(p, "width_rules", "params/", default='["mean_variance"]'),
                 reference=str(p.get("reference", "incoming")),
             )
             op.width_rule_ = str(f.get("width_rule", "mean_variance"))
@@ -1188,7 +1189,8 @@ class KernelOperator(Operator):
             op.y_scale_ = np.asarray(f["y_scale"], float)
             for key in ("inner_factor", "width_factor", "prior_var", "noise_var", "log_evidence", "fit_seconds"):
                 setattr(op, key + "_", float(f[key]))
-            op.search_ = json.loads(f["search"])
+            op.search_ = _state_json(f, "search", "fitted/")
+            _check_fitted_state(op)
             # states saved before the range was kept: no extrapolation check
             op.target_range_ = np.asarray(f["target_range"], float) if "target_range" in f else None
             if op.target_range_ is not None and (op.target_range_.shape != (2, op.y_mean_.size)
@@ -1208,9 +1210,48 @@ class KernelOperator(Operator):
                     op.error_model_["fold_of"] = np.asarray(e["fold_of"], int)
         except KeyError as exc:
             raise ValueError(f"operator state is missing {exc}") from None
+        except (TypeError, AttributeError) as exc:  # (a value of the wrong kind: a scalar for a mapping, ...)
+            raise ValueError(f"operator state is malformed: {exc}") from None
         if op.features_.n_outer != op.blr_.coef_.shape[0]:
             raise ValueError("operator state is inconsistent: feature size differs from regression size")
+        if op.blr_.coef_.shape[1] != op.y_mean_.size:
+            raise ValueError(f"operator state is inconsistent: the regression has {op.blr_.coef_.shape[1]} outputs, "
+                             f"the targets {op.y_mean_.size}")
         return op
+
+
+def _state_json(d: Mapping, key: str, where: str, kind: type | None = None, default: str | None = None):
+    """A JSON-text entry of a saved state, decoded; a ValueError naming it if it is not JSON (of ``kind``)."""
+    text = d[key] if default is None else d.get(key, default)
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"operator state entry {where}{key} is not valid JSON") from None
+    if kind is not None and not isinstance(value, kind):
+        raise ValueError(f"operator state entry {where}{key} must be a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _check_fitted_state(op: "KernelOperator") -> None:
+    """What a prediction relies on, checked when a saved operator is read (found by an audit: a
+    damaged ``y_scale`` or ``noise_var`` loaded, and the operator answered with NaN or −inf log
+    variances that the just-in-time rule took as confident)."""
+    k = len(op.family.coord_names)
+    for name in ("y_mean_", "y_scale_"):
+        a = getattr(op, name)
+        if a.shape != (k,) or not np.all(np.isfinite(a)):
+            raise ValueError(f"operator state entry fitted/{name[:-1]} must be {k} finite numbers (the "
+                             f"{op.family.__name__} coordinates of {op.to!r}), got shape {a.shape}")
+    if np.any(op.y_scale_ <= 0):
+        raise ValueError("operator state entry fitted/y_scale must be positive")
+    for name in ("prior_var_", "noise_var_", "inner_factor_", "width_factor_"):
+        v = getattr(op, name)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"operator state entry fitted/{name[:-1]} must be a positive number, got {v!r}")
+    if op.canonical_:
+        if type(op.factor).symmetry is Factor.symmetry:  # (the base class's: no symmetry declared)
+            raise ValueError(f"operator state says it uses factor {op.factor.name!r}'s canonical frame, which "
+                             f"this factor has none of")
 
 
 class TargetsOutOfRangeError(ValueError):
@@ -2339,7 +2380,7 @@ class JITOperator(Operator):
             # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
             # beliefs moving by ~2e-2 and never converging)
             sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
-        out = (logvar > self.threshold).any(axis=-1) | sign
+        out = above_threshold(logvar, self.threshold) | sign
         guarded = self._guarded(psi)
         return out if guarded is None else out | guarded
 
@@ -2508,7 +2549,7 @@ class JITOperator(Operator):
 
         try:
             p = state["params"]
-            factor = get_factor(p["factor"], **json.loads(p["factor_params"]))
+            factor = get_factor(p["factor"], **_state_json(p, "factor_params", "params/", dict))
             o = state["oracle"]
             if o["kind"] == "quadrature":
                 oracle = QuadratureOracle(factor)
@@ -2529,7 +2570,8 @@ class JITOperator(Operator):
                 raise ValueError(f"unknown oracle kind {o['kind']!r}")
             operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
             jit = cls(operator, oracle, threshold=float(p["threshold"]), initial_batch=int(p["initial_batch"]),
-                      to=p["to"], operator_kwargs=json.loads(p["operator_kwargs"]), target_kl=p.get("target_kl"),
+                      to=p["to"], operator_kwargs=_state_json(p, "operator_kwargs", "params/", dict),
+                      target_kl=p.get("target_kl"),
                       selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"),
                       density_guard=p.get("density_guard"), guard_share=p.get("guard_share"))
             if o["kind"] in ("importance_sampling", "message_sampler"):
@@ -2543,10 +2585,15 @@ class JITOperator(Operator):
                 pend = state["pending"]
                 inc = {v: factor.families[v].from_dict(d) for v, d in pend["incoming"].items()}
                 bel = jit.family.from_dict(pend["beliefs"])
+                if set(inc) != set(factor.variables) or any(m.shape != bel.shape or m.ndim != 1 for m in inc.values()):
+                    raise ValueError(f"JIT operator state's pending pairs are inconsistent: incoming "
+                                     f"{ {v: m.shape for v, m in inc.items()} }, beliefs {bel.shape}")
                 jit._pending = [(inc, bel)]
                 jit._n_pending = len(bel)
         except KeyError as exc:
             raise ValueError(f"JIT operator state is missing {exc}") from None
+        except (TypeError, AttributeError) as exc:  # (a value of the wrong kind)
+            raise ValueError(f"JIT operator state is malformed: {exc}") from None
         return jit
 
 

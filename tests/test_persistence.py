@@ -208,6 +208,65 @@ def test_refuses_a_corrupted_entry_with_value_error(op, tmp_path):
         load_operator(path)
 
 
+def _altered(op, change):
+    """``op``'s saved state with ``change(state)`` applied, written and read back."""
+    import copy
+
+    state = copy.deepcopy(op.state_dict())
+    change(state)
+    return loads_state(dumps_state("KernelOperator", state))[1]
+
+
+def _set(path, value):
+    def change(state):
+        d = state
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value(d[path[-1]]) if callable(value) else value
+    return change
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (("blr", "Sigma"), lambda a: np.full_like(a, np.nan), "Sigma"),
+    (("blr", "coef"), lambda a: np.where(np.arange(a.size).reshape(a.shape) == 3, np.inf, a), "coef"),
+    (("blr", "Sigma"), lambda a: -a, "Sigma"),
+    (("fitted", "y_scale"), lambda a: 0 * a, "y_scale"),
+    (("fitted", "y_scale"), lambda a: -a, "y_scale"),
+    (("fitted", "y_scale"), lambda a: np.ones(7), "y_scale"),
+    (("fitted", "y_mean"), lambda a: np.full_like(a, np.nan), "y_mean"),
+    (("fitted", "noise_var"), float("nan"), "noise_var"),
+    (("fitted", "prior_var"), -1.0, "prior_var"),
+    (("fitted", "search"), "x{", "search"),
+    (("params", "factor_params"), "{", "factor_params"),
+    (("params", "factor_params"), "[1]", "factor_params"),
+    (("fitted", "canonical"), True, "canonical"),
+])
+def test_a_damaged_state_is_refused_at_load_naming_the_entry(op, path, value, field):
+    """Found by an audit: these loaded, and the operator answered NaN or −inf log variances (taken
+    as confident by the just-in-time rule), a far row as confident, or failed only at its first
+    prediction with a numpy error."""
+    state = _altered(op, _set(path, value))
+    with pytest.raises(ValueError, match=field if field != "canonical" else "canonical frame"):
+        KernelOperator.from_state_dict(state)
+    # (the unaltered state loads and predicts as the operator does)
+    again = KernelOperator.from_state_dict(_altered(op, lambda s: None))
+    inc = {"x": Gaussian([0.0, 1.0], [1.0, 2.0]), "z": Beta([2.0, 1.0], [1.0, 3.0])}
+    np.testing.assert_array_equal(again.predict(inc)[1], op.predict(inc)[1])
+
+
+def test_a_nan_log_variance_is_consulted_by_the_jit(op):
+    """Whatever makes a prediction's variance NaN, the just-in-time rule consults that row."""
+    from kjit.operators import JITOperator
+
+    jit = JITOperator(op, QuadratureOracle(Logistic()), threshold=1e9)  # (nothing is above this threshold)
+    inc = {"x": Gaussian([0.0, 1.0], [1.0, 2.0]), "z": Beta([2.0, 1.0], [1.0, 3.0])}
+    assert not jit.screen(inc)[2].any()
+    jit.operator = KernelOperator.from_state_dict(op.state_dict())
+    blr = jit.operator.blr_
+    blr.Sigma_ = np.full_like(blr.Sigma_, np.nan)  # (altered in memory: loading refuses it)
+    assert jit.screen(inc)[2].all()
+
+
 # -------------------------------------------------------------- never unpickles
 
 MARKER_ENV = "KJIT_TEST_PICKLE_MARKER"
