@@ -108,6 +108,10 @@ def _cached_propriety(compute):
     return is_proper
 
 
+#: numpy dtype kinds a family's parameters may be given in: real floats, integers, booleans
+_NUMERIC_KINDS = frozenset("fiub")
+
+
 class Family:
     """Base class of array-valued exponential-family messages.
 
@@ -137,13 +141,18 @@ class Family:
                 # converted first (an ``__array__`` object without numpy 2's ``copy`` argument) and
                 # copied below
                 if type(p) is list:
-                    a = np.array(p, dtype=float)
+                    a = np.array(p)
                     owned.append(True)
                 else:
-                    a = np.asarray(p, dtype=float)
+                    a = np.asarray(p)
                     owned.append(False)
+                if a.dtype.kind not in _NUMERIC_KINDS:
+                    # (a cast would drop an imaginary part, or read "2" or a date as a number)
+                    raise TypeError(f"got an array of {a.dtype}")
+                if a.dtype != np.float64:
+                    a = a.astype(float)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"{type(self).__name__}: `{name}` must be numeric ({exc})") from None
+                raise ValueError(f"{type(self).__name__}: `{name}` must be real numbers ({exc})") from None
             arrays.append(a)
         for a in arrays:
             if a.shape != arrays[0].shape:  # (one shape, the usual case: nothing to broadcast)
@@ -787,30 +796,40 @@ def _digamma_diff(x, y):
     big = x >= _ASYMPTOTIC
     xs = np.where(big, x, _ASYMPTOTIC)  # evaluate the series only where it is valid
     xy = xs + y
-    # ψ(x) ~ log x − 1/(2x) − 1/(12x²) + 1/(120x⁴), differences formed term by term
-    series = (
-        -np.log1p(y / xs)
-        - y / (2.0 * xs * xy)
-        - y * (2.0 * xs + y) / (12.0 * xs * xy) / (xs * xy)
-        + ((1.0 / xs) ** 4 - (1.0 / xy) ** 4) / 120.0
-    )
+    # ψ(x) ~ log x − 1/(2x) − 1/(12x²) + 1/(120x⁴), differences formed term by term, in r = y/x
+    # and v = 1/(x + y) (products such as x·(x + y) overflow beyond x ~ 1e154: found by an audit,
+    # Beta.project then answered 15 % off)
+    with np.errstate(over="ignore", invalid="ignore"):  # (rows off the series' range: discarded below)
+        r, v = y / xs, 1.0 / xy
+        series = (
+            -np.log1p(r)
+            - r * v / 2.0
+            - (r * v) * ((2.0 + r) * v) / 12.0
+            + ((1.0 / xs) ** 4 - v**4) / 120.0
+        )
     return np.where(big, series, special.digamma(x) - special.digamma(x + y))
 
 
-def _trigamma_diff(x, y):
-    """ψ'(x) − ψ'(x + y) for y > 0, without cancellation when x ≫ y."""
+def _scaled_trigamma_diff(x, y):
+    """x·(ψ'(x) − ψ'(x + y)) for y > 0, without cancellation when x ≫ y, and without underflow
+    (the difference alone is ~y/x², zero in doubles beyond x ~ 1e154: Beta.project's Jacobian
+    then was singular — found by an audit)."""
     x, y = np.broadcast_arrays(np.asarray(x, float), np.asarray(y, float))
     big = x >= _ASYMPTOTIC
     xs = np.where(big, x, _ASYMPTOTIC)
     xy = xs + y
-    # ψ'(x) ~ 1/x + 1/(2x²) + 1/(6x³) − 1/(30x⁵)
-    series = (
-        y / (xs * xy)
-        + y * (2.0 * xs + y) / (2.0 * xs * xy) / (xs * xy)
-        + ((1.0 / xs) ** 3 - (1.0 / xy) ** 3) / 6.0
-        - ((1.0 / xs) ** 5 - (1.0 / xy) ** 5) / 30.0
-    )
-    return np.where(big, series, trigamma(x) - trigamma(x + y))
+    # ψ'(x) ~ 1/x + 1/(2x²) + 1/(6x³) − 1/(30x⁵), times x, in r = y/x, v = 1/(x + y), x·v = 1/(1 + r)
+    with np.errstate(over="ignore", invalid="ignore"):  # (rows off the series' range: discarded below)
+        r, v = y / xs, 1.0 / xy
+        xv = 1.0 / (1.0 + r)
+        series = (
+            r * xv
+            + (r * xv) * ((2.0 + r) * v) / 2.0
+            + ((1.0 / xs) ** 2 - xv * v * v) / 6.0
+            - ((1.0 / xs) ** 4 - xv * v**4) / 30.0
+        )
+        small = x * (trigamma(x) - trigamma(x + y))
+    return np.where(big, series, small)
 
 
 class Beta(Family):
@@ -893,10 +912,10 @@ class Beta(Family):
             r1, r2 = resid(xa, xb, idx)
             a, b = np.exp(xa), np.exp(xb)
             tab = trigamma(a + b)
-            j11 = _trigamma_diff(a, b) * a
+            j11 = _scaled_trigamma_diff(a, b)
             j12 = -tab * b
             j21 = -tab * a
-            j22 = _trigamma_diff(b, a) * b
+            j22 = _scaled_trigamma_diff(b, a)
             det = j11 * j22 - j12 * j21
             d1 = (j22 * r1 - j12 * r2) / det
             d2 = (-j21 * r1 + j11 * r2) / det
@@ -1020,8 +1039,8 @@ class Beta(Family):
         c = np.asarray(coords, np.float64)
         a, b = np.exp(c[..., 0]), np.exp(c[..., 1])
         F = np.empty(c.shape + (2,))
-        F[..., 0, 0] = a * a * _trigamma_diff(a, b)
-        F[..., 1, 1] = b * b * _trigamma_diff(b, a)
+        F[..., 0, 0] = a * _scaled_trigamma_diff(a, b)
+        F[..., 1, 1] = b * _scaled_trigamma_diff(b, a)
         F[..., 0, 1] = F[..., 1, 0] = -a * b * trigamma(a + b)
         return F
 

@@ -1080,3 +1080,32 @@ def test_a_parameter_with_an_old_style_array_interface_converts_without_warning(
         g = Gaussian(src, Old([1.0, 2.0]))
     assert np.array_equal(g.mean(), [0.5, 1.5]) and not g.mean().flags.writeable
     assert src.a.flags.writeable and not np.shares_memory(g.mean(), src.a)
+
+
+@pytest.mark.parametrize("bad", [[1 + 5j], ["2"], np.array(["2020-01-01"], dtype="datetime64[D]"), [1.0, None],
+                                 np.array([1.0], dtype=object)])
+def test_parameters_that_are_not_real_numbers_are_refused_not_cast(bad):
+    """Found by an audit: a complex mean lost its imaginary part (numpy's ComplexWarning only), and
+    strings or dates were read as numbers."""
+    with pytest.raises(ValueError, match="`mean` must be real numbers"):
+        Gaussian(bad, [1.0])
+    # integers, booleans and single precision are numbers
+    assert Gaussian(np.array([1], dtype=np.int32), np.array([2.0], dtype=np.float32)).params[1].dtype == np.float64
+    assert Gaussian([True], [1.0]).mean()[0] == 1.0
+
+
+def test_models_refuse_data_that_is_not_real_numbers():
+    from kjit.ep.models import BayesianLogisticRegression as Model
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+
+    def BayesianLogisticRegression():
+        return Model(QuadratureOracle(Logistic()), max_iter=2)
+
+    X = np.array([[0.5, 1.0], [-1.0, 0.2], [2.0, -0.3]])
+    with pytest.raises(ValueError, match="`X` must be real numbers"):
+        BayesianLogisticRegression().fit(X + 5j, np.array([1, 0, 1]))
+    with pytest.raises(ValueError, match="`X` must be real numbers"):
+        BayesianLogisticRegression().fit(X.astype(str), np.array([1, 0, 1]))
+    with pytest.raises(ValueError, match="`y` must be numbers 0 and 1"):
+        BayesianLogisticRegression().fit(X, np.array(["1", "0", "1"]))

@@ -35,7 +35,10 @@ __all__ = [
 
 
 def _check_X(X, d=None, what="X"):
-    X = np.asarray(X, dtype=float)
+    X = np.asarray(X)
+    if X.dtype.kind not in "fiub":  # (a cast would drop an imaginary part, or read "2" as a number)
+        raise ValueError(f"`{what}` must be real numbers, got an array of {X.dtype}")
+    X = X.astype(float, copy=False)
     if X.ndim == 1 and d is not None and X.shape[0] == d:
         X = X[None, :]
     if X.ndim != 2 or X.shape[0] < 1 or X.shape[1] < 1:
@@ -51,6 +54,8 @@ def _check_y01(y, n):
     y = np.asarray(y)
     if y.shape != (n,):
         raise ValueError(f"`y` must have shape ({n},), got {y.shape}")
+    if y.dtype.kind not in "fiub":
+        raise ValueError(f"`y` must be numbers 0 and 1, got an array of {y.dtype}")
     yf = y.astype(float)
     if not np.all((yf == 0) | (yf == 1)):
         bad = np.unique(y[~((yf == 0) | (yf == 1))])[:5]
