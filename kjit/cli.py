@@ -13,7 +13,9 @@ Errors are reported as one line on stderr with exit status 2, not a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -220,6 +222,13 @@ def _train(args) -> int:
     except TypeError as exc:  # a factor that needs parameters (`declared`): a message, not a traceback
         raise ValueError(f"factor {args.factor!r} cannot be built without parameters: {exc}") from None
     factor.check_to(args.to)
+    for flag, path in (("--out", args.out), ("--save-pairs", args.save_pairs)):
+        # before the training run, not after it (found by an audit: an error naming a temporary file)
+        parent = Path(path).expanduser().resolve().parent if path else None
+        if parent is not None and not parent.is_dir():
+            raise ValueError(f"{flag} {path}: the directory {parent} does not exist")
+        if parent is not None and not os.access(parent, os.W_OK):
+            raise ValueError(f"{flag} {path}: the directory {parent} is not writable")
     if args.oracle == "quadrature":
         oracle = QuadratureOracle(factor)
     else:
@@ -230,6 +239,10 @@ def _train(args) -> int:
         ts = TrainingSet.load(args.pairs)
         if (ts.factor, ts.to) != (factor.name, args.to):
             raise ValueError(f"--pairs holds {ts.factor}->{ts.to} pairs, not {factor.name}->{args.to}")
+        if args.jit:  # held out from the file's pairs (not from --n, which sizes a run of the oracle)
+            n_held = min(max(200, len(ts) // 4), len(ts) // 2)
+            if n_held < 1 or len(ts) - n_held < 2:
+                raise ValueError(f"--pairs holds {len(ts)} pairs: too few to fit and hold out pairs for --jit")
     else:
         if factor.default_incoming is None:
             raise ValueError(f"no default input distribution for factor {factor.name!r}: give --pairs FILE")
@@ -367,6 +380,10 @@ def main(argv=None) -> int:
         return args.func(args)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kjit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError:  # (found by an audit: a traceback for sizes such as --n 1e11)
+        print(f"kjit {args.command}: error: not enough memory for the sizes asked for (a smaller --n, --d-in, --d-out "
+              f"or --particles)", file=sys.stderr)
         return 2
 
 

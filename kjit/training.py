@@ -13,6 +13,7 @@ A training set is saved as a plain ``.npz`` (numbers and one JSON string; loaded
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -73,7 +74,7 @@ class TrainingSet:
             first.factor, first.to,
             {v: type(m).concatenate([s.incoming[v] for s in sets]) for v, m in first.incoming.items()},
             type(first.beliefs).concatenate([s.beliefs for s in sets]),
-            dict(first.factor_params), {"n_sets": len(sets)},
+            dict(first.factor_params), {**_joined_meta(sets), "n_sets": len(sets)},
         )
 
     # ------------------------------------------------------------------ npz I/O
@@ -96,24 +97,79 @@ class TrainingSet:
 
     @classmethod
     def load(cls, path) -> "TrainingSet":
-        with np.load(path, allow_pickle=False) as z:
-            if "header" not in z.files:
-                raise ValueError(f"{path}: not a kjit training set (no header)")
-            header = json.loads(str(z["header"]))
-            if header.get("format") != "kjit-training-set":
-                raise ValueError(f"{path}: not a kjit training set")
-            if header.get("format_version") != FORMAT_VERSION:
-                raise ValueError(
-                    f"{path}: training-set format version {header.get('format_version')!r} is not "
-                    f"supported (this kjit reads version {FORMAT_VERSION})"
-                )
-            incoming = {}
-            for v, fam_name in header["incoming"].items():
+        """Read a set written by :meth:`save`; a ValueError naming the entry for a file that is not
+        one (not an npz, truncated, missing or mistyped entries, parameters a family refuses)."""
+        try:
+            z = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError)):
+                raise
+            raise ValueError(f"{path}: not a kjit training set (not a readable .npz file: {exc})") from None
+        if not isinstance(z, np.lib.npyio.NpzFile):  # (a bare .npy array)
+            raise ValueError(f"{path}: not a kjit training set (a single array, not an .npz archive)")
+        with z:
+            try:
+                return cls._from_npz(z, path)
+            except (zipfile.BadZipFile, EOFError, OSError) as exc:  # (an entry cut short)
+                raise ValueError(f"{path}: a damaged training set ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_npz(cls, z, path) -> "TrainingSet":
+        def entry(name):
+            if name not in z.files:
+                raise ValueError(f"{path}: not a kjit training set (no {'header' if name == 'header' else f'entry {name!r}'})")
+            return z[name]
+
+        try:
+            header = json.loads(str(entry("header")))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}: the training set's header is not JSON") from None
+        if not isinstance(header, dict) or header.get("format") != "kjit-training-set":
+            raise ValueError(f"{path}: not a kjit training set")
+        if header.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: training-set format version {header.get('format_version')!r} is not "
+                f"supported (this kjit reads version {FORMAT_VERSION})"
+            )
+        for key, kind in (("factor", str), ("to", str), ("incoming", dict), ("belief", str),
+                          ("factor_params", dict), ("meta", dict)):
+            if not isinstance(header.get(key), kind):
+                raise ValueError(f"{path}: the training set's header entry {key!r} must be a JSON "
+                                 f"{'string' if kind is str else 'object'}, got {header.get(key)!r}"[:300])
+
+        def batch(fam_name, prefix):
+            try:
                 fam = family_by_name(fam_name)
-                incoming[v] = fam(*(z[f"incoming.{v}.{p}"] for p in fam.param_names))
-            bfam = family_by_name(header["belief"])
-            beliefs = bfam(*(z[f"belief.{p}"] for p in bfam.param_names))
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}: {prefix}: unknown family {fam_name!r}") from None
+            try:
+                return fam(*(entry(f"{prefix}.{p}") for p in fam.param_names))
+            except ValueError as exc:
+                raise ValueError(f"{path}: {prefix}: {exc}") from None
+
+        incoming = {v: batch(f, f"incoming.{v}") for v, f in header["incoming"].items()}
+        beliefs = batch(header["belief"], "belief")
+        for name, m in [*(("incoming." + v, m) for v, m in incoming.items()), ("belief", beliefs)]:
+            if m.ndim != 1:
+                raise ValueError(f"{path}: {name}: a batch must be 1-D, got shape {m.shape}")
         return cls(header["factor"], header["to"], incoming, beliefs, header["factor_params"], header["meta"])
+
+
+def _joined_meta(sets) -> dict:
+    """The sets' meta as one: counts (``n_*`` integers every set has) summed, other entries that
+    every set has with one value kept (found by an audit: a service job of 300 pairs in two
+    slices reported ``n_failed: 0`` with 251 of them dropped)."""
+    out = {}
+    for key, value in sets[0].meta.items():
+        values = [s.meta.get(key, _MISSING) for s in sets]
+        if key.startswith("n_") and all(type(x) is int for x in values):
+            out[key] = sum(values)
+        elif all(x == value for x in values):
+            out[key] = value
+    return out
+
+
+_MISSING = object()
 
 
 def _oracle_chunk(oracle, incoming: Mapping[str, Family], to: str, drop_failures: bool):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 
 from fastapi import Request
@@ -56,7 +57,10 @@ def error_response(status: int, items, headers=None) -> JSONResponse:
 
 
 _FAMILY_TAGS = set(FAMILIES)  # the discriminator tags of message batches
-_SOURCE_TAGS = {"oracle", "file"}
+_SOURCE_TAGS = {"oracle", "file", "client"}
+#: the labels pydantic puts in ``loc`` for the members of an untagged union (``literal['default']``,
+#: ``dict[str,dict[str,ParamRange]]``): never a field of the body (names are identifiers)
+_UNION_LABEL = re.compile(r"^[A-Za-z_]+\[.*\]$").match
 
 
 def _strip_tags(loc: list) -> list:
@@ -68,6 +72,8 @@ def _strip_tags(loc: list) -> list:
                                   or (i >= 1 and loc[i - 1] == "beliefs")):
             continue
         if x in _SOURCE_TAGS and i >= 1 and loc[i - 1] == "source":
+            continue
+        if isinstance(x, str) and _UNION_LABEL(x):  # (found by an audit: loc named no field of the body)
             continue
         out.append(x)
     return out

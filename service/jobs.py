@@ -67,10 +67,16 @@ class Job:
     @classmethod
     def from_dict(cls, d: dict) -> "Job":
         """A job of an earlier run of the server, from its record (read-only: no spec)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a job record is a JSON object, got {type(d).__name__}")
         job = cls.__new__(cls)
         job.id, job.name, job.spec, job.request = str(d["id"]), str(d["operator"]), None, d.get("request") or {}
         job.status, job.error, job.result = d["status"], d.get("error"), d.get("result")
+        if job.status not in ("queued", "running", "succeeded", "failed"):
+            raise ValueError(f"unknown job status {job.status!r}")
         p = d.get("progress") or {}
+        if not isinstance(p, dict):  # (found by an audit: "progress": 5 stopped the server's start)
+            raise ValueError(f"a job record's progress is a JSON object, got {type(p).__name__}")
         job.stage, job.done, job.total = p.get("stage", "queued"), int(p.get("done", 0)), int(p.get("total", 0))
         job.created, job.started, job.finished = d.get("created"), d.get("started"), d.get("finished")
         job._lock = threading.Lock()
@@ -107,7 +113,7 @@ class JobManager:
         for path in sorted(self.directory.glob("*.json")):
             try:
                 job = Job.from_dict(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("job record %s unreadable (%s): skipped", path.name, exc)
                 continue
             if job.status in ("queued", "running"):

@@ -178,6 +178,10 @@ def main(argv=None, prog: str = "kjit serve") -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:  # (found by an audit: a traceback for sizes such as --n 1e11)
+        print(f"{prog}: error: not enough memory for the sizes asked for (smaller "
+              f"KJIT_DEFAULT_N_TRAIN / KJIT_DEFAULT_N_INNER / KJIT_DEFAULT_N_OUTER)", file=sys.stderr)
+        return 2
 
 
 logging.getLogger("kjit.service").setLevel(logging.INFO)

@@ -74,6 +74,10 @@ __all__ = ["Settings", "DEFAULT_OPERATORS"]
 DEFAULT_OPERATORS = None  # None: each registered factor's served recipients (service.training.served_defaults)
 
 
+#: uvicorn's log levels
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 def _default_store() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "kjit" / "store"
@@ -120,6 +124,9 @@ class Settings:
     audit_batch: int = 64
 
     def __post_init__(self):
+        if str(self.store).strip() == "":
+            raise ValueError("setting `store` is empty: name the store directory (KJIT_STORE), or leave it unset for "
+                             "the default")
         object.__setattr__(self, "store", Path(self.store).expanduser())
         if isinstance(self.factors, str):
             object.__setattr__(self, "factors", tuple(m.strip() for m in self.factors.split(",") if m.strip()))
@@ -150,6 +157,13 @@ class Settings:
             raise ValueError(f"setting `merge_interval` must be >= 0 seconds, got {self.merge_interval!r}")
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"setting `port` must lie in [0, 65535], got {self.port!r}")
+        # (found by an audit: each of these was accepted, then failed late — after the default
+        # operators were trained, or in every training job)
+        if str(self.log_level).lower() not in _LOG_LEVELS:
+            raise ValueError(f"setting `log_level` must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+        object.__setattr__(self, "log_level", str(self.log_level).lower())
+        if int(self.n_jobs) == 0:
+            raise ValueError("setting `n_jobs` must not be 0 (joblib's: >= 1 workers, or -1 for every core)")
 
     def import_factors(self) -> None:
         """Import the modules named by ``factors`` (they register their factors); ``ValueError``
@@ -190,7 +204,7 @@ class Settings:
                                 "audit_rate", "audit_cpu_share", "audit_kl_target"):
                     kw[f.name] = float(raw)
                 elif f.name == "store":
-                    kw[f.name] = Path(raw)
+                    kw[f.name] = raw  # (an empty value is refused, not read as the current directory)
                 else:
                     kw[f.name] = int(raw)
             except ValueError:

@@ -33,6 +33,63 @@ def test_errors_are_one_line_not_a_traceback(tmp_path):
     assert out.returncode == 2 and "`to`='w'" in out.stderr and "Traceback" not in out.stderr
 
 
+def _one_line_error(capsys, rc, *fragments):
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("content", ["empty", "truncated", "npy", "no_entry", "header_list", "header_no_to",
+                                     "complex"])
+def test_a_bad_pairs_file_is_a_one_line_error(tmp_path, capsys, content):
+    """Found by an audit: these gave a traceback (EOFError, BadZipFile, TypeError, KeyError,
+    AttributeError) and exit 1; a complex array was read as its real part."""
+    import io
+    import json
+
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import make_training_set
+
+    good = tmp_path / "good.npz"
+    make_training_set(Logistic(), "x", lambda n, rng: {"x": Gaussian(rng.normal(size=n), np.ones(n)),
+                                                       "z": Beta(np.full(n, 2.0), np.ones(n))},
+                      QuadratureOracle(Logistic()), n=20, random_state=0).save(good)
+    raw = good.read_bytes()
+    z = dict(np.load(good, allow_pickle=False))
+    bad = tmp_path / "bad.npz"
+    if content == "empty":
+        bad.write_bytes(b"")
+    elif content == "truncated":
+        bad.write_bytes(raw[: len(raw) // 2])
+    elif content == "npy":
+        buf = io.BytesIO()
+        np.save(buf, np.arange(3.0))
+        bad.write_bytes(buf.getvalue())
+    else:
+        if content == "no_entry":
+            del z["belief.var"]
+        elif content == "header_list":
+            z["header"] = np.array(json.dumps([1, 2]))
+        elif content == "header_no_to":
+            h = json.loads(str(z["header"]))
+            del h["to"]
+            z["header"] = np.array(json.dumps(h))
+        elif content == "complex":
+            z["incoming.x.mean"] = z["incoming.x.mean"] + 1j
+        with open(bad, "wb") as fh:
+            np.savez(fh, **z)
+    rc = main(["train", "logistic", "--to", "x", "--pairs", str(bad), "--quiet", "--out", str(tmp_path / "op.npz")])
+    _one_line_error(capsys, rc, str(bad))
+
+
+def test_an_output_directory_that_does_not_exist_is_refused_before_training(tmp_path, capsys):
+    rc = main(["train", "logistic", "--to", "x", "--n", "100000", "--out", str(tmp_path / "no" / "op.npz")])
+    _one_line_error(capsys, rc, "--out", "does not exist")  # (at once: 100 000 pairs are never computed)
+
+
 def test_train_writes_an_operator_that_predicts(tmp_path, capsys):
     path = tmp_path / "op.npz"
     rc = main(["train", "logistic", "--to", "x", "--n", "300", "--d-in", "30", "--d-out", "60",

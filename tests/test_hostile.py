@@ -404,3 +404,43 @@ def test_the_limits_are_kjit_environment_settings():
                      ("KJIT_MAX_ORACLE_BATCH", "x")):
         with pytest.raises(ValueError):
             Settings.from_env({key: bad})
+    # found by an audit: accepted, then failing late (after the default operators were trained, in every
+    # training job), or an empty store read as the current directory
+    for key, bad, field in (("KJIT_LOG_LEVEL", "bogus", "log_level"), ("KJIT_N_JOBS", "0", "n_jobs"),
+                            ("KJIT_STORE", "", "store"), ("KJIT_STORE", "  ", "store")):
+        with pytest.raises(ValueError, match=f"`{field}`"):
+            Settings.from_env({key: bad})
+    assert Settings.from_env({"KJIT_LOG_LEVEL": "WARNING", "KJIT_N_JOBS": "-1"}).log_level == "warning"
+
+
+def test_a_malformed_job_record_is_skipped_not_fatal(store_dir):
+    """Found by an audit: a record whose "progress" was a number stopped the server's start."""
+    from service.testing import ThreadedServer
+
+    jobs = store_dir / "jobs"
+    jobs.mkdir(parents=True, exist_ok=True)
+    (jobs / "abc.json").write_text(json.dumps({"id": "abc", "operator": "x", "status": "failed", "progress": 5}))
+    (jobs / "abd.json").write_text(json.dumps({"id": "abd", "operator": "x", "status": "weird"}))
+    (jobs / "abe.json").write_text("[1]")
+    with ThreadedServer(settings_for(store_dir)) as srv:
+        import httpx
+
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+        assert httpx.get(srv.url + "/v1/jobs/abc", timeout=30).status_code == 404
+
+
+def test_training_errors_name_fields_of_the_body(app_client):
+    """pydantic's labels of union members ("literal['default']", "dict[str,...]") and the client
+    source's tag are not fields of the body (found by an audit)."""
+    bad = {"name": "a", "factor": "logistic", "to": "x", "source": {"kind": "oracle", "n": 50, "distribution": "nope"}}
+    r = app_client.post("/v1/operators", json=bad, headers=AUTH)
+    assert r.status_code == 422 and set(locs(r)) == {("body", "source", "distribution")}, r.text
+    bad["source"]["distribution"] = {"x": {"mean": {"low": "a", "high": 1.0}}}
+    r = app_client.post("/v1/operators", json=bad, headers=AUTH)
+    assert r.status_code == 422 and all("[" not in str(x) for loc in locs(r) for x in loc), r.text
+    bad["source"] = {"kind": "client", "variables": {"x": "gaussian", "y": "gaussian"}, "output": "z",
+                     "incoming": {"x": {"family": "gaussian", "mean": [0.0] * 4, "var": [1.0] * 4},
+                                  "y": {"family": "gaussian", "mean": [0.0] * 4, "var": [1.0] * 4}},
+                     "beliefs": {"family": "gaussian", "mean": [0.0] * 4, "var": [1.0, 1.0, 1.0, "no"]}}
+    r = app_client.post("/v1/operators", json=bad, headers=AUTH)
+    assert r.status_code == 422 and ("body", "source", "beliefs", "var", 3) in locs(r), r.text

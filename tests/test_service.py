@@ -166,6 +166,31 @@ def test_training_job_with_progress(live, store_dir):
         assert len(c.get("/v1/jobs").json()["jobs"]) == 2
 
 
+def test_a_job_whose_operator_cannot_predict_fails_and_installs_nothing(store_dir):
+    """Found by an audit: the job was "failed" but its operator's directory stayed — the name taken
+    (409), and after a restart /ready answered 503 until it was removed by hand."""
+    ts = make_training_set("logistic", "z", probe("logistic", 60, seed=3), QuadratureOracle(Logistic()))
+    ts.save(store_dir / "training-sets" / "z60.npz")
+    data = dict(np.load(store_dir / "training-sets" / "z60.npz", allow_pickle=False))
+    key = next(k for k in data if k.startswith("belief") and k.endswith("alpha"))
+    data[key] = data[key] * 1e250  # finite, positive, and far beyond what a request may carry
+    with open(store_dir / "training-sets" / "huge.npz", "wb") as fh:
+        np.savez(fh, **data)
+    req = {"name": "huge-z", "factor": "logistic", "to": "z", "n_inner": 20, "n_outer": 30,
+           "source": {"kind": "file", "path": "huge.npz"}}
+    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+        job = wait_job(c, c.post("/v1/operators", json=req).headers["Location"])
+        assert job["status"] == "failed" and "cannot predict ordinary messages" in job["error"], job
+        assert not (store_dir / "operators" / "huge-z").exists()
+        assert c.get("/v1/operators/huge-z").status_code == 404
+        # the name is free: a good source under it succeeds
+        ok = wait_job(c, c.post("/v1/operators", json={**req, "source": {"kind": "file", "path": "z60.npz"}})
+                      .headers["Location"])
+        assert ok["status"] == "succeeded", ok
+    with ThreadedServer(settings_for(store_dir)) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        assert c.get("/ready").status_code == 200
+
+
 def test_job_records_survive_a_restart_and_interrupted_jobs_are_failed(store_dir):
     """A finished job is still answered after a restart (its record is in <store>/jobs); a job
     that a crash left running is reported failed ("interrupted") instead of running forever —

@@ -586,6 +586,9 @@ def import_factor_modules(modules: str | Iterable[str]) -> list[str]:
             importlib.import_module(m)
         except Exception as exc:
             raise ValueError(f"factor module {m!r} could not be imported: {type(exc).__name__}: {exc}") from None
+        except SystemExit as exc:  # (found by an audit: the server ended silently with its code)
+            raise ValueError(f"factor module {m!r} could not be imported: it called sys.exit({exc.code!r}) "
+                             f"while being imported") from None
     return names
 
 

@@ -101,24 +101,7 @@ class Entry:
         return n
 
     def _self_test(self) -> None:
-        """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
-        failed): predict a fixed batch from the factor's default distribution, if it has one."""
-        sampler = self.jit.factor.default_incoming
-        if sampler is None:
-            return
-        incoming = sampler(16, np.random.default_rng(0))
-        try:
-            with np.errstate(all="ignore"):
-                q, logvar = self.jit.operator.predict(incoming)
-                ok = np.isfinite(q.to_coords()).all() and np.isfinite(logvar).all()
-                big = max(float(np.max(np.abs(p))) for p in q.params)
-        except Exception as exc:  # noqa: BLE001 - whatever it is, the operator cannot predict
-            raise ValueError(f"the operator cannot predict ordinary messages ({type(exc).__name__}: {exc})") from None
-        if not ok:
-            raise ValueError("the operator cannot predict ordinary messages: its predictions are not finite")
-        if big > PARAM_MAX:
-            raise ValueError(f"the operator cannot predict ordinary messages: its beliefs have parameters of "
-                             f"{big:.3g}, beyond the range requests may carry ({PARAM_MAX:g})")
+        self_test(self.jit)
 
     def _load_state(self, blob: bytes, source: str) -> dict:
         """Set the operator and the service's bookkeeping from a snapshot; returns its service dict."""
@@ -403,3 +386,24 @@ class Entry:
     def detail(self) -> dict:
         return describe.detail(self)
 
+
+def self_test(jit: JITOperator) -> None:
+    """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
+    failed; a training job that made one fails, installing nothing): predict a fixed batch from the
+    factor's default distribution, if it has one — a ValueError saying what is wrong."""
+    sampler = jit.factor.default_incoming
+    if sampler is None:
+        return
+    incoming = sampler(16, np.random.default_rng(0))
+    try:
+        with np.errstate(all="ignore"):
+            q, logvar = jit.operator.predict(incoming)
+            ok = np.isfinite(q.to_coords()).all() and np.isfinite(logvar).all()
+            big = max(float(np.max(np.abs(p))) for p in q.params)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the operator cannot predict
+        raise ValueError(f"the operator cannot predict ordinary messages ({type(exc).__name__}: {exc})") from None
+    if not ok:
+        raise ValueError("the operator cannot predict ordinary messages: its predictions are not finite")
+    if big > PARAM_MAX:
+        raise ValueError(f"the operator cannot predict ordinary messages: its beliefs have parameters of "
+                         f"{big:.3g}, beyond the range requests may carry ({PARAM_MAX:g})")

@@ -35,7 +35,7 @@ from kjit.persistence import dumps_state, loads_state
 from ..files import fsync_dir, write_atomic
 from ..names import NAME_RE
 from ..shared import SharedLog, SharedLogError
-from .entry import Entry
+from .entry import Entry, self_test
 from .errors import Conflict, NotFound, NotReady
 
 log = logging.getLogger("kjit.service.store")
@@ -329,6 +329,10 @@ class OperatorStore:
     def _create(self, name: str, jit: JITOperator, meta: Mapping[str, Any]) -> Entry:
         if self.exists(name):
             raise Conflict(f"an operator named {name!r} already exists")
+        # before anything is published or written: an operator that cannot answer ordinary messages
+        # is not installed (found by an audit: the job said "failed", the directory stayed — the
+        # name taken (409) and, after a restart, /ready 503 until removed by hand)
+        self_test(jit)
         meta = {"name": name, "factor": jit.factor.name, "factor_params": jit.factor.params(), "to": jit.to,
                 "created": _now(), "kjit_version": kjit_version, **dict(meta)}
         state = jit.state_dict()
@@ -343,7 +347,13 @@ class OperatorStore:
             blob = dumps_state("JITOperator", state)
         final = self._install(name, meta, blob)
         entry = Entry(self, name, final)
-        entry.load()
+        try:
+            entry.load()
+        except BaseException:  # (not served: not left on disk either)
+            entry.close()
+            shutil.rmtree(final, ignore_errors=True)
+            fsync_dir(self.operators_dir)
+            raise
         with self._lock:
             self.entries[name] = entry
             self.failed.pop(name, None)
