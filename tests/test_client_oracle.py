@@ -94,7 +94,7 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
                    ({**src, "beliefs": {**src["beliefs"], "var": src["beliefs"]["var"][:-1]}},
                     ["body", "source", "beliefs", "var"]),
                    ({**src, "beliefs": {**src["beliefs"], "var": [-1.0] * 400}},
-                    ["body", "source", "client", "beliefs", "var"]),  # the schema names the union tag
+                    ["body", "source", "beliefs", "var"]),  # (not the union tag: a field of the body)
                    ({**src, "incoming": {**src["incoming"], "y": {"family": "beta", "alpha": [1.0] * 400,
                                                                  "beta": [1.0] * 400}}},
                     ["body", "source", "incoming", "y", "family"])]

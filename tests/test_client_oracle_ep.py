@@ -346,7 +346,7 @@ def test_bad_declarations_and_observations_are_422_naming_the_field_and_nothing_
                  ["body", "source", "incoming", "w"]),
                 ({**src, "incoming": {"x": src["incoming"]["x"]}}, ["body", "source", "incoming", "z"]),
                 ({**src, "beliefs": {**src["beliefs"], "var": [0.0] * len(bel)}},
-                 ["body", "source", "client", "beliefs", "var", 0]),  # the schema names the union tag
+                 ["body", "source", "beliefs", "var", 0]),  # (not the union tag: a field of the body)
             ]
             for s, loc in bad_create:
                 r = c.post("/v1/operators", json={**create, "source": s})

@@ -444,3 +444,27 @@ def test_training_errors_name_fields_of_the_body(app_client):
                      "beliefs": {"family": "gaussian", "mean": [0.0] * 4, "var": [1.0, 1.0, 1.0, "no"]}}
     r = app_client.post("/v1/operators", json=bad, headers=AUTH)
     assert r.status_code == 422 and ("body", "source", "beliefs", "var", 3) in locs(r), r.text
+
+
+def test_a_training_file_that_is_not_a_training_set_of_this_direction_is_a_422(app_client, store_dir):
+    """Found by an audit: such files were accepted (202) and the job failed later with EOFError,
+    KeyError, ... in its error; now the request is refused at the path, and no job is queued."""
+    d = store_dir / "training-sets"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "empty.npz").write_bytes(b"")
+    np.savez(d / "plain.npz", a=np.arange(3.0))
+    from kjit.factors import Logistic
+    from kjit.training import make_training_set
+
+    make_training_set(Logistic(), "z", lambda n, rng: {"x": Gaussian(rng.normal(size=n), np.ones(n)),
+                                                       "z": Beta(np.full(n, 2.0), np.ones(n))},
+                      QuadratureOracle(Logistic()), n=10, random_state=0).save(d / "z10.npz")
+    jobs_before = len(app_client.get("/v1/jobs").json()["jobs"])
+    for name, words in (("empty.npz", "not a kjit training set"), ("plain.npz", "no header"),
+                        ("z10.npz", "logistic→z, not logistic→x")):
+        r = app_client.post("/v1/operators", headers=AUTH, json={
+            "name": "f", "factor": "logistic", "to": "x", "source": {"kind": "file", "path": name}})
+        assert r.status_code == 422 and locs(r) == [("body", "source", "path")], r.text
+        msg = r.json()["detail"][0]["msg"]
+        assert words in msg and str(store_dir) not in msg, msg
+    assert len(app_client.get("/v1/jobs").json()["jobs"]) == jobs_before

@@ -275,7 +275,15 @@ class GraphEP:
     def _operator_for(self, factor: Factor, to: str):
         key = (factor.name, to)
         if key in self.operators:
-            return self.operators[key]
+            op = self.operators[key]
+            # found by an audit: a wrong object ran 3 iterations and ended "operator_failed"
+            if not callable(getattr(op, "belief", None)):
+                raise ConfigurationError(f"`operators[{key!r}]` must have a belief(incoming, to) method, got "
+                                         f"{type(op).__name__}")
+            own = vars(op).get("factor") if hasattr(op, "__dict__") else None  # (an attribute: no I/O)
+            if isinstance(own, Factor) and own.name != factor.name:
+                raise ConfigurationError(f"`operators[{key!r}]` answers for factor {own.name!r}, not {factor.name!r}")
+            return op
         pkey = (factor.name, json.dumps(factor.params(), sort_keys=True))
         if pkey not in self._default_ops:
             from ..oracles import QuadratureOracle

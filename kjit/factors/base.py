@@ -410,7 +410,8 @@ class Factor:
         """Validate a dict of incoming messages; return it with a common batch shape.
 
         Every variable of the factor needs a message of its family; batch shapes must be
-        equal (a scalar message broadcasts).  Raises ``ValueError`` naming the problem.
+        equal (a scalar message broadcasts), and hold at least one message.  Raises ``ValueError``
+        naming the problem.
         """
         if to is not None:
             self.check_to(to)
@@ -441,6 +442,8 @@ class Factor:
             desc = ", ".join(f"{v}{s}" for v, s in shapes.items())
             raise ValueError(f"mismatched batch shapes in `incoming`: {desc}")
         shape = nonscalar.pop() if nonscalar else ()
+        if 0 in shape:  # (found by an audit: a raw numpy reshape error deep in the quadrature)
+            raise ValueError(f"`incoming` holds no messages (batch shape {shape})")
         return {v: incoming[v] if shapes[v] == shape else incoming[v].broadcast_to(shape) for v in variables}, shape
 
     def flat_incoming(self, incoming: Mapping[str, Family], to: str | None = None):

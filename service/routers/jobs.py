@@ -23,5 +23,6 @@ def list_jobs(jobs: JobsDep):
 def job_status(job_id: str, jobs: JobsDep):
     job = jobs.get(job_id)
     if job is None:
-        raise ApiError(404, ["path", "job_id"], f"unknown job {job_id!r}", "not_found")
+        shown = repr(job_id) if len(job_id) <= 40 else repr(job_id[:40]) + "…"  # (echoed only that far)
+        raise ApiError(404, ["path", "job_id"], f"unknown job {shown}", "not_found")
     return json_response(job.as_dict())

@@ -12,7 +12,7 @@ from kjit.training import TrainingSet
 from .. import schemas
 from ..deps import EntryDep, JobsDep, SettingsDep, StoreDep
 from ..errors import ApiError
-from ..jobs import QueueFull
+from ..jobs import QueueFull, scrub
 from ..settings import Settings
 from ..store import Conflict
 from ..training import TrainSpec, sampler_from_ranges
@@ -163,5 +163,18 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
         if not p_is_file:
             raise ApiError(422, ["body", "source", "path"], f"no training-set file {src.path!r} in the store's "
                                                             f"training-set directory", "value_error")
+        # read now: a file that is not a training set of this factor and recipient is a 422, not a
+        # 202 and a failed job (found by an audit: EOFError, KeyError, ... in the job's error)
+        try:
+            ts = TrainingSet.load(p)
+            if (ts.factor, ts.to) != (factor.name, req.to):
+                raise ValueError(f"the training set is for {ts.factor}→{ts.to}, not {factor.name}→{req.to}")
+            if ts.factor_params != factor.params():
+                raise ValueError(f"the training set's factor parameters {ts.factor_params} differ from "
+                                 f"{factor.params()}")
+            if len(ts) < 4:
+                raise ValueError(f"the training set has {len(ts)} pairs; at least 4 are needed")
+        except (ValueError, OSError) as exc:
+            raise ApiError(422, ["body", "source", "path"], scrub(str(exc), settings.store), "value_error") from None
         spec.training_set = str(p)
     return spec

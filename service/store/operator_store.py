@@ -289,7 +289,7 @@ class OperatorStore:
                     raise NotReady(f"operator {name!r} failed to load: {self.failed[name]}")
                 if name in self.retry:
                     raise NotReady(f"operator {name!r} is waiting for the shared store {self.shared.url}")
-        raise NotFound(f"unknown operator {name!r}; known: {known}")
+        raise NotFound(f"unknown operator {_shown(name)}; known: {known}")
 
     def _adopt_new(self, name: str) -> bool:
         """Load ``name`` if another replica published it and it is not here, or if loading it
@@ -359,3 +359,9 @@ class OperatorStore:
             self.failed.pop(name, None)
             self.missing_factors.pop(name, None)
         return entry
+
+
+def _shown(value: str, limit: int = 64) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a path parameter is echoed only that far."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
