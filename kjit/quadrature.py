@@ -24,6 +24,7 @@ _LEVELS = np.array([0.1, 0.5, 1.5, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0, 36.0, 50.0]
 _CUTOFF = 55.0  # below w_max − _CUTOFF the integrand is < 1.3e-24 of its peak: ignored
 _GL_N = 12
 _BISECT_LEVEL = 24  # level crossings to 2^-24 of their segment: panel ends need not be exact
+_BISECT_SCALE = 12  # ... and to 2^-12 of the row's length scale (``step``), where that is finer
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(_GL_N)
 
 
@@ -94,23 +95,29 @@ def panel_rule(logf, breaks, step):
     lo, hi = a[ib, is_], b[ib, is_]
     tgt = wmax[ib] - _LEVELS[il]
     sign_lo = np.sign(fa[ib, is_] - tgt)
-    # to 2^-24 of the row's length scale, not only of the segment: a segment 1e12 wide (a logistic
-    # mode at −1e12, the next break at the factor's bend near 0) left the panels 6e4 wide around a
-    # peak of width 1 after 24 halvings (found by an audit: N(−1e12+0.2, 0.36) for N(−1e12+1, 1))
+    # and on to 2^-12 of the row's length scale where 2^-24 of the segment is coarser: a segment 1e12
+    # wide (a logistic mode at −1e12, the next break at the factor's bend near 0) left the panels
+    # 6e4 wide around a peak of width 1 (found by an audit: N(−1e12+0.2, 0.36) for N(−1e12+1, 1));
+    # panel ends a 2^-12 of the peak's width off cost the Gauss–Legendre panels nothing
     with np.errstate(divide="ignore", invalid="ignore"):
-        extra = np.ceil(np.log2(np.maximum((hi - lo) / np.maximum(step, 1e-300)[ib], 1.0)))
-    need = _BISECT_LEVEL + np.where(np.isfinite(extra), extra, 0.0)
-    n_halvings = int(min(need.max(initial=_BISECT_LEVEL), BISECT_MAX_ITER))
-    for it in range(n_halvings):
+        extra = np.ceil(np.log2((hi - lo) / np.maximum(step, 1e-300)[ib])) - (_BISECT_LEVEL - _BISECT_SCALE)
+    need = _BISECT_LEVEL + np.where(np.isfinite(extra), np.maximum(extra, 0.0), 0.0)
+    for _ in range(_BISECT_LEVEL):
         mid = 0.5 * (lo + hi)
         same = np.sign(logf(mid, ib) - tgt) == sign_lo
-        if it >= _BISECT_LEVEL:  # (only the wide ones move on: the others end as before)
-            go = it < need
-            same, moved = same & go, ~same & go
-        else:
-            moved = ~same
         lo = np.where(same, mid, lo)
-        hi = np.where(moved, mid, hi)
+        hi = np.where(same, hi, mid)
+    wide = np.flatnonzero(need > _BISECT_LEVEL)  # (only these go on: the others end as before)
+    if wide.size:
+        wlo, whi, wib, wtgt, wsign = lo[wide], hi[wide], ib[wide], tgt[wide], sign_lo[wide]
+        wneed = need[wide]
+        for it in range(_BISECT_LEVEL, int(min(wneed.max(), BISECT_MAX_ITER))):
+            mid = 0.5 * (wlo + whi)
+            same = np.sign(logf(mid, wib) - wtgt) == wsign
+            go = it < wneed
+            wlo = np.where(same & go, mid, wlo)
+            whi = np.where(~same & go, mid, whi)
+        lo[wide], hi[wide] = wlo, whi
     # panel end points: segment ends and crossings; rows padded with copies of their last point
     count = np.bincount(ib, minlength=B)
     width = K + 2 + int(count.max(initial=0))
