@@ -5,6 +5,7 @@ posterior with the remote operator as with the local one."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -226,19 +227,33 @@ class _BusyOnce(AcceptLoop):
         super().__init__()
 
     def on_connection(self, c):
-        c.settimeout(5)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += c.recv(65536)
+        _read_request(c)
         self.requests += 1
         if self.requests == 1:
-            body = b'{"detail":[{"loc":[],"msg":"the oracle is busy","type":"oracle_busy"}]}'
-            head = b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 0\r\n"
+            _answer(c, b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 0\r\n",
+                    b'{"detail":[{"loc":[],"msg":"the oracle is busy","type":"oracle_busy"}]}')
         else:
-            body, head = b'{"status":"ok"}', b"HTTP/1.1 200 OK\r\n"
-        c.sendall(head + b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
-        c.close()
+            _answer(c, b"HTTP/1.1 200 OK\r\n", b'{"status":"ok"}')
+
+
+def _read_request(c) -> tuple[bytes, bytes]:
+    """(head, body) of the request on connection ``c`` (the body by its Content-Length)."""
+    c.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += c.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
+    while len(body) < length:
+        body += c.recv(65536)
+    return head, body
+
+
+def _answer(c, head: bytes, body: bytes) -> None:
+    """A JSON answer (status line and extra headers ``head``), then the connection closed."""
+    c.sendall(head + b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    c.close()
 
 
 def test_a_busy_oracle_slot_is_retried_when_the_server_says_when():
@@ -297,53 +312,38 @@ class _Canned(AcceptLoop):
     def on_connection(self, c):
         import json
 
-        c.settimeout(5)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += c.recv(65536)
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
-        while len(body) < length:
-            body += c.recv(65536)
-        if head.startswith(b"GET"):
-            out = self.info
-        else:
-            inc = json.loads(body)["incoming"]
-            out = self.answer(len(inc["x"]["mean"]))
-        raw = json.dumps(out).encode()
-        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: "
-                  + str(len(raw)).encode() + b"\r\n\r\n" + raw)
-        c.close()
+        head, body = _read_request(c)
+        out = self.info if head.startswith(b"GET") else self.answer(len(json.loads(body)["incoming"]["x"]["mean"]))
+        _answer(c, b"HTTP/1.1 200 OK\r\n", json.dumps(out).encode())
 
 
 _INC = {"x": Gaussian([0.5, -1.0, 2.0], [1.0, 2.0, 0.5]), "z": Beta([2.0, 1.0, 2.0], [1.0, 2.0, 1.0])}
 
 
+@contextlib.contextmanager
+def _canned_operator(answer, info=_INFO):
+    """A RemoteOperator (predict mode, no retries) of a :class:`_Canned` server."""
+    srv = _Canned(answer, info)
+    try:
+        with RemoteOperator(srv.url, "op", mode="predict", retries=0) as op:
+            yield op
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize("case", ["a_list", "detail", "beta_beliefs", "one_belief_short", "null_natural",
                                   "nan_belief", "n_wrong", "log_var_short"])
 def test_a_malformed_answer_is_a_remote_operator_error_saying_what_is_wrong(case):
-    srv = _Canned(lambda n: _bad(case, n))
-    try:
-        with RemoteOperator(srv.url, "op", mode="predict", retries=0) as op:
-            with pytest.raises(RemoteOperatorError, match="the server's answer is malformed"):
-                op.message(_INC)
-    finally:
-        srv.close()
-    srv = _Canned(_good)  # (the canned server itself is read correctly)
-    try:
-        with RemoteOperator(srv.url, "op", mode="predict", retries=0) as op:
-            assert np.allclose(op.belief(_INC).mean(), 0.5) and op.predict(_INC)[1].shape == (3, 2)
-    finally:
-        srv.close()
+    with _canned_operator(lambda n: _bad(case, n)) as op:
+        with pytest.raises(RemoteOperatorError, match="the server's answer is malformed"):
+            op.message(_INC)
+    with _canned_operator(_good) as op:  # (the canned server itself is read correctly)
+        assert np.allclose(op.belief(_INC).mean(), 0.5) and op.predict(_INC)[1].shape == (3, 2)
 
 
 @pytest.mark.parametrize("change", [{"limits": {"max_batch": 0}}, {"limits": {"max_batch": -1}}, {"threshold": "x"},
                                     {"to": None}, {"limits": {"max_batch": 2.5}}])
 def test_a_malformed_description_is_a_remote_operator_error(change):
-    srv = _Canned(_good, info={**_INFO, **change})
-    try:
-        with RemoteOperator(srv.url, "op", mode="predict", retries=0) as op:
-            with pytest.raises(RemoteOperatorError, match="description of the operator is malformed"):
-                op.belief(_INC)
-    finally:
-        srv.close()
+    with _canned_operator(_good, info={**_INFO, **change}) as op:
+        with pytest.raises(RemoteOperatorError, match="description of the operator is malformed"):
+            op.belief(_INC)
