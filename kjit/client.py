@@ -29,7 +29,12 @@ errors are retried (``retries`` times, exponential back-off) for idempotent call
 ``predict``/``oracle`` requests, and ``partial_fit`` (which sends an ``Idempotency-Key``, so
 the server applies a retried request once).  A ``jit`` request is retried only when the
 connection could not be made at all (nothing was sent); timeouts of a ``jit`` request are not
-retried, since the server may have learned from it.
+retried, since the server may have learned from it.  ``timeout`` bounds a whole answer (a server
+sending it byte by byte cannot hold a call longer), and an answer larger than
+:data:`kjit.transport.MAX_RESPONSE_BYTES` is refused unread.  A 200 answer that is not what the
+API promises (missing or mistyped columns, the wrong family or length, a message that is not
+finite) is a :class:`RemoteOperatorError` saying what is wrong, never an answer; a NaN log
+variance or threshold (a server's ``null``) counts as uncertain.
 """
 
 from __future__ import annotations
