@@ -31,7 +31,8 @@ the server applies a retried request once).  A ``jit`` request is retried only w
 connection could not be made at all (nothing was sent); timeouts of a ``jit`` request are not
 retried, since the server may have learned from it.  ``timeout`` bounds a whole answer (a server
 sending it byte by byte cannot hold a call longer), and an answer larger than
-:data:`kjit.transport.MAX_RESPONSE_BYTES` is refused unread.  A 200 answer that is not what the
+:data:`kjit.transport.MAX_RESPONSE_BYTES` is refused unread (with ``client=`` an httpx client of
+yours, its own timeouts and limits apply instead).  A 200 answer that is not what the
 API promises (missing or mistyped columns, the wrong family or length, a message that is not
 finite) is a :class:`RemoteOperatorError` saying what is wrong, never an answer; a NaN log
 variance or threshold (a server's ``null``) counts as uncertain.
@@ -484,7 +485,7 @@ class RemoteOperator:
             # (found in review: EP kept the first one and used uncertain answers uncounted)
             self._info = {**self._info, "threshold": thr}
         self.last_uncertain_ = uncertain
-        return (beliefs, joined(lambda p: _columns_array(p["messages"]["natural"], p["n"])) if natural else None,
+        return (beliefs, joined(lambda p: p["_natural"]) if natural else None,
                 self._logvar(parts) if logvar else None, consulted, shape, flat)
 
     def _malformed(self, path: str, why: str) -> RemoteOperatorError:
@@ -493,55 +494,78 @@ class RemoteOperator:
 
     def _check_answer(self, p, rows: int, path: str) -> None:
         """A messages answer holds what this client reads, for ``rows`` messages: beliefs of the
-        recipient's family, ``consulted``, finite natural parameters of the messages, ``log_var``
-        (or null), ``version`` — else a :class:`RemoteOperatorError` saying what is wrong (found by
-        an audit: a raw KeyError or broadcast error, or a message of NaN returned as an answer)."""
+        recipient's family, ``consulted`` (and ``uncertain``) booleans, the messages' finite natural
+        parameters, ``log_var`` (k columns of numbers or null; or null), certificates, ``version``
+        — else a :class:`RemoteOperatorError` saying what is wrong (found by audits: raw KeyError,
+        TypeError or broadcast errors, a message of NaN returned as an answer, a null ``uncertain``
+        read as confident).  The decoded columns are kept in ``p`` (``_natural``, ``_log_var``,
+        ``_cert``): read once."""
         fam = self.family
+        k = len(fam.coord_names)
+
+        def bad(why):
+            return self._malformed(path, why)
 
         def column(c, what):
             if not isinstance(c, list) or len(c) != rows:
-                raise self._malformed(path, f"{what} holds {len(c) if isinstance(c, list) else type(c).__name__}"
-                                            f" values for {rows} messages")
+                raise bad(f"{what} holds {len(c) if isinstance(c, list) else type(c).__name__} values for "
+                          f"{rows} messages")
             return c
 
-        def columns(cs, what, finite):
-            if not isinstance(cs, list) or not cs:
-                raise self._malformed(path, f"{what} is not a list of columns")
+        def flags(c, what):
+            if np.asarray(column(c, what)).dtype != bool:
+                raise bad(f"{what} holds values that are not true or false")
+
+        def columns(cs, what, width):
+            if not isinstance(cs, list) or len(cs) != width:
+                raise bad(f"{what} is not a list of {width} columns")
             for j, c in enumerate(cs):
                 column(c, f"{what}[{j}]")
-                if finite and not all(type(x) in (int, float) and math.isfinite(x) for x in c):
-                    raise self._malformed(path, f"{what}[{j}] holds a value that is not a finite number")
+            try:
+                return _columns_array(cs, rows)  # (n, width); null → NaN
+            except (TypeError, ValueError):
+                raise bad(f"{what} holds values that are not numbers") from None
 
         if not isinstance(p, dict):
-            raise self._malformed(path, f"a JSON {type(p).__name__}, not an object")
+            raise bad(f"a JSON {type(p).__name__}, not an object")
         if p.get("n") != rows:
-            raise self._malformed(path, f"n = {p.get('n')!r} for a request of {rows} messages")
+            raise bad(f"n = {p.get('n')!r} for a request of {rows} messages")
         b = p.get("beliefs")
         if not isinstance(b, dict) or b.get("family") != family_name(fam):
-            got = b.get("family") if isinstance(b, dict) else b
-            raise self._malformed(path, f"its beliefs are {got!r}, not {family_name(fam)} messages")
+            raise bad(f"its beliefs are {b.get('family') if isinstance(b, dict) else b!r}, not "
+                      f"{family_name(fam)} messages")
         for name in fam.param_names:
             column(b.get(name), f"beliefs.{name}")
-        column(p.get("consulted"), "consulted")
-        msgs = p.get("messages")
-        columns(msgs.get("natural") if isinstance(msgs, dict) else None, "messages.natural", True)
-        if p.get("log_var") is not None:
-            columns(p["log_var"], "log_var", False)
+        flags(p.get("consulted"), "consulted")
         if p.get("uncertain") is not None:
-            column(p["uncertain"], "uncertain")
+            flags(p["uncertain"], "uncertain")
+        msgs = p.get("messages")
+        nat = columns(msgs.get("natural") if isinstance(msgs, dict) else None, "messages.natural", fam.n_stats)
+        if not all_finite(nat):
+            raise bad("messages.natural holds a value that is not a finite number")
+        p["_natural"] = nat
+        p["_log_var"] = None if p.get("log_var") is None else columns(p["log_var"], "log_var", k)
         if type(p.get("version")) is not int:
-            raise self._malformed(path, f"version = {p.get('version')!r}")
+            raise bad(f"version = {p.get('version')!r}")
+        p["_cert"] = None
+        if p.get("certificates"):
+            try:
+                cert = Certificates.from_json(p["certificates"])
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                raise bad(f"its certificates are not readable ({type(exc).__name__}: {exc})") from None
+            if len(cert) != rows or cert.log_var.shape[-1] != k:
+                raise bad(f"its certificates are for {len(cert)} rows of {cert.log_var.shape[-1]} coordinates")
+            p["_cert"] = cert
 
     def _logvar(self, parts) -> np.ndarray:
         """The answers' log predictive variances (n, k); NaN where the server gives none (mode=oracle)."""
         k = len(self.family.coord_names)
-        return _joined(parts, lambda p: np.full((p["n"], k), np.nan) if p["log_var"] is None
-                       else _columns_array(p["log_var"], p["n"]))
+        return _joined(parts, lambda p: np.full((p["n"], k), np.nan) if p["_log_var"] is None else p["_log_var"])
 
     def _certificates(self, parts, beliefs, flat, consulted) -> Certificates:
         """The server's certificates of the batch (a server without them: learned where not consulted)."""
-        if all(p.get("certificates") for p in parts):
-            return Certificates.concatenate([Certificates.from_json(p["certificates"]) for p in parts])
+        if all(p["_cert"] is not None for p in parts):
+            return Certificates.concatenate([p["_cert"] for p in parts])
         return Certificates(np.where(consulted, "oracle", "learned"), self.family.coord_names, log_var=self._logvar(parts),
                             threshold=self.threshold, proper=outgoing_proper(beliefs, flat[self.to]),
                             version=self.last_version_)

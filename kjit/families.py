@@ -146,7 +146,9 @@ class Family:
                 else:
                     a = np.asarray(p)
                     owned.append(False)
-                if a.dtype.kind not in _NUMERIC_KINDS:
+                if a.dtype.kind == "O" and all(isinstance(x, (int, float)) for x in a.flat):
+                    a = a.astype(float)  # (Python integers beyond 64 bits: real numbers too)
+                elif a.dtype.kind not in _NUMERIC_KINDS:
                     # (a cast would drop an imaginary part, or read "2" or a date as a number)
                     raise TypeError(f"got an array of {a.dtype}")
                 if a.dtype != np.float64:

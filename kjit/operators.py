@@ -1249,7 +1249,10 @@ def _check_fitted_state(op: "KernelOperator") -> None:
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"operator state entry fitted/{name[:-1]} must be a positive number, got {v!r}")
     if op.canonical_:
-        if type(op.factor).symmetry is Factor.symmetry:  # (the base class's: no symmetry declared)
+        # (as fit decides it: the factor's frame of one message per variable, here each family's
+        # message at coordinates 0 — N(0, 1), Beta(1, 1), Gamma(1, 1), ...)
+        probe = {v: f.from_coords(np.zeros((1, len(f.coord_names)))) for v, f in op.factor.families.items()}
+        if op.factor.canonical_messages(probe) is None:
             raise ValueError(f"operator state says it uses factor {op.factor.name!r}'s canonical frame, which "
                              f"this factor has none of")
 

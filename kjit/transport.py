@@ -134,7 +134,7 @@ class _Reader:
     ``socket.makefile("rb")`` reader gives them, kept for the connection's life (not made per
     answer), with what is left over after an answer visible (:meth:`pending`)."""
 
-    __slots__ = ("sock", "buf", "pos", "deadline", "timeout", "budget")
+    __slots__ = ("sock", "buf", "pos", "deadline", "timeout", "budget", "cap")
 
     def __init__(self, sock):
         self.sock = sock
@@ -143,7 +143,8 @@ class _Reader:
         self.deadline = None  # (time.monotonic() by which the answer must be complete; None: none)
         gettimeout = getattr(sock, "gettimeout", None)  # (the socket's, as last set)
         self.timeout = gettimeout() if gettimeout is not None else None
-        self.budget = None  # (bytes an answer may still bring; None: no limit)
+        self.budget = None  # (bytes an answer, head included, may still bring; None: no limit)
+        self.cap = None  # (the largest body an answer may have; None: no limit)
 
     def pending(self) -> int:
         return len(self.buf) - self.pos
@@ -266,6 +267,7 @@ class _Headers(dict):
 
 _MAX_LINE = 65536
 _MAX_HEADERS = 100  # http.client's limits
+_MAX_HEAD_BYTES = 65536  # what an answer's head may add to the body's cap in bytes read
 
 
 class _Response:
@@ -337,10 +339,10 @@ class _Response:
                     raise http.client.HTTPException(f"bad Content-Length {n!r}") from None
                 if self.length < 0:
                     raise http.client.HTTPException(f"bad Content-Length {n!r}")
-                budget = self.fp.budget if isinstance(self.fp, _Reader) else None
-                if budget is not None and self.length > budget:
+                cap = self.fp.cap if isinstance(self.fp, _Reader) else None
+                if cap is not None and self.length > cap:
                     raise ResponseTooLarge(f"the answer announces {self.length} bytes, more than the client "
-                                           f"accepts ({budget})")
+                                           f"accepts ({cap})")
             else:
                 self.will_close = True  # the body ends where the connection does
 
@@ -515,7 +517,8 @@ class Session:
         try:
             # the whole answer within the timeout (a server dripping bytes cannot hold a call
             # forever), and no larger than the client accepts (found by an audit: 400 MB buffered)
-            reader.deadline, reader.budget = time.monotonic() + self.timeout, self.max_response_bytes
+            reader.deadline, reader.cap = time.monotonic() + self.timeout, self.max_response_bytes
+            reader.budget = self.max_response_bytes + _MAX_HEAD_BYTES
             r = _Response(conn.sock, method=method, reader=reader)
             r.begin()
             data = r.read()
@@ -532,7 +535,7 @@ class Session:
         except BaseException:  # e.g. KeyboardInterrupt: the answer may still come on this connection
             conn.close()
             raise
-        reader.deadline = reader.budget = None
+        reader.deadline = reader.budget = reader.cap = None
         if r.will_close:
             conn.close()
         else:
@@ -542,7 +545,8 @@ class Session:
 
 class HttpxSession:
     """The :class:`Session` interface over a caller's ``httpx.Client`` (its base URL, headers and
-    transport), with httpx's errors mapped to this module's."""
+    transport), with httpx's errors mapped to this module's.  The client's own timeouts apply (httpx
+    bounds each read, not a whole answer) and no size cap: the caller configured that client."""
 
     def __init__(self, client, headers: dict | None = None):
         self.client = client

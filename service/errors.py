@@ -59,7 +59,7 @@ def error_response(status: int, items, headers=None) -> JSONResponse:
 _FAMILY_TAGS = set(FAMILIES)  # the discriminator tags of message batches
 _SOURCE_TAGS = {"oracle", "file", "client"}
 #: the labels pydantic puts in ``loc`` for the members of an untagged union (``literal['default']``,
-#: ``dict[str,dict[str,ParamRange]]``): never a field of the body (names are identifiers)
+#: ``dict[str,dict[str,ParamRange]]``, after a training source's ``distribution``): not fields of the body
 _UNION_LABEL = re.compile(r"^[A-Za-z_]+\[.*\]$").match
 
 
@@ -73,8 +73,8 @@ def _strip_tags(loc: list) -> list:
             continue
         if x in _SOURCE_TAGS and i >= 1 and loc[i - 1] == "source":
             continue
-        if isinstance(x, str) and _UNION_LABEL(x):  # (found by an audit: loc named no field of the body)
-            continue
+        if i >= 1 and loc[i - 1] == "distribution" and isinstance(x, str) and _UNION_LABEL(x):
+            continue  # (the one untagged union of a request; found by an audit: loc named no field of the body)
         out.append(x)
     return out
 

@@ -113,7 +113,7 @@ class JobManager:
         for path in sorted(self.directory.glob("*.json")):
             try:
                 job = Job.from_dict(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError, RecursionError) as exc:
                 log.warning("job record %s unreadable (%s): skipped", path.name, exc)
                 continue
             if job.status in ("queued", "running"):

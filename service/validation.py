@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from contextlib import nullcontext
 from typing import Any, Awaitable, Callable, ContextManager, TypeVar
 
@@ -99,12 +100,25 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
     return parsed
 
 
+#: a JSON array of numbers only (no keys inside): what :func:`duplicate_key` need not parse
+_NUMBER_ARRAY = re.compile(rb"\[[-+0-9.eE,\s]*\]")
+
+
 def duplicate_key(raw: bytes) -> list | None:
     """The location (keys and list indices from the top) of the first key that a JSON text repeats
     within one object, or None.  pydantic keeps the last of repeated keys and other parsers the
     first, so such a body means different things to a proxy and to this server: it is refused.
-    Python's parser reads the body again (a few µs for one message; its C scanner for the number
-    arrays, a Python call per object only); None for a text it cannot read."""
+    Python's parser reads the body again with its arrays of numbers emptied first (they hold no
+    keys, and are most of a body: ~6 µs for one message, 1.4 ms for 10 000 against pydantic's
+    2.3 ms; found in review: 12 ms when they were parsed too); emptying rewrites two equal keys
+    alike, so it can only add a repeat (``"a[1]"``, ``"a[2]"``), which the whole text then
+    confirms.  None for a text it cannot read."""
+    if _repeated_key(_NUMBER_ARRAY.sub(b"[]", raw)) is None:
+        return None
+    return _repeated_key(raw)
+
+
+def _repeated_key(raw: bytes) -> list | None:
     found: list = []
 
     def hook(pairs):

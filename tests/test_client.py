@@ -299,6 +299,23 @@ def _bad(case, n):
         a["n"] = n + 1
     if case == "log_var_short":
         a["log_var"] = [[-12.0] * (n - 1)] * 2
+    # found by the review of the fix: still raw errors, or a null read as confident
+    if case == "log_var_string":
+        a["log_var"][0] = ["abc"] * n
+    if case == "log_var_one_column":
+        a["log_var"] = a["log_var"][:1]
+    if case == "consulted_strings":
+        a["consulted"] = ["no"] * n
+    if case == "uncertain_null":
+        a["uncertain"] = [None] * n
+    if case == "natural_one_column":
+        a["messages"]["natural"] = a["messages"]["natural"][:1]
+    if case == "certificates_garbage":
+        a["certificates"] = {"source": 3}
+    if case == "certificates_threshold_string":
+        a["certificates"] = {"source": ["learned"] * n, "coords": ["mean", "log_var"], "log_var": a["log_var"],
+                             "threshold": "x", "ess": None, "mc_se": None, "projection": "kl",
+                             "proper": [True] * n, "version": 1}
     return a
 
 
@@ -332,7 +349,9 @@ def _canned_operator(answer, info=_INFO):
 
 
 @pytest.mark.parametrize("case", ["a_list", "detail", "beta_beliefs", "one_belief_short", "null_natural",
-                                  "nan_belief", "n_wrong", "log_var_short"])
+                                  "nan_belief", "n_wrong", "log_var_short", "log_var_string", "log_var_one_column",
+                                  "consulted_strings", "uncertain_null", "natural_one_column",
+                                  "certificates_garbage", "certificates_threshold_string"])
 def test_a_malformed_answer_is_a_remote_operator_error_saying_what_is_wrong(case):
     with _canned_operator(lambda n: _bad(case, n)) as op:
         with pytest.raises(RemoteOperatorError, match="the server's answer is malformed"):

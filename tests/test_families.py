@@ -1083,7 +1083,7 @@ def test_a_parameter_with_an_old_style_array_interface_converts_without_warning(
 
 
 @pytest.mark.parametrize("bad", [[1 + 5j], ["2"], np.array(["2020-01-01"], dtype="datetime64[D]"), [1.0, None],
-                                 np.array([1.0], dtype=object)])
+                                 np.array([1.0, "2"], dtype=object), np.array([1.0, 1j], dtype=object)])
 def test_parameters_that_are_not_real_numbers_are_refused_not_cast(bad):
     """Found by an audit: a complex mean lost its imaginary part (numpy's ComplexWarning only), and
     strings or dates were read as numbers."""
@@ -1092,6 +1092,7 @@ def test_parameters_that_are_not_real_numbers_are_refused_not_cast(bad):
     # integers, booleans and single precision are numbers
     assert Gaussian(np.array([1], dtype=np.int32), np.array([2.0], dtype=np.float32)).params[1].dtype == np.float64
     assert Gaussian([True], [1.0]).mean()[0] == 1.0
+    assert Gaussian(10**20, 1.0).mean() == 1e20 and Gaussian([2**64], [1]).mean()[0] == 2.0**64  # (object arrays)
 
 
 def test_models_refuse_data_that_is_not_real_numbers():

@@ -591,6 +591,13 @@ def test_an_answer_larger_than_the_client_accepts_is_refused_not_buffered(framin
         s.request("GET", "/")
     srv.close()
     assert s._conn is None  # (the connection is dropped, not reused with the rest of the answer in it)
+    # an answer just under the cap is read whole, whatever came with its head (found in review: the
+    # check of Content-Length counted the body bytes already received against it)
+    srv = _Streamer(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (2**20 - 10) + b"x" * 60000,
+                    b"x" * (2**20 - 10 - 60000), every=0.0, total=1)
+    r = T.Session(srv.url, timeout=10.0, max_response_bytes=2**20).request("GET", "/")
+    srv.close()
+    assert len(r.content) == 2**20 - 10
     if framing != "chunked":  # and within the limit the same framing is read whole
         srv = _Streamer(heads[framing].replace(b"1000000000000", b"%d" % (4 * 65536)), piece, every=0.0, total=4)
         r = T.Session(srv.url, timeout=10.0, max_response_bytes=2**20).request("GET", "/")

@@ -174,6 +174,10 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
                                  f"{factor.params()}")
             if len(ts) < 4:
                 raise ValueError(f"the training set has {len(ts)} pairs; at least 4 are needed")
+            factor.check_incoming(ts.incoming, req.to)  # (its variables and families)
+            if not isinstance(ts.beliefs, factor.families[req.to]):
+                raise ValueError(f"the training set's beliefs are {type(ts.beliefs).__name__} messages, not "
+                                 f"{factor.families[req.to].__name__}")
         except (ValueError, OSError) as exc:
             raise ApiError(422, ["body", "source", "path"], scrub(str(exc), settings.store), "value_error") from None
         spec.training_set = str(p)
