@@ -377,3 +377,78 @@ def test_a_rotation_that_fails_after_creating_the_new_log_leaves_the_old_one_the
     again.load_all()
     assert again.failed == {} and again.get("lx").version == 2
     again.close()
+
+
+def test_a_store_that_turns_read_only_answers_503_serves_predictions_and_recovers(store_dir, monkeypatch):
+    """Found by an audit (a read-only bind mount over the store of a running server): after a failed
+    rotation no log could be reopened, the next update answered 500, and every request then 503
+    until a restart.  Now: the update is a 503 not_persisted, predictions go on from the state on
+    disk, and once the log can be opened again updates are acknowledged and survive a restart."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+    from service.store.log import OperatorLog
+
+    real = OperatorLog.resume
+    state = {"read_only": False}
+
+    def resume(self, gen):
+        if state["read_only"]:
+            raise OSError(30, "Read-only file system")
+        return real(self, gen)
+
+    monkeypatch.setattr(OperatorLog, "resume", resume)
+    pairs = _pairs(6)
+    fixed = body(probe("logistic", 5), "x")
+
+    def observe(c, i):
+        inc, q = pairs[i]
+        return c.post("/v1/operators/logistic-x/observations", headers={**AUTH, "Idempotency-Key": f"k{i}"},
+                      json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+
+    with TestClient(create_app(settings_for(store_dir, snapshot_every=3))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        assert [observe(c, i).json()["version"] for i in range(2)] == [1, 2]
+        state["read_only"] = True
+        r = observe(c, 2)  # durable in the open log; the rotation after it fails, and so does reopening
+        assert r.status_code == 200 and r.json()["version"] == 3, r.text
+        r = observe(c, 3)
+        assert r.status_code == 503 and r.json()["detail"][0]["type"] == "not_persisted", r.text
+        p = c.post("/v1/operators/logistic-x/messages?mode=predict", json=fixed)
+        assert p.status_code == 200 and p.json()["version"] == 3, p.text
+        state["read_only"] = False
+        r = observe(c, 3)  # (the retry of the refused one)
+        assert r.status_code == 200 and r.json()["version"] == 4 and not r.json()["duplicate"], r.text
+        assert c.get("/ready").status_code == 200
+        served = c.post("/v1/operators/logistic-x/messages?mode=predict", json=fixed).json()
+    with TestClient(create_app(settings_for(store_dir, snapshot_every=3))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        again = c.post("/v1/operators/logistic-x/messages?mode=predict", json=fixed).json()
+        assert again["version"] == 4 and again["beliefs"] == served["beliefs"]
+        assert observe(c, 3).json()["duplicate"]
+
+
+def test_a_missing_log_after_the_newest_snapshot_is_refused_not_served_older(store_dir):
+    """Found by an audit: with the newest log deleted, the server served the snapshot before it as
+    if nothing had followed — an acknowledged key applied again, an acknowledged version number
+    reused for another state.  log-G is made durable before snapshot-G is written, so its absence
+    is damage: the operator is reported failed, naming the file."""
+    from fastapi.testclient import TestClient
+
+    from service import create_app
+
+    pairs = _pairs(4)
+    with TestClient(create_app(settings_for(store_dir, snapshot_every=2))) as c:
+        poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+        for inc, q in pairs:
+            r = c.post("/v1/operators/logistic-x/observations", headers=AUTH,
+                       json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+            assert r.status_code == 200
+    d = store_dir / "operators" / "logistic-x"
+    newest = max(d.glob("snapshot-*.npz"))
+    log_path = d / newest.name.replace("snapshot-", "log-").replace(".npz", ".jsonl")
+    assert newest.name != "snapshot-00000000.npz" and log_path.exists()
+    log_path.unlink()
+    with TestClient(create_app(settings_for(store_dir, snapshot_every=2))) as c:
+        r = poll(lambda: c.get("/ready"), lambda r: "logistic-x" in r.json().get("failed", {}), timeout=120)
+        assert r.status_code == 503 and "has no log" in r.json()["failed"]["logistic-x"]

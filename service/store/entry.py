@@ -24,7 +24,7 @@ from ..schemas import PARAM_MAX
 from ..validation import NUMERIC_ERRORS
 from . import describe
 from .commit import ASIDE_ROWS, Replicated, Standalone
-from .errors import OracleFailure, Unprocessable
+from .errors import OracleFailure, PersistError, Unprocessable
 from .idempotency import IdempotencyKeys
 from .log import OperatorLog, generation as _generation
 from .records import messages_from_record, pairs_record, sha256
@@ -81,7 +81,11 @@ class Entry:
             # the last log with records may have a torn tail (a crash mid-append) to cut; logs after it
             # that hold nothing (a rotation that failed half-way) do not make it a closed log
             n_replayed += self._replay(path, last=all(_empty(p) for p in logs[i + 1:]))
-        self.log.resume(max([_generation(snap)] + [_generation(p) for p in logs]))
+        try:
+            self.log.resume(max([_generation(snap)] + [_generation(p) for p in logs]))
+        except OSError as exc:  # (a read-only or full disk: served for reading; an update tries again)
+            log.error("operator %s: its update log cannot be opened for appending (%s); updates answer 503 until "
+                      "it can", self.name, exc)
         self._counters_at_snapshot = self.jit.raw_counters() if not n_replayed else None
         if n_replayed:
             log.info("operator %s: replayed %d update record(s) to version %d", self.name, n_replayed, self.version)
@@ -139,10 +143,11 @@ class Entry:
             self.load()
             if counters is not None:
                 self.jit.set_counters(counters)
-        except Exception:  # pragma: no cover - disk unusable
+        except Exception as exc:  # the disk no longer holds a loadable state
             log.exception("operator %s: could not be rebuilt", self.name)
             self.store._fail(self.name, f"could not be rebuilt after: {why}")
-            raise
+            raise PersistError(f"{why}; the operator could not be rebuilt from the store ({type(exc).__name__}) and "
+                               f"is reported failed") from exc
 
     # ---------------------------------------------------------------- replicas' bases (commit.Replicated)
     def base_blob(self) -> bytes:
@@ -237,8 +242,9 @@ class Entry:
         t = time.perf_counter()
         gen = self.log.next_generation()  # (first: if it fails, nothing else has changed)
         data = self._snapshot_bytes()
-        self.store._enqueue_snapshot(self, gen, data)
         self.store.observe("snapshot_serialise", time.perf_counter() - t)
+        # (last: once queued, snapshot-gen will be written, and log-gen must stay — the records go there)
+        self.store._enqueue_snapshot(self, gen, data)
 
     def _snapshot_bytes(self) -> bytes:
         state = self.jit.state_dict()

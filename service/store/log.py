@@ -67,17 +67,25 @@ class OperatorLog:
         if not snaps:
             raise ValueError(f"operator {self.name!r}: no snapshot in {self.path}")
         g = max(snaps)
+        if g > 0 and g not in logs:
+            # log-G is created and made durable before snapshot-G is written (a rotation, a final
+            # snapshot): without it, the records after that snapshot were lost — serving the snapshot
+            # would reuse acknowledged versions and forget their idempotency keys (found by an audit)
+            raise ValueError(f"operator {self.name!r}: {snaps[g].name} has no log-{g:08d}.jsonl after it (deleted?): "
+                             f"refusing to serve a state that may lack acknowledged updates")
         stale = [p for old, p in list(snaps.items()) + list(logs.items()) if old < g]
         replay = sorted(k for k in logs if k >= g)
         return snaps[g], [logs[k] for k in replay], stale
 
-    @staticmethod
-    def delete(paths) -> None:
+    def delete(self, paths) -> None:
+        """Remove stale generations, as far as the disk allows (they are never read again)."""
         for p in paths:
             try:
                 p.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                log.warning("operator %s: could not remove the stale %s (%s)", self.name, p.name, exc)
 
     def read_records(self, path: Path, last: bool) -> list[dict]:
         """The records of one log, in order; a torn or damaged tail of the newest log (``last``)
@@ -156,8 +164,12 @@ class OperatorLog:
         """Append one record and fsync it; on failure cut the partial write off and raise PersistError."""
         data = encode_record(rec)
         t = time.perf_counter()
-        if self._fh is None:
-            raise PersistError(f"could not write the update log of {self.name!r}: it is not open (a failed rotation)")
+        if self._fh is None:  # (a failed rotation or reopening: tried again now — the disk may be back)
+            try:
+                self.resume(self.gen)
+            except OSError as exc:
+                raise PersistError(f"could not write the update log of {self.name!r}: it cannot be opened "
+                                   f"({exc})") from exc
         try:
             append_durably(self._fh, data)
         except OSError as exc:
