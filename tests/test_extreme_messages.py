@@ -136,3 +136,16 @@ def test_the_scaled_series_agree_with_direct_evaluation_where_both_are_accurate(
     np.testing.assert_allclose(_digamma_diff(x, y), special.digamma(x) - special.digamma(x + y), rtol=1e-10)
     np.testing.assert_allclose(_scaled_trigamma_diff(x, y), x * (special.polygamma(1, x) - special.polygamma(1, x + y)),
                                rtol=1e-9)
+
+
+@pytest.mark.parametrize("a", [1e8, 1e10, 1e12, 1e14])
+def test_the_gaussian_factor_s_evidence_with_a_known_precision(a):
+    """τ ~ Gamma(a, a) — mean 1, sd a^-½ — is how a graph states a known precision: the factor's log
+    partition is log N(1.5; 0.3, 0.7 + 0.4 + 1) to O(1/a) (≤ 1e-8 here).  It was off by 1e-5 at
+    a = 1e10 and 0.29 at 1e14: a'u − b e^u and the Gamma's normaliser, each ~a ln a, cancelled
+    (found by an audit of EP's evidence)."""
+    from kjit.exact import gaussian as G
+
+    inc = {"m": Gaussian(0.3, 0.7), "tau": Gamma(a, a), "x": Gaussian(1.5, 0.4)}
+    exact = -0.5 * np.log(2 * np.pi * 2.1) - 0.5 * 1.2**2 / 2.1
+    assert abs(float(G.log_partition(inc)) - exact) < 1e-8
