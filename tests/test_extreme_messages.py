@@ -139,7 +139,7 @@ def test_the_scaled_series_agree_with_direct_evaluation_where_both_are_accurate(
 
 
 @pytest.mark.parametrize("a", [1e8, 1e10, 1e12, 1e14])
-def test_the_gaussian_factor_s_evidence_with_a_known_precision(a):
+def test_evidence_with_a_concentrated_gamma_message(a):
     """τ ~ Gamma(a, a) — mean 1, sd a^-½ — is how a graph states a known precision: the factor's log
     partition is log N(1.5; 0.3, 0.7 + 0.4 + 1) to O(1/a) (≤ 1e-8 here).  It was off by 1e-5 at
     a = 1e10 and 0.29 at 1e14: a'u − b e^u and the Gamma's normaliser, each ~a ln a, cancelled
@@ -149,3 +149,14 @@ def test_the_gaussian_factor_s_evidence_with_a_known_precision(a):
     inc = {"m": Gaussian(0.3, 0.7), "tau": Gamma(a, a), "x": Gaussian(1.5, 0.4)}
     exact = -0.5 * np.log(2 * np.pi * 2.1) - 0.5 * 1.2**2 / 2.1
     assert abs(float(G.log_partition(inc)) - exact) < 1e-8
+    # the exp factor's, likewise: y = e^x with y ~ Gamma(a, a) pins x to 0 — log N(0; 0.2, 0.5) to O(1/a)
+    from kjit.exact import exp as E
+
+    exact = -0.5 * np.log(2 * np.pi * 0.5) - 0.5 * 0.2**2 / 0.5
+    assert abs(float(E.log_partition({"x": Gaussian(0.2, 0.5), "y": Gamma(a, a)})) - exact) < 1e-8
+    # and gamma_rate's (x ~ Gamma(1, r)), with either message concentrated at 1 — closed forms:
+    # r = 1: ∫ e^-x Gamma(x; 2, 1.5) dx = (1.5/2.5)^2; x = 1: E[r e^-r] under Gamma(2, 1.5) = (4/3)(0.6)^3
+    from kjit.exact import gamma_rate as R
+
+    assert abs(float(R.log_partition({"r": Gamma(a, a), "x": Gamma(2.0, 1.5)})) - 2 * np.log(0.6)) < 1e-8
+    assert abs(float(R.log_partition({"r": Gamma(2.0, 1.5), "x": Gamma(a, a)})) - np.log(4 / 3 * 0.6**3)) < 1e-8

@@ -44,6 +44,10 @@ from ._common import (
     col,
     empty_belief,
     gamma_belief,
+    gamma_exponent,
+    gamma_normaliser,
+    gamma_shift,
+    gamma_shift_change,
     gaussian_belief,
     gaussian_mixture,
     is_empty,
@@ -61,35 +65,14 @@ SUPPORTS_POWER = True
 __all__ = ["belief", "log_partition", "sample"]
 
 
-def _shift(ap, b):
-    """(u₀, c): the mode u₀ = log(a'/b) of a'u − b e^u and its value c there, where a' > 0 (else 0, 0).
-    The rule integrates exp(… − c), with a'u − b e^u − c = a'(s − expm1(s)), s = u − u₀: for a τ
-    message of shape 1e12 both terms are ~3e13 and their sum was rounded to ~0.01 — the evidence
-    of a Gamma(a, a) τ off by 0.29 nats at a = 1e14 (found by an audit)."""
-    pos = ap > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        u0 = np.where(pos, np.log(np.where(pos, ap, 1.0) / b), 0.0)
-        c = np.where(pos, ap * u0 - np.where(pos, ap, 0.0), 0.0)
-    return u0, c
-
-
-def _gamma_part(t, aa, lb, u0):
-    """a'u − b e^u − c (see :func:`_shift`) at nodes ``t``."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        sft = t - u0
-        shifted = aa * (sft - np.expm1(sft))
-        plain = aa * t - np.exp(t + lb)
-    return np.where(aa > 0, shifted, plain)
-
-
 def _rule(ap, b, S, D, alpha):
     """Panel rule in u = log τ for exp(a' u − b e^u − c − ½ log(S + q) − D/(2(S + q))),
-    q = e^{−u}/α, c from :func:`_shift` (the raw log integral of the unshifted integrand is
+    q = e^{−u}/α, c from :func:`~kjit.exact._common.gamma_shift` (the raw log integral of the unshifted integrand is
     ``raw + c``; kept apart so that sums with the Gamma's normaliser do not cancel).
 
     Returns (u, lw, raw log integral of the shifted integrand, c)."""
     logb, logS, la = np.log(b), np.log(S), np.log(alpha)
-    u0, c = _shift(ap, b)
+    u0, c = gamma_shift(ap, b)
 
     def log_sq(t, ls):  # log(S + q)
         return np.logaddexp(ls, -t - la)
@@ -98,7 +81,7 @@ def _rule(ap, b, S, D, alpha):
         aa, lb, ls, dd, uu = (col(p, t, rows) for p in (ap, logb, logS, D, u0))
         with np.errstate(over="ignore"):
             lsq = log_sq(t, ls)
-            return _gamma_part(t, aa, lb, uu) - 0.5 * lsq - 0.5 * dd * np.exp(-lsq)
+            return gamma_exponent(t, aa, lb, uu) - 0.5 * lsq - 0.5 * dd * np.exp(-lsq)
 
     def dlogf(t, rows=None):
         aa, lb, ls, dd = (col(p, t, rows) for p in (ap, logb, logS, D))
@@ -146,40 +129,12 @@ def _rule(ap, b, S, D, alpha):
     return u, lw, lz, c
 
 
-def _stirling_rest(x):
-    """ln Γ(x) − (x ln x − x), without the cancellation of the two for large x (Stirling's series
-    beyond 1e3, where its first omitted term is < 1e-16)."""
-    x = np.asarray(x, float)
-    big = x > 1e3
-    xb = np.where(big, x, 1e3)
-    series = 0.5 * np.log(2.0 * np.pi / xb) + 1.0 / (12.0 * xb) - 1.0 / (360.0 * xb**3) + 1.0 / (1260.0 * xb**5)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        direct = special.gammaln(x) - special.xlogy(x, x) + x
-    return np.where(big, series, direct)
-
-
-def _log_gamma_normaliser(a, ap, b, c):
-    """a ln b − ln Γ(a) + c, c from :func:`_shift` (the Gamma message's normaliser with the rule's
-    shift given back), without cancellation: with d = a' − a, it is
-    a ln(1 + d/a) − d + d ln(a'/b) − R(a), R = :func:`_stirling_rest` (for a' ≤ 0: the plain sum)."""
-    d = ap - a
-    pos = ap > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        stable = a * np.log1p(d / a) - d + d * np.log(np.where(pos, ap, 1.0) / b) - _stirling_rest(a)
-    plain = a * np.log(b) - special.gammaln(a) + c
-    return np.where(pos, stable, plain)
-
-
 def _log_moment_rule(ap, b, S, D, alpha, lz0, c0):
     """k ↦ log E[τ^k] under the tilted distribution: the raw integrals at a' + k and a', each with
     its shift given back — c(a'+k) − c(a') formed without cancellation."""
     def log_moment(k):
         _, _, lzk, ck = _rule(ap + k, b, S, D, alpha)
-        pos = (ap > 0) & (ap + k > 0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            dc = np.where(pos, ap * np.log1p(k / np.where(pos, ap, 1.0)) + k * np.log(np.where(pos, ap + k, 1.0) / b)
-                          - k, ck - c0)
-        return lzk - lz0 + dc
+        return lzk - lz0 + gamma_shift_change(ap, k, b, c0, ck)
     return log_moment
 
 
@@ -232,7 +187,7 @@ def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndar
         return np.zeros(shape)
     _, _, lz, c = _rule(ap, b, S, D, alpha)
     lz = (
-        lz + _log_gamma_normaliser(a, ap, b, c)
+        lz + gamma_normaliser(a, ap, b, c)
         - 0.5 * np.log(2.0 * np.pi) + 0.5 * (1.0 - alpha) * np.log(2.0 * np.pi) - 0.5 * np.log(alpha)
     )
     return lz.reshape(shape)
