@@ -525,3 +525,30 @@ def test_an_audit_learns_only_the_rows_it_can_and_keeps_every_rows_statistics(tm
     assert e2.version == 2 and e2.audit_stats.count == 6
     np.testing.assert_array_equal(e2.jit.operator.belief(inc).mean(), served.mean())
     again.close()
+
+
+def test_a_pending_initial_batch_keeps_its_requests_through_a_save(tmp_path):
+    """The guard groups the initial batch by the requests it came in; a saved JIT kept the pending
+    rows as one block, so after a reload the guard (and the rows it sends to the oracle) differed
+    (found by an audit).  Continuing after save → load is continuing without it."""
+    from kjit.factors import get_factor
+    from kjit.oracles import QuadratureOracle
+    from kjit.persistence import load_operator, save_operator
+
+    f = get_factor("gamma_rate")
+    ts = make_training_set(f, "x", f.default_incoming, QuadratureOracle(f), n=100, random_state=0)
+    kw = dict(n_inner=40, n_outer=80, inner_factors=[0.5], width_factors=[1.0], prior_vars=[1.0],
+              noise_vars=[1e-3], random_state=0)
+
+    def part(s, e):
+        return {v: m[s:e] for v, m in ts.incoming.items()}
+
+    a = JITOperator(None, QuadratureOracle(f), to="x", initial_batch=100, threshold=-3.0, guard_share=0.05,
+                    operator_kwargs=kw)
+    a.predict(part(0, 30))
+    a.predict(part(30, 60))
+    save_operator(a, tmp_path / "jit.npz")
+    b = load_operator(tmp_path / "jit.npz")
+    a.predict(part(60, 100))
+    b.predict(part(60, 100))
+    assert a.density_guard == b.density_guard
