@@ -387,17 +387,18 @@ def test_a_store_that_turns_read_only_answers_503_serves_predictions_and_recover
     from fastapi.testclient import TestClient
 
     from service import create_app
-    from service.store.log import OperatorLog
+    import builtins
 
-    real = OperatorLog.resume
+    import service.store.log as log_module
+
     state = {"read_only": False}
 
-    def resume(self, gen):
-        if state["read_only"]:
+    def fake_open(path, mode="r", *args, **kwargs):  # (what the log opens for appending, refused)
+        if state["read_only"] and "a" in mode:
             raise OSError(30, "Read-only file system")
-        return real(self, gen)
+        return builtins.open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(OperatorLog, "resume", resume)
+    monkeypatch.setattr(log_module, "open", fake_open, raising=False)
     pairs = _pairs(6)
     fixed = body(probe("logistic", 5), "x")
 
@@ -452,3 +453,45 @@ def test_a_missing_log_after_the_newest_snapshot_is_refused_not_served_older(sto
     with TestClient(create_app(settings_for(store_dir, snapshot_every=2))) as c:
         r = poll(lambda: c.get("/ready"), lambda r: "logistic-x" in r.json().get("failed", {}), timeout=120)
         assert r.status_code == 503 and "has no log" in r.json()["failed"]["logistic-x"]
+
+
+def test_an_operator_that_could_not_be_rebuilt_acknowledges_nothing_more(tmp_path, monkeypatch):
+    """Found in review of the fix above: the log that a failed rebuild left closed was reopened by the
+    next append through the same Entry (a request waiting on its lock, the audit thread), which
+    acknowledged an update reusing a version — and a later rotation deleted acknowledged records.
+    Only a log whose opening failed is reopened; this one refuses, and a restart has every
+    acknowledged update."""
+    import service.store.log as log_module
+    from kjit.factors import Logistic
+    from service.store import PersistError
+    from service.store.entry import Entry
+
+    store = small_store(tmp_path / "store", "lx", "logistic", "x", snapshot_every=3)
+    e = store.get("lx")
+    oracle = QuadratureOracle(Logistic())
+
+    def observe(entry, i):
+        inc = probe("logistic", 2, seed=3000 + i)
+        return entry.observe(inc, oracle.belief(inc, "x"), f"key{i}", f"h{i}")
+
+    assert [observe(e, i)[0] for i in range(5)] == [1, 2, 3, 4, 5]
+
+    def eio(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as m:  # an append fails, and so does the rebuild (reading the log)
+        m.setattr(log_module, "append_durably", eio)
+        m.setattr(Entry, "_replay", eio)
+        with pytest.raises(PersistError):
+            observe(e, 5)
+    assert "lx" in store.failed
+    with pytest.raises(PersistError, match="not open"):
+        observe(e, 6)  # (the same Entry object)
+    store.abandon()
+    again = OperatorStore(tmp_path / "store", snapshot_every=3)
+    again.open()
+    again.load_all()
+    try:
+        assert again.get("lx").version == 5
+    finally:
+        again.abandon()

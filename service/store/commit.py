@@ -290,7 +290,7 @@ class Replicated:
                 try:
                     e._apply_record(rec)
                 except Exception as exc:  # the record is in the shared log: the rebuilt state has it
-                    e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})")
+                    e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})", recorded=True)
                     return rec
                 self.applied()
                 return rec

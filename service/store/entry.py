@@ -130,11 +130,13 @@ class Entry:
         self.audited_pairs = int(svc.get("audited_pairs", 0))
         return svc
 
-    def _recover(self, why: str, counters: dict | None = None) -> None:
+    def _recover(self, why: str, counters: dict | None = None, recorded: bool = False) -> None:
         """Rebuild the operator from the store after a failed update.  ``counters``: the JIT counters
         to keep (default: those in memory, which count the requests that succeeded — a failed jit
         request passes the ones from before it, as it counted itself already; found in review:
-        a 503 'nothing was learned' request stayed counted, and became durable with the next record)."""
+        a 503 'nothing was learned' request stayed counted, and became durable with the next record).
+        A rebuild that fails is a PersistError (503), whose outcome is unknown when the update's
+        record was already placed (``recorded``: a replica's, in the shared log)."""
         log.error("operator %s: %s; rebuilding it from the store", self.name, why)
         # those on disk only reach the last snapshot or jit record
         if counters is None:
@@ -147,7 +149,7 @@ class Entry:
             log.exception("operator %s: could not be rebuilt", self.name)
             self.store._fail(self.name, f"could not be rebuilt after: {why}")
             raise PersistError(f"{why}; the operator could not be rebuilt from the store ({type(exc).__name__}) and "
-                               f"is reported failed") from exc
+                               f"is reported failed", unknown=recorded) from exc
 
     # ---------------------------------------------------------------- replicas' bases (commit.Replicated)
     def base_blob(self) -> bytes:

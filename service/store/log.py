@@ -47,6 +47,11 @@ class OperatorLog:
         self.gen = 0
         self.n_records = 0
         self._fh = None
+        # the log was left closed because opening it failed (a read-only or full disk): an append may
+        # try again; never after a load closed it, nor after close() (found in review: an operator
+        # whose rebuild failed, still held by a waiting request, reopened its log and acknowledged
+        # updates that a later rotation deleted)
+        self.reopenable = False
 
     # ---------------------------------------------------------------- reading
     def generations(self) -> tuple[dict[int, Path], dict[int, Path]]:
@@ -140,10 +145,16 @@ class OperatorLog:
             with open(p, "rb") as fh:
                 self.n_records = sum(1 for _ in fh)
         created = not p.exists()
-        self._fh = open(p, "ab", buffering=0)
-        if created:
-            os.fsync(self._fh.fileno())
-            fsync_dir(self.path)
+        try:
+            self._fh = open(p, "ab", buffering=0)
+            if created:
+                os.fsync(self._fh.fileno())
+                fsync_dir(self.path)
+        except OSError:
+            self.close()
+            self.reopenable = True
+            raise
+        self.reopenable = False
 
     def abandon_generation(self, gen: int) -> None:
         """Go back to appending to generation ``gen`` after a rotation to ``gen + 1`` failed: the new
@@ -164,12 +175,15 @@ class OperatorLog:
         """Append one record and fsync it; on failure cut the partial write off and raise PersistError."""
         data = encode_record(rec)
         t = time.perf_counter()
-        if self._fh is None:  # (a failed rotation or reopening: tried again now — the disk may be back)
+        if self._fh is None and self.reopenable:  # (opening failed before: tried again — the disk may be back)
             try:
                 self.resume(self.gen)
             except OSError as exc:
                 raise PersistError(f"could not write the update log of {self.name!r}: it cannot be opened "
                                    f"({exc})") from exc
+        if self._fh is None:
+            raise PersistError(f"could not write the update log of {self.name!r}: it is not open (a failed "
+                               f"rotation, or an operator that could not be rebuilt)")
         try:
             append_durably(self._fh, data)
         except OSError as exc:
@@ -196,6 +210,7 @@ class OperatorLog:
         self._observe("snapshot_write", time.perf_counter() - t)
 
     def close(self) -> None:
+        self.reopenable = False
         if self._fh is not None:
             self._fh.close()
             self._fh = None
