@@ -1052,6 +1052,22 @@ class Beta(Family):
 
 
 # ====================================================================== Gamma
+def _log_minus_digamma(a):
+    """(ln a − ψ(a), 1/a − ψ'(a)): by their asymptotic series beyond a = 1e3, where the differences
+    cancel (~1e-16·ln a absolute against a value ~1/(2a): Gamma.project's shape was 2.6 % off at
+    1e13, found in review), directly below."""
+    a = np.asarray(a, float)
+    big = a > 1e3
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        r = 1.0 / np.where(big, a, 1e3)
+        r2 = r * r
+        f_series = r * (0.5 + r * (1.0 / 12.0 - r2 * (1.0 / 120.0 - r2 / 252.0)))
+        fp_series = -r2 * (0.5 + r * (1.0 / 6.0 - r2 * (1.0 / 30.0 - r2 / 42.0)))
+        f = np.where(big, f_series, np.log(a) - special.digamma(a))
+        fp = np.where(big, fp_series, 1.0 / a - trigamma(a))
+    return f, fp
+
+
 class Gamma(Family):
     """Gamma(x; shape, rate) on (0, ∞); natural parameters (-rate, shape-1) on (x, log x)."""
 
@@ -1110,8 +1126,8 @@ class Gamma(Family):
         a = (3.0 - s + np.sqrt((s - 3.0) ** 2 + 24.0 * s)) / (12.0 * s)
         active = np.ones(np.shape(a), dtype=bool)
         for _ in range(max_iter):
-            f = np.log(a) - special.digamma(a) - s
-            fp = 1.0 / a - trigamma(a)
+            f, fp = _log_minus_digamma(a)
+            f = f - s
             inv = 1.0 / a + f / (a * a * fp)
             new = np.where(active & (inv > 0), 1.0 / inv, a)
             change = np.abs(new - a) / a

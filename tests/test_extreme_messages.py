@@ -160,3 +160,47 @@ def test_evidence_with_a_concentrated_gamma_message(a):
 
     assert abs(float(R.log_partition({"r": Gamma(a, a), "x": Gamma(2.0, 1.5)})) - 2 * np.log(0.6)) < 1e-8
     assert abs(float(R.log_partition({"r": Gamma(2.0, 1.5), "x": Gamma(a, a)})) - np.log(4 / 3 * 0.6**3)) < 1e-8
+
+
+@pytest.mark.parametrize("a", [1e8, 1e13, 1e15, 1e16])
+def test_evidence_with_a_concentrated_gamma_message_away_from_one(a):
+    """The same at a precision / rate of 0.5 and power 1/2 (found in review of the fix: beyond shape
+    1e16 a shape plus the factor's power, a − 1 or a − 1/4, rounds to the shape, and the evidence
+    lost ln 2 or ¼ ln 2 silently; the gaussian factor's τ belief was 2.6 % off at 1e13, from
+    Gamma.project).  Closed forms at the pinned value, to O(1/a)."""
+    from kjit.exact import exp as E, gamma_rate as R, gaussian as G
+
+    t0, tol = 0.5, 1e-8
+    inc = {"m": Gaussian(0.0, 1.0), "tau": Gamma(a, a / t0), "x": Gaussian(0.1, 1.0)}
+    # ∫ N(x; m, 1/τ₀)^½ N(m; 0, 1) N(x; 0.1, 1) = (2π/τ₀)^-¼ (2π/(τ₀/2))^½ N(0.1; 0, 2 + 2/τ₀)
+    exact = -0.25 * np.log(2 * np.pi / t0) + 0.5 * np.log(4 * np.pi / t0) - 0.5 * np.log(2 * np.pi * 6) - 0.01 / 12
+    assert abs(float(G.log_partition(inc, power=0.5)) - exact) < tol
+    assert abs(float(G.belief("tau", inc).shape_param) / a - 1) < 10 / a + 1e-10
+    # exp: E[N(log y; 0, 1) / y] at y = 0.5; gamma_rate: r = 0.5, and x = 0.5
+    exact = -0.5 * np.log(2 * np.pi) - 0.5 * np.log(t0) ** 2 - np.log(t0)
+    assert abs(float(E.log_partition({"x": Gaussian(0.0, 1.0), "y": Gamma(a, a / t0)})) - exact) < tol
+    assert abs(float(R.log_partition({"r": Gamma(a, a / t0), "x": Gamma(2.0, 1.0)})) - np.log(t0 / 1.5**2)) < tol
+    exact = np.log(2 / 1.5 * (1.5 / (1.5 + t0)) ** 3)
+    assert abs(float(R.log_partition({"r": Gamma(2.0, 1.5), "x": Gamma(a, a / t0)})) - exact) < tol
+
+
+def test_beyond_what_the_rules_resolve_a_gamma_message_is_known_or_refused():
+    """A τ message of shape above 1e14 is a known precision (the gaussian factor's limit, exact to
+    1/a); gamma_rate refuses a message above 1e16 by row (its evidence was 1e-2 off at 1e30)."""
+    from kjit.exact import gamma_rate as R, gaussian as G
+
+    inc = {"m": Gaussian(0.0, 1.0), "tau": Gamma(1e40, 2e40), "x": Gaussian(0.1, 1.0)}
+    q = G.belief("tau", inc)
+    assert float(q.shape_param) == 1e40 and float(q.rate) == 2e40
+    x = G.belief("x", inc)  # conditioned on τ = 0.5: precision 1 + 1/3
+    np.testing.assert_allclose([float(x.mean()), float(x.var())], [0.1 * 0.75, 0.75], rtol=1e-14)
+    with pytest.raises(OracleError, match="exceeds 1e"):
+        R.log_partition({"r": Gamma(np.array([2.0, 1e20]), np.array([1.0, 2e20])), "x": Gamma(2.0, 1.0)})
+
+
+@pytest.mark.parametrize("a", [2.0, 5e3, 1e6, 1e10, 1e13, 1e20, 1e50])
+def test_gamma_projection_is_exact_for_large_shapes(a):
+    from kjit.families import Gamma as Gam, _log_minus_digamma
+
+    s = _log_minus_digamma(np.array([a]))[0][0]  # (ln a − ψ(a), by its series where the difference cancels)
+    assert abs(float(Gam.project(np.array([1.0, -s])).shape_param) / a - 1) < 1e-12

@@ -38,7 +38,6 @@ from ._common import (
     gamma_exponent,
     gamma_normaliser,
     gamma_shift,
-    gamma_shift_change,
     gaussian_belief,
     gaussian_from_nodes,
     is_empty,
@@ -65,17 +64,19 @@ def _no_power(power):
 
 
 def _rule(m, v, a, b, k: int = 0):
-    """Panel rule for exp(−(x−m)²/(2v) + (a−1+k)x − b e^x − c), c the Gamma exponent's value at its
-    mode (:func:`~kjit.exact._common.gamma_shift`: kept apart so that the evidence's normaliser
-    does not cancel against it); returns (t, lw, raw log integral of the shifted integrand, c)."""
-    am1 = a - 1.0 + k
+    """Panel rule for exp(−(x−m)²/(2v) + a x − b e^x − c + (k−1) x), c the Gamma exponent's value at
+    its mode (:func:`~kjit.exact._common.gamma_shift`, given back by the normaliser
+    :func:`~kjit.exact._common.gamma_normaliser`; the power k − 1 kept apart from a, which cannot
+    carry it beyond shape 1e16); returns (t, lw, raw log integral)."""
+    am1 = a - 1.0 + k  # (for the mode only)
     logb = np.log(b)
-    u0, shift = gamma_shift(am1, b)
+    u0, _ = gamma_shift(a, b)
+    extra = np.full_like(a, k - 1.0)
 
     def logf(t, rows=None):
-        mm, vv, cc, lb, uu = (col(p, t, rows) for p in (m, v, am1, logb, u0))
+        mm, vv, aa, ee, uu = (col(p, t, rows) for p in (m, v, a, extra, u0))
         with np.errstate(over="ignore"):
-            return -0.5 * (t - mm) ** 2 / vv + gamma_exponent(t, cc, lb, uu)
+            return -0.5 * (t - mm) ** 2 / vv + gamma_exponent(t, aa, uu, ee)
 
     def dlogf(t, rows=None):
         mm, vv, cc, lb = (col(p, t, rows) for p in (m, v, am1, logb))
@@ -86,8 +87,7 @@ def _rule(m, v, a, b, k: int = 0):
     lo = c - np.logaddexp(0.0, np.log(v) + logb + c)
     mode = log_concave_mode(dlogf, lo, c)
     step = 1.0 / np.sqrt(1.0 / v + np.exp(mode + logb))
-    t, lw, lz = rule(NAME, logf, mode[:, None], step)
-    return t, lw, lz, shift
+    return rule(NAME, logf, mode[:, None], step)
 
 
 def _params(flat):
@@ -109,16 +109,11 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     if is_empty(shape):
         return empty_belief(FAMILIES[to], shape)
     m, v, a, b = _params(flat)
-    t, lw, lz0, c0 = _rule(m, v, a, b)
+    t, lw, lz0 = _rule(m, v, a, b)
     if to == "x":
         mean, var = gaussian_from_nodes(t, lw)
         return gaussian_belief(NAME, mean, var).reshape(shape)
-
-    def log_moment(k):
-        _, _, lzk, ck = _rule(m, v, a, b, k)
-        return lzk - lz0 + gamma_shift_change(a - 1.0, k, b, c0, ck)
-
-    return gamma_belief(NAME, t, lw, log_moment, projection).reshape(shape)
+    return gamma_belief(NAME, t, lw, lambda k: _rule(m, v, a, b, k)[2] - lz0, projection).reshape(shape)
 
 
 def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
@@ -128,8 +123,7 @@ def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndar
     if is_empty(shape):
         return np.zeros(shape)
     m, v, a, b = _params(flat)
-    _, _, lz, c = _rule(m, v, a, b)
-    lz = lz - 0.5 * np.log(2.0 * np.pi * v) + gamma_normaliser(a, a - 1.0, b, c)
+    lz = _rule(m, v, a, b)[2] - 0.5 * np.log(2.0 * np.pi * v) + gamma_normaliser(a)
     return lz.reshape(shape)
 
 
