@@ -184,18 +184,42 @@ def test_evidence_with_a_concentrated_gamma_message_away_from_one(a):
     assert abs(float(R.log_partition({"r": Gamma(2.0, 1.5), "x": Gamma(a, a / t0)})) - exact) < tol
 
 
-def test_beyond_what_the_rules_resolve_a_gamma_message_is_known_or_refused():
-    """A τ message of shape above 1e14 is a known precision (the gaussian factor's limit, exact to
-    1/a); gamma_rate refuses a message above 1e16 by row (its evidence was 1e-2 off at 1e30)."""
-    from kjit.exact import gamma_rate as R, gaussian as G
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+@pytest.mark.parametrize("a", [5e13, 1.01e14, 1e15, 1e40])
+@pytest.mark.parametrize("D", [1e4, 1e8])
+def test_a_tau_message_beyond_what_the_rule_resolves(alpha, a, D):
+    """Above shape 1e14 the gaussian factor's τ is answered by its powers exactly and the rest of the
+    likelihood to first order (exact when the other messages are points, S = 0: the tilted τ is
+    Gamma(a + α/2, a + αD/2)).  Found in review: returning the τ message unchanged was 12 nats off
+    at D = 1e8; the rule itself was 2.6e18 nats off at 1e40."""
+    from kjit.exact import gaussian as G
+
+    v = 5e-21  # (S = 1e-20: the closed form's corrections are O(S) and below 1e-12)
+    inc = {"m": Gaussian(0.0, v), "x": Gaussian(np.sqrt(D), v), "tau": Gamma(a, a)}
+    h, c = alpha / 2, alpha * D / 2
+    gl = h * np.log(a) - h * (1 - h) / (2 * a)  # lnΓ(a + h) − lnΓ(a), to O(1/a²) (a direct difference cancels)
+    exact = -h * np.log(2 * np.pi) - a * np.log1p(c / a) - h * np.log(a + c) + gl
+    assert abs(float(G.log_partition(inc, power=alpha)) - exact) < 1e-14 * abs(exact) + 1e-9
+    q = G.belief("tau", inc, power=alpha)
+    # (below 1e14 the rule's: s = ln E τ − E ln τ ~ 1/(2a) from nodes resolved to ~1e-16 in ln τ, so the
+    # KL shape carries ~1e-10; above, the closed form's rounding)
+    np.testing.assert_allclose([float(q.shape_param), float(q.rate)], [a + h, a + c], rtol=1e-9 if a < 1e14 else 1e-13)
+
+
+def test_beyond_what_the_rules_resolve_a_gamma_message_is_answered_or_refused():
+    """gamma_rate and exp refuse a message above shape 1e16 by row (their evidence was 1e-2 and 3e-2
+    off at 1e30); the gaussian factor conditions on a τ that concentrated."""
+    from kjit.exact import exp as E, gamma_rate as R, gaussian as G
 
     inc = {"m": Gaussian(0.0, 1.0), "tau": Gamma(1e40, 2e40), "x": Gaussian(0.1, 1.0)}
-    q = G.belief("tau", inc)
-    assert float(q.shape_param) == 1e40 and float(q.rate) == 2e40
     x = G.belief("x", inc)  # conditioned on τ = 0.5: precision 1 + 1/3
     np.testing.assert_allclose([float(x.mean()), float(x.var())], [0.1 * 0.75, 0.75], rtol=1e-14)
-    with pytest.raises(OracleError, match="exceeds 1e"):
+    with pytest.raises(OracleError, match="exceeds 1e") as err:
         R.log_partition({"r": Gamma(np.array([2.0, 1e20]), np.array([1.0, 2e20])), "x": Gamma(2.0, 1.0)})
+    assert list(err.value.rows) == [1]
+    with pytest.raises(OracleError, match="exceeds 1e") as err:
+        E.belief("x", {"x": Gaussian(np.zeros(2), np.ones(2)), "y": Gamma(np.array([1e30, 2.0]), np.array([1e30, 1.0]))})
+    assert list(err.value.rows) == [0]
 
 
 @pytest.mark.parametrize("a", [2.0, 5e3, 1e6, 1e10, 1e13, 1e20, 1e50])

@@ -455,7 +455,8 @@ def test_a_missing_log_after_the_newest_snapshot_is_refused_not_served_older(sto
         assert r.status_code == 503 and "has no log" in r.json()["failed"]["logistic-x"]
 
 
-def test_an_operator_that_could_not_be_rebuilt_acknowledges_nothing_more(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["_replay", "_self_test"])
+def test_an_operator_that_could_not_be_rebuilt_acknowledges_nothing_more(tmp_path, monkeypatch, where):
     """Found in review of the fix above: the log that a failed rebuild left closed was reopened by the
     next append through the same Entry (a request waiting on its lock, the audit thread), which
     acknowledged an update reusing a version — and a later rotation deleted acknowledged records.
@@ -479,9 +480,9 @@ def test_an_operator_that_could_not_be_rebuilt_acknowledges_nothing_more(tmp_pat
     def eio(*args, **kwargs):
         raise OSError(5, "Input/output error")
 
-    with monkeypatch.context() as m:  # an append fails, and so does the rebuild (reading the log)
-        m.setattr(log_module, "append_durably", eio)
-        m.setattr(Entry, "_replay", eio)
+    with monkeypatch.context() as m:  # an append fails, and so does the rebuild: reading the log, or after
+        m.setattr(log_module, "append_durably", eio)  # reopening it (the self-test; found in a second review)
+        m.setattr(Entry, where, eio)
         with pytest.raises(PersistError):
             observe(e, 5)
     assert "lx" in store.failed

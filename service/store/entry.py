@@ -147,6 +147,7 @@ class Entry:
                 self.jit.set_counters(counters)
         except Exception as exc:  # the disk no longer holds a loadable state
             log.exception("operator %s: could not be rebuilt", self.name)
+            self.log.close()  # (whatever the load had reopened: this Entry acknowledges nothing more)
             self.store._fail(self.name, f"could not be rebuilt after: {why}")
             raise PersistError(f"{why}; the operator could not be rebuilt from the store ({type(exc).__name__}) and "
                                f"is reported failed", unknown=recorded) from exc
