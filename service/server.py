@@ -18,11 +18,32 @@ import threading
 import time
 
 from .settings import Settings
-from .shared import open_shared
+from .shared import SharedLogError, open_shared
 from .store import Conflict, OperatorStore
 from .training import TrainSpec, default_specs, served_defaults, train_operator
 
 __all__ = ["ensure_defaults", "serve", "main"]
+
+
+#: how long a first start waits for an unreachable shared store before giving up (seconds)
+SHARED_STORE_WAIT = 60.0
+
+
+def _published(shared, out) -> set[str]:
+    """The operators another replica published — waiting up to :data:`SHARED_STORE_WAIT` s for a shared
+    store not reachable yet (a deployment whose Redis starts after its replicas); only asked when a
+    default operator is missing here (a replica that has its operators starts without the shared
+    store, and catches up when it is back)."""
+    t_end = time.monotonic() + SHARED_STORE_WAIT
+    while True:
+        try:
+            return set(shared.names())
+        except SharedLogError as exc:
+            if time.monotonic() > t_end:
+                raise SharedLogError(f"{exc} (waited {SHARED_STORE_WAIT:g} s: a replica's first start needs it to "
+                                     f"know which default operators another replica published)") from exc
+            print(f"kjit: waiting for the shared store ({exc})", file=out, flush=True)
+            time.sleep(2.0)
 
 
 def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -> list[str]:
@@ -39,8 +60,9 @@ def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -
     trained = []
     try:
         # a replica adopts what another replica already published instead of training it again
-        published = set(shared.names()) if shared is not None else set()
-        missing = [n for n in names if not store.exists(n) and n not in published]
+        local = [n for n in names if not store.exists(n)]
+        published = _published(shared, out) if shared is not None and local else set()
+        missing = [n for n in local if n not in published]
         if not missing:
             return []
         print(f"kjit: first start — training {len(missing)} default operator(s) from the quadrature oracle "

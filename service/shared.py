@@ -270,7 +270,11 @@ class RedisSharedLog:
         except redis.ResponseError:  # CONFIG may be disabled on managed servers
             cfg = {}
         except redis.RedisError as exc:
-            raise SharedLogError(f"cannot reach the shared store {url}: {exc}") from exc
+            # not fatal: a replica (re)started while Redis is briefly away comes up, answers 503 and
+            # retries, as one running does (found by an audit: it exited, and stayed down)
+            log.warning("the shared store %s is unreachable now (%s): operators that need it load when it is back",
+                        url, exc)
+            cfg = {}
         if cfg and (cfg.get("appendonly") != "yes" or cfg.get("appendfsync") != "always"):
             log.warning("Redis at %s runs with appendonly=%s appendfsync=%s: an acknowledged update is durable "
                         "only as far as Redis persists it (use appendonly yes, appendfsync always)",

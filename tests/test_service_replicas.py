@@ -30,6 +30,7 @@ from test_service_fixtures import (  # noqa: F401 - fixtures
     TOKEN,
     copy_store,
     load_pristine,
+    poll,
     pristine_store,
     probe,
     settings_for,
@@ -429,3 +430,57 @@ def test_publishing_the_base_starts_its_audit_statistics_from_zero_and_snapshots
     logs = sorted((tmp_path / "store" / "operators" / "lx").glob("log-*.jsonl"))
     assert len(snaps) == 1 and snaps[0].name == "snapshot-00000001.npz" and [p.name for p in logs] == ["log-00000001.jsonl"]
     store.close()
+
+
+def test_a_replica_started_while_redis_is_away_comes_up_and_waits_for_it(store_dir, tmp_path):
+    """Found by an audit: a replica (re)started while Redis was briefly unreachable exited ("cannot
+    reach the shared store") and stayed down.  Now it starts, answers 503 while its operators wait
+    for the shared store, and serves them once Redis is back — with what was acknowledged before."""
+    binary = _redis_server_binary()
+    port, data = free_port(), tmp_path / "redis"
+    data.mkdir()
+
+    def start_redis():
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+                                 "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "no"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t_end = time.monotonic() + 30
+        while time.monotonic() < t_end:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return proc
+            except OSError:
+                time.sleep(0.05)
+        proc.kill()
+        raise RuntimeError("redis-server did not start")
+
+    url = f"redis://127.0.0.1:{port}/0"
+    redis_proc = start_redis()
+    inc, q = _oracle_pairs(1, rows=2, seed=900)[0]
+    try:
+        with _replica(store_dir, url) as a, httpx.Client(base_url=a.url, headers=AUTH, timeout=60) as c:
+            poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+            r = c.post("/v1/operators/logistic-x/observations", headers={"Idempotency-Key": "k-900"},
+                       json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+            assert r.status_code == 200
+            acked = r.json()["version"]
+        redis_proc.terminate()
+        redis_proc.wait(timeout=20)
+        # (background merges, as by default: they retry what waits for the shared store)
+        with _replica(store_dir, url, merge_interval=0.2).start(ready=False) as a, \
+                httpx.Client(base_url=a.url, headers=AUTH, timeout=60) as c:
+            time.sleep(1.0)  # (its load has run, and met the missing shared store)
+            r = c.get("/ready")
+            assert r.status_code == 503  # up, and waiting for the shared store
+            redis_proc = start_redis()  # (the same data: the acknowledged record is in its append-only file)
+            poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
+            p = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(inc, "x"))
+            assert p.status_code == 200 and p.json()["version"] >= acked
+            again = c.post("/v1/operators/logistic-x/observations", headers={"Idempotency-Key": "k-900"},
+                           json={"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)})
+            assert again.status_code == 200 and again.json()["duplicate"]
+    finally:
+        redis_proc.terminate()
+        redis_proc.wait(timeout=20)

@@ -103,7 +103,11 @@ class OperatorStore:
         with self._lock:
             self.loading = {p.name for p in self.operators_dir.iterdir() if p.is_dir()}
             if self.shared is not None:  # operators other replicas published are adopted when loading
-                self.loading |= set(self.shared.names())
+                try:
+                    self.loading |= set(self.shared.names())
+                except SharedLogError as exc:  # (adopted once it is back: at a merge or a request for them)
+                    log.warning("shared store: %s; operators published by other replicas are adopted when it is "
+                                "back", exc)
         self._snap_thread = threading.Thread(target=self._snapshot_worker, name="kjit-snapshots", daemon=True)
         self._snap_thread.start()
         if self.shared is not None and self.merge_interval > 0:
