@@ -228,3 +228,21 @@ def test_gamma_projection_is_exact_for_large_shapes(a):
 
     s = _log_minus_digamma(np.array([a]))[0][0]  # (ln a − ψ(a), by its series where the difference cancels)
     assert abs(float(Gam.project(np.array([1.0, -s])).shape_param) / a - 1) < 1e-12
+
+
+def test_power_ep_with_negative_powered_labels_is_not_taken_for_a_point_mass():
+    """Logistic → x, z ~ Beta(0.001, 0.001), power 2: the powered exponents 2(α − 1) are negative and
+    α + β + 1 ≤ 0 made every cavity a "point mass" (variance 1000 for 3.12; found by an audit).
+    Against quadrature of N(x; 0, 1)·σ(x)^(2(α−1))·σ(−x)^(2(β−1))."""
+    from scipy import integrate, special
+
+    inc = {"x": Gaussian(0.0, 1.0), "z": Beta(0.001, 0.001)}
+    e = 2 * (0.001 - 1.0)
+
+    def f(x, k):
+        return x**k * np.exp(-0.5 * x * x + e * special.log_expit(x) + e * special.log_expit(-x))
+
+    m = [integrate.quad(f, -60, 60, args=(k,), points=[0], limit=400, epsabs=0, epsrel=1e-12)[0] for k in range(3)]
+    var = m[2] / m[0] - (m[1] / m[0]) ** 2
+    q = QuadratureOracle(get_factor("logistic")).belief(inc, "x", power=2.0)
+    assert float(Gaussian(m[1] / m[0], var).kl(q)) < 1e-9
