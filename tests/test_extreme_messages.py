@@ -246,3 +246,32 @@ def test_power_ep_with_negative_powered_labels_is_not_taken_for_a_point_mass():
     var = m[2] / m[0] - (m[1] / m[0]) ** 2
     q = QuadratureOracle(get_factor("logistic")).belief(inc, "x", power=2.0)
     assert float(Gaussian(m[1] / m[0], var).kl(q)) < 1e-9
+
+
+@pytest.mark.parametrize("mu, v, alpha, beta, power", [(0.0, 1.0, 0.5, 0.5, 2.0), (3.0, 0.1, 0.5, 0.9, 2.0),
+                                                        (0.0, 1.0, 0.75, 0.5, 4.0)])
+def test_power_ep_evidence_where_a_powered_label_parameter_is_a_pole(mu, v, alpha, beta, power):
+    """Powered label parameters 1 + u(α − 1) of 0 or a negative integer made B(au, bu) infinite, and
+    log Z NaN (found by an audit); the tilted t^u is normalised by B(α, β)^u.  Against quadrature."""
+    from scipy import integrate, special
+
+    from kjit.factors.logistic import logistic_tilted
+
+    def f(x):
+        lt = (alpha - 1) * special.log_expit(x) + (beta - 1) * special.log_expit(-x) - special.betaln(alpha, beta)
+        return np.exp(-0.5 * (x - mu) ** 2 / v + power * lt) / np.sqrt(2 * np.pi * v)
+
+    ref = np.log(integrate.quad(f, mu - 40 * np.sqrt(v), mu + 40 * np.sqrt(v), points=[0.0] if abs(mu) < 40 else None,
+                                limit=400, epsabs=0, epsrel=1e-12)[0])
+    got = float(logistic_tilted(np.array([mu]), np.array([v]), np.array([alpha]), np.array([beta]), power)[2][0])
+    assert abs(got - ref) < 1e-9
+
+
+def test_log_beta_where_both_arguments_are_large():
+    """scipy's betaln(1e12, 1e12) is 1e-2 off; ln B(a, a) = −(2a − ½) ln 2 + ½ ln(2π/a) + 1/(8a) + O(a⁻³)
+    (Stirling)."""
+    from kjit.families import log_beta
+
+    for a in (1e6, 1e9, 1e12, 1e15):
+        exact = -(2 * a - 0.5) * np.log(2) + 0.5 * np.log(2 * np.pi / a) + 1 / (8 * a)
+        assert abs(float(log_beta(a, a)) - exact) < 1e-12 * abs(exact) + 1e-9

@@ -14,7 +14,7 @@ import numpy as np
 from scipy import special
 
 from ..errors import OracleError
-from ..families import Gamma, Gaussian
+from ..families import Gamma, Gaussian, stirling_rest
 from ..quadrature import bisect as _bisect, panel_rule as _panel_rule
 
 PROJECTIONS = ("kl", "moments")
@@ -250,18 +250,6 @@ def gamma_exponent(t, a, u0, extra=0.0):
         big = a > 1e4
         core = np.where(big, -a * _expm1_minus(np.where(big, sft, 0.0)), a * (sft - np.expm1(sft)))
     return core + extra * t
-
-
-def stirling_rest(x):
-    """ln Γ(x) − (x ln x − x), without the cancellation of the two for large x (Stirling's series
-    beyond 1e3, where its first omitted term is < 1e-16)."""
-    x = np.asarray(x, float)
-    big = x > 1e3
-    xb = np.where(big, x, 1e3)
-    series = 0.5 * np.log(2.0 * np.pi / xb) + 1.0 / (12.0 * xb) - 1.0 / (360.0 * xb**3) + 1.0 / (1260.0 * xb**5)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        direct = special.gammaln(x) - special.xlogy(x, x) + x
-    return np.where(big, series, direct)
 
 
 def gamma_normaliser(a):

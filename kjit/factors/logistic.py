@@ -19,7 +19,7 @@ import numpy as np
 from scipy import special
 
 from ..errors import OracleError, gaussian_or_error
-from ..families import Beta, Family, Gaussian
+from ..families import Beta, Family, Gaussian, log_beta
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
 from .base import (GH_NODES, MAX_LOG_PARAM, Factor, as_shape, broadcast_messages, check_power, gauss_hermite,
@@ -33,7 +33,7 @@ __all__ = ["Logistic", "logistic_tilted_rule", "logistic_laplace_limit", "logist
 _LOGISTIC_BENDS = np.array([-6.0, -3.0, -1.5, 0.0, 1.5, 3.0, 6.0])
 
 
-def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0):
+def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, beta_normaliser: bool = True):
     """Panel rule for r(x) ∝ N(x; mu, v) · σ(x)^(α−1) σ(−x)^(β−1) (log normaliser included).
 
     ``weight`` = +1 / −1 multiplies the integrand by softplus(−x) = −log σ(x) /
@@ -122,8 +122,10 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0):
     curv = 1.0 / v + np.maximum(alpha + beta - 2.0, 0.0) * special.expit(anchor) * special.expit(-anchor)
     step = np.minimum(1.0 / np.sqrt(curv), np.sqrt(v))
     t, lw, log_z = panel_rule(logf, breaks, step)
-    # normaliser of N(x; mu, v) Beta(σ(x); α, β)
-    log_z = log_z - 0.5 * np.log(2 * np.pi * v) - special.betaln(alpha, beta)
+    # normaliser of N(x; mu, v) Beta(σ(x); α, β) (without the Beta's: the caller's, ``beta_normaliser``)
+    log_z = log_z - 0.5 * np.log(2 * np.pi * v)
+    if beta_normaliser:
+        log_z = log_z - log_beta(alpha, beta)
     return t, lw, log_z
 
 
@@ -138,11 +140,12 @@ def logistic_tilted(mu, v, alpha, beta, power: float = 1.0):
     """``(t, lw, log Z)`` of the tilted ``N(x; mu, v) · t(x)^u`` with ``t(x) = Beta(σ(x); α, β)``:
     the rule for the powered label message, its log Z corrected to that of ``t^u``."""
     au, bu = _powered(alpha, beta, power)
-    t, lw, log_z = logistic_tilted_rule(mu, v, au, bu)
-    if power != 1.0:
-        # the rule's log Z is for N · Beta(σ(x); au, bu) = N · t^u · B(a,b)^u / B(au, bu)
-        log_z = log_z + special.betaln(au, bu) - power * special.betaln(alpha, beta)
-    return t, lw, log_z
+    if power == 1.0:
+        return logistic_tilted_rule(mu, v, au, bu)
+    # N · σ^(au−1) σ(−x)^(bu−1), normalised by t^u's own B(α, β)^u — not by B(au, bu), which is infinite
+    # where au or bu is 0 or a negative integer (found by an audit: log Z NaN at Beta(½, ½), power 2)
+    t, lw, log_z = logistic_tilted_rule(mu, v, au, bu, beta_normaliser=False)
+    return t, lw, log_z - power * log_beta(alpha, beta)
 
 
 class Logistic(Factor):
@@ -384,7 +387,7 @@ class LogisticOperator(Operator):
         mean = np.sum(w * t, axis=1)
         var = np.sum(w * (t - mean[:, None]) ** 2, axis=1)
         log_t = -(a - 1.0)[:, None] * np.logaddexp(0.0, -t) - (b - 1.0)[:, None] * np.logaddexp(0.0, t)
-        e_log = u * (np.sum(w * log_t, axis=1) - special.betaln(a, b))
+        e_log = u * (np.sum(w * log_t, axis=1) - log_beta(a, b))
         return tuple(x.reshape(shape) for x in (log_z, mean, var, e_log))
 
     def belief(self, incoming: Mapping[str, Family], to: str, power: float = 1.0) -> Family:
@@ -419,7 +422,7 @@ class LogisticLogDensity:
     def derivatives(self, x, observed):
         z = observed["z"]
         a, b = np.asarray(z.alpha, float), np.asarray(z.beta, float)
-        ell = -(a - 1.0) * np.logaddexp(0.0, -x) - (b - 1.0) * np.logaddexp(0.0, x) - special.betaln(a, b)
+        ell = -(a - 1.0) * np.logaddexp(0.0, -x) - (b - 1.0) * np.logaddexp(0.0, x) - log_beta(a, b)
         return (ell, *self.slopes(x, a, b))
 
     @staticmethod
