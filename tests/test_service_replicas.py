@@ -60,10 +60,21 @@ def _redis_server_binary():
 @pytest.fixture
 def redis_url(tmp_path):
     """A durable Redis (appendonly, fsync on every write) on a free loopback port, for this test."""
-    binary = _redis_server_binary()
     port = free_port()
     data = tmp_path / "redis"
     data.mkdir()
+    proc = _start_redis(port, data)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _start_redis(port: int, data):
+    """A durable redis-server (appendonly, fsync on every write) on ``port`` with its files in ``data``,
+    once it answers PING."""
+    binary = _redis_server_binary()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
                              "--appendonly", "yes", "--appendfsync", "always", "--save", "",
                              "--protected-mode", "no"],
@@ -74,18 +85,13 @@ def redis_url(tmp_path):
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
                 if s.recv(16).startswith(b"+PONG"):
-                    break
+                    return proc
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > t_end:
             proc.kill()
             raise RuntimeError("redis-server did not start: " + proc.stdout.read().decode(errors="replace"))
         time.sleep(0.05)
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 @pytest.fixture(params=["directory", "redis"])
@@ -436,25 +442,11 @@ def test_a_replica_started_while_redis_is_away_comes_up_and_waits_for_it(store_d
     """Found by an audit: a replica (re)started while Redis was briefly unreachable exited ("cannot
     reach the shared store") and stayed down.  Now it starts, answers 503 while its operators wait
     for the shared store, and serves them once Redis is back — with what was acknowledged before."""
-    binary = _redis_server_binary()
     port, data = free_port(), tmp_path / "redis"
     data.mkdir()
 
     def start_redis():
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-                                 "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        t_end = time.monotonic() + 30
-        while time.monotonic() < t_end:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return proc
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
-        raise RuntimeError("redis-server did not start")
+        return _start_redis(port, data)
 
     url = f"redis://127.0.0.1:{port}/0"
     redis_proc = start_redis()
