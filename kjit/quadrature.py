@@ -158,7 +158,23 @@ LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
 
 
 def lower_truncated_std(alpha, n_terms: int = 80):
-    """Mean λ and variance of N(0, 1) truncated to [α, ∞), accurate in the far tail.
+    """Mean λ and variance of N(0, 1) truncated to [α, ∞), accurate in the far tail (see
+    :func:`lower_truncated_excess`)."""
+    lam, _, var = _lower_truncated(alpha, n_terms)
+    return lam, var
+
+
+def lower_truncated_excess(alpha, n_terms: int = 80):
+    """(λ − α, variance) of N(0, 1) truncated to [α, ∞): the excess without the cancellation of
+    λ − α where λ ≈ α (the far tail: c of the continued fraction) — a truncated Gaussian's mean
+    μ + s λ(−μ/s) is s·(λ − α) at α = −μ/s, which is what a cavity far on the other side needs
+    (found by an audit: the probit belief's mean 0 for −2e-30, KL 0.5)."""
+    _, excess, var = _lower_truncated(alpha, n_terms)
+    return excess, var
+
+
+def _lower_truncated(alpha, n_terms: int = 80):
+    """(λ, λ − α, var) of N(0, 1) truncated to [α, ∞).
 
     For α < 5: λ = φ(α)/Φ(−α) and var = 1 − λ(λ − α) (mild cancellation).  For α ≥ 5 the
     Mills-ratio continued fraction R = 1/(α + c), c = 1/(α + d), d = 2/(α + 3/(α + …)) gives
@@ -169,6 +185,7 @@ def lower_truncated_std(alpha, n_terms: int = 80):
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         lam = np.exp(-0.5 * alpha * alpha - LOG_SQRT_2PI - special.log_ndtr(-alpha))
         var = 1.0 - lam * (lam - alpha)
+        excess = lam - alpha
     tail = alpha >= 5.0
     if np.any(tail):
         a = alpha[tail]
@@ -178,9 +195,11 @@ def lower_truncated_std(alpha, n_terms: int = 80):
         c = 1.0 / (a + t)
         lam = np.array(lam, dtype=float, copy=True)
         var = np.array(var, dtype=float, copy=True)
+        excess = np.array(excess, dtype=float, copy=True)
         lam[tail] = a + c
+        excess[tail] = c
         var[tail] = c * c * (a * t + t * t - 1.0)
-    return lam, np.maximum(var, 0.0)
+    return lam, excess, np.maximum(var, 0.0)
 
 
 def two_piece_moments(mu, v, log_c_pos, log_c_neg):
@@ -200,10 +219,12 @@ def two_piece_moments(mu, v, log_c_pos, log_c_neg):
         log_z = np.logaddexp(lp, ln)
         pi_pos = np.exp(lp - log_z)
         pi_neg = np.exp(ln - log_z)
-    lam_p, tv_p = lower_truncated_std(-z)
-    lam_n, tv_n = lower_truncated_std(z)
-    m_pos = mu + s * lam_p
-    m_neg = mu - s * lam_n
+    # the pieces' means μ + sλ(−z) and μ − sλ(z), as s·(λ(−z) − (−z)) and −s·(λ(z) − z): no cancellation
+    # where a piece lies far on the other side of 0 from μ
+    ex_p, tv_p = lower_truncated_excess(-z)
+    ex_n, tv_n = lower_truncated_excess(z)
+    m_pos = s * ex_p
+    m_neg = -s * ex_n
     with np.errstate(invalid="ignore"):
         mean = np.where(pi_neg == 0, m_pos, np.where(pi_pos == 0, m_neg, pi_pos * m_pos + pi_neg * m_neg))
         d_pos = np.where(pi_pos > 0, v * tv_p + (m_pos - mean) ** 2, 0.0)

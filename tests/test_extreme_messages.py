@@ -286,3 +286,20 @@ def test_compound_gamma_evidence_with_a_concentrated_precision(a):
 
     oracle = QuadratureOracle(get_factor("compound_gamma"))
     assert abs(float(oracle.log_partition({"tau": Gamma(np.array([a]), np.array([a]))})[0]) - np.log(0.25)) < 1e-8
+
+
+@pytest.mark.parametrize("m, v", [(1.0, 1e-12), (0.5, 1e-16), (0.5, 1e-30)])
+def test_a_probit_cavity_far_on_the_wrong_side(m, v):
+    """ProbitNoise(0), y = −1, cavity N(m, v) with m/sd ~ 1e15: the tilted is N(m, v) below 0, mean
+    −sd(1/c − 2/c³ + 10/c⁵), var v(1/c² − 6/c⁴), c = m/sd.  Its mean was formed as μ − sλ, two nearly
+    equal numbers: 0 for −2e-30, KL 0.5 (found by an audit)."""
+    from kjit.factors.probit_noise import ProbitNoise, ProbitNoiseOperator
+    from kjit.families import Bernoulli
+
+    s = np.sqrt(v)
+    c = m / s
+    ref = Gaussian(-s * (1 / c - 2 / c**3 + 10 / c**5), v * (1 / c**2 - 6 / c**4))
+    inc = {"f": Gaussian(np.array([m]), np.array([v])), "y": Bernoulli(np.array([0.0]))}
+    for op in (QuadratureOracle(ProbitNoise(0.0)), ProbitNoiseOperator(0.0)):
+        for u in (1.0, 0.5):
+            assert float(ref.kl(op.belief(inc, "f", power=u))[0]) < 1e-9

@@ -168,16 +168,16 @@ def _lae(a: float, b: float) -> float:
     return a + math.log1p(math.exp(b - a))
 
 
-def _lower_truncated_std_scalar(alpha: float) -> tuple[float, float]:
-    """:func:`_lower_truncated_std` for one float (same formulas)."""
+def _lower_truncated_excess_scalar(alpha: float) -> tuple[float, float]:
+    """:func:`kjit.quadrature.lower_truncated_excess` for one float (same formulas)."""
     if alpha >= 5.0:
         t = 0.0
         for k in range(80, 1, -1):
             t = k / (alpha + t)
         c = 1.0 / (alpha + t)
-        return alpha + c, max(c * c * (alpha * t + t * t - 1.0), 0.0)
+        return c, max(c * c * (alpha * t + t * t - 1.0), 0.0)
     lam = math.exp(-0.5 * alpha * alpha - LOG_SQRT_2PI - float(special.log_ndtr(-alpha)))
-    return lam, max(1.0 - lam * (lam - alpha), 0.0)
+    return lam - alpha, max(1.0 - lam * (lam - alpha), 0.0)
 
 
 class ProbitNoiseOperator(Operator):
@@ -248,9 +248,9 @@ class ProbitNoiseOperator(Operator):
         log_z = _lae(a, b)
         pi_pos = math.exp(a - log_z) if a > -math.inf else 0.0
         pi_neg = math.exp(b - log_z) if b > -math.inf else 0.0
-        lam_p, tv_p = _lower_truncated_std_scalar(-z)
-        lam_n, tv_n = _lower_truncated_std_scalar(z)
-        m_pos, m_neg = mu + s * lam_p, mu - s * lam_n
+        ex_p, tv_p = _lower_truncated_excess_scalar(-z)
+        ex_n, tv_n = _lower_truncated_excess_scalar(z)
+        m_pos, m_neg = s * ex_p, -s * ex_n  # (as quadrature.two_piece_moments: no cancellation far out)
         if pi_neg == 0.0:
             mean = m_pos
         elif pi_pos == 0.0:
