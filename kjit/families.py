@@ -109,7 +109,7 @@ def _cached_propriety(compute):
 
 
 #: numpy dtype kinds a family's parameters may be given in: real floats, integers, booleans
-_NUMERIC_KINDS = frozenset("fiub")
+NUMERIC_KINDS = frozenset("fiub")
 
 
 class Family:
@@ -148,7 +148,7 @@ class Family:
                     owned.append(False)
                 if a.dtype.kind == "O" and all(isinstance(x, (int, float)) for x in a.flat):
                     a = a.astype(float)  # (Python integers beyond 64 bits: real numbers too)
-                elif a.dtype.kind not in _NUMERIC_KINDS:
+                elif a.dtype.kind not in NUMERIC_KINDS:
                     # (a cast would drop an imaginary part, or read "2" or a date as a number)
                     raise TypeError(f"got an array of {a.dtype}")
                 if a.dtype != np.float64:

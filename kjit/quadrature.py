@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import special
 
-__all__ = ["panel_rule", "bisect", "weighted_mean_var", "two_piece_moments", "lower_truncated_std",
+__all__ = ["panel_rule", "bisect", "weighted_mean_var", "two_piece_moments", "lower_truncated_excess",
            "LOG_SQRT_2PI", "gaussian_kl"]
 
 _LEVELS = np.array([0.1, 0.5, 1.5, 3.0, 6.0, 10.0, 15.0, 21.0, 28.0, 36.0, 50.0])
@@ -157,35 +157,22 @@ def weighted_mean_var(t, lw):
 LOG_SQRT_2PI = 0.5 * np.log(2 * np.pi)
 
 
-def lower_truncated_std(alpha, n_terms: int = 80):
-    """Mean λ and variance of N(0, 1) truncated to [α, ∞), accurate in the far tail (see
-    :func:`lower_truncated_excess`)."""
-    lam, _, var = _lower_truncated(alpha, n_terms)
-    return lam, var
-
-
 def lower_truncated_excess(alpha, n_terms: int = 80):
-    """(λ − α, variance) of N(0, 1) truncated to [α, ∞): the excess without the cancellation of
-    λ − α where λ ≈ α (the far tail: c of the continued fraction) — a truncated Gaussian's mean
-    μ + s λ(−μ/s) is s·(λ − α) at α = −μ/s, which is what a cavity far on the other side needs
-    (found by an audit: the probit belief's mean 0 for −2e-30, KL 0.5)."""
-    _, excess, var = _lower_truncated(alpha, n_terms)
-    return excess, var
-
-
-def _lower_truncated(alpha, n_terms: int = 80):
-    """(λ, λ − α, var) of N(0, 1) truncated to [α, ∞).
+    """(λ − α, variance) of N(0, 1) truncated to [α, ∞), λ its mean, accurate in the far tail: a
+    truncated Gaussian's mean μ + s λ(−μ/s) is s·(λ − α) at α = −μ/s, which a cavity far on the other
+    side needs without the cancellation of λ − α (found by an audit: the probit belief's mean 0 for
+    −2e-30, KL 0.5).
 
     For α < 5: λ = φ(α)/Φ(−α) and var = 1 − λ(λ − α) (mild cancellation).  For α ≥ 5 the
     Mills-ratio continued fraction R = 1/(α + c), c = 1/(α + d), d = 2/(α + 3/(α + …)) gives
-    λ = α + c and var = c² (α d + d² − 1) with no cancellation (var ≈ 1/α² for large α); the
+    λ − α = c and var = c² (α d + d² − 1) with no cancellation (var ≈ 1/α² for large α); the
     continued fraction is evaluated only on the tail entries.
     """
     alpha = np.asarray(alpha, float)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         lam = np.exp(-0.5 * alpha * alpha - LOG_SQRT_2PI - special.log_ndtr(-alpha))
-        var = 1.0 - lam * (lam - alpha)
         excess = lam - alpha
+        var = 1.0 - lam * excess
     tail = alpha >= 5.0
     if np.any(tail):
         a = alpha[tail]
@@ -193,20 +180,18 @@ def _lower_truncated(alpha, n_terms: int = 80):
         for k in range(n_terms, 1, -1):
             t = k / (a + t)
         c = 1.0 / (a + t)
-        lam = np.array(lam, dtype=float, copy=True)
-        var = np.array(var, dtype=float, copy=True)
         excess = np.array(excess, dtype=float, copy=True)
-        lam[tail] = a + c
+        var = np.array(var, dtype=float, copy=True)
         excess[tail] = c
         var[tail] = c * c * (a * t + t * t - 1.0)
-    return lam, excess, np.maximum(var, 0.0)
+    return excess, np.maximum(var, 0.0)
 
 
 def two_piece_moments(mu, v, log_c_pos, log_c_neg):
     """Tilted moments of ``N(f; mu, v) · [c₊ Θ(f) + c₋ Θ(−f)]`` (log weights; −inf allowed).
 
     Returns ``(log Z, mean, var, π₊)`` with π₊ the tilted mass of ``f > 0``.  Each piece is a
-    truncated Gaussian; its moments come from :func:`lower_truncated_std` (accurate in the far
+    truncated Gaussian; its moments come from :func:`lower_truncated_excess` (accurate in the far
     tail).  Used by the probit oracle (weights ε + (1−2ε)p, ε + (1−2ε)(1−p)) and by power EP
     (the weights to the power u).
     """

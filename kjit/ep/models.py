@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 from scipy import special
 
-from ..families import Bernoulli, Beta, Gamma
+from ..families import NUMERIC_KINDS, Bernoulli, Beta, Gamma
 from .engine import EPResult, LinearEP
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
 
 def _check_X(X, d=None, what="X"):
     X = np.asarray(X)
-    if X.dtype.kind not in "fiub":  # (a cast would drop an imaginary part, or read "2" as a number)
+    if X.dtype.kind not in NUMERIC_KINDS:  # (a cast would drop an imaginary part, or read "2" as a number)
         raise ValueError(f"`{what}` must be real numbers, got an array of {X.dtype}")
     X = X.astype(float, copy=False)
     if X.ndim == 1 and d is not None and X.shape[0] == d:
@@ -54,7 +54,7 @@ def _check_y01(y, n):
     y = np.asarray(y)
     if y.shape != (n,):
         raise ValueError(f"`y` must have shape ({n},), got {y.shape}")
-    if y.dtype.kind not in "fiub":
+    if y.dtype.kind not in NUMERIC_KINDS:
         raise ValueError(f"`y` must be numbers 0 and 1, got an array of {y.dtype}")
     yf = y.astype(float)
     if not np.all((yf == 0) | (yf == 1)):

@@ -227,21 +227,20 @@ def _expm1_minus(d):
 
 
 def gamma_shift(a, b):
-    """(u₀, c) of a Gamma message of shape a > 0 and rate b: the mode u₀ = ln(a/b) of its exponent
-    a u − b e^u in u = ln of its variable, and the exponent's value c there.  Rules integrate the
-    exponent less c, a(s − expm1(s)) with s = u − u₀ (:func:`gamma_exponent`), and any other power
-    of the variable (the factor's, a moment's k) as a term of its own — for a message of shape
-    1e12 the exponent and c are both ~3e13 and their sum was rounded to ~0.01, and a shape plus a
-    power is not even representable beyond 1e16 (found by an audit and its review: the evidence of
-    a Gamma(a, a) precision 0.29 nats off at a = 1e14, and off by ln τ₀ at 1e16).  The message's
+    """u₀ = ln(a/b), the mode of a Gamma message's exponent a u − b e^u (shape a > 0, rate b) in
+    u = ln of its variable; c = a u₀ − a is the exponent's value there.  Rules integrate the exponent
+    less c, a(s − expm1(s)) with s = u − u₀ (:func:`gamma_exponent`), and any other power of the
+    variable (the factor's, a moment's k) as a term of its own — for a message of shape 1e12 the
+    exponent and c are both ~3e13 and their sum was rounded to ~0.01, and a shape plus a power is
+    not even representable beyond 1e16 (found by an audit and its review: the evidence of a
+    Gamma(a, a) precision 0.29 nats off at a = 1e14, and off by ln τ₀ at 1e16).  The message's
     normaliser with c given back is −R(a) (:func:`gamma_normaliser`)."""
-    u0 = np.log(a / b)
-    return u0, a * u0 - a
+    return np.log(a / b)
 
 
 def gamma_exponent(t, a, u0, extra=0.0):
-    """a u − b e^u − c + extra·u at nodes ``t`` (a, u₀, c of :func:`gamma_shift`; ``extra``: the
-    power of the variable the rule adds, kept apart from a)."""
+    """a u − b e^u − c + extra·u at nodes ``t`` (u₀ of :func:`gamma_shift`, c = a u₀ − a; ``extra``:
+    the power of the variable the rule adds, kept apart from a)."""
     with np.errstate(over="ignore", invalid="ignore"):
         sft = t - u0
         # −a(e^s − 1 − s) without the cancellation of s − expm1(s) near the mode (found in review: an

@@ -71,7 +71,7 @@ def _rule(m, v, a, b, k: int = 0):
     carry it beyond shape 1e16); returns (t, lw, raw log integral)."""
     am1 = a - 1.0 + k  # (for the mode only)
     logb = np.log(b)
-    u0, _ = gamma_shift(a, b)
+    u0 = gamma_shift(a, b)
     extra = np.full_like(a, k - 1.0)
 
     def logf(t, rows=None):

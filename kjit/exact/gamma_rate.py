@@ -69,7 +69,7 @@ def _rule(A0, extra, B, C, K, alpha, k: int = 0):
     (u, lw, raw log integral of that integrand); the integral asked for is raw + c − C log K."""
     Ak = A0 + extra + k  # (for the mode only)
     logB, logK, loga = np.log(B), np.log(K), np.log(alpha)
-    u0, _ = gamma_shift(A0, B)
+    u0 = gamma_shift(A0, B)
     ek = extra + k + np.zeros_like(A0)
 
     def logf(t, rows=None):

@@ -71,7 +71,7 @@ def _rule(a, extra, b, S, D, alpha):
     at its mode (:func:`~kjit.exact._common.gamma_shift`; its normaliser with c given back is
     :func:`~kjit.exact._common.gamma_normaliser`).  Returns (u, lw, raw log integral)."""
     logb, logS, la = np.log(b), np.log(S), np.log(alpha)
-    u0, _ = gamma_shift(a, b)
+    u0 = gamma_shift(a, b)
     ap = a + extra  # (for the stationary points only: a + e need not be exact there)
 
     def log_sq(t, ls):  # log(S + q)

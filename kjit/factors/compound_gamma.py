@@ -96,7 +96,7 @@ def compound_gamma_rule(factor: "CompoundGamma", a, b):
     # the message's exponent a u − b e^u about its mode, τ's other power (s2 − 1) apart: both ~a ln a for a
     # concentrated message, they cancelled against its normaliser (found by an audit: the evidence 3.5e-3
     # off at Gamma(1e12, 1e12)); gamma_normaliser gives the shift back
-    u0, _ = gamma_shift(a, b)
+    u0 = gamma_shift(a, b)
     extra = np.full_like(a, s2 - 1.0)
 
     def logf(u, rows=None):
