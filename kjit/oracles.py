@@ -26,7 +26,7 @@ import numpy as np
 
 from .certificates import Certificates, projection_convention
 from .errors import LowESSError, OracleError
-from .factors.base import Factor
+from .factors.base import PASSED_THROUGH, Factor, factor_code_error
 from .families import Family
 from .protocols import Operator
 from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
@@ -42,6 +42,21 @@ __all__ = [
     "LowESSError",
     "OracleError",
 ]
+
+
+#: a row whose input messages put more than this share of their mass where the factor's sampler
+#: returned NaN (where the factor is not defined) has no answer (ImportanceSamplingOracle)
+UNDEFINED_MASS = 1e-6
+
+
+def sample_output(factor: Factor, draws, n: int, rng):
+    """``factor.sample(draws, n, rng)``, a user sampler's own exceptions named (FactorCodeError)."""
+    try:
+        return factor.sample(draws, n, rng)
+    except PASSED_THROUGH:
+        raise
+    except Exception as exc:
+        raise factor_code_error(factor, "sampler", exc) from exc
 
 
 class Oracle(Operator):
@@ -165,7 +180,7 @@ class ImportanceSamplingOracle(Oracle):
         if int(reuse) < 1:
             raise ValueError("`reuse` must be >= 1")
         self.reuse = int(reuse)
-        self._pool = None          # (stats, log_r, U) of the current draw
+        self._pool = None          # (stats, log_r, U, undefined) of the current draw
         self._pool_calls = 0       # calls it has served
         self._pool_rng_state = None  # generator state just before it was drawn
         self.factor = factor
@@ -185,6 +200,7 @@ class ImportanceSamplingOracle(Oracle):
         self.proposal = proposal
         self._rng = np.random.default_rng(random_state)
         self.last_ess_ = None
+        self.last_undefined_ = None
 
     def __repr__(self):
         return f"ImportanceSamplingOracle({self.factor!r}, n_samples={self.n_samples})"
@@ -197,9 +213,12 @@ class ImportanceSamplingOracle(Oracle):
         return type(self)(**{**self.get_params(), "random_state": random_state})
 
     def _draw(self):
+        """``(stats, log_r, undefined)``: the particles' statistics and proposal log densities, and
+        (None when there are none) the inputs and ``log_r`` of the particles where the factor's
+        sampler returned NaN."""
         f, n, rng = self.factor, self.n_samples, self._rng
         draws = {v: self.proposal[v].sample(n, rng) for v in f.inputs}
-        draws[f.output] = f.sample(draws, n, rng)
+        draws[f.output] = sample_output(f, draws, n, rng)
         log_r = np.zeros(n)
         for v in f.inputs:
             log_r += self.proposal[v].log_pdf(draws[v])
@@ -208,21 +227,42 @@ class ImportanceSamplingOracle(Oracle):
         # its support, e.g. a Beta variable at exactly 0 or 1) are a floating-point artefact
         # of probability zero: drop them
         if np.isfinite(log_r).all() and all(np.isfinite(u).all() for u in stats.values()):
-            return stats, log_r  # the usual case, checked with whole-array reductions
+            return stats, log_r, None  # the usual case, checked with whole-array reductions
+        # but where the sampler returned NaN the factor is not defined: those particles are kept
+        # aside, and a row whose input messages put mass there fails (_undefined_rows)
+        out = np.asarray(draws[f.output], dtype=float).reshape(n, -1)
+        nan = np.isnan(out).any(axis=1)
+        undefined = ({v: draws[v][nan] for v in f.inputs}, log_r[nan]) if nan.any() else None
         keep = np.isfinite(log_r)
         for u in stats.values():
             keep &= np.isfinite(u).all(axis=1)
         if not keep.all():
             stats = {v: u[keep] for v, u in stats.items()}
             log_r = log_r[keep]
-        return stats, log_r
+        return stats, log_r, undefined
+
+    def _undefined_rows(self, flat, undefined) -> np.ndarray:
+        """Rows whose input messages put more than :data:`UNDEFINED_MASS` of their mass where the
+        factor's sampler returned NaN, estimated from the same particles: Σ_p Π m(x_p) / r(x_p) / N over
+        those particles (the messages and the proposal normalised).  Dropping the particles there
+        conditions the answer on where the factor is defined — a bias its ESS does not show (found
+        by an audit: a sampler undefined for x < 0 answered N(0.82, 0.38) with ESS 25 600)."""
+        draws, log_r = undefined
+        B = next(iter(flat.values())).size
+        lw = np.zeros((len(log_r), B)) - log_r[:, None]
+        with np.errstate(all="ignore"):
+            for v in self.factor.inputs:
+                lw = lw + flat[v].log_pdf(np.asarray(draws[v]).reshape(len(log_r), *([1] * flat[v].ndim)))
+            share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw)), axis=0) / self.n_samples
+        return np.flatnonzero(~(share <= UNDEFINED_MASS))
 
     def _particles(self):
-        """``(stats, log_r, U)`` for this call: a fresh draw every ``reuse`` calls.  ``U`` stacks
-        the particles' statistics of every variable and −log r (see :meth:`_estimate_flat`)."""
+        """``(stats, log_r, U, undefined)`` for this call: a fresh draw every ``reuse`` calls.  ``U``
+        stacks the particles' statistics of every variable and −log r (see :meth:`_estimate_flat`);
+        ``undefined``: see :meth:`_draw`."""
         if self._pool is None or self._pool_calls >= self.reuse:
             rng_state = self._rng.bit_generator.state
-            stats, log_r = self._draw()
+            stats, log_r, undefined = self._draw()
             f = self.factor
             U = np.empty((sum(s.shape[1] for s in stats.values()) + 1, len(log_r)))
             col = 0
@@ -231,7 +271,7 @@ class ImportanceSamplingOracle(Oracle):
                 U[col: col + k] = stats[v].T
                 col += k
             np.negative(log_r, out=U[col])
-            self._pool, self._pool_calls, self._pool_rng_state = (stats, log_r, U), 0, rng_state
+            self._pool, self._pool_calls, self._pool_rng_state = (stats, log_r, U, undefined), 0, rng_state
         self._pool_calls += 1
         pool = self._pool
         if self.reuse == 1:
@@ -267,7 +307,7 @@ class ImportanceSamplingOracle(Oracle):
 
     def _estimate_flat(self, flat, to):
         f = self.factor
-        stats, log_r, U = self._particles()
+        stats, log_r, U, undefined = self._particles()
         B = next(iter(flat.values())).size
         u_to = stats[to]  # (N, k)
         N = len(log_r)
@@ -316,6 +356,10 @@ class ImportanceSamplingOracle(Oracle):
                 out[sl, 1] = var
             else:
                 out[sl] = mom
+        self.last_undefined_ = None
+        if undefined is not None:  # rows that need the factor where it is not defined: no answer
+            self.last_undefined_ = self._undefined_rows(flat, undefined)
+            ess[self.last_undefined_] = 0.0
         self.last_ess_ = ess
         return out, ess
 
@@ -324,6 +368,12 @@ class ImportanceSamplingOracle(Oracle):
 
     def _certified_flat(self, flat, to):
         ess_stats, ess = self._estimate_flat(flat, to)
+        bad = self.last_undefined_
+        if bad is not None and bad.size:
+            raise OracleError(
+                f"the sampler of factor {self.factor.name!r} returned NaN where the input messages of rows "
+                f"{bad[:10].tolist()}{'…' if bad.size > 10 else ''} put more than {UNDEFINED_MASS:g} of their mass: "
+                "the factor is not defined there, and dropping those particles would bias the answer", rows=bad)
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
@@ -404,7 +454,7 @@ class MessageImportanceSampler(Oracle):
         f = self.factor
         R = rows.size
         draws = {v: flat[v][rows].sample(n, self._rng).reshape(-1) for v in f.inputs}  # (n·R,), row fastest
-        x_out = np.asarray(f.sample(draws, n * R, self._rng), dtype=float).reshape(n * R)
+        x_out = np.asarray(sample_output(f, draws, n * R, self._rng), dtype=float).reshape(n * R)
         draws[f.output] = x_out
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             lw = flat[f.output][rows].log_pdf(x_out.reshape(n, R))

@@ -37,11 +37,13 @@ def clean_registry():
     There is no public ``unregister``; snapshotting the module's dict is the only way to
     keep tests independent of each other's registrations.
     """
-    saved = dict(F._REGISTRY)
+    saved, errors = dict(F._REGISTRY), dict(F.base._PLUGIN_ERRORS)
     before = registered_factors()
     yield
     F._REGISTRY.clear()
     F._REGISTRY.update(saved)
+    F.base._PLUGIN_ERRORS.clear()
+    F.base._PLUGIN_ERRORS.update(errors)  # (a broken factory a test registered is remembered there)
     assert registered_factors() == before
 
 
@@ -358,8 +360,16 @@ def test_duplicate_registration_refused(clean_registry):
     register_factor(new, replace=True)
     assert get_factor("test_product") is new
     # a factory under an explicit name; its constructor parameters pass through get_factor
-    register_factor(lambda eps=0.0: ProbitNoise(eps), name="test_probit_factory")
+    class NamedProbit(ProbitNoise):
+        name = "test_probit_factory"
+
+    register_factor(lambda eps=0.0: NamedProbit(eps), name="test_probit_factory")
     assert get_factor("test_probit_factory", eps=0.25).eps == 0.25
+    # but not one whose factor calls itself otherwise: operators save a factor by its own name and
+    # would rebuild another factor (here the built-in probit_noise)
+    register_factor(lambda eps=0.0: ProbitNoise(eps), name="test_probit_alias")
+    with pytest.raises(ValueError, match="must be named 'test_probit_alias'"):
+        get_factor("test_probit_alias", eps=0.25)
     with pytest.raises(ValueError):
         register_factor(lambda: Logistic())  # no name
     with pytest.raises(ValueError):

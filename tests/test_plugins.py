@@ -255,3 +255,99 @@ def test_a_factory_that_fails_or_returns_no_factor_is_named_not_raised_raw(monke
             r = c.post("/v1/operators", headers={"Authorization": "Bearer t"},
                        json={"name": "b", "factor": name, "to": "x", "source": {"kind": "oracle", "n": 50}})
             assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "factor"], r.text
+
+
+def test_a_factor_that_would_not_come_back_as_itself_is_refused(monkeypatch, tmp_path):
+    """An operator saves its factor as (name, params()) and rebuilds it by get_factor (found by an
+    audit): a class without params() trained with parameters was served with its defaults (its oracle
+    answering for noise 0.3 while the regression had learned noise 3), and an instance registered
+    under another name than its own was rebuilt as the factor of that name (the built-in product).
+    Now get_factor refuses parameters a factor does not report, and a factory whose factor calls itself
+    otherwise; register_factor refuses an instance under another name; POST /v1/operators answers 422."""
+    from fastapi.testclient import TestClient
+
+    from service import Settings, create_app
+
+    class Silent(F.Factor):  # reports no parameters
+        name = "silent_noise"
+        inputs, output = ("x",), "y"
+        families = {"x": Gaussian, "y": Gaussian}
+
+        def __init__(self, noise=0.3):
+            self.noise = float(noise)
+
+        def sample(self, inputs, size, rng):
+            return inputs["x"] + self.noise * rng.standard_normal(size)
+
+    class Misnamed(Silent):
+        name = "the_other_name"
+
+    monkeypatch.setitem(F._REGISTRY, "silent_noise", Silent)
+    monkeypatch.setitem(F._REGISTRY, "misnamed", Misnamed)
+    assert F.get_factor("silent_noise").noise == 0.3  # no parameters: nothing to lose
+    with pytest.raises(ValueError, match="does not report its parameter.*'noise'"):
+        F.get_factor("silent_noise", noise=3.0)
+    with pytest.raises(F.FactorBuildError, match="named 'the_other_name'.*must be named 'misnamed'"):
+        F.get_factor("misnamed")
+    shifted = F.SampledFactor("product", inputs={"x": Gaussian, "y": Gaussian}, output=("z", Gaussian),
+                              sampler=lambda v, rng: v["x"] * v["y"] + 10.0)
+    with pytest.raises(ValueError, match="named 'product' cannot be registered as 'shifted_product'"):
+        F.register_factor(shifted, name="shifted_product")
+    assert "shifted_product" not in F._REGISTRY
+    own = F.SampledFactor("own_product", inputs={"x": Gaussian, "y": Gaussian}, output=("z", Gaussian),
+                          sampler=lambda v, rng: v["x"] * v["y"])
+    monkeypatch.setitem(F._REGISTRY, "own_product", lambda **kw: own)
+    F._REGISTRY["own_product"]._kjit_instance = own
+    with pytest.raises(ValueError, match="registered instance: it takes no parameters"):
+        F.get_factor("own_product", noise=5.0)
+    assert F.get_factor("own_product") is own
+    with TestClient(create_app(Settings(store=tmp_path / "store", token="t", default_operators=()))) as c:
+        r = c.post("/v1/operators", headers={"Authorization": "Bearer t"},
+                   json={"name": "s", "factor": "silent_noise", "to": "x", "factor_params": {"noise": 3.0},
+                         "source": {"kind": "oracle", "n": 50, "oracle": "importance_sampling"}})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "factor_params"], r.text
+        assert "'noise'" in r.json()["detail"][0]["msg"]
+
+
+def test_a_user_sampler_or_approximation_that_raises_is_named(monkeypatch):
+    """A user sampler or approximation raising something other than ValueError / ArithmeticError /
+    OracleError (a RuntimeError, a KeyError) was a bare exception — a 500 in the service, even in
+    mode=predict for the approximation (found by an audit); now a FactorCodeError (a ValueError)
+    naming the factor and what raised, with the user's exception as its cause."""
+    from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler
+
+    def boom(v, rng):
+        raise KeyError("w")
+
+    f = F.SampledFactor("raising_sampler", inputs={"x": Gaussian}, output=("y", Gaussian), sampler=boom,
+                        approximate=lambda inc, to: {}["missing"])
+    inc = {"x": Gaussian(0.0, 1.0), "y": Gaussian(0.0, 1.0)}
+    for oracle in (ImportanceSamplingOracle(f, n_samples=1000, random_state=0),
+                   MessageImportanceSampler(f, random_state=0)):
+        with pytest.raises(F.FactorCodeError, match="factor 'raising_sampler': its sampler raised KeyError") as e:
+            oracle.belief(inc, "x")
+        assert isinstance(e.value.__cause__, KeyError)
+    with pytest.raises(F.FactorCodeError, match="its approximation raised KeyError"):
+        f.reference_belief(inc, "x")
+    # a complex output lost its imaginary part: refused
+    g = F.SampledFactor("complex_sampler", inputs={"x": Gaussian}, output=("y", Gaussian),
+                        sampler=lambda v, rng: v["x"] + 1j)
+    with pytest.raises(ValueError, match="returned complex128 values"):
+        ImportanceSamplingOracle(g, n_samples=1000, random_state=0).belief(inc, "x")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"inputs": {}}, "at least one input"),
+    ({"inputs": {1: Gaussian}}, "variable name 1 .* identifier"),
+    ({"inputs": {"a.b": Gaussian}}, "variable name 'a.b' .* identifier"),
+    ({"output": ("z", type("MyGaussian", (Gaussian,), {}))}, "family of variable 'z' must be one of kjit's"),
+    ({"sampler": None}, "`sampler` must be a callable"),
+])
+def test_a_sampled_factor_that_could_not_be_served_is_refused_at_once(kwargs, match):
+    """Found by an audit: each of these was accepted, then failed later — a 500 at POST /v1/operators
+    (a variable named 1), a job failing after its whole oracle run (an unregistered Family subclass),
+    every call failing (no inputs: the sampler never learns the sample size)."""
+    spec = {"name": "odd", "inputs": {"x": Gaussian}, "output": ("z", Gaussian),
+            "sampler": lambda v, rng: v["x"], **kwargs}
+    with pytest.raises(ValueError, match=match):
+        F.SampledFactor(**spec)

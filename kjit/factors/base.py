@@ -44,7 +44,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 import numpy as np
 
 from ..errors import OracleError
-from ..families import Family, Gamma, Gaussian
+from ..families import FAMILIES, NUMERIC_KINDS, Family, Gamma, Gaussian
 from ..reductions import all_
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "UnknownFactorError",
     "FactorBuildError",
+    "FactorCodeError",
 ]
 
 log = logging.getLogger("kjit.factors")
@@ -79,6 +80,29 @@ class UnknownFactorError(ValueError):
     def __init__(self, name: str, message: str):
         self.name = name
         super().__init__(message)
+
+
+class FactorCodeError(ValueError):
+    """A factor's own code (a user's sampler or approximation) raised something other than a
+    ``ValueError`` / ``ArithmeticError`` / :class:`~kjit.errors.OracleError`: named, as a
+    ``ValueError`` (a 4xx in the service), instead of a bare exception from inside it (found by an
+    audit: a sampler's RuntimeError or KeyError was a 500, even in ``mode=predict`` for an
+    approximation's)."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        super().__init__(message)
+
+
+#: what a factor's own code may raise as it is (the callers name and map these)
+PASSED_THROUGH = (ValueError, ArithmeticError, OracleError, MemoryError)
+
+
+def factor_code_error(factor, what: str, exc: BaseException) -> FactorCodeError:
+    """The :class:`FactorCodeError` for ``exc``, raised by ``factor``'s ``what`` (call sites catch
+    everything but :data:`PASSED_THROUGH` and raise this ``from exc``)."""
+    name = getattr(factor, "name", "?")
+    return FactorCodeError(name, f"factor {name!r}: its {what} raised {type(exc).__name__}: {exc}")
 
 
 class FactorBuildError(ValueError):
@@ -270,10 +294,15 @@ class Factor:
         :attr:`earlier_approximations`; asking for a revision the factor no longer has is an error
         naming both."""
         method = None if revision is None else self.earlier_approximations.get(int(revision))
-        if method is not None:
-            return getattr(self, method)(incoming, to)
-        if revision is None or int(revision) == self.approximation_revision:
-            return self.approximate_belief(incoming, to)
+        try:
+            if method is not None:
+                return getattr(self, method)(incoming, to)
+            if revision is None or int(revision) == self.approximation_revision:
+                return self.approximate_belief(incoming, to)
+        except PASSED_THROUGH:
+            raise
+        except Exception as exc:  # a user factor's own bug, named (FactorCodeError)
+            raise factor_code_error(self, "approximation", exc) from exc
         raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "
                          f"operator fitted relative to revision {revision} cannot be evaluated with it")
 
@@ -481,12 +510,22 @@ class SampledFactor(Factor):
     ):
         if not name or not isinstance(name, str):
             raise ValueError("`name` must be a non-empty string")
+        if not callable(sampler):
+            raise ValueError("`sampler` must be a callable (inputs, rng) -> output draws")
         if approximate is not None and not callable(approximate):
             raise ValueError("`approximate` must be None or a callable (incoming, to) -> Family or None")
+        if not isinstance(inputs, Mapping) or not inputs:
+            # (the sampler is told the sample size only through its inputs' draws)
+            raise ValueError("`inputs` must map at least one input variable to its Family")
         out_name, out_family = output
         for v, fam in list(inputs.items()) + [(out_name, out_family)]:
-            if not (isinstance(fam, type) and issubclass(fam, Family)):
-                raise ValueError(f"family of variable {v!r} must be a kjit Family class, got {fam!r}")
+            # identifiers, as a declared factor's: variable names are JSON keys and parts of error
+            # locations (found by an audit: a name 1 was a 500 at POST /v1/operators)
+            if not isinstance(v, str) or not v.isidentifier():
+                raise ValueError(f"variable name {v!r} of factor {name!r} must be an identifier string")
+            if not (isinstance(fam, type) and issubclass(fam, Family)) or fam not in FAMILIES.values():
+                raise ValueError(f"family of variable {v!r} must be one of kjit's families "
+                                 f"({', '.join(c.__name__ for c in FAMILIES.values())}), got {fam!r}")
         if out_name in inputs:
             raise ValueError(f"output variable {out_name!r} is also an input")
         self.name = name
@@ -502,7 +541,15 @@ class SampledFactor(Factor):
         return None if self._approximate is None else self._approximate(incoming, to)
 
     def sample(self, inputs, size, rng):
-        out = np.asarray(self._sampler({k: inputs[k] for k in self.inputs}, rng), dtype=float)
+        try:
+            raw = np.asarray(self._sampler({k: inputs[k] for k in self.inputs}, rng))
+        except PASSED_THROUGH:
+            raise
+        except Exception as exc:  # the user's sampler's own bug, named
+            raise factor_code_error(self, "sampler", exc) from exc
+        if raw.dtype.kind not in NUMERIC_KINDS:  # (a complex output lost its imaginary part)
+            raise ValueError(f"sampler of factor {self.name!r} returned {raw.dtype} values, not real numbers")
+        out = raw.astype(float, copy=False)
         if out.shape != (size,):
             raise ValueError(f"sampler of factor {self.name!r} returned shape {out.shape}, expected ({size},)")
         return out
@@ -526,6 +573,10 @@ def register_factor(factor: Factor | Callable[..., Factor], name: str | None = N
         factory = lambda **kw: inst  # noqa: E731 - a fixed instance
         factory._kjit_instance = inst
         name = name or inst.name
+        if name != inst.name:  # operators save a factor by its own name and rebuild it from the registry
+            raise ValueError(f"a factor instance named {inst.name!r} cannot be registered as {name!r}: operators "
+                             f"save a factor by its own name and rebuild it from the registry under that name "
+                             f"(give the instance the name {name!r})")
     elif callable(factor):
         factory = factor
         name = name or getattr(factor, "name", None)
@@ -611,6 +662,9 @@ def get_factor(name: str, **params) -> Factor:
         log.warning("%s", why)
         return FactorBuildError(name, why)
 
+    if params and getattr(factory, "_kjit_instance", None) is not None:
+        raise ValueError(f"factor {name!r} is a registered instance: it takes no parameters "
+                         f"(got {', '.join(sorted(params))})")
     try:
         factor = factory(**params)
     except (ValueError, TypeError):
@@ -619,7 +673,33 @@ def get_factor(name: str, **params) -> Factor:
         raise broken(f"its factory failed ({type(exc).__name__}: {exc})") from exc
     if not isinstance(factor, Factor):
         raise broken(f"its factory returned {type(factor).__name__}, not a Factor")
+    # an operator saves its factor as (name, params()) and rebuilds it by get_factor: a factor that
+    # calls itself otherwise, or does not report a parameter it was built with, would come back as
+    # another factor — an operator trained on one and answering (and learning from) another's
+    # oracle (found by an audit: a class without params() served with its default parameters)
+    if factor.name != name:
+        raise broken(f"its factory built a factor named {factor.name!r}; operators save a factor by its "
+                     f"name and rebuild it from the registry, so it must be named {name!r}")
+    if params:
+        try:
+            reported = factor.params()
+        except Exception as exc:  # noqa: BLE001 - a plugin's own bug
+            raise broken(f"its params() failed ({type(exc).__name__}: {exc})") from exc
+        lost = [k for k, val in params.items() if k not in reported or not _same_param(reported[k], val)]
+        if lost:
+            raise ValueError(f"factor {name!r} does not report its parameter(s) {', '.join(map(repr, lost))} in "
+                             f"params() (it gives {reported!r}): operators save a factor as its name and "
+                             f"params() and rebuild it from them, so the factor must report every parameter "
+                             f"it is built with (override Factor.params)")
     return factor
+
+
+def _same_param(a, b) -> bool:
+    try:
+        same = a == b
+        return bool(np.all(same)) and np.shape(a) == np.shape(b) if isinstance(same, np.ndarray) else bool(same)
+    except Exception:  # noqa: BLE001 - incomparable values are not the same
+        return False
 
 
 def registered_factors() -> tuple[str, ...]:
