@@ -180,7 +180,7 @@ class ImportanceSamplingOracle(Oracle):
         if int(reuse) < 1:
             raise ValueError("`reuse` must be >= 1")
         self.reuse = int(reuse)
-        self._pool = None          # (stats, log_r, U, undefined) of the current draw
+        self._pool = None          # (stats, log_r, U, undefined, aside) of the current draw
         self._pool_calls = 0       # calls it has served
         self._pool_rng_state = None  # generator state just before it was drawn
         self.factor = factor
@@ -213,9 +213,10 @@ class ImportanceSamplingOracle(Oracle):
         return type(self)(**{**self.get_params(), "random_state": random_state})
 
     def _draw(self):
-        """``(stats, log_r, undefined)``: the particles' statistics and proposal log densities, and
-        (None when there are none) the inputs and ``log_r`` of the particles where the factor's
-        sampler returned NaN."""
+        """``(stats, log_r, undefined, aside)``: the particles' statistics and proposal log
+        densities; (None when there are none) the inputs and ``log_r`` of the particles where the
+        factor's sampler returned NaN, and the statistics and ``log_r`` of those whose statistics
+        are not finite (:meth:`_unanswerable_rows`)."""
         f, n, rng = self.factor, self.n_samples, self._rng
         draws = {v: self.proposal[v].sample(n, rng) for v in f.inputs}
         draws[f.output] = sample_output(f, draws, n, rng)
@@ -223,46 +224,71 @@ class ImportanceSamplingOracle(Oracle):
         for v in f.inputs:
             log_r += self.proposal[v].log_pdf(draws[v])
         stats = {v: f.suff_stats(v, draws) for v in f.variables}
-        # particles whose statistics are not finite (an output rounded onto the boundary of
-        # its support, e.g. a Beta variable at exactly 0 or 1) are a floating-point artefact
-        # of probability zero: drop them
         if np.isfinite(log_r).all() and all(np.isfinite(u).all() for u in stats.values()):
-            return stats, log_r, None  # the usual case, checked with whole-array reductions
-        # but where the sampler returned NaN the factor is not defined: those particles are kept
-        # aside, and a row whose input messages put mass there fails (_undefined_rows)
+            return stats, log_r, None, None  # the usual case, checked with whole-array reductions
+        # particles whose statistics are not finite (a value rounded onto the boundary of its
+        # support: a Beta variable at exactly 0 or 1, a Gamma one at 0) are set aside; they are
+        # weightless for a message whose density vanishes there, and a row for which they are not
+        # has no answer (found by an audit: gamma_rate of shape 1e-3 draws x = 0 for 47 % of the
+        # particles, and dropping them answered Gamma(0.0031, 3.5) for Gamma(0.001, 2.5));
+        # where the sampler returned NaN the factor is not defined: a row whose input messages
+        # put mass there has no answer either (:meth:`_unanswerable_rows`)
         out = np.asarray(draws[f.output], dtype=float).reshape(n, -1)
         nan = np.isnan(out).any(axis=1)
         undefined = ({v: draws[v][nan] for v in f.inputs}, log_r[nan]) if nan.any() else None
-        keep = np.isfinite(log_r)
+        finite = np.isfinite(log_r)  # (a proposal density of 0 at its own draw: probability zero)
+        keep = finite.copy()
         for u in stats.values():
             keep &= np.isfinite(u).all(axis=1)
+        off = finite & ~keep & ~nan
+        aside = ({v: u[off] for v, u in stats.items()}, log_r[off]) if off.any() else None
         if not keep.all():
             stats = {v: u[keep] for v, u in stats.items()}
             log_r = log_r[keep]
-        return stats, log_r, undefined
+        return stats, log_r, undefined, aside
 
-    def _undefined_rows(self, flat, undefined) -> np.ndarray:
-        """Rows whose input messages put more than :data:`UNDEFINED_MASS` of their mass where the
-        factor's sampler returned NaN, estimated from the same particles: Σ_p Π m(x_p) / r(x_p) / N over
-        those particles (the messages and the proposal normalised).  Dropping the particles there
-        conditions the answer on where the factor is defined — a bias its ESS does not show (found
-        by an audit: a sampler undefined for x < 0 answered N(0.82, 0.38) with ESS 25 600)."""
-        draws, log_r = undefined
+    def _unanswerable_rows(self, flat, undefined, aside, log_mass) -> np.ndarray:
+        """Rows without an answer from these particles (:data:`UNDEFINED_MASS` decides both):
+
+        * whose input messages put more than that share of their mass where the factor's sampler
+          returned NaN, estimated from the same particles (Σ_p Π m(x_p) / r(x_p) / N over them,
+          messages and proposal normalised): dropping them conditions the answer on where the
+          factor is defined, a bias its ESS does not show (found by an audit: a sampler undefined
+          for x < 0 answered N(0.82, 0.38) with ESS 25 600);
+        * for which the particles whose statistics are not finite carry more than that share of
+          the weight (``log_mass``: the log of the row's total weight on the others), each weighed
+          in the limit (0 · ±inf = 0: a message whose density vanishes at the boundary gives them
+          none, an unbounded one infinite weight)."""
         B = next(iter(flat.values())).size
-        lw = np.zeros((len(log_r), B)) - log_r[:, None]
+        bad = np.zeros(B, dtype=bool)
         with np.errstate(all="ignore"):
-            for v in self.factor.inputs:
-                lw = lw + flat[v].log_pdf(np.asarray(draws[v]).reshape(len(log_r), *([1] * flat[v].ndim)))
-            share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw)), axis=0) / self.n_samples
-        return np.flatnonzero(~(share <= UNDEFINED_MASS))
+            if undefined is not None:
+                draws, log_r = undefined
+                lw = np.zeros((len(log_r), B)) - log_r[:, None]
+                for v in self.factor.inputs:
+                    lw = lw + flat[v].log_pdf(np.asarray(draws[v]).reshape(len(log_r), *([1] * flat[v].ndim)))
+                share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw)), axis=0) / self.n_samples
+                bad |= ~(share <= UNDEFINED_MASS)
+            if aside is not None:
+                st, log_r = aside
+                lw = np.zeros((B, len(log_r))) - log_r[None, :]
+                for v in self.factor.variables:
+                    eta = flat[v].natural().reshape(B, -1)
+                    u = st[v]
+                    terms = eta[:, None, :] * u[None, :, :]
+                    terms = np.where((u[None] == 0.0) | (eta[:, None, :] == 0.0), 0.0, terms)
+                    lw = lw + np.sum(terms, axis=-1)
+                share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw) - log_mass[:, None]), axis=1)
+                bad |= ~(share <= UNDEFINED_MASS)
+        return np.flatnonzero(bad)
 
     def _particles(self):
-        """``(stats, log_r, U, undefined)`` for this call: a fresh draw every ``reuse`` calls.  ``U``
-        stacks the particles' statistics of every variable and −log r (see :meth:`_estimate_flat`);
-        ``undefined``: see :meth:`_draw`."""
+        """``(stats, log_r, U, undefined, aside)`` for this call: a fresh draw every ``reuse`` calls.
+        ``U`` stacks the particles' statistics of every variable and −log r (see
+        :meth:`_estimate_flat`); ``undefined``, ``aside``: see :meth:`_draw`."""
         if self._pool is None or self._pool_calls >= self.reuse:
             rng_state = self._rng.bit_generator.state
-            stats, log_r, undefined = self._draw()
+            stats, log_r, undefined, aside = self._draw()
             f = self.factor
             U = np.empty((sum(s.shape[1] for s in stats.values()) + 1, len(log_r)))
             col = 0
@@ -271,7 +297,7 @@ class ImportanceSamplingOracle(Oracle):
                 U[col: col + k] = stats[v].T
                 col += k
             np.negative(log_r, out=U[col])
-            self._pool, self._pool_calls, self._pool_rng_state = (stats, log_r, U, undefined), 0, rng_state
+            self._pool, self._pool_calls, self._pool_rng_state = (stats, log_r, U, undefined, aside), 0, rng_state
         self._pool_calls += 1
         pool = self._pool
         if self.reuse == 1:
@@ -307,7 +333,7 @@ class ImportanceSamplingOracle(Oracle):
 
     def _estimate_flat(self, flat, to):
         f = self.factor
-        stats, log_r, U, undefined = self._particles()
+        stats, log_r, U, undefined, aside = self._particles()
         B = next(iter(flat.values())).size
         u_to = stats[to]  # (N, k)
         N = len(log_r)
@@ -325,6 +351,7 @@ class ImportanceSamplingOracle(Oracle):
         generic = ~np.all(np.isfinite(H), axis=1)
         out = np.empty((B, u_to.shape[1]))
         ess = np.empty(B)
+        log_mass = np.empty(B)
         for s in range(0, B, self.chunk):
             sl = slice(s, min(B, s + self.chunk))
             if generic[sl].any():
@@ -333,13 +360,15 @@ class ImportanceSamplingOracle(Oracle):
                     lw = lw + flat[v][sl].log_kernel(stats[v])
             else:
                 lw = H[sl] @ U
-            lw -= np.max(lw, axis=1, keepdims=True)
+            top = np.max(lw, axis=1, keepdims=True)
+            lw -= top
             # floor the relative log weights at −350: the particles below carry < e^-350 of the
             # largest weight each (< 1e-146 of the total together), and exp / products of values
             # that underflow towards subnormals are many times slower on x86
             np.maximum(lw, _LOG_W_FLOOR, out=lw)
             np.exp(lw, out=lw)
             s0 = np.sum(lw, axis=1)
+            log_mass[sl] = top[:, 0] + np.log(s0)
             ess[sl] = s0 * s0 / np.einsum("ij,ij->i", lw, lw)
             mom = (lw @ u_to) / s0[:, None]  # Gaussian: u = (x, x²), so (E x, E x²)
             if centred:
@@ -357,8 +386,8 @@ class ImportanceSamplingOracle(Oracle):
             else:
                 out[sl] = mom
         self.last_undefined_ = None
-        if undefined is not None:  # rows that need the factor where it is not defined: no answer
-            self.last_undefined_ = self._undefined_rows(flat, undefined)
+        if undefined is not None or aside is not None:  # rows these particles cannot answer
+            self.last_undefined_ = self._unanswerable_rows(flat, undefined, aside, log_mass)
             ess[self.last_undefined_] = 0.0
         self.last_ess_ = ess
         return out, ess
@@ -371,9 +400,10 @@ class ImportanceSamplingOracle(Oracle):
         bad = self.last_undefined_
         if bad is not None and bad.size:
             raise OracleError(
-                f"the sampler of factor {self.factor.name!r} returned NaN where the input messages of rows "
-                f"{bad[:10].tolist()}{'…' if bad.size > 10 else ''} put more than {UNDEFINED_MASS:g} of their mass: "
-                "the factor is not defined there, and dropping those particles would bias the answer", rows=bad)
+                f"importance sampling cannot answer rows {bad[:10].tolist()}{'…' if bad.size > 10 else ''} of factor "
+                f"{self.factor.name!r}: more than {UNDEFINED_MASS:g} of their mass lies where its sampler returned "
+                "NaN (the factor is not defined there) or where a variable's value rounds onto the boundary of its "
+                "support (its statistics are not finite): dropping those particles would bias the answer", rows=bad)
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
@@ -443,6 +473,8 @@ class MessageImportanceSampler(Oracle):
         self.chunk_elements = int(chunk_elements)
         self.random_state = random_state
         self._rng = np.random.default_rng(random_state)
+        self._unsampleable: set[int] = set()
+        self.last_unsampleable_ = np.zeros(0, dtype=int)
 
     def __repr__(self):
         return (f"MessageImportanceSampler({self.factor!r}, target_se={self.target_se:g}, min_ess={self.min_ess:g}, "
@@ -450,23 +482,50 @@ class MessageImportanceSampler(Oracle):
 
     # ------------------------------------------------------------------ one round
     def _draw(self, flat, rows, n, to):
-        """Particles for ``rows`` (n each): (stats of ``to`` (n, R, k), log weights (n, R))."""
+        """Particles for ``rows`` (n each): (stats of ``to`` (n, R, k), log weights (n, R)).  Rows
+        whose input draws left their family's support are added to ``self._unsampleable``."""
         f = self.factor
         R = rows.size
-        draws = {v: flat[v][rows].sample(n, self._rng).reshape(-1) for v in f.inputs}  # (n·R,), row fastest
+        draws = {}
+        for v in f.inputs:
+            d = flat[v][rows].sample(n, self._rng).reshape(n, R)  # row fastest
+            inside = flat[v].in_support(d)
+            if not inside.all():
+                # an extreme message's draws can round onto its support's boundary (Gamma(1e-3, 1)
+                # gives 0 for 47 % of them), where the factor may not be defined (found by an audit:
+                # a bare ValueError for the whole batch): those rows have no answer; their draws are
+                # replaced by their message's mean to sample the others
+                bad = ~inside.all(axis=0)
+                self._unsampleable.update(rows[bad].tolist())
+                d = np.where(inside, d, np.broadcast_to(np.asarray(flat[v][rows].mean(), float), d.shape))
+            draws[v] = d.reshape(-1)
         x_out = np.asarray(sample_output(f, draws, n * R, self._rng), dtype=float).reshape(n * R)
         draws[f.output] = x_out
+        m_out = flat[f.output][rows]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            lw = flat[f.output][rows].log_pdf(x_out.reshape(n, R))
+            lw = m_out.log_pdf(x_out.reshape(n, R))
             u = f.suff_stats(to, draws).reshape(n, R, -1)
-        lw = np.where(np.isfinite(lw) & np.all(np.isfinite(u), axis=-1), lw, -np.inf)
-        # a row where the factor's sampler returned NaN (not ±inf, a limit of probability zero under a
-        # proper message) is outside where the sampler is defined: dropping those particles would
-        # bias the answer while its ESS looked healthy (found in review: a sampler undefined for
-        # x < 0 gave KL 20 answers with ESS 13 000) — the row gets no weight, so it fails as low ESS
+            off = ~np.isfinite(lw) & ~np.isnan(x_out.reshape(n, R))
+            if off.any():
+                # the output's message at values where it is not finite, by the factor's own statistics
+                # of the output (exact where the value rounded onto the support's boundary: a logistic
+                # z = σ(x) at 1 for x > 36.7, an exp y = e^x at 0 for x < −745 — those particles were
+                # dropped: N(34.8, 1.8) for N(36, 4) at ESS 4e4, found by an audit); +inf (an
+                # unbounded density at the boundary) leaves the row without weight: no answer
+                i, j = np.nonzero(off)
+                flat_idx = i * R + j
+                sub = {v: np.asarray(d)[flat_idx] for v, d in draws.items()}
+                lw[i, j] = m_out[j].log_pdf_stats(f.suff_stats(f.output, sub))
+        lw = np.where(np.isnan(lw) | (lw == np.inf), np.inf, lw)  # (propagates to no weight in _round)
+        # a row where the factor's sampler returned NaN is outside where the sampler is defined:
+        # dropping those particles would bias the answer while its ESS looked healthy (found in
+        # review: a sampler undefined for x < 0 gave KL 20 answers with ESS 13 000) — the row gets
+        # no weight, so it fails as low ESS
         nan_rows = np.isnan(x_out.reshape(n, R)).any(axis=0)
         if nan_rows.any():
             lw[:, nan_rows] = -np.inf
+        if not np.isfinite(u).all():  # statistics of ``to`` at particles without weight count as 0
+            u = np.where(np.isneginf(lw)[..., None], np.where(np.isfinite(u), u, 0.0), u)
         return u, lw
 
     def _round(self, flat, rows, n, to):
@@ -567,6 +626,7 @@ class MessageImportanceSampler(Oracle):
         log_z = np.full(B, -np.inf)
         todo = np.arange(B)
         n = self.n_initial
+        self._unsampleable = set()
         while todo.size:
             mu, cov, e, lz = self._round(flat, todo, n, to)
             stats[todo], ess[todo], n_used[todo], log_z[todo] = mu, e, n, lz
@@ -582,10 +642,19 @@ class MessageImportanceSampler(Oracle):
                 done = e >= self.target_ess
             else:
                 done = good & np.all(se_t <= self.target_se, axis=1)
+            # rows without an answer whatever the particles: not finite (a weighted particle whose
+            # statistic is not), or their inputs cannot be sampled
+            done |= ~np.all(np.isfinite(mu), axis=1)
+            if self._unsampleable:
+                done |= np.isin(todo, np.fromiter(self._unsampleable, dtype=int))
             if n >= self.max_samples:
                 break
             todo = todo[~done]
             n = min(n * self.growth, self.max_samples)
+        self.last_unsampleable_ = np.array(sorted(self._unsampleable), dtype=int)
+        if self.last_unsampleable_.size:
+            stats[self.last_unsampleable_], ess[self.last_unsampleable_] = np.nan, 0.0
+            log_z[self.last_unsampleable_] = np.nan
         self.last_ess_, self.last_se_, self.last_n_samples_ = ess, se, n_used
         return stats, ess, se, n_used, log_z
 
@@ -594,14 +663,24 @@ class MessageImportanceSampler(Oracle):
 
     def _certified_flat(self, flat, to):
         stats, ess, se, _, _ = self._estimate_flat(flat, to)
+        bad = self.last_unsampleable_
+        if bad.size:
+            raise OracleError(
+                f"per-message importance sampling: the input messages of rows {bad[:10].tolist()}"
+                f"{'…' if bad.size > 10 else ''} give draws on the boundary of their support (underflow of an "
+                f"extreme message), where factor {self.factor.name!r} cannot be sampled", rows=bad)
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
         fam = self.factor.families[to]
+        bad = np.flatnonzero(~(np.all(np.isfinite(stats), axis=1) & np.asarray(fam.estimate_ok(stats), bool)))
+        if bad.size:  # a weighted particle whose statistic is not finite, or not a member's statistics
+            raise OracleError(
+                f"per-message importance sampling: the estimates of rows {bad[:10].tolist()}"
+                f"{'…' if bad.size > 10 else ''} are not a {fam.__name__} message's statistics (a statistic "
+                "that is not finite at a weighted particle, e.g. a draw on the boundary of the support)", rows=bad)
         try:
             if fam.centred_estimate:  # stats are (mean, centred variance)
-                if not np.all(fam.estimate_ok(stats)):
-                    raise ValueError("a variance estimate that is not positive")
                 return fam.from_estimate(stats), ess, se
             return fam.project(stats), ess, se
         except ValueError as exc:

@@ -1110,3 +1110,20 @@ def test_models_refuse_data_that_is_not_real_numbers():
         BayesianLogisticRegression().fit(X.astype(str), np.array([1, 0, 1]))
     with pytest.raises(ValueError, match="`y` must be numbers 0 and 1"):
         BayesianLogisticRegression().fit(X, np.array(["1", "0", "1"]))
+
+
+def test_beta_kl_with_one_parameter_very_large():
+    """Beta(a, b) with b → ∞ is Gamma(a, rate b) of z up to O(a/b); KL between two such is the Gamma
+    one (closed form, no large terms) to ~1e-14 here.  With ψ(a1), ψ(b1), ψ(a1 + b1) and the two
+    ln B apart, Beta.kl gave −0.5 for 0.003 at β ~ 2e14 (found by an audit; logistic → z beliefs
+    reach such β)."""
+    from scipy import special
+
+    for (a1, b1), (a2, b2) in [((0.338, 1.97e14), (0.351, 2.31e14)), ((2.5, 3e12), (1.7, 1e12)),
+                               ((1.97e14, 0.338), (2.31e14, 0.351))]:
+        got = float(Beta(a1, b1).kl(Beta(a2, b2)))
+        if a1 > b1:  # the mirror image: z ↦ 1 − z
+            a1, b1, a2, b2 = b1, a1, b2, a2
+        gamma_kl = ((a1 - a2) * special.digamma(a1) - special.gammaln(a1) + special.gammaln(a2)
+                    + a2 * (np.log(b1) - np.log(b2)) + a1 * (b2 - b1) / b1)
+        assert abs(got - gamma_kl) < 1e-10 * max(1.0, abs(gamma_kl))

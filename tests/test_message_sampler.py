@@ -140,3 +140,46 @@ def test_a_row_where_the_sampler_returns_nan_is_refused_not_answered_biased():
     pv = 1 / (1 / xv[[1, 3]] + 1 / (1 + 0.09))
     pm = pv * (xm[[1, 3]] / xv[[1, 3]] + (xm[[1, 3]] + 0.2) / (1 + 0.09))
     assert np.all(Gaussian(pm, pv).kl(q) < 1e-3)
+
+
+def test_outputs_that_round_onto_the_boundary_keep_their_weight():
+    """A logistic z = σ(x) rounds to 1 for x > 36.7 and an exp y = e^x to 0 for x < −745, where the
+    output message's log_pdf is −inf: those particles were dropped — N(34.8, 1.8) for the belief
+    N(36, 4) at ESS 4e4 (found by an audit).  With z ~ Beta(2, 1) (a density of 2z) the belief on x
+    is N(m, v) to within 1 − σ(x) < e^−25 over ±5 sd, and log Z = log 2; with y ~ Gamma(1, 1)
+    (e^−y, flat to 1e-300 there) it is x's message.  The weights are now the output message at
+    the factor's own statistics of the output (Family.log_pdf_stats)."""
+    from kjit.factors import Exp
+
+    mis = MessageImportanceSampler(Logistic(), random_state=0)
+    inc = {"x": Gaussian([36.0, 38.0], [4.0, 4.0]), "z": Beta([2.0, 2.0], [1.0, 1.0])}
+    q = mis.belief(inc, "x")
+    assert np.all(mis.last_ess_ > 1e4)
+    # KL ~ 1/(2 ESS) per coordinate for a sampled answer: 1e-3 is far above it and far below 0.6
+    assert np.all(Gaussian([36.0, 38.0], [4.0, 4.0]).kl(q) < 1e-3)
+    assert np.allclose(MessageImportanceSampler(Logistic(), random_state=1).log_partition(inc), np.log(2.0), atol=1e-12)
+    q = MessageImportanceSampler(Exp(), random_state=0).belief({"x": Gaussian(-745.0, 4.0), "y": Gamma(1.0, 1.0)}, "x")
+    assert float(Gaussian(-745.0, 4.0).kl(q)) < 1e-3
+
+
+def test_rows_the_sampler_cannot_answer_are_named_and_the_others_answered():
+    """Found by an audit: a Gamma(1e-3) input message draws exact zeros (47 %), where gamma_rate's
+    sampler raised a bare ValueError for the whole batch; and a weighted particle whose statistic is
+    −inf (gamma_rate of shape 0.01 draws x = 0 with probability 6e-4, log x = −inf) made the row's
+    estimate NaN and the whole batch an OracleError without rows.  Now each is an OracleError naming
+    exactly those rows, so EP can skip them and ask again for the others."""
+    from kjit.errors import OracleError
+    from kjit.factors import GammaRate
+
+    mis = MessageImportanceSampler(GammaRate(), random_state=0)
+    inc = {"r": Gamma([1e-3, 3.0], [1.0, 1.0]), "x": Gamma([2.0, 2.0], [1.0, 1.0])}
+    with pytest.raises(OracleError, match="boundary of their support") as e:
+        mis.belief(inc, "r")
+    assert e.value.rows.tolist() == [0]
+    q = MessageImportanceSampler(GammaRate(), random_state=0).belief({v: m[1:] for v, m in inc.items()}, "r")
+    assert float(QuadratureOracle(GammaRate()).belief({v: m[1:] for v, m in inc.items()}, "r").kl(q)[0]) < 1e-3
+    mis = MessageImportanceSampler(GammaRate(shape=0.01), random_state=0)
+    inc = {"r": Gamma([1.0, 1.0], [1.0, 1.0]), "x": Gamma([1.0, 5.0], [1.0, 1.0])}
+    with pytest.raises(OracleError, match="not a Gamma message's statistics") as e:
+        mis.belief(inc, "x")
+    assert e.value.rows.tolist() == [0]

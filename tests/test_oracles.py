@@ -858,7 +858,7 @@ def test_importance_sampling_matches_the_plain_weighted_formulas():
         o = ImportanceSamplingOracle(Logistic(), n_samples=n, random_state=77)
         stats, ess = o.estimate(inc, to)
         ref_oracle = ImportanceSamplingOracle(Logistic(), n_samples=n, random_state=77)
-        u, log_r, _ = ref_oracle._draw()  # the same particles
+        u, log_r, _, _ = ref_oracle._draw()  # the same particles
         for i in range(4):
             lw = -log_r.copy()
             for v in ("x", "z"):
@@ -1047,9 +1047,28 @@ def test_importance_sampling_refuses_rows_that_need_the_factor_where_its_sampler
     inc = {"x": Gaussian([9.0, 0.2, 6.0], [1.0, 1.0, 1.0]), "z": Gaussian([3.0, 0.0, 2.4], [1.0, 4.0, 1.0])}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the user's sqrt of negative draws
-        with pytest.raises(OracleError, match="sampler of factor 'sqrt_noise' returned NaN .* rows \\[1\\]") as e:
+        with pytest.raises(OracleError, match="rows \\[1\\] of factor 'sqrt_noise': .* returned NaN") as e:
             ImportanceSamplingOracle(f, n_samples=200_000, random_state=0).belief(inc, "x")
         assert e.value.rows.tolist() == [1]
         ok = {v: m[np.array([0, 2])] for v, m in inc.items()}
         q = ImportanceSamplingOracle(f, n_samples=200_000, random_state=0).belief(ok, "x")
     assert np.allclose(q.mean(), [9.0, 6.0], atol=0.1)  # (a broad z message: the belief stays near x's)
+
+
+def test_importance_sampling_refuses_rows_whose_weight_lies_on_rounded_boundary_particles():
+    """gamma_rate of shape 1e-3 draws x = 0 exactly for ~47 % of the particles (log x = −inf).  They
+    were dropped as "probability zero": Gamma(0.0031, 3.5) for the exact Gamma(0.001, 2.5) at ESS
+    36 000 (found by an audit).  Under x's message Gamma(1, 1) (density 1 at 0) they carry about half
+    the weight: that row is refused by name; under Gamma(3, 1) (density x² e^−x, 0 at 0) they carry
+    none, and the row is not refused for them."""
+    from kjit.factors import GammaRate
+
+    f = GammaRate(shape=1e-3)
+    inc = {"r": Gamma([2.0, 2.0], [1.0, 1.0]), "x": Gamma([1.0, 3.0], [1.0, 1.0])}
+    with pytest.raises(OracleError, match="rows \\[0\\] of factor 'gamma_rate'.*boundary of its support") as e:
+        ImportanceSamplingOracle(f, n_samples=100_000, random_state=0).belief(inc, "r")
+    assert e.value.rows.tolist() == [0]
+    one = {v: m[1:] for v, m in inc.items()}
+    oracle = ImportanceSamplingOracle(f, n_samples=100_000, random_state=0, min_ess=1.0)
+    q = oracle.belief(one, "r")
+    assert oracle.last_undefined_.size == 0 and np.all(np.isfinite(q.to_coords()))

@@ -48,6 +48,13 @@ class Exp(Factor):
     def sample(self, inputs, size, rng):
         return _exact.sample(inputs, size, rng)
 
+    def suff_stats(self, var, draws):
+        if var == "y":  # (y, log y) = (e^x, x): log y exact where e^x underflows to 0 (x < −745)
+            x = np.asarray(draws["x"], dtype=float)
+            with np.errstate(over="ignore"):
+                return np.stack([np.exp(x), x], axis=-1)
+        return super().suff_stats(var, draws)
+
     def approximate_belief(self, incoming, to):
         """A near-exact belief, the reference of a learned operator's relative targets: Gauss–Hermite
         quadrature (:data:`~kjit.factors.base.GH_NODES` nodes) of the tilted density of x,
