@@ -1377,6 +1377,12 @@ class Bernoulli(Family):
     def expected_suff_stats(self):
         return self._p[..., None]
 
+    def log_normalizer(self):
+        # Σ_{y = ±1} exp(η u(y)) = 1 + e^η = 1 / (1 − p)
+        self._require_proper("log_normalizer")
+        with np.errstate(divide="ignore"):
+            return -np.log1p(-self._p)
+
     def log_pdf_stats(self, stats):
         u = np.asarray(stats, float)[..., 0]
         with np.errstate(divide="ignore"):

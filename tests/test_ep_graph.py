@@ -264,3 +264,57 @@ def test_operators_that_fail_every_update_stop_graph_ep_with_a_warning():
         res = GraphEP(_logistic_graph(y), operators={("logistic", "x"): _Down()}, max_iter=50).run()
     assert res.outcome == "operator_failed" and res.iterations == OPERATOR_FAILURE_ITERATIONS
     assert "ConnectError" in res.status and not res.converged
+
+
+def test_an_operator_for_other_parameters_or_another_sampled_factor_is_refused():
+    """Operators were matched to factors by name only (found by an audit): gamma_rate(shape=1)'s oracle
+    answered for a graph's gamma_rate(shape=1.5) — "converged", log Z −2.295 for −1.948 — and two
+    sampled factors named "lin" shared one operator.  Now a ConfigurationError, and a graph refuses
+    a second factor it could not tell apart from the first."""
+    from kjit.errors import ConfigurationError
+    from kjit.factors import GammaRate, SampledFactor
+
+    g = FactorGraph()
+    g.add_variable("t", Gamma(2.0, 1.0))
+    g.add_factor("gamma_rate", {"r": "t", "x": Gamma(3.0, 1.0)}, shape=1.5)
+    with pytest.raises(ConfigurationError, match="answers for factor GammaRate\\(shape=1.0"):
+        GraphEP(g, operators={("gamma_rate", "r"): QuadratureOracle(GammaRate(shape=1.0))}).run()
+    assert GraphEP(g, operators={("gamma_rate", "r"): QuadratureOracle(GammaRate(shape=1.5))}).run().outcome == "converged"
+    g = FactorGraph()
+    g.add_variable("a", Gaussian(0.0, 1.0))
+    g.add_variable("b", Gaussian(0.0, 1.0))
+    lin2 = SampledFactor("lin", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, rng: 2 * v["x"])
+    lin3 = SampledFactor("lin", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, rng: -3 * v["x"])
+    g.add_factor(lin2, {"x": "a", "z": Gaussian(3.0, 0.5)})
+    g.add_factor(lin2, {"x": "b", "z": Gaussian(1.0, 0.5)})  # the same factor twice: fine
+    with pytest.raises(ValueError, match="another factor of that name and parameters"):
+        g.add_factor(lin3, {"x": "b", "z": Gaussian(3.0, 0.5)})
+
+
+def test_an_evidence_that_cannot_be_computed_does_not_lose_the_run():
+    """The log partition of an improper tilted distribution raises OracleError, which escaped run() —
+    the finished run lost with it (found by an audit); now log_evidence is None with the reason."""
+    g = FactorGraph()
+    g.add_variable("t", Gamma(1.0, 1.0))
+    g.add_factor("gamma_rate", {"r": "t", "x": Gamma(3.0, 1.0)}, shape=0.3)
+    g.add_factor("gamma_rate", {"r": "t", "x": Gamma(0.5, 1.0)}, shape=0.3)
+    r = GraphEP(g, max_iter=20).run()
+    assert r.outcome == "max_iter" and r.skipped["operator_error"] > 0 and r.log_evidence is None
+    assert "OracleError" in r.log_evidence_note
+
+
+def test_evidence_with_a_latent_bernoulli_variable():
+    """y ~ Bernoulli(0.3) latent, p(y | f) = ε + (1 − 2ε) Θ(y f) with f fixed at N(0.5, 2): one factor
+    on one latent variable, so EP is exact: Z = Σ_y p(y) (ε + (1 − 2ε) P(y f > 0)), P(f > 0) =
+    Φ(0.5/√2).  Bernoulli had no log normaliser, so the evidence was None."""
+    from scipy import stats
+
+    from kjit.families import Bernoulli
+
+    g = FactorGraph()
+    g.add_variable("y", Bernoulli(0.3))
+    g.add_factor("probit_noise", {"f": Gaussian(0.5, 2.0), "y": "y"}, eps=0.1)
+    r = GraphEP(g, tol=1e-12).run()
+    pos = stats.norm.cdf(0.5 / np.sqrt(2.0))
+    exact = np.log(0.3 * (0.1 + 0.8 * pos) + 0.7 * (0.1 + 0.8 * (1 - pos)))
+    assert abs(r.log_evidence - exact) < 1e-12

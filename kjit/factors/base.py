@@ -253,6 +253,16 @@ class Factor:
         """Constructor parameters (JSON-ready), so a factor can be rebuilt by name."""
         return {}
 
+    def same_as(self, other) -> bool:
+        """Whether ``other`` is this factor — an operator for one answers for the other: the same
+        class, name and :meth:`params`."""
+        if other is self:
+            return True
+        if type(other) is not type(self) or other.name != self.name:
+            return False
+        mine, theirs = self.params(), other.params()
+        return mine.keys() == theirs.keys() and all(_same_param(mine[k], theirs[k]) for k in mine)
+
     def log_concave(self, to: str, incoming: Mapping[str, Family]) -> np.ndarray | None:
         """Rows (of the flat batch ``incoming``) where the factor, with the other variables'
         incoming messages integrated out, is log-concave in ``to`` — or None where unknown.
@@ -534,6 +544,10 @@ class SampledFactor(Factor):
         self.families = {**dict(inputs), out_name: out_family}
         self._sampler = sampler
         self._approximate = approximate
+
+    def same_as(self, other) -> bool:
+        """The same object only: two sampled factors of one name may sample different things."""
+        return other is self
 
     def approximate_belief(self, incoming, to):
         """The ``approximate`` callable's answer (see :meth:`Factor.approximate_belief`), or None."""
