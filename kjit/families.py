@@ -465,6 +465,13 @@ class Family:
         terms = np.where((eta == 0.0) & ~np.isnan(stats), 0.0, terms)
         return np.sum(terms, axis=-1) - self.log_normalizer()
 
+    def unbounded_density(self) -> np.ndarray:
+        """Which messages of the batch have a density without an upper bound (a Gamma of shape < 1 at
+        0, a Beta with a parameter < 1 at its boundary): importance weights made of it can have an
+        infinite variance that neither the ESS nor a standard error shows (see
+        :func:`kjit.oracles.pareto_khat`)."""
+        return np.zeros(self.shape, dtype=bool)
+
     @staticmethod
     def in_support(x) -> np.ndarray:
         """Whether the values ``x`` lie in the family's support (its interior, for a bounded one):
@@ -1048,6 +1055,9 @@ class Beta(Family):
         x = np.asarray(x, dtype=float)
         return (x > 0.0) & (x < 1.0)
 
+    def unbounded_density(self):
+        return (self._alpha < 1.0) | (self._beta < 1.0)
+
     def kl(self, other):
         self._same_family(other, "compare")
         self._require_proper("kl")
@@ -1277,6 +1287,9 @@ class Gamma(Family):
     def in_support(x):
         x = np.asarray(x, dtype=float)
         return (x > 0.0) & np.isfinite(x)
+
+    def unbounded_density(self):
+        return self._shape < 1.0
 
     def kl(self, other):
         self._same_family(other, "compare")

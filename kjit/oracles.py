@@ -59,6 +59,19 @@ def sample_output(factor: Factor, draws, n: int, rng):
         raise factor_code_error(factor, "sampler", exc) from exc
 
 
+def _raise_heavy_tails(factor, khat) -> None:
+    """An OracleError naming the rows whose weights' Pareto k̂ exceeds :data:`PARETO_K_MAX`."""
+    if khat is None:
+        return
+    heavy = np.flatnonzero(khat > PARETO_K_MAX)
+    if heavy.size:
+        raise OracleError(
+            f"importance sampling cannot answer rows {heavy[:10].tolist()}{'…' if heavy.size > 10 else ''} of factor "
+            f"{factor.name!r}: their weights are heavy-tailed (Pareto k̂ up to {float(np.max(khat[heavy])):.2f} > "
+            f"{PARETO_K_MAX}: a message's density is unbounded where the particles fall), so the estimate's error "
+            "is not what its effective sample size says", rows=heavy)
+
+
 class Oracle(Operator):
     """Common interface: subclasses implement ``_belief_flat`` (or ``_certified_flat``, which also
     reports the ESS and Monte Carlo standard errors of each answer for its certificate)."""
@@ -148,6 +161,39 @@ class QuadratureOracle(Oracle):
 # ====================================================================== importance sampling
 _LOG_W_FLOOR = -350.0
 
+#: importance weights whose tail's Pareto shape k̂ exceeds this give estimates that cannot be trusted
+#: (their variance is infinite for k ≥ ½, and the estimate's error then far exceeds what the ESS and
+#: the delta method's standard errors say; Vehtari et al., "Pareto smoothed importance sampling")
+PARETO_K_MAX = 0.7
+
+
+def pareto_khat(w) -> np.ndarray:
+    """The shape k̂ of a generalised Pareto distribution fitted to the largest weights of each column
+    of ``w`` (n, R) (weights ≥ 0): the M = ⌈min(n/5, 3√n)⌉ largest exceedances over the next one, by
+    Zhang & Stephens' (2009) empirical Bayes estimate with the weakly informative prior of Vehtari et
+    al. (PSIS), vectorised over the columns.  NaN for a column whose tail is flat (bounded weights
+    equal at the top: no tail to speak of)."""
+    w = np.asarray(w, dtype=float)
+    n, R = w.shape
+    M = int(np.ceil(min(0.2 * n, 3.0 * np.sqrt(n))))
+    if M < 5 or R == 0:
+        return np.full(R, np.nan)
+    top = np.sort(np.partition(w, n - M - 1, axis=0)[n - M - 1:], axis=0)  # (M + 1, R), ascending
+    x = (top[1:] - top[:1]).T  # (R, M) exceedances over the (M + 1)-th largest, ascending
+    with np.errstate(all="ignore"):
+        m = 30 + int(np.sqrt(M))
+        b = 1.0 - np.sqrt(m / (np.arange(1, m + 1) - 0.5))  # (m,)
+        b = b[None, :] / (3.0 * x[:, int(M / 4 + 0.5) - 1:int(M / 4 + 0.5)]) + 1.0 / x[:, -1:]  # (R, m)
+        k = np.mean(np.log1p(-b[:, :, None] * x[:, None, :]), axis=2)  # (R, m)
+        ell = M * (np.log(-b / k) - k - 1.0)
+        wts = 1.0 / np.sum(np.exp(ell[:, None, :] - ell[:, :, None]), axis=2)
+        wts = np.where(wts >= 10 * np.finfo(float).eps, wts, 0.0)
+        wts = wts / np.sum(wts, axis=1, keepdims=True)
+        b_post = np.sum(b * wts, axis=1)
+        k_post = np.mean(np.log1p(-b_post[:, None] * x), axis=1)
+        k_post = (M * k_post + 10.0 * 0.5) / (M + 10.0)
+    return np.where(np.isfinite(k_post), k_post, np.nan)
+
 
 class ImportanceSamplingOracle(Oracle):
     """Self-normalised importance sampling for any sampleable factor (SPEC §3).
@@ -201,6 +247,7 @@ class ImportanceSamplingOracle(Oracle):
         self._rng = np.random.default_rng(random_state)
         self.last_ess_ = None
         self.last_undefined_ = None
+        self.last_khat_ = None
 
     def __repr__(self):
         return f"ImportanceSamplingOracle({self.factor!r}, n_samples={self.n_samples})"
@@ -352,6 +399,10 @@ class ImportanceSamplingOracle(Oracle):
         out = np.empty((B, u_to.shape[1]))
         ess = np.empty(B)
         log_mass = np.empty(B)
+        khat = np.full(B, np.nan)
+        unbounded = np.zeros(B, dtype=bool)
+        for v in f.variables:
+            unbounded |= np.asarray(flat[v].unbounded_density(), bool).reshape(-1)
         for s in range(0, B, self.chunk):
             sl = slice(s, min(B, s + self.chunk))
             if generic[sl].any():
@@ -369,6 +420,9 @@ class ImportanceSamplingOracle(Oracle):
             np.exp(lw, out=lw)
             s0 = np.sum(lw, axis=1)
             log_mass[sl] = top[:, 0] + np.log(s0)
+            hv = np.flatnonzero(unbounded[sl])
+            if hv.size:  # (a weight made of a bounded density and the proposal's ratio has a light tail)
+                khat[s + hv] = pareto_khat(lw[hv].T)
             ess[sl] = s0 * s0 / np.einsum("ij,ij->i", lw, lw)
             mom = (lw @ u_to) / s0[:, None]  # Gaussian: u = (x, x²), so (E x, E x²)
             if centred:
@@ -385,6 +439,8 @@ class ImportanceSamplingOracle(Oracle):
                 out[sl, 1] = var
             else:
                 out[sl] = mom
+        self.last_khat_ = khat
+        ess[khat > PARETO_K_MAX] = 0.0
         self.last_undefined_ = None
         if undefined is not None or aside is not None:  # rows these particles cannot answer
             self.last_undefined_ = self._unanswerable_rows(flat, undefined, aside, log_mass)
@@ -397,6 +453,7 @@ class ImportanceSamplingOracle(Oracle):
 
     def _certified_flat(self, flat, to):
         ess_stats, ess = self._estimate_flat(flat, to)
+        _raise_heavy_tails(self.factor, self.last_khat_)
         bad = self.last_undefined_
         if bad is not None and bad.size:
             raise OracleError(
@@ -475,6 +532,7 @@ class MessageImportanceSampler(Oracle):
         self._rng = np.random.default_rng(random_state)
         self._unsampleable: set[int] = set()
         self.last_unsampleable_ = np.zeros(0, dtype=int)
+        self.last_khat_ = None
 
     def __repr__(self):
         return (f"MessageImportanceSampler({self.factor!r}, target_se={self.target_se:g}, min_ess={self.min_ess:g}, "
@@ -530,7 +588,8 @@ class MessageImportanceSampler(Oracle):
 
     def _round(self, flat, rows, n, to):
         """Estimates for ``rows`` with n fresh particles each: (ess stats (R, k), covariance of
-        their estimator (R, k, k), ESS (R,), log mean weight (R,))."""
+        their estimator (R, k, k), ESS (R,), log mean weight (R,), Pareto k̂ of the weights (R,),
+        NaN where the output's message has a bounded density)."""
         R = rows.size
         per = max(1, self.chunk_elements // n)
         k = None
@@ -570,10 +629,14 @@ class MessageImportanceSampler(Oracle):
                         for b in range(a, k_):
                             cov[:, a, b] = cov[:, b, a] = np.sum(wd * dc[..., b], axis=0)
                 mu = np.stack([mu[:, 0], var], axis=-1)
-            out.append((mu, cov, ess, log_z))
+            khat = np.full(sub.size, np.nan)
+            heavy = np.asarray(flat[self.factor.output][sub].unbounded_density(), bool).reshape(-1) & ok
+            if heavy.any():  # the weights are the output's message: unbounded only where its density is
+                khat[heavy] = pareto_khat(w[:, heavy])
+            out.append((mu, cov, ess, log_z, khat))
             k = u.shape[-1]
-        cat = [np.concatenate([o[i] for o in out]) for i in range(4)]
-        return cat[0].reshape(R, k), cat[1].reshape(R, k, k), cat[2], cat[3]
+        cat = [np.concatenate([o[i] for o in out]) for i in range(5)]
+        return cat[0].reshape(R, k), cat[1].reshape(R, k, k), cat[2], cat[3], cat[4]
 
     def _coord_se(self, fam, ess_stats, cov):
         """Standard errors of the projected coordinates (delta method, Jacobian by central differences)."""
@@ -627,9 +690,10 @@ class MessageImportanceSampler(Oracle):
         todo = np.arange(B)
         n = self.n_initial
         self._unsampleable = set()
+        khat = np.full(B, np.nan)
         while todo.size:
-            mu, cov, e, lz = self._round(flat, todo, n, to)
-            stats[todo], ess[todo], n_used[todo], log_z[todo] = mu, e, n, lz
+            mu, cov, e, lz, kh = self._round(flat, todo, n, to)
+            stats[todo], ess[todo], n_used[todo], log_z[todo], khat[todo] = mu, e, n, lz, kh
             good = e >= self.min_ess
             se_t = np.full((todo.size, k), np.inf)
             if good.any():
@@ -644,7 +708,7 @@ class MessageImportanceSampler(Oracle):
                 done = good & np.all(se_t <= self.target_se, axis=1)
             # rows without an answer whatever the particles: not finite (a weighted particle whose
             # statistic is not), or their inputs cannot be sampled
-            done |= ~np.all(np.isfinite(mu), axis=1)
+            done |= ~np.all(np.isfinite(mu), axis=1) | (kh > PARETO_K_MAX)  # (more particles will not help)
             if self._unsampleable:
                 done |= np.isin(todo, np.fromiter(self._unsampleable, dtype=int))
             if n >= self.max_samples:
@@ -655,6 +719,9 @@ class MessageImportanceSampler(Oracle):
         if self.last_unsampleable_.size:
             stats[self.last_unsampleable_], ess[self.last_unsampleable_] = np.nan, 0.0
             log_z[self.last_unsampleable_] = np.nan
+        self.last_khat_ = khat
+        heavy = khat > PARETO_K_MAX
+        ess[heavy], log_z[heavy] = 0.0, np.nan  # (no answer: estimate() reports them failed)
         self.last_ess_, self.last_se_, self.last_n_samples_ = ess, se, n_used
         return stats, ess, se, n_used, log_z
 
@@ -669,6 +736,7 @@ class MessageImportanceSampler(Oracle):
                 f"per-message importance sampling: the input messages of rows {bad[:10].tolist()}"
                 f"{'…' if bad.size > 10 else ''} give draws on the boundary of their support (underflow of an "
                 f"extreme message), where factor {self.factor.name!r} cannot be sampled", rows=bad)
+        _raise_heavy_tails(self.factor, self.last_khat_)
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:
             raise LowESSError(low, ess[low], self.min_ess)
