@@ -166,6 +166,11 @@ _LOG_W_FLOOR = -350.0
 #: the delta method's standard errors say; Vehtari et al., "Pareto smoothed importance sampling")
 PARETO_K_MAX = 0.7
 
+#: the per-message sampler's answering round is the pilot of another when its standard errors
+#: exceed the target this many times (a gross misjudgement by its own pilot, not noise)
+REPILOT_FACTOR = 4.0
+
+
 
 def pareto_khat(w) -> np.ndarray:
     """The shape k̂ of a generalised Pareto distribution fitted to the largest weights of each column
@@ -485,17 +490,24 @@ class MessageImportanceSampler(Oracle):
     there).  Self-normalised estimates of E[u(x_to)], projected onto the recipient's family.  A
     factor without inputs (compound gamma) draws from the factor and weights by its one message.
 
-    The particle count adapts per message: rounds of ``n_initial``·``growth``^r fresh particles
-    (rows still unresolved only; a round's particles replace the previous round's, so the work is
-    within ``growth / (growth − 1)`` of the final round's) until the Monte Carlo standard error of
-    every projected coordinate is ≤ ``target_se`` and the ESS ≥ ``min_ess`` (or, with
-    ``target_ess``, the ESS reaches it), or ``max_samples`` is reached.  Standard errors are the
+    The particle count adapts per message: a pilot round of ``n_initial`` particles estimates the
+    Monte Carlo standard error of every projected coordinate, and sets the size of a fresh
+    answering round (n_initial/4 · ``growth``^j, the smallest at least 1.1 × the count that brings
+    the largest standard error to ``target_se`` — or, with ``target_ess``, the ESS to it — and the
+    ESS to 1.5 × ``min_ess``; within ``max_samples``), which answers with what it finds: rows meet
+    the target about, not always (measured on logistic messages: 86 % within it, 94 % within
+    1.5 ×).  Answering with the round whose own standard errors met the target selected rounds
+    whose estimates lean one way (+0.39 standard errors, found by an audit), and cost twice the
+    particles.  An answering round whose ESS is under ``min_ess``, or whose standard errors exceed
+    :data:`REPILOT_FACTOR` × the target (its pilot misjudged the weights), is the pilot of another;
+    the cap answers whatever it finds.  Standard errors are the
     delta method's (the projection's Jacobian, by central differences, applied to the
     self-normalised covariance Σ w̃² (u − ū)(u − ū)ᵀ) in the family's coordinates — log
     parameters, and for a Gaussian the mean in units of the belief's standard deviation and the
     log variance.  A row whose ESS stays under ``min_ess`` at the cap is a :class:`LowESSError`
     naming the rows; one that met ``min_ess`` but not ``target_se`` is answered, and its standard
-    error is reported.
+    error is reported.  Rows whose weights are heavy-tailed (:func:`pareto_khat`), whose inputs
+    cannot be sampled or whose estimate is not finite are :class:`OracleError` naming them.
 
     After each call: ``last_ess_`` (n,), ``last_se_`` (n, k), ``last_n_samples_`` (n,) — per
     message of the flattened batch.  Work is vectorised over (particles × rows) in chunks of at
@@ -667,6 +679,15 @@ class MessageImportanceSampler(Oracle):
                     se[:, c] = se[:, c] / scale
         return base, se
 
+    def _answer_size(self, need) -> np.ndarray:
+        """Particle counts of answering rounds for rows needing ``need``: n_initial/4 · growth^j, the
+        smallest at least 1.1 × ``need`` (a few sizes, so rows share vectorised rounds), within the cap."""
+        base = max(10, self.n_initial // 4)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            j = np.ceil(np.log(np.maximum(1.1 * np.asarray(need, float), base) / base) / np.log(self.growth))
+        j = np.where(np.isfinite(j), j, 64)
+        return np.minimum(base * np.power(float(self.growth), np.minimum(j, 64)), self.max_samples).astype(np.int64)
+
     # ------------------------------------------------------------------ estimate
     def estimate(self, incoming: Mapping[str, Family], to: str):
         """``(expected sufficient statistics (n, k), ESS (n,), coordinate SE (n, k), particles (n,),
@@ -687,34 +708,56 @@ class MessageImportanceSampler(Oracle):
         ess = np.zeros(B)
         n_used = np.zeros(B, dtype=np.int64)
         log_z = np.full(B, -np.inf)
-        todo = np.arange(B)
-        n = self.n_initial
         self._unsampleable = set()
         khat = np.full(B, np.nan)
+        # A pilot round of n_initial particles sets each row's size for a fresh answering round,
+        # which answers with what it finds (its standard errors reported): accepting a round because
+        # its own standard errors came out small selects the rounds whose estimates lean one way
+        # (+0.39 standard errors in log shape on gaussian → τ, found by an audit; accepting answering
+        # rounds within 1.5 × the target still left +0.2).  Only a round whose ESS is below min_ess,
+        # or whose standard errors exceed REPILOT_FACTOR × the target (its pilot misjudged the
+        # weights, not noise), is the pilot of another; the cap answers whatever it finds.
+        size = np.full(B, self.n_initial, dtype=np.int64)
+        piloted = np.zeros(B, dtype=bool)
+        todo = np.arange(B)
         while todo.size:
-            mu, cov, e, lz, kh = self._round(flat, todo, n, to)
-            stats[todo], ess[todo], n_used[todo], log_z[todo], khat[todo] = mu, e, n, lz, kh
-            good = e >= self.min_ess
-            se_t = np.full((todo.size, k), np.inf)
-            if good.any():
-                try:
-                    _, se_t[good] = self._coord_se(fam, mu[good], cov[good])
-                except ValueError:
-                    pass  # a projection failed: these rows get more particles
-            se[todo] = se_t
-            if self.target_ess is not None:
-                done = e >= self.target_ess
-            else:
-                done = good & np.all(se_t <= self.target_se, axis=1)
-            # rows without an answer whatever the particles: not finite (a weighted particle whose
-            # statistic is not), or their inputs cannot be sampled
-            done |= ~np.all(np.isfinite(mu), axis=1) | (kh > PARETO_K_MAX)  # (more particles will not help)
-            if self._unsampleable:
-                done |= np.isin(todo, np.fromiter(self._unsampleable, dtype=int))
-            if n >= self.max_samples:
-                break
-            todo = todo[~done]
-            n = min(n * self.growth, self.max_samples)
+            again = []
+            for n in np.unique(size[todo]):
+                grp = todo[size[todo] == n]
+                mu, cov, e, lz, kh = self._round(flat, grp, int(n), to)
+                stats[grp], ess[grp], n_used[grp], log_z[grp], khat[grp] = mu, e, n, lz, kh
+                good = e >= self.min_ess
+                se_t = np.full((grp.size, k), np.inf)
+                if good.any():
+                    try:
+                        _, se_t[good] = self._coord_se(fam, mu[good], cov[good])
+                    except ValueError:
+                        pass  # a projection failed: these rows get more particles
+                se[grp] = se_t
+                worst = np.max(se_t, axis=1)
+                if self.target_ess is not None:
+                    need = n * self.target_ess / np.maximum(e, 1.0)
+                else:
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        need = np.where(good, n * (worst / self.target_se) ** 2, n * self.growth)
+                    need = np.maximum(need, n * 1.5 * self.min_ess / np.maximum(e, 1.0))
+                # rows without an answer whatever the particles: not finite (a weighted particle whose
+                # statistic is not), heavy-tailed weights, or inputs that cannot be sampled
+                hopeless = ~np.all(np.isfinite(mu), axis=1) | (kh > PARETO_K_MAX)
+                if self._unsampleable:
+                    hopeless |= np.isin(grp, np.fromiter(self._unsampleable, dtype=int))
+                # (an answering round whose standard errors exceed the target many times over found
+                # what its pilot missed — heavier weights: it is the pilot of another)
+                if self.target_ess is not None:
+                    misjudged = e < self.target_ess / REPILOT_FACTOR**2
+                else:
+                    misjudged = ~(worst <= REPILOT_FACTOR * self.target_se)
+                final = hopeless | (piloted[grp] & good & ~misjudged) | (n >= self.max_samples)
+                rest = grp[~final]
+                piloted[rest] = True
+                size[rest] = self._answer_size(need[~final])
+                again.append(rest)
+            todo = np.concatenate(again) if again else np.zeros(0, dtype=int)
         self.last_unsampleable_ = np.array(sorted(self._unsampleable), dtype=int)
         if self.last_unsampleable_.size:
             stats[self.last_unsampleable_], ess[self.last_unsampleable_] = np.nan, 0.0

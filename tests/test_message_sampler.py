@@ -35,9 +35,14 @@ def test_logistic_against_quadrature_within_the_reported_standard_errors(to):
     qe = QuadratureOracle(Logistic()).belief(inc, to)
     z = _z_scores(q, qe, s.last_se_, to == "x")
     assert np.mean(np.abs(z) < 2) >= 0.85 and np.max(np.abs(z)) < 5
-    # every row met the target, or used the cap (a Beta message with α < 1 weights heavily)
-    met = np.all(s.last_se_ <= 2e-2, axis=1)
-    assert np.all(met | (s.last_n_samples_ == s.max_samples)) and met.mean() > 0.8
+    # the answering round's size is set by a pilot's estimate of its standard errors, so rows meet the
+    # target about, not always (measured: 86 % within it, 94 % within 1.5 ×); none misses it by more
+    # than REPILOT_FACTOR unless at the cap (a Beta message with α < 1 weights heavily)
+    from kjit.oracles import REPILOT_FACTOR
+
+    worst = np.max(s.last_se_, axis=1)
+    assert np.all((worst <= REPILOT_FACTOR * 2e-2) | (s.last_n_samples_ == s.max_samples))
+    assert np.mean(worst <= 1.5 * 2e-2) > 0.8 and np.mean(worst <= 2e-2) > 0.6
     assert np.all(s.last_ess_ >= 50)
 
 
@@ -215,3 +220,22 @@ def test_heavy_tailed_weights_are_refused_by_row():
         assert np.isnan(oracle.last_khat_[0]) and oracle.last_khat_[1] > 0.7
         q = oracle.belief({"tau": inc["tau"][:1]}, "tau")
         assert float(QuadratureOracle(f).belief({"tau": inc["tau"][:1]}, "tau").kl(q)[0]) < 1e-3
+
+
+def test_the_adaptive_particle_count_does_not_bias_the_answer():
+    """Answering with the round whose own standard errors first met the target selects rounds whose
+    estimates lean one way: on gaussian → τ at target 0.03, +0.0094 in log shape, 8.7 standard errors
+    of the mean over 600 seeds (found by an audit).  A pilot now sets the size of a fresh answering
+    round.  300 seeds: the mean error is within 3 of its standard errors of 0 (the old rule gave ~6 at
+    300; a fixed 8 000 particles 1.2 at 600 — the self-normalised estimate's own O(1/n) bias)."""
+    from kjit.factors import get_factor
+
+    f = get_factor("gaussian")
+    inc = {"m": Gaussian(4.486494, 0.113532), "tau": Gamma(4.789022, 0.363762), "x": Gaussian(-2.231088, 3.575742)}
+    exact = QuadratureOracle(f).belief(inc, "tau").to_coords()
+    err = []
+    for seed in range(300):
+        st, *_ = MessageImportanceSampler(f, random_state=seed, target_se=0.03, n_initial=500).estimate(inc, "tau")
+        err.append(Gamma.project(st).to_coords() - exact)
+    err = np.array(err).reshape(300, -1)
+    assert np.all(np.abs(err.mean(0)) < 3 * err.std(0, ddof=1) / np.sqrt(300))
