@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m kjit.cli serve
 
-## demo: messages of the logistic factor from both oracles
+## demo: EP logistic regression on a UCI data set (banknote) with the quadrature operator and with a learned
+##       just-in-time operator (kjit demo): test errors, EP iterations, oracle consultations, the posterior
 demo: $(STAMP)
 	$(PY) -m kjit.cli demo
 

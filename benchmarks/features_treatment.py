@@ -12,7 +12,10 @@ Prints JSON lines:
       matched Gaussian| over the drawn frequencies, and the disagreement of the inner-product
       kernels phi(r).phi(s) within the group.
 
-Usage: python benchmarks/features_treatment.py [--n 3000] [--repeats 5] [--seed 0]
+``--quick``: the same protocol at smaller sizes -- 600 message pairs, D_in = 100, D_out = 200,
+1 timing repeat (a few seconds).
+
+Usage: python benchmarks/features_treatment.py [--quick] [--n 3000] [--repeats 5] [--seed 0]
 """
 
 from __future__ import annotations
@@ -50,10 +53,16 @@ def best_time(fn, repeats: int) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=3000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="600 pairs, D_in 100, D_out 200, 1 repeat")
+    p.add_argument("--n", type=int, default=None, help="message pairs (default 3000; --quick 600)")
+    p.add_argument("--repeats", type=int, default=None, help="timing repeats, best kept (default 5; --quick 1)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.n is None:
+        args.n = 600 if args.quick else 3000
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
+    sizes = {"n_inner": 100, "n_outer": 200} if args.quick else {"n_inner": 500, "n_outer": 1000}
     rng = np.random.default_rng(args.seed)
     msgs, group = logistic_inputs(args.n, rng)
     n = args.n
@@ -61,7 +70,8 @@ def main(argv=None):
     fitted = {}
     for treatment in ("gaussian", "exact"):
         for dtype in (np.float64, np.float32):
-            f = TwoStageFeatures((Gaussian, Beta), treatment=treatment, random_state=args.seed, dtype=dtype)
+            f = TwoStageFeatures((Gaussian, Beta), treatment=treatment, random_state=args.seed, dtype=dtype,
+                                 **sizes)
             t_fit = best_time(lambda: f.fit(msgs), 1)
             t_inner = best_time(lambda: f.inner(msgs), args.repeats)
             t_trans = best_time(lambda: f.transform(msgs), args.repeats)
@@ -81,7 +91,8 @@ def main(argv=None):
                 "gamma2": round(f.gamma2_, 6),
             }
             if treatment == "exact":
-                row["beta_chebyshev_nodes"] = f._inner_arrays(f.dtype)["beta"][1][0]
+                # the Beta component's (index 1) exact-treatment plan: (Chebyshev nodes, coefficients)
+                row["beta_chebyshev_nodes"] = int(f._inner_arrays(f.dtype)["plans"][1][0])
             print(json.dumps(row), flush=True)
             fitted[(treatment, np.dtype(dtype).name)] = f
 

@@ -211,17 +211,23 @@ def _dask_backend(address):
 def _train(args) -> int:
     import time
 
-    from .factors import get_factor
+    from .factors import get_factor, import_factor_modules
     from .operators import JITOperator, KernelOperator, calibrate_threshold
     from .oracles import ImportanceSamplingOracle, QuadratureOracle
     from .persistence import save_operator
     from .training import TrainingSet, make_training_set
 
+    if args.factors:  # your own factors' modules (they register them), as `kjit serve --factors`
+        import_factor_modules(args.factors)
     try:
         factor = get_factor(args.factor)
     except TypeError as exc:  # a factor that needs parameters (`declared`): a message, not a traceback
         raise ValueError(f"factor {args.factor!r} cannot be built without parameters: {exc}") from None
     factor.check_to(args.to)
+    if args.oracle == "quadrature" and not args.pairs and not factor.has_exact(args.to):
+        raise ValueError(f"factor {factor.name!r} has no exact rule for {args.to!r} (it has: "
+                         f"{', '.join(factor.exact_recipients) or 'none'}): the quadrature oracle cannot answer "
+                         f"it; use --oracle sampling (importance sampling from the factor's sampler)")
     for flag, path in (("--out", args.out), ("--save-pairs", args.save_pairs)):
         # before the training run, not after it (found by an audit: an error naming a temporary file)
         parent = Path(path).expanduser().resolve().parent if path else None
@@ -251,6 +257,10 @@ def _train(args) -> int:
                                    n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)
     held = None
     if n_held:
+        if len(ts) - n_held < 2:  # the oracle dropped pairs it could not answer (low ESS)
+            raise ValueError(f"the oracle answered {len(ts)} of the {args.n + n_held} pairs asked for (the others' "
+                             f"effective sample size was too low): too few to fit and hold out {n_held} for --jit; "
+                             f"use more --particles or a larger --n")
         ts, held = ts.split(len(ts) - n_held, random_state=args.seed)
     if args.save_pairs:
         ts.save(args.save_pairs)
@@ -295,6 +305,30 @@ def _bench(args) -> int:
     return 0
 
 
+_REGISTERED_FACTORS_HELP = "registered factor, or your own (--factors)"
+
+
+class _RegistryHelpFormatter(argparse.HelpFormatter):
+    """``kjit train --help``: the factor argument's help names the registered factors, read from
+    the registry (``kjit.factors.registered_factors()``, entry points included) only when the help is
+    shown — not on every command."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        if text == _REGISTERED_FACTORS_HELP:
+            from .factors import get_factor, registered_factors
+
+            names = []
+            for name in registered_factors():
+                try:
+                    get_factor(name)
+                except Exception:  # noqa: BLE001 - one that needs parameters (`declared`) cannot be trained here
+                    continue
+                names.append(name)
+            text = f"registered factor: {', '.join(names)}; or your own (--factors)".replace("%", "%%")
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kjit",
@@ -319,13 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
     t = sub.add_parser(
         "train", help="train an operator for a factor direction and save it (.npz)",
+        formatter_class=_RegistryHelpFormatter,
         description="Draws incoming messages from the factor's default distribution (or loads recorded pairs), "
                     "asks the oracle for the projected beliefs, fits a KernelOperator (hyperparameters by "
                     "evidence) and saves it; with --jit, wraps it in a JITOperator whose threshold is "
                     "calibrated on held-out pairs.  Example: kjit train logistic --to x --n 2000 --out op.npz")
-    t.add_argument("factor", help="registered factor: logistic, compound_gamma, probit_noise, or your own")
+    t.add_argument("factor", help=_REGISTERED_FACTORS_HELP)
     t.add_argument("--to", required=True, help="recipient variable (logistic: x or z; compound_gamma: tau)")
     t.add_argument("--out", required=True, help="operator file to write")
+    t.add_argument("--factors", default=None, metavar="MODULE[,MODULE]",
+                   help="modules that define (register) your own factors, imported first (as kjit serve "
+                        "--factors / KJIT_FACTORS); installed packages' kjit.factors entry points are found "
+                        "without this")
     t.add_argument("--n", type=int, default=2000, help="training pairs (default 2000)")
     t.add_argument("--pairs", help="train on a saved TrainingSet .npz instead of drawing inputs")
     t.add_argument("--save-pairs", help="also save the training pairs to this .npz")

@@ -110,7 +110,7 @@ PAPER_TRAIN_SIZES: dict[str, int] = {
     "blood_transfusion": 200,
     "fertility": 50,
     "ionosphere": 200,
-    # Relaxed EP paper (shared/papers/relaxed-ep.txt, section 7.3, line 288):
+    # Relaxed EP paper (Qi & Guo, "Message passing with relaxed moment matching", section 7.3):
     # "For the Heart dataset, ... We randomly split the dataset into 81 training and 189 test
     #  samples 20 times."  (81 + 189 = 270 = all of heart.dat)
     "heart": 81,

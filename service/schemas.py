@@ -320,6 +320,19 @@ class OperatorDetail(OperatorSummary):
     kjit_version: str | None
     limits: dict[str, int]
     replication: dict[str, Any] | None = None
+    audit: dict[str, Any] | None = Field(
+        None, description="the background audit of this operator's learned answers against its oracle "
+                          "(`KJIT_AUDIT_RATE`; service/audit.py): `enabled` (false when the server audits nothing "
+                          "or the oracle stays on the clients), `audited_pairs`, `count`, `mean_kl`, `p95_kl`, "
+                          "`max_kl`, `share_above_target`, `confident`, `confident_share_above_target`, "
+                          "`kl_target`, `records`, `window`, `histogram_log10_kl` (`edges`, `counts`), `recent` "
+                          "(`time`, `version`, `kl`, `confident` of the last 1 000), `threshold_changes`, and "
+                          "`server` (the audit thread's rate, rows offered / picked / dropped / failed, CPU "
+                          "seconds; null when the audit is off); `count` is 0 and the KL statistics and shares "
+                          "are null before the first audit")
+    threshold_note: str | None = Field(
+        None, description="why the audit last lowered this operator's threshold (the `reason` of the last of "
+                          "`audit.threshold_changes`); null if it never did")
 
 
 class JobList(_Open):

@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import fields
 
 from .settings import Settings
 from .shared import SharedLogError, open_shared
@@ -158,19 +159,25 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
 
 
 def build_parser(prog: str = "kjit serve") -> argparse.ArgumentParser:
-    """The options of ``kjit serve`` / ``python -m service`` (they default to the ``KJIT_*`` variables)."""
+    """The options of ``kjit serve`` / ``python -m service`` (they default to the ``KJIT_*`` variables;
+    the defaults shown are read from :class:`Settings` and the factor registry, not repeated here)."""
+    default = {f.name: f.default for f in fields(Settings)}
+    served = ", ".join(served_defaults()) or "none"
     s = argparse.ArgumentParser(
         prog=prog,
-        description="Run the message-operator service.  On first start the default operators (each factor's "
-                    "default served directions: logistic to x and to z, compound gamma to tau) are trained from "
-                    "the quadrature oracle and cached in the store; later starts load them.  Options default to "
-                    "the KJIT_* environment variables (see service/settings.py); the bearer token is read from "
-                    "KJIT_TOKEN only.")
-    s.add_argument("--host", default=None, help="address to bind (KJIT_HOST, default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="port, 0 for any free one (KJIT_PORT, default 8000)")
+        description=f"Run the message-operator service.  On first start the default operators (each registered "
+                    f"factor's served recipients: {served}; KJIT_DEFAULT_OPERATORS names others) are trained "
+                    f"from the quadrature oracle ({default['default_n_train']} pairs each, D_in "
+                    f"{default['default_n_inner']}, D_out {default['default_n_outer']}) and cached in the store; "
+                    f"later starts load them.  Options default to the KJIT_* environment variables (see "
+                    f"service/settings.py); the bearer token is read from KJIT_TOKEN only.")
+    s.add_argument("--host", default=None, help=f"address to bind (KJIT_HOST, default {default['host']})")
+    s.add_argument("--port", type=int, default=None,
+                   help=f"port, 0 for any free one (KJIT_PORT, default {default['port']})")
     s.add_argument("--store", default=None, help="store directory (KJIT_STORE, default ~/.local/share/kjit/store)")
     s.add_argument("--n-train", type=int, default=None,
-                   help="training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default 2000)")
+                   help=f"training pairs per default operator on first start (KJIT_DEFAULT_N_TRAIN, default "
+                        f"{default['default_n_train']})")
     s.add_argument("--no-defaults", action="store_true", help="serve the store as it is; train nothing")
     s.add_argument("--factors", default=None, metavar="MODULE[,MODULE]",
                    help="modules that define factors (imported at start: their factors can be trained, "
@@ -179,7 +186,8 @@ def build_parser(prog: str = "kjit serve") -> argparse.ArgumentParser:
     s.add_argument("--shared-store", default=None,
                    help="run as a replica: the update log shared with the other replicas — a directory or "
                         "redis://host:port/db (KJIT_SHARED_STORE; see service/shared.py)")
-    s.add_argument("--log-level", default=None, help="uvicorn log level (KJIT_LOG_LEVEL, default info)")
+    s.add_argument("--log-level", default=None,
+                   help=f"uvicorn log level (KJIT_LOG_LEVEL, default {default['log_level']})")
     return s
 
 

@@ -12,10 +12,11 @@ variable                   meaning                                     default
 ``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
 ``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
 ``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
-``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         every registered factor's
-                           missing (comma-separated; ``none``)         served recipients (built-ins:
-                                                                       ``logistic-x,logistic-z,``
-                                                                       ``compound_gamma-tau``)
+``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         unset or empty: every
+                           missing (comma-separated; ``none``: no      registered factor's served
+                           operator)                                   recipients (built-ins:
+                                                                       ``compound_gamma-tau,exp-x,``
+                                                                       ``logistic-x,logistic-z``)
 ``KJIT_FACTORS``            modules that define (register) factors,     unset (built-ins and the
                            imported at start (comma-separated)          ``kjit.factors`` entry points)
 ``KJIT_DEFAULT_N_TRAIN``   training pairs of a default operator        ``4000``
@@ -192,8 +193,11 @@ class Settings:
             raw = env[key]
             try:
                 if f.name == "default_operators":
+                    # empty: the default (as if unset — what docker-compose.yml passes when the shell
+                    # sets nothing); `none`: no operator
                     names = [s.strip() for s in raw.split(",") if s.strip()]
-                    kw[f.name] = () if names in ([], ["none"]) else tuple(names)
+                    if names:
+                        kw[f.name] = () if names == ["none"] else tuple(names)
                 elif f.name == "factors":
                     kw[f.name] = tuple(s.strip() for s in raw.split(",") if s.strip())
                 elif f.name in ("host", "log_level"):

@@ -111,6 +111,96 @@ def test_train_jit_calibrates_a_threshold(tmp_path):
     assert isinstance(jit, JITOperator) and np.isfinite(jit.threshold) and jit.operator.n_train_ == 300
 
 
+def test_every_benchmark_kjit_bench_runs_has_quick():
+    """`kjit bench --quick` (`make bench`) passes --quick to every script it lists: each must define it
+    (found by an audit: features_treatment.py had none, and `make bench` stopped there)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    names = sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith(("_", "jit_common")))
+    assert "features_treatment" in names and len(names) > 10
+    for name in names:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        flags = {a.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and getattr(node.func, "attr", None) == "add_argument"
+                 for a in node.args[:1] if isinstance(a, ast.Constant)}
+        assert "--quick" in flags, name
+
+
+def test_features_treatment_quick_runs(tmp_path):
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "features_treatment.py"
+    out = subprocess.run([sys.executable, str(script), "--quick", "--n", "150"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    timing = [r for r in rows if r["kind"] == "timing"]
+    assert len(timing) == 4 and all((r["n"], r["n_inner"], r["n_outer"]) == (150, 100, 200) for r in timing)
+    assert all(r["beta_chebyshev_nodes"] > 0 for r in timing if r["treatment"] == "exact")
+    assert {r["kind"] for r in rows} >= {"difference", "label_separation"}
+
+
+@pytest.fixture
+def restore_registry():
+    """The registry, sys.path and the imported modules as they were (a --factors module registers
+    its factors in this process)."""
+    import importlib
+
+    from kjit.factors import base as F
+
+    saved, path, mods = dict(F._REGISTRY), list(sys.path), set(sys.modules)
+    yield
+    F._REGISTRY.clear()
+    F._REGISTRY.update(saved)
+    sys.path[:] = path
+    for m in set(sys.modules) - mods:
+        if m == "user_factors":
+            del sys.modules[m]
+    importlib.invalidate_caches()
+
+
+def test_train_help_lists_the_registered_factors():
+    # the registry of a fresh process, as the help's (other tests register factors in this one)
+    registry = subprocess.run([sys.executable, "-c", "from kjit.factors import registered_factors as r; "
+                               "print(' '.join(r()))"], capture_output=True, text=True, timeout=300)
+    names = registry.stdout.split()
+    assert {"logistic", "exp", "product", "gamma_rate"} <= set(names)
+    out = run("train", "--help")
+    assert out.returncode == 0 and "--factors" in out.stdout
+    flat = " ".join(out.stdout.split())
+    for name in names:
+        if name != "declared":  # built from a client's declaration, never by `kjit train`
+            assert name in flat, name
+    assert "declared" not in flat.split("positional arguments:")[1].split("options:")[0]
+
+
+def test_train_trains_a_factor_of_your_own_module(tmp_path, capsys, restore_registry):
+    """`kjit train --factors MODULE`: the repository's example plugin (plugins/user_factors.py,
+    a factor with only a sampler), trained by importance sampling and loadable."""
+    from pathlib import Path
+
+    from kjit.factors import registered_factors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+    assert "noisy_product" not in registered_factors()
+    out = tmp_path / "noisy.npz"
+    args = ["train", "noisy_product", "--factors", "user_factors", "--to", "z", "--n", "100", "--d-in", "20",
+            "--d-out", "40", "--quiet", "--out", str(out)]
+    # it has no exact rule: the quadrature oracle (the default) is refused before any work, naming --oracle
+    _one_line_error(capsys, main(args), "no exact rule for 'z'", "--oracle sampling")
+    assert main(args + ["--oracle", "sampling", "--particles", "50000"]) == 0
+    op = load_operator(out)
+    assert op.factor.name == "noisy_product" and op.to == "z" and op.n_train_ > 50
+    q = op.belief({"x": Gaussian(1.0, 0.5), "y": Gaussian(0.5, 0.2), "z": Gaussian(0.0, 2.0)})
+    assert np.isfinite(q.mean()) and q.var() > 0
+    # a module that cannot be imported: one line naming it
+    _one_line_error(capsys, main(["train", "noisy_product", "--factors", "no_such_module_xyz", "--to", "z",
+                                  "--out", str(out)]), "no_such_module_xyz")
+
+
 @pytest.mark.slow
 def test_oracles_command_prints_both_oracles():
     out = run("oracles", "--particles", "20000")

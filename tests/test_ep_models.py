@@ -280,3 +280,22 @@ def test_recording_sequential_schedule_batches_of_one():
     assert rec.n_calls == 8 * model.n_iter_
     assert all(c.belief.shape == (1,) for c in rec.calls)
     assert len(rec.beliefs()) == 8 * model.n_iter_
+
+
+def test_compound_gamma_precision_runs_through_a_jit_operator():
+    """A JITOperator has a `log_partition` that raises (it has none): the model leaves the evidence
+    out rather than stopping (found running benchmarks/jit_compound_gamma.py, which it stopped)."""
+    from kjit.factors import CompoundGamma
+    from kjit.operators import JITOperator
+    from kjit.oracles import QuadratureOracle
+
+    factor = CompoundGamma()
+    jit = JITOperator(None, QuadratureOracle(factor), threshold=-8.0, initial_batch=5, to="tau",
+                      operator_kwargs={"n_inner": 20, "n_outer": 40, "random_state": 0})
+    rng = np.random.default_rng(0)
+    for _ in range(7):  # the first five answered by the oracle, then the learned operator
+        model = CompoundGammaPrecision(jit).fit(rng.normal(0.0, 0.5, size=30))
+        assert model.log_evidence_ is None and bool(model.posterior_.is_proper)
+    assert jit.counters()["calls"] == 7
+    quad = CompoundGammaPrecision(QuadratureOracle(factor)).fit(rng.normal(size=30))
+    assert np.isfinite(quad.log_evidence_)  # an operator that has one still gives the evidence

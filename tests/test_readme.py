@@ -1,7 +1,8 @@
 """Every code block of the README is exercised.
 
-Python blocks run in order in one namespace; the remote-operator block talks to a real uvicorn
-server on a free loopback port serving a small logistic-x operator (KJIT_URL points at it).  The
+Python blocks run in order, each in a namespace of its own (each must run on its own); the
+remote-operator blocks talk to a real uvicorn server on a free loopback port serving small
+logistic-x and exp-x operators (KJIT_URL points at it).  The
 curl block is sent with httpx to the same server (same method, path, headers and body).  The
 bash set-up block is what CI itself runs (.ci/run → make test), and the docker block is what
 scripts/docker-smoke runs; both are checked for being the commands those files use.
@@ -55,8 +56,12 @@ def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # no
     with ThreadedServer(settings_for(store, token=None)) as srv:
         monkeypatch.setenv("KJIT_URL", srv.url)
         ns: dict = {}
-        for code in blocks("python"):
-            exec(compile(code, "README.md", "exec"), ns)
+        for i, code in enumerate(blocks("python")):
+            # each block on its own, as pasted into a fresh interpreter (found by an audit: blocks that
+            # needed an earlier block's imports or names); the names kept for the checks below
+            own: dict = {}
+            exec(compile(code, f"README.md (python block {i + 1})", "exec"), own)
+            ns.update(own)
     assert ns["belief"].shape == (2,) and ns["log_var"].shape == (2, 2)
     assert ns["model"].test_error(ns["data"].X_test, ns["data"].y_test) < 0.1
     assert ns["q"].shape == ()

@@ -67,7 +67,34 @@ def test_health_ready_and_listing(live):
         assert d["features"] == {"n_inner": 50, "n_outer": 100, "treatment": "unconstrained", "target": "relative"}
         assert d["n_train"] == 300 and d["version"] == 0
         assert c.get("/docs").status_code == 200
-        assert "/v1/operators/{name}/messages" in c.get("/openapi.json").json()["paths"]
+        spec = c.get("/openapi.json").json()
+        assert "/v1/operators/{name}/messages" in spec["paths"]
+        # every key of the detail is documented by its schema (audit and threshold_note were not)
+        documented = spec["components"]["schemas"]["OperatorDetail"]["properties"]
+        assert set(d) <= set(documented), set(d) - set(documented)
+        assert isinstance(d["audit"], dict) and d["audit"]["enabled"] is False and d["audit"]["server"] is None
+        assert d["threshold_note"] is None
+        assert {"audit", "threshold_note"} <= set(documented) - set(
+            spec["components"]["schemas"]["OperatorDetail"].get("required", []))
+
+
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_openapi_lists_401_only_where_a_token_can_be_needed(token):
+    """No token configured: nothing answers 401, so no operation documents it (nor any security);
+    with one, exactly the operations the token guards (service.middleware.is_mutating)."""
+    from service import create_app
+
+    spec = create_app(settings_for("/nonexistent", token=token)).openapi()
+    with_401 = {(m.upper(), p) for p, ops in spec["paths"].items() for m, op in ops.items()
+                if "401" in op.get("responses", {})}
+    secured = {(m.upper(), p) for p, ops in spec["paths"].items() for m, op in ops.items() if op.get("security")}
+    if token is None:
+        assert with_401 == set() and secured == set()
+        assert "HTTPBearer" not in spec.get("components", {}).get("securitySchemes", {})
+    else:
+        assert with_401 == secured == {("POST", "/v1/operators"), ("POST", "/v1/operators/{name}/messages"),
+                                       ("POST", "/v1/operators/{name}/observations"),
+                                       ("POST", "/v1/operators/{name}/merge")}
 
 
 def test_messages_three_modes_match_the_library(live, store_dir, pristine_store):

@@ -58,8 +58,11 @@ normalisers ``s_i`` chosen so that ``∫ cavity_i · s_i exp(h_i x − λ_i x²/
 ``Z_i = exp(log_partition)`` is the tilted normaliser at the final cavities.  It is the log
 marginal likelihood of the factor graph as given to the operator (messages normalised).
 
-Variants (SPEC §7; ``papers/relaxed-ep.txt``, its appendix, ``papers/laplace-propagation.txt``)
--------------------------------------------------------------------------------------------
+Variants (SPEC §7; the relaxed EP and Laplace propagation papers)
+-----------------------------------------------------------------
+Relaxed EP: Qi & Guo, "Message passing with relaxed moment matching", and its appendix; Laplace
+propagation: Smola, Vishwanathan & Eskin, "Laplace propagation".
+
 **Power EP** (``power=u``, 0 < u; u = 1 is EP).  The cavity removes only a fraction u of the
 site, ``q^{\\u} ∝ q / t̃_i^u`` (on the marginal: ``v_¬ = v / (1 − u λ v)``,
 ``m_¬ = (m − u v h) / (1 − u λ v)``), the tilted distribution is ``q^{\\u} · f_i^u`` and the new
