@@ -318,3 +318,17 @@ def test_evidence_with_a_latent_bernoulli_variable():
     pos = stats.norm.cdf(0.5 / np.sqrt(2.0))
     exact = np.log(0.3 * (0.1 + 0.8 * pos) + 0.7 * (0.1 + 0.8 * (1 - pos)))
     assert abs(r.log_evidence - exact) < 1e-12
+
+
+def test_a_precise_measurement_far_from_zero_is_not_divergence():
+    """x ~ N(0, 1e8) measured once as 2e4 with noise sd 1e-4 (τ ~ Gamma(1e10, 100), pinned at 1e8): one
+    exact update, posterior N(2e4, 1e-8) to O(1e-16) — but its site's natural parameter mean/variance
+    is 2e12, which the divergence test read against the prior's scale alone: "diverged", the prior
+    returned (found by an audit).  A site as large as the posterior it makes is not divergence."""
+    g = FactorGraph()
+    g.add_variable("x", Gaussian(0.0, 1e8))
+    g.add_factor("gaussian", {"m": "x", "tau": Gamma(1e10, 1e2), "x": Gaussian(2e4, 1e-12)})
+    r = GraphEP(g).run()
+    assert r.outcome == "converged"
+    q = r.beliefs["x"]
+    assert abs(float(q.mean()) - 2e4) < 1e-6 and abs(float(q.var()) / 1e-8 - 1) < 1e-3

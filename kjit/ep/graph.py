@@ -231,8 +231,11 @@ class GraphEP:
     schedule : ``"parallel"`` (default) or ``"sequential"``.
     compute_evidence : after the run, the EP log evidence (``GraphResult.log_evidence``) where every
         operator has a ``log_partition`` (EP only, not power EP).
-    divergence_limit : a site whose natural parameters exceed this many times (1 + the largest
-        prior natural parameter of its variable) stops the run as diverged, with the last state.
+    divergence_limit : the run stops as diverged, with the last state, when a site's natural
+        parameters exceed this many times (1 + the largest natural parameter of its variable's prior
+        or posterior) — sites growing against each other while the posterior they sum to does not —
+        or exceed this many times (1 + the prior's) in two iterations running and more than doubled
+        between them — sites and posterior growing together.
     power : power EP's u > 0 (1 = EP): the cavity removes the fraction u of each site, the operator
         answers for f^u (``belief(incoming, to, power=u)``; operators must have ``supports_power``:
         the exact rules of logistic, probit_noise, gaussian, gamma_rate do, product and exp refuse
@@ -339,8 +342,12 @@ class GraphEP:
         converged, diverged, calls = False, None, 0
         failing = 0  # consecutive iterations in which the operators failed every update they were asked
         t_start = time.perf_counter()
-        # a site larger than divergence_limit × (1 + its variable's prior natural parameters) is divergent
-        scale = {v: 1.0 + np.max(np.abs(p)) for v, p in prior_nat.items()}
+        # divergence (divergence_limit): a site large against its variable's prior and posterior, or
+        # large against the prior and still growing — not merely large against the prior: a precise
+        # measurement far from 0 has a site of natural parameter mean/variance ~ 2e12, which the
+        # prior's scale alone called divergent (found by an audit: N(2e4, 1e-8) reported "diverged",
+        # the prior returned)
+        prior_scale = {v: float(np.max(np.abs(p))) for v, p in prior_nat.items()}
         for it in range(1, self.max_iter + 1):
             t0 = time.perf_counter()
             prev = (sites, post)
@@ -359,9 +366,15 @@ class GraphEP:
             cause = None
             for (j, fv), site in sites.items():
                 v = g.factors[j][1][fv]
-                if not np.all(np.isfinite(site)) or np.max(np.abs(site)) > self.divergence_limit * scale[v]:
+                lim = self.divergence_limit
+                with np.errstate(invalid="ignore", over="ignore"):
+                    size, before = float(np.max(np.abs(site))), float(np.max(np.abs(prev[0][(j, fv)])))
+                    against = size > lim * (1.0 + max(prior_scale[v], float(np.max(np.abs(post[v])))))
+                    growing = before > lim * (1.0 + prior_scale[v]) and size > 2.0 * before
+                if not np.all(np.isfinite(site)) or against or growing:
                     cause = (f"the site of factor {j} ({g.factors[j][0].name}) on {v!r} grew beyond "
-                             f"divergence_limit={self.divergence_limit:g} times the prior's scale")
+                             f"divergence_limit={lim:g} times its variable's "
+                             + ("prior and was still growing" if growing and not against else "prior or posterior"))
                     break
             if cause is None and not all(np.all(np.isfinite(post[v])) for v in names):
                 cause = "a non-finite posterior"
