@@ -399,17 +399,21 @@ class Family:
     def suff_stats(x) -> np.ndarray:
         raise NotImplementedError
 
-    def log_kernel(self, stats) -> np.ndarray:
+    def log_kernel(self, stats, limits: bool = False) -> np.ndarray:
         """log m(x) up to a per-message constant, for a flat batch (B,) at points given by their
-        sufficient statistics ``stats`` (N, k): the (B, N) matrix η · u (one matrix product)."""
+        sufficient statistics ``stats`` (N, k): the (B, N) matrix η · u (one matrix product).
+        ``limits``: statistics may be ±inf (a value on the support's boundary), each term η_k u_k
+        then taken in the limit, 0 where η_k = 0."""
         eta = self.natural().reshape(-1, self.n_stats)
-        if np.all(np.isfinite(eta)):
-            return eta @ np.asarray(stats, float).T
+        stats = np.asarray(stats, float)
+        if np.all(np.isfinite(eta)) and not limits:
+            return eta @ stats.T
         out = np.zeros((eta.shape[0], len(stats)))
         for k in range(self.n_stats):
             with np.errstate(invalid="ignore"):
                 term = eta[:, k, None] * stats[None, :, k]
-            out += np.where(stats[None, :, k] == 0, 0.0, term)  # 0 · ±inf = 0
+            zero = (stats[None, :, k] == 0) | ((eta[:, k, None] == 0) & ~np.isnan(stats[None, :, k]))
+            out += np.where(zero, 0.0, term)  # 0 · ±inf = 0
         return out
 
     def expected_suff_stats(self) -> np.ndarray:
@@ -856,17 +860,30 @@ def _log_gamma_diff(x, d):
 
 
 def _log_beta_diff(a1, b1, a2, b2):
-    """ln B(a2, b2) − ln B(a1, b1).  Where one parameter is the smaller in both, say a, ln B(a, b) =
-    ln Γ(a) − (ln Γ(a + b) − ln Γ(b)), and the difference is taken term by term with
-    :func:`_log_gamma_diff` (each term ~a ln b, where ln Γ(b) and ln Γ(a + b) are ~b ln b apart from
-    it); otherwise directly."""
+    """ln B(a2, b2) − ln B(a1, b1).  Where all four parameters exceed 1e5, each ln B is ~(a + b) ln 2
+    and the two cancel; there, with ln B(a, b) = R(a) + R(b) − R(a + b) − f(a, b) (R =
+    :func:`stirling_rest`, as :func:`log_beta`), f(a, b) = a ln(1 + b/a) + b ln(1 + a/b), the
+    difference of f is taken term by term from the exact differences da = a2 − a1, db = b2 − b1:
+    a2 L(r2) − a1 L(r1) = da L(r2) + a1 ln(1 + (r2 − r1)/(1 + r1)), r = b/a, r2 − r1 = (db a1 − b1 da)/(a1 a2)
+    (L = ln(1 + ·)), and likewise for b — never a + b itself, whose rounding (ulp 0.06 at 4e14) would
+    move ln Γ(a + b) by ~2.  Otherwise directly (a small parameter keeps ln B small)."""
     a1, b1, a2, b2 = np.broadcast_arrays(*(np.asarray(p, float) for p in (a1, b1, a2, b2)))
-    a_small = (a1 <= b1) & (a2 <= b2)
-    b_small = (b1 < a1) & (b2 < a2)
-    s1, l1 = np.where(a_small, a1, b1), np.where(a_small, b1, a1)
-    s2, l2 = np.where(a_small, a2, b2), np.where(a_small, b2, a2)
-    grouped = _log_gamma_diff(s1, s2 - s1) - _log_gamma_diff(l2, s2) + _log_gamma_diff(l1, s1)
-    return np.where(a_small | b_small, grouped, log_beta(a2, b2) - log_beta(a1, b1))
+    big = (a1 > 1e5) & (b1 > 1e5) & (a2 > 1e5) & (b2 > 1e5)
+    direct = log_beta(a2, b2) - log_beta(a1, b1)
+    if not np.any(big):
+        return direct
+    A1, B1, A2, B2 = (np.where(big, x, 1e6) for x in (a1, b1, a2, b2))
+    da, db = A2 - A1, B2 - B1
+
+    def term(x1, x2, dx, y1, dy):  # x2 L(y2/x2) − x1 L(y1/x1)
+        r1, r2 = y1 / x1, (y1 + dy) / x2
+        return dx * np.log1p(r2) + x1 * np.log1p((dy * x1 - y1 * dx) / (x1 * x2) / (1.0 + r1))
+
+    with np.errstate(all="ignore"):
+        f_diff = term(A1, A2, da, B1, db) + term(B1, B2, db, A1, da)
+        rest = (stirling_rest(A2) - stirling_rest(A1) + stirling_rest(B2) - stirling_rest(B1)
+                - (stirling_rest(A2 + B2) - stirling_rest(A1 + B1)))
+    return np.where(big, rest - f_diff, direct)
 
 
 def _scaled_trigamma_diff(x, y):
@@ -1406,8 +1423,9 @@ class Bernoulli(Family):
         y = np.asarray(y, dtype=float)
         return (y == 1.0) | (y == -1.0)
 
-    def log_kernel(self, stats):
+    def log_kernel(self, stats, limits: bool = False):
         # log p · u + log(1 − p) · (1 − u): finite for observations (p = 0 or 1), unlike logit p
+        # (its statistics are 0 or 1: no limits to take)
         p = self._p.reshape(-1, 1)
         u = np.asarray(stats, float)[None, :, 0]
         with np.errstate(divide="ignore"):

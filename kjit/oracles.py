@@ -312,26 +312,36 @@ class ImportanceSamplingOracle(Oracle):
           in the limit (0 · ±inf = 0: a message whose density vanishes at the boundary gives them
           none, an unbounded one infinite weight)."""
         B = next(iter(flat.values())).size
+        f = self.factor
         bad = np.zeros(B, dtype=bool)
+        # (by chunks of rows, as the main loop: a (rows, particles) matrix at a time; the same
+        # kernels as the main loop — η·u, or a family's log_kernel on rows with an infinite natural
+        # parameter, an observed label — each term in its limit, 0 · ±inf = 0)
+        etas = {v: flat[v].natural().reshape(B, -1) for v in f.variables}
+        generic = ~np.all(np.concatenate([np.isfinite(e) for e in etas.values()], axis=1), axis=1)
         with np.errstate(all="ignore"):
-            if undefined is not None:
-                draws, log_r = undefined
-                lw = np.zeros((len(log_r), B)) - log_r[:, None]
-                for v in self.factor.inputs:
-                    lw = lw + flat[v].log_pdf(np.asarray(draws[v]).reshape(len(log_r), *([1] * flat[v].ndim)))
-                share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw)), axis=0) / self.n_samples
-                bad |= ~(share <= UNDEFINED_MASS)
-            if aside is not None:
-                st, log_r = aside
-                lw = np.zeros((B, len(log_r))) - log_r[None, :]
-                for v in self.factor.variables:
-                    eta = flat[v].natural().reshape(B, -1)
-                    u = st[v]
-                    terms = eta[:, None, :] * u[None, :, :]
-                    terms = np.where((u[None] == 0.0) | (eta[:, None, :] == 0.0), 0.0, terms)
-                    lw = lw + np.sum(terms, axis=-1)
-                share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw) - log_mass[:, None]), axis=1)
-                bad |= ~(share <= UNDEFINED_MASS)
+            for s in range(0, B, self.chunk):
+                sl = slice(s, min(B, s + self.chunk))
+                if undefined is not None:
+                    draws, log_r = undefined
+                    lw = -log_r[:, None]
+                    for v in f.inputs:
+                        lw = lw + flat[v][sl].log_pdf(np.asarray(draws[v]).reshape(len(log_r), *([1] * flat[v].ndim)))
+                    share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw)), axis=0) / self.n_samples
+                    bad[sl] |= ~(share <= UNDEFINED_MASS)
+                if aside is not None:
+                    st, log_r = aside
+                    lw = -log_r[None, :]
+                    for v in f.variables:
+                        if generic[sl].any():
+                            lw = lw + flat[v][sl].log_kernel(st[v], limits=True)
+                            continue
+                        eta, u = etas[v][sl], st[v]
+                        for k in range(u.shape[1]):
+                            term = eta[:, k, None] * u[None, :, k]
+                            lw = lw + np.where((u[None, :, k] == 0.0) | (eta[:, k, None] == 0.0), 0.0, term)
+                    share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw) - log_mass[sl, None]), axis=1)
+                    bad[sl] |= ~(share <= UNDEFINED_MASS)
         return np.flatnonzero(bad)
 
     def _particles(self):

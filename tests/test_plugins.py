@@ -351,3 +351,38 @@ def test_a_sampled_factor_that_could_not_be_served_is_refused_at_once(kwargs, ma
             "sampler": lambda v, rng: v["x"], **kwargs}
     with pytest.raises(ValueError, match=match):
         F.SampledFactor(**spec)
+
+
+def test_a_factory_that_normalises_a_parameter_still_comes_back_as_itself(monkeypatch):
+    """get_factor compares the parameters it was given with params(); a factory that keeps a tuple
+    as a list reports the same factor, and rebuilding it from params() gives it back: accepted (found
+    in review: refused)."""
+
+    class Weights(F.Factor):
+        name = "weights_tuple"
+        inputs, output = ("x",), "y"
+        families = {"x": Gaussian, "y": Gaussian}
+
+        def __init__(self, w=(1.0,)):
+            self.w = [float(v) for v in w]
+
+        def params(self):
+            return {"w": list(self.w)}
+
+        def sample(self, inputs, size, rng):
+            return inputs["x"] * sum(self.w)
+
+    class Lowercase(Weights):
+        name = "weights_case"
+
+        def __init__(self, w=(1.0,), kind="sum"):
+            super().__init__(w)
+            self.kind = kind.lower()
+
+        def params(self):
+            return {"w": list(self.w), "kind": self.kind}
+
+    monkeypatch.setitem(F._REGISTRY, "weights_tuple", Weights)
+    monkeypatch.setitem(F._REGISTRY, "weights_case", Lowercase)
+    assert F.get_factor("weights_tuple", w=(1, 3)).w == [1.0, 3.0]
+    assert F.get_factor("weights_case", kind="SUM").kind == "sum"  # (rebuilt from params(): the same)

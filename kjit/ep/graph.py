@@ -161,7 +161,8 @@ class FactorGraph:
             if g.name == f.name and not g.same_as(f) and json.dumps(g.params(), sort_keys=True, default=repr) \
                     == json.dumps(f.params(), sort_keys=True, default=repr):
                 raise ValueError(f"factor {f.name!r}: the graph has another factor of that name and parameters "
-                                 f"({g!r}); an operator would answer for both: give them distinct names")
+                                 f"({g!r}); an operator would answer for both: add the same factor object again, or give "
+                                 f"them distinct names")
         self.factors.append((f, out))
         return len(self.factors) - 1
 

@@ -699,7 +699,16 @@ def get_factor(name: str, **params) -> Factor:
             reported = factor.params()
         except Exception as exc:  # noqa: BLE001 - a plugin's own bug
             raise broken(f"its params() failed ({type(exc).__name__}: {exc})") from exc
-        lost = [k for k, val in params.items() if k not in reported or not _same_param(reported[k], val)]
+        lost = [k for k in params if k not in reported]
+        changed = [k for k, val in params.items() if k in reported and not _same_param(reported[k], val)]
+        if changed and not lost:
+            # a factory may normalise a parameter (a tuple kept as a list, a name in lower case): what
+            # matters is that its params() rebuild the same factor (found in review)
+            try:
+                again = factory(**reported)
+                lost = [] if again.same_as(factor) else changed
+            except Exception:  # noqa: BLE001 - params() that do not rebuild it are the error below
+                lost = changed
         if lost:
             raise ValueError(f"factor {name!r} does not report its parameter(s) {', '.join(map(repr, lost))} in "
                              f"params() (it gives {reported!r}): operators save a factor as its name and "
@@ -711,7 +720,14 @@ def get_factor(name: str, **params) -> Factor:
 def _same_param(a, b) -> bool:
     try:
         same = a == b
-        return bool(np.all(same)) and np.shape(a) == np.shape(b) if isinstance(same, np.ndarray) else bool(same)
+        if isinstance(same, np.ndarray):
+            return bool(np.all(same)) and np.shape(a) == np.shape(b)
+        if bool(same):
+            return True
+        if isinstance(a, (list, tuple, np.ndarray)) or isinstance(b, (list, tuple, np.ndarray)):
+            x, y = np.asarray(a), np.asarray(b)  # (a tuple kept as a list: the same numbers)
+            return x.shape == y.shape and bool(np.all(x == y))
+        return False
     except Exception:  # noqa: BLE001 - incomparable values are not the same
         return False
 
