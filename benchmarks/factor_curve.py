@@ -58,8 +58,8 @@ def main(argv=None):
         parts = fs._tuples(recs)
         k = len(parts)
         a, b = int(0.6 * k), int(0.75 * k)
-        train_all = fs._cat(parts[:a], rng, n_max)
-        test = fs._cat(parts[b:], rng, args.n_test)
+        train_all, _ = fs._cat(parts[:a], rng, n_max)  # (messages, each row's problem index)
+        test, _ = fs._cat(parts[b:], rng, args.n_test)
         exact = QuadratureOracle(f)
         n_avail = len(next(iter(train_all.values())))
         for to in f.variables:
