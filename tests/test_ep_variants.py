@@ -366,3 +366,38 @@ def test_quadrature_oracle_power_ep_is_the_factors_rule():
                                ProbitNoiseOperator(0.1).log_partition(inc, power=0.7), rtol=1e-12)
     with pytest.raises(ValueError, match="power EP is not supported for factor 'probit_noise' to 'y'"):
         QuadratureOracle(p).belief(inc, "y", power=0.7)
+
+
+def test_relaxed_ep_line_search_does_not_cycle():
+    """Noisy probit (ε = 0.2), 14 points, relax_c = 0.03 (found by an audit): the relaxation's one
+    parabolic step, kept only where it lowered the objective, made the chosen relaxation jump between
+    a grid point and the step from one sweep to the next — a 3-cycle, max_iter, where the paper's
+    algorithm with an exact line search converges to ~1e-8.  Golden-section search within the grid
+    point's neighbours, taken whatever it finds, converges; the fixed point is the same damped."""
+    from scipy import special
+
+    from kjit.ep.operators import ProbitNoiseOperator
+    from kjit.families import Bernoulli
+
+    rng = np.random.default_rng(105)
+    n = int(rng.integers(8, 30))
+    A = rng.normal(size=(n, 2)) * 1.5
+    y = (rng.random(n) < special.expit(A @ np.array([1.0, -2.0]))).astype(int)
+    flip = rng.random(n) < 0.15
+    y[flip] = 1 - y[flip]
+    obs = {"y": Bernoulli(y.astype(float))}
+    runs = [LinearEP(ProbitNoiseOperator(0.2), site_var="f", allow_negative_sites=True, relax_c=0.03, tol=1e-8,
+                     max_iter=150, damping=d).run(A, obs) for d in (0.0, 0.5)]
+    assert all(r.outcome == "converged" for r in runs)
+    assert np.allclose(runs[0].mean, runs[1].mean, atol=1e-6)
+
+
+def test_a_diverged_run_has_no_evidence():
+    """Probit without label noise and contradictory labels (a₁ = −a₂, both labelled 1): the true evidence
+    is 0; a divergent run reported the last finite state's log evidence, −17, as its estimate (found
+    by an audit) — fit() stores it as log_evidence_.  Now None, saying why."""
+    from kjit.ep.operators import ProbitNoiseOperator
+
+    A = np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]])
+    r = LinearEP(ProbitNoiseOperator(0.0), site_var="f", max_iter=200).run(A, {"y": Bernoulli(np.ones(3))})
+    assert r.outcome == "diverged" and r.log_evidence is None and "diverged" in r.log_evidence_note

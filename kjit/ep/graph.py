@@ -407,6 +407,8 @@ class GraphEP:
             log_z, note = None, "not computed"
         elif self.power != 1.0:
             log_z, note = None, "not computed for power EP"
+        elif diverged is not None:  # (the last finite state of a divergent run is no fixed point)
+            log_z, note = None, "not computed: EP diverged"
         else:
             log_z, note = self._log_evidence(prior_nat, sites, post)
         if log_z is not None and not converged:
