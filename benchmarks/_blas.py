@@ -17,11 +17,14 @@ def pin_blas_from_argv(argv=None, default: int = 1) -> dict:
     a batch-1 in-process prediction at 0.5 ms on one thread and 24 ms on this host's default two."""
     argv = sys.argv[1:] if argv is None else list(argv)
     n = default
-    for i, a in enumerate(argv):
-        if a == "--blas-threads" and i + 1 < len(argv):
-            n = int(argv[i + 1])
-        elif a.startswith("--blas-threads="):
-            n = int(a.split("=", 1)[1])
+    flag = "--blas-threads"
+    for i, a in enumerate(argv):  # (and argparse's abbreviations of it: --blas 3, --blas=3)
+        name, eq, value = a.partition("=")
+        if len(name) > 3 and flag.startswith(name):
+            if eq:
+                n = int(value)
+            elif i + 1 < len(argv):
+                n = int(argv[i + 1])
     if n <= 0:
         return {}
     env = {k: str(n) for k in BLAS_ENV}

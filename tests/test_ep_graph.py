@@ -332,3 +332,25 @@ def test_a_precise_measurement_far_from_zero_is_not_divergence():
     assert r.outcome == "converged"
     q = r.beliefs["x"]
     assert abs(float(q.mean()) - 2e4) < 1e-6 and abs(float(q.var()) / 1e-8 - 1) < 1e-3
+
+
+class _SlowExploding:
+    """Beliefs narrower (variance / 2.8) and further out each time: sites and posterior grow ~1.8× an
+    iteration, together."""
+
+    def belief(self, incoming, to):
+        c = incoming[to]
+        return Gaussian(c.mean() + np.sqrt(c.var()) + 1.0, c.var() / 2.8)
+
+
+def test_a_slow_runaway_is_still_divergence():
+    """Sites growing with the posterior by < 2× an iteration were diverged at iteration 40 before the
+    divergence test took the posterior into account; a first version (a site more than doubling) ran to
+    max_iter with a belief variance of 5.8e-78 (found in review).  A large site growing > 1 % in each of
+    30 iterations running is divergence."""
+    g = FactorGraph()
+    g.add_variable("w", Gaussian(0.0, 1.0))
+    g.add_factor("logistic", {"x": "w", "z": Beta(2.0, 1.0)})
+    g.add_factor("logistic", {"x": "w", "z": Beta(1.0, 2.0)})
+    r = GraphEP(g, operators={("logistic", "x"): _SlowExploding()}, max_iter=300).run()
+    assert r.outcome == "diverged" and r.log_evidence is None

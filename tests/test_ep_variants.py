@@ -390,6 +390,15 @@ def test_relaxed_ep_line_search_does_not_cycle():
                      max_iter=150, damping=d).run(A, obs) for d in (0.0, 0.5)]
     assert all(r.outcome == "converged" for r in runs)
     assert np.allclose(runs[0].mean, runs[1].mean, atol=1e-6)
+    # the same data with logistic labels and relax_c 0.003, where the objective is flat at its minimum: a
+    # golden-section search run to the end chose among points whose objective differs by rounding, and
+    # EP did not settle to 1e-8 in 300 sweeps (found in review; the final parabola settles it)
+    from kjit.ep.operators import LogisticOperator
+
+    obs = {"z": Beta(np.where(y == 1, 2.0, 1.0), np.where(y == 1, 1.0, 2.0))}
+    r = LinearEP(LogisticOperator(), site_var="x", allow_negative_sites=True, relax_c=0.003, tol=1e-8,
+                 max_iter=300).run(A, obs)
+    assert r.outcome == "converged"
 
 
 def test_a_diverged_run_has_no_evidence():

@@ -369,3 +369,17 @@ def test_the_label_log_density_about_its_mode_matches_the_direct_form():
     t = np.log(a / b) + np.linspace(-0.01, 0.01, 9)
     direct = (a - 1) * special.log_expit(t) + (b - 1) * special.log_expit(-t) - special.betaln(a, b)
     assert np.max(np.abs(log_label_density(t, a, b) - direct)) < 1e-8
+
+
+def test_the_label_log_density_far_from_its_mode():
+    """Beyond |d| = 1 from the mode the form that takes the first-order terms out exactly cancels
+    itself (ab/c e^|d| against b w): 2.6e33 for −9.9e7 at d = 100 in a first version (found in review).
+    Against the direct formula, accurate to ~1e-16 relative there (its terms do not cancel)."""
+    from scipy import special
+
+    from kjit.factors.logistic import log_label_density
+
+    for a, b in [(1e6 + 1, 1e6 + 1), (2e5, 7e5)]:
+        t = np.log((a - 1) / (b - 1)) + np.array([-100.0, -45.0, -2.0, 2.0, 30.0, 100.0, 300.0])
+        direct = (a - 1) * special.log_expit(t) + (b - 1) * special.log_expit(-t) - special.betaln(a, b)
+        assert np.allclose(log_label_density(t, a, b), direct, rtol=1e-12, atol=0)

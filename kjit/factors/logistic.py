@@ -66,14 +66,14 @@ def _log_label_about_mode(t, a, b):
     mode = np.log1p(c) - (np.log(a) + np.log(b) - np.log(c)) - stirling_rest(a) - stirling_rest(b) + stirling_rest(c)
     with np.errstate(over="ignore", invalid="ignore"):
         u, w = (b / c) * np.expm1(-d), (a / c) * np.expm1(d)
-        # a u + b w = (ab/c)(e^−d + e^d − 2) = (ab/c) 4 sinh²(d/2): the first-order terms of the two
-        # logarithms, which cancel, taken out exactly (found in review: 1e-9 relative left otherwise)
+        # near the mode, a u + b w = (ab/c)(e^−d + e^d − 2) = (ab/c) 4 sinh²(d/2): the first-order
+        # terms of the two logarithms, which cancel there, taken out exactly (found in review: 1e-9
+        # relative left otherwise); beyond |d| = 1 they do not cancel, and the sinh² form would
+        # (ab/c e^|d| against b w: found in review, 2.6e33 for −9.9e7 at d = 100)
         sh = np.sinh(0.5 * d)
-        out = mode - a * _log1p_minus(u) - b * _log1p_minus(w) - (a * b / c) * 4.0 * sh * sh
-        far = ~np.isfinite(out)  # (e^{±d} overflowed: the direct form's −inf)
-        if np.any(far):
-            out = np.where(far, mode - a * np.log1p(u) - b * np.log1p(w), out)
-    return out
+        near = mode - a * _log1p_minus(u) - b * _log1p_minus(w) - (a * b / c) * 4.0 * sh * sh
+        direct = mode - a * np.log1p(u) - b * np.log1p(w)
+    return np.where(np.abs(d) <= 1.0, near, direct)
 
 
 def _log1p_minus(u):
