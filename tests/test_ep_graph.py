@@ -354,3 +354,20 @@ def test_a_slow_runaway_is_still_divergence():
     g.add_factor("logistic", {"x": "w", "z": Beta(1.0, 2.0)})
     r = GraphEP(g, operators={("logistic", "x"): _SlowExploding()}, max_iter=300).run()
     assert r.outcome == "diverged" and r.log_evidence is None
+
+
+def test_a_fast_runaway_that_freezes_is_divergence():
+    """Three product factors in a cycle and an exp factor (the test harness's random graph 259, seed 11):
+    EP's changes grow 69, 584, 1 541, …, 2.6e5, 4.7e9, then every cavity is improper and the sites
+    freeze — the runaway is over in one sweep.  A slow-growth rule alone (a large site growing > 1 % in
+    each of 30 sweeps) let it end at max_iter with beliefs of variance 1e-36 (found in the final check);
+    a large site that more than doubles in a sweep is divergence."""
+    rng = np.random.default_rng(11)
+    for k in range(260):
+        g = _random_graph(rng)
+        if not g.factors:
+            continue
+        damping = float(rng.choice([0.0, 0.5]))
+        schedule = str(rng.choice(["parallel", "sequential"]))
+    r = GraphEP(g, max_iter=50, damping=damping, schedule=schedule).run()
+    assert r.outcome == "diverged" and r.status.startswith("diverged at iteration 8")

@@ -239,7 +239,8 @@ class GraphEP:
     divergence_limit : the run stops as diverged, with the last state, when a site's natural
         parameters exceed this many times (1 + the largest natural parameter of its variable's prior
         or posterior) — sites growing against each other while the posterior they sum to does not —
-        or exceed this many times (1 + the prior's) and grew by more than 1 % in each of
+        or exceed this many times (1 + the prior's) and either more than doubled since the last
+        iteration (having exceeded it then too) or grew by more than 1 % in each of
         :data:`DIVERGENCE_STREAK` iterations running — sites and posterior growing together (a site
         approaching a large fixed point, even damped, stops growing long before).
     power : power EP's u > 0 (1 = EP): the cavity removes the fraction u of each site, the operator
@@ -379,9 +380,12 @@ class GraphEP:
                     against = size > lim * (1.0 + max(prior_scale[v], float(np.max(np.abs(post[v])))))
                     # (a streak, not one doubling: a slow runaway — 1.8× an iteration — went unseen,
                     # found in review; a damped approach to a large fixed point also grows at first)
-                    streak[(j, fv)] = streak[(j, fv)] + 1 if (size > lim * (1.0 + prior_scale[v])
-                                                             and size > 1.01 * before) else 0
-                    growing = streak[(j, fv)] >= DIVERGENCE_STREAK
+                    large = size > lim * (1.0 + prior_scale[v])
+                    streak[(j, fv)] = streak[(j, fv)] + 1 if (large and size > 1.01 * before) else 0
+                    # and a fast one: large in two sweeps running and more than doubled (a runaway
+                    # whose next cavities are improper freezes at once: caught here at sweep 8)
+                    fast = large and before > lim * (1.0 + prior_scale[v]) and size > 2.0 * before
+                    growing = fast or streak[(j, fv)] >= DIVERGENCE_STREAK
                 if not np.all(np.isfinite(site)) or against or growing:
                     cause = (f"the site of factor {j} ({g.factors[j][0].name}) on {v!r} grew beyond "
                              f"divergence_limit={lim:g} times its variable's "
