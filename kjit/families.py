@@ -408,13 +408,7 @@ class Family:
         stats = np.asarray(stats, float)
         if np.all(np.isfinite(eta)) and not limits:
             return eta @ stats.T
-        out = np.zeros((eta.shape[0], len(stats)))
-        for k in range(self.n_stats):
-            with np.errstate(invalid="ignore"):
-                term = eta[:, k, None] * stats[None, :, k]
-            zero = (stats[None, :, k] == 0) | ((eta[:, k, None] == 0) & ~np.isnan(stats[None, :, k]))
-            out += np.where(zero, 0.0, term)  # 0 · ±inf = 0
-        return out
+        return kernel_limits(eta, stats)
 
     def expected_suff_stats(self) -> np.ndarray:
         raise NotImplementedError
@@ -843,6 +837,19 @@ def _digamma_diff(x, y):
             + ((1.0 / xs) ** 4 - v**4) / 120.0
         )
     return np.where(big, series, special.digamma(x) - special.digamma(x + y))
+
+
+def kernel_limits(eta, stats) -> np.ndarray:
+    """The (B, N) matrix η · u of natural parameters ``eta`` (B, k) and statistics ``stats`` (N, k),
+    each term η_k u_k in its limit where one factor is infinite: 0 where the other is 0."""
+    eta, stats = np.asarray(eta, float), np.asarray(stats, float)
+    out = np.zeros((eta.shape[0], len(stats)))
+    for k in range(eta.shape[1]):
+        with np.errstate(invalid="ignore"):
+            term = eta[:, k, None] * stats[None, :, k]
+        zero = (stats[None, :, k] == 0) | ((eta[:, k, None] == 0) & ~np.isnan(stats[None, :, k]))
+        out += np.where(zero, 0.0, term)  # 0 · ±inf = 0
+    return out
 
 
 def _log_gamma_diff(x, d):

@@ -27,7 +27,7 @@ import numpy as np
 from .certificates import Certificates, projection_convention
 from .errors import LowESSError, OracleError
 from .factors.base import PASSED_THROUGH, Factor, factor_code_error
-from .families import Family
+from .families import Family, kernel_limits
 from .protocols import Operator
 from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
 
@@ -336,10 +336,7 @@ class ImportanceSamplingOracle(Oracle):
                         if generic[sl].any():
                             lw = lw + flat[v][sl].log_kernel(st[v], limits=True)
                             continue
-                        eta, u = etas[v][sl], st[v]
-                        for k in range(u.shape[1]):
-                            term = eta[:, k, None] * u[None, :, k]
-                            lw = lw + np.where((u[None, :, k] == 0.0) | (eta[:, k, None] == 0.0), 0.0, term)
+                        lw = lw + kernel_limits(etas[v][sl], st[v])
                     share = np.sum(np.exp(np.where(np.isnan(lw), np.inf, lw) - log_mass[sl, None]), axis=1)
                     bad[sl] |= ~(share <= UNDEFINED_MASS)
         return np.flatnonzero(bad)
