@@ -742,23 +742,22 @@ class MessageImportanceSampler(Oracle):
                         pass  # a projection failed: these rows get more particles
                 se[grp] = se_t
                 worst = np.max(se_t, axis=1)
+                # the next round's need, and (an answering round whose standard errors exceed the
+                # target many times over found what its pilot missed — heavier weights) whether this
+                # one is the pilot of another
                 if self.target_ess is not None:
                     need = n * self.target_ess / np.maximum(e, 1.0)
+                    misjudged = e < self.target_ess / REPILOT_FACTOR**2
                 else:
                     with np.errstate(over="ignore", invalid="ignore"):
                         need = np.where(good, n * (worst / self.target_se) ** 2, n * self.growth)
                     need = np.maximum(need, n * 1.5 * self.min_ess / np.maximum(e, 1.0))
+                    misjudged = ~(worst <= REPILOT_FACTOR * self.target_se)
                 # rows without an answer whatever the particles: not finite (a weighted particle whose
                 # statistic is not), heavy-tailed weights, or inputs that cannot be sampled
                 hopeless = ~np.all(np.isfinite(mu), axis=1) | (kh > PARETO_K_MAX)
                 if self._unsampleable:
                     hopeless |= np.isin(grp, np.fromiter(self._unsampleable, dtype=int))
-                # (an answering round whose standard errors exceed the target many times over found
-                # what its pilot missed — heavier weights: it is the pilot of another)
-                if self.target_ess is not None:
-                    misjudged = e < self.target_ess / REPILOT_FACTOR**2
-                else:
-                    misjudged = ~(worst <= REPILOT_FACTOR * self.target_se)
                 final = hopeless | (piloted[grp] & good & ~misjudged) | (n >= self.max_samples)
                 rest = grp[~final]
                 piloted[rest] = True

@@ -380,11 +380,12 @@ class GraphEP:
                     against = size > lim * (1.0 + max(prior_scale[v], float(np.max(np.abs(post[v])))))
                     # (a streak, not one doubling: a slow runaway — 1.8× an iteration — went unseen,
                     # found in review; a damped approach to a large fixed point also grows at first)
-                    large = size > lim * (1.0 + prior_scale[v])
+                    large_at = lim * (1.0 + prior_scale[v])
+                    large = size > large_at
                     streak[(j, fv)] = streak[(j, fv)] + 1 if (large and size > 1.01 * before) else 0
                     # and a fast one: large in two sweeps running and more than doubled (a runaway
                     # whose next cavities are improper freezes at once: caught here at sweep 8)
-                    fast = large and before > lim * (1.0 + prior_scale[v]) and size > 2.0 * before
+                    fast = large and before > large_at and size > 2.0 * before
                     growing = fast or streak[(j, fv)] >= DIVERGENCE_STREAK
                 if not np.all(np.isfinite(site)) or against or growing:
                     cause = (f"the site of factor {j} ({g.factors[j][0].name}) on {v!r} grew beyond "

@@ -37,6 +37,11 @@ _LOGISTIC_BENDS = np.array([-6.0, -3.0, -1.5, 0.0, 1.5, 3.0, 6.0])
 _CONCENTRATED = 1e5
 
 
+def _concentrated(alpha, beta):
+    """Rows whose label message Beta(α, β) is concentrated enough for ℓ to be formed about its mode."""
+    return (alpha - 1.0 > _CONCENTRATED) & (beta - 1.0 > _CONCENTRATED)
+
+
 def log_label_density(t, alpha, beta):
     """``ℓ(t) = log Beta(σ(t); α, β) = (α−1) log σ(t) + (β−1) log σ(−t) − log B(α, β)``: the logistic
     factor's log likelihood of ``x = t`` under the label message Beta(α, β) on z; broadcasts.
@@ -48,7 +53,7 @@ def log_label_density(t, alpha, beta):
     t, alpha, beta = np.broadcast_arrays(*(np.asarray(p, float) for p in (t, alpha, beta)))
     with np.errstate(over="ignore", invalid="ignore"):
         out = -(alpha - 1.0) * np.logaddexp(0.0, -t) - (beta - 1.0) * np.logaddexp(0.0, t) - log_beta(alpha, beta)
-    big = (alpha - 1.0 > _CONCENTRATED) & (beta - 1.0 > _CONCENTRATED)
+    big = _concentrated(alpha, beta)
     if big.any():
         out = np.array(out, dtype=float)
         out[big] = _log_label_about_mode(t[big], alpha[big] - 1.0, beta[big] - 1.0)
@@ -100,7 +105,7 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
     mu, v, alpha0, beta0 = (np.asarray(p, float) for p in (mu, v, alpha, beta))
     alpha, beta = _powered(alpha0, beta0, power)
     am1, bm1 = alpha - 1.0, beta - 1.0
-    big = (alpha0 - 1.0 > _CONCENTRATED) & (beta0 - 1.0 > _CONCENTRATED)
+    big = _concentrated(alpha0, beta0)
     any_big = bool(np.any(big))
     ab = am1 + bm1
 
