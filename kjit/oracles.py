@@ -39,6 +39,8 @@ __all__ = [
     "ImportanceSamplingOracle",
     "MessageImportanceSampler",
     "ClientOracle",
+    "ORACLE_KINDS",
+    "make_oracle",
     "LowESSError",
     "OracleError",
 ]
@@ -828,3 +830,41 @@ class ClientOracle(Oracle):
         label = getattr(self.factor, "label", self.factor.name)
         raise OracleError(f"the oracle of factor {label!r} runs on its clients, not here: ask for predictions "
                           f"(mode=predict) and send the oracle's answers as observations")
+
+
+# ====================================================================== oracles by name
+#: the oracles a training run can name (``kjit train --oracle``, the service's ``oracle``):
+#: ``auto`` is the factor's exact rule for the recipient where it has one, else the per-message sampler
+ORACLE_KINDS = ("auto", "quadrature", "importance_sampling", "message_sampler")
+
+
+def resolve_oracle_kind(kind: str, factor: Factor, to: str) -> str:
+    """``kind`` with ``"auto"`` resolved: ``"quadrature"`` where the factor has an exact rule for
+    ``to``, else ``"message_sampler"`` (any factor that can be sampled)."""
+    if kind == "auto":
+        return "quadrature" if factor.has_exact(to) else "message_sampler"
+    if kind not in ORACLE_KINDS:
+        raise ValueError(f"unknown oracle {kind!r}; known: {', '.join(ORACLE_KINDS)}")
+    return kind
+
+
+def make_oracle(kind: str, factor: Factor, to: str, *, n_samples: int = 100_000, target_se: float = 1e-2,
+                random_state=None) -> Oracle:
+    """The oracle ``kind`` (:data:`ORACLE_KINDS`) for the messages to ``to``.  ``n_samples``: the
+    shared-proposal sampler's particles per call, the per-message sampler's cap per message (its
+    pilot round: min(2 000, n_samples)); ``target_se``: the per-message sampler's standard error per
+    coordinate.  ``quadrature`` for a recipient without an exact rule is a ValueError naming the
+    alternatives."""
+    kind = resolve_oracle_kind(kind, factor, to)
+    if kind == "quadrature":
+        if not factor.has_exact(to):
+            raise ValueError(f"factor {factor.name!r} has no exact rule for {to!r} (it has: "
+                             f"{', '.join(factor.exact_recipients) or 'none'}): the quadrature oracle cannot "
+                             f"answer it; use the oracle 'message_sampler' (importance sampling per message from "
+                             f"the factor's sampler) or 'auto'")
+        return QuadratureOracle(factor)
+    if kind == "message_sampler":
+        n_initial = min(2000, int(n_samples))
+        return MessageImportanceSampler(factor, target_se=target_se, n_initial=n_initial,
+                                        max_samples=max(int(n_samples), n_initial), random_state=random_state)
+    return ImportanceSamplingOracle(factor, n_samples=n_samples, random_state=random_state)

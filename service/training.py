@@ -39,7 +39,7 @@ import numpy as np
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
 from kjit.operators import JITOperator, KernelOperator, calibrate_threshold
-from kjit.oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+from kjit.oracles import ClientOracle, make_oracle, resolve_oracle_kind
 from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
 from .schemas import PARAM_MAX, POSITIVE_MIN
@@ -158,28 +158,13 @@ class TrainSpec:
     def resolved_oracle(self, factor: Factor) -> str:
         """``"auto"``: the factor's exact rule for the recipient if it has one, else the per-message
         importance sampler (any sampleable factor)."""
-        if self.oracle == "auto":
-            return "quadrature" if factor.has_exact(self.to) else "message_sampler"
-        return self.oracle
+        return self.oracle if self.oracle == "client" else resolve_oracle_kind(self.oracle, factor, self.to)
 
     def build_oracle(self, factor: Factor):
-        kind = self.resolved_oracle(factor)
-        if kind == "client":
+        if self.oracle == "client":
             return ClientOracle(factor)
-        if kind == "message_sampler":
-            n_initial = min(2000, int(self.n_samples))
-            return MessageImportanceSampler(factor, target_se=self.target_se, n_initial=n_initial,
-                                            max_samples=max(int(self.n_samples), n_initial),
-                                            random_state=self.random_state)
-        if kind == "quadrature":
-            if not factor.has_exact(self.to):
-                raise ValueError(f"factor {factor.name!r} has no exact rule for {self.to!r} (it has: "
-                                 f"{', '.join(factor.exact_recipients) or 'none'}); use oracle 'message_sampler' "
-                                 f"or 'auto'")
-            return QuadratureOracle(factor)
-        if kind == "importance_sampling":
-            return ImportanceSamplingOracle(factor, n_samples=self.n_samples, random_state=self.random_state)
-        raise ValueError(f"unknown oracle {self.oracle!r}")
+        return make_oracle(self.oracle, factor, self.to, n_samples=self.n_samples, target_se=self.target_se,
+                           random_state=self.random_state)
 
     def sampler(self, factor: Factor):
         if isinstance(self.distribution, str):

@@ -189,13 +189,20 @@ def test_train_trains_a_factor_of_your_own_module(tmp_path, capsys, restore_regi
     out = tmp_path / "noisy.npz"
     args = ["train", "noisy_product", "--factors", "user_factors", "--to", "z", "--n", "100", "--d-in", "20",
             "--d-out", "40", "--quiet", "--out", str(out)]
-    # it has no exact rule: the quadrature oracle (the default) is refused before any work, naming --oracle
-    _one_line_error(capsys, main(args), "no exact rule for 'z'", "--oracle sampling")
+    # it has no exact rule: the quadrature oracle is refused before any work, naming the alternatives
+    _one_line_error(capsys, main(args + ["--oracle", "quadrature"]), "no exact rule for 'z'", "'message_sampler'")
+    assert not out.exists()
     assert main(args + ["--oracle", "sampling", "--particles", "50000"]) == 0
     op = load_operator(out)
     assert op.factor.name == "noisy_product" and op.to == "z" and op.n_train_ > 50
     q = op.belief({"x": Gaussian(1.0, 0.5), "y": Gaussian(0.5, 0.2), "z": Gaussian(0.0, 2.0)})
     assert np.isfinite(q.mean()) and q.var() > 0
+    # the default (auto) is the per-message sampler here; with --jit its oracle is saved with it
+    out.unlink()
+    assert main(args + ["--target-se", "0.05", "--particles", "20000", "--jit", "--target-kl", "1"]) == 0
+    jit = load_operator(out)
+    assert type(jit.oracle).__name__ == "MessageImportanceSampler" and jit.oracle.target_se == 0.05
+    assert jit.oracle.max_samples == 20000 and jit.operator.n_train_ > 50
     # a module that cannot be imported: one line naming it
     _one_line_error(capsys, main(["train", "noisy_product", "--factors", "no_such_module_xyz", "--to", "z",
                                   "--out", str(out)]), "no_such_module_xyz")
