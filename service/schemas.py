@@ -35,6 +35,8 @@ POSITIVE_MIN = 1e-100
 
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Param = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-PARAM_MAX, le=PARAM_MAX)]
+#: a factor parameter that is text (e.g. ``projection``): no booleans or numbers as text
+FactorText = Annotated[str, Field(strict=True, min_length=1, max_length=200)]
 
 
 # (a bound pydantic checks in Rust: a per-number Python validator cost ~0.3 us an element, ~0.1 ms
@@ -227,7 +229,9 @@ class TrainRequest(_Strict):
         "source": {"kind": "oracle", "n": 1000}, "n_inner": 200, "n_outer": 300}]})
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$", description="name of the new operator")
     factor: str
-    factor_params: dict[str, Finite] = Field(default_factory=dict)
+    factor_params: dict[str, Union[Finite, FactorText]] = Field(
+        default_factory=dict, description="the factor's parameters (`Factor.params()`): numbers, or strings such as "
+                                          "`projection: \"moments\"`; omitted ones take the factor's defaults")
     to: str
     source: Annotated[Union[OracleSource, FileSource, ClientSource], Field(discriminator="kind")]
     n_inner: Int = Field(300, ge=1, le=5000)

@@ -555,3 +555,28 @@ def test_allow_lists_only_the_methods_served(app_client):
             r = app_client.request(method, path)
             assert r.status_code == 405, (method, path, r.status_code)
             assert set(r.headers["allow"].replace(" ", "").split(",")) == allowed, r.headers["allow"]
+
+
+def test_training_a_factor_with_a_text_parameter(app_client):
+    """factor_params took numbers only: gamma_rate's (or a user factor's) ``projection: "moments"``
+    could not be trained through the service.  Text parameters are accepted; a boolean (JSON true is
+    not the number 1 here) or a bad value is a 422 naming factor_params, and nothing is created."""
+    c = app_client
+    req = {"name": "gr-moments", "factor": "gamma_rate", "to": "r", "n_inner": 20, "n_outer": 30, "threshold": -3.0,
+           "factor_params": {"shape": 2, "projection": "moments"}, "source": {"kind": "oracle", "n": 40}}
+    for params, why in (({"shape": True}, None), ({"projection": "nonsense"}, "projection"),
+                        ({"projection": ""}, None), ({"projection": ["kl"]}, None)):
+        r = c.post("/v1/operators", json={**req, "factor_params": params}, headers=AUTH)
+        assert r.status_code == 422, (params, r.text)
+        loc = r.json()["detail"][0]["loc"]
+        assert loc[:2] == ["body", "factor_params"], (params, r.text)
+        assert why is None or why in r.json()["detail"][0]["msg"]
+    assert c.get("/v1/operators/gr-moments").status_code == 404
+    r = c.post("/v1/operators", json=req, headers=AUTH)
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.headers["Location"])
+    assert job["status"] == "succeeded", job
+    d = c.get("/v1/operators/gr-moments").json()
+    assert d["factor_params"] == {"shape": 2.0, "projection": "moments"}
+    m = c.post("/v1/operators/gr-moments/messages?mode=predict", json=body(probe("gamma_rate", 3), "r"))
+    assert m.status_code == 200 and m.json()["projection"] == "moments", m.text
