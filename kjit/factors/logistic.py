@@ -19,7 +19,7 @@ import numpy as np
 from scipy import special
 
 from ..errors import OracleError, gaussian_or_error
-from ..families import Beta, Family, Gaussian, log_beta, stirling_rest
+from ..families import Beta, Family, Gaussian, log1p_minus, log_beta, stirling_rest
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
 from .base import (GH_NODES, MAX_LOG_PARAM, Factor, as_shape, broadcast_messages, check_power, gauss_hermite,
@@ -76,19 +76,9 @@ def _log_label_about_mode(t, a, b):
         # relative left otherwise); beyond |d| = 1 they do not cancel, and the sinh² form would
         # (ab/c e^|d| against b w: found in review, 2.6e33 for −9.9e7 at d = 100)
         sh = np.sinh(0.5 * d)
-        near = mode - a * _log1p_minus(u) - b * _log1p_minus(w) - (a * b / c) * 4.0 * sh * sh
+        near = mode - a * log1p_minus(u) - b * log1p_minus(w) - (a * b / c) * 4.0 * sh * sh
         direct = mode - a * np.log1p(u) - b * np.log1p(w)
     return np.where(np.abs(d) <= 1.0, near, direct)
-
-
-def _log1p_minus(u):
-    """ln(1 + u) − u, without cancellation for small |u| (its series below 1e-2: error < u⁹/9)."""
-    u = np.asarray(u, dtype=float)
-    small = np.abs(u) < 1e-2
-    us = np.where(small, u, 0.0)
-    series = us * us * (-1 / 2 + us * (1 / 3 + us * (-1 / 4 + us * (1 / 5 + us * (-1 / 6 + us * (1 / 7 - us / 8))))))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(small, series, np.log1p(u) - u)
 
 
 def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0):
