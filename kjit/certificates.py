@@ -13,6 +13,9 @@ Every answer — a projected belief q for one row of a batch — comes with a ce
 * ``projection``: the projection convention of the factor (``"kl"``, or ``"moments"`` where the
   factor offers that choice);
 * ``proper``: whether the outgoing message q / incoming[to] is a proper distribution;
+* ``flagged``: learned answers the operator's just-in-time rule would send to its oracle for a
+  reason other than their variance (the outgoing precision's sign undetermined, a message far
+  from the training data below the density guard): never confident, whatever their ``log_var``;
 * ``version``: the operator's version (a served operator: the update records applied, as in the
   response; a local learned operator: the pairs it has learned; None for rules and oracles).
 
@@ -49,7 +52,10 @@ def projection_convention(factor) -> str:
 
 
 def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
-    """(n,) booleans: is q / incoming_to (the outgoing message) a proper distribution."""
+    """(n,) booleans (n: q's rows, flat): is q / incoming_to (the outgoing message) a proper
+    distribution; ``incoming_to``: of q's batch shape, or one message for every row."""
+    if incoming_to.size != q.size:
+        incoming_to = incoming_to.broadcast_to(q.shape)
     with np.errstate(all="ignore"):
         nat = np.asarray(q.natural(), float) - np.asarray(incoming_to.natural(), float)
         nat = nat.reshape(-1, nat.shape[-1])
@@ -98,26 +104,41 @@ def _col(a, n: int, k: int | None, what: str) -> np.ndarray:
         raise ValueError(f"certificate `{what}` has shape {a.shape}, expected {shape}") from None
 
 
+def _flags(a, n: int, what: str) -> np.ndarray:
+    """(n,) booleans from ``a`` (None: all false; a scalar or a broadcastable array)."""
+    if a is None:
+        return np.zeros(n, dtype=bool)
+    p = np.asarray(a, dtype=bool)
+    if p.shape == (n,):
+        return p.copy()
+    try:
+        return np.array(np.broadcast_to(p, (n,)))
+    except ValueError:
+        raise ValueError(f"certificate `{what}` has shape {p.shape}, expected ({n},)") from None
+
+
 class Certificates:
     """Certificates of a flat batch of ``n`` answers (see the module docstring).
 
     ``coords``: names of the regression coordinates (the columns of ``log_var`` and ``mc_se``).
     Arrays: ``source`` (n,) strings, ``log_var`` (n, k), ``ess`` (n,), ``mc_se`` (n, k),
-    ``proper`` (n,) bools; scalars ``threshold``, ``projection``, ``version``.
+    ``proper`` (n,) bools, ``flagged`` (n,) bools (default none); scalars ``threshold``,
+    ``projection``, ``version``.
     """
 
     __slots__ = ("source", "log_var", "threshold", "ess", "mc_se", "projection", "proper", "version", "coords",
-                 "of")
+                 "flagged", "of")
 
     def __init__(self, source, coords: Sequence[str], *, log_var=None, threshold: float | None = None, ess=None,
-                 mc_se=None, projection: str = "kl", proper=None, version: int | None = None):
+                 mc_se=None, projection: str = "kl", proper=None, version: int | None = None, flagged=None):
         src = np.asarray(source, dtype=object).reshape(-1)
         bad = [s for s in set(src.tolist()) if s not in SOURCES]
         if bad:
             raise ValueError(f"certificate `source` must be one of {SOURCES}, got {sorted(map(str, bad))}")
-        self._fill(src.astype("<U7"), coords, log_var, threshold, ess, mc_se, projection, proper, version)
+        self._fill(src.astype("<U7"), coords, log_var, threshold, ess, mc_se, projection, proper, version, flagged)
 
-    def _fill(self, source, coords, log_var, threshold, ess, mc_se, projection, proper, version) -> None:
+    def _fill(self, source, coords, log_var, threshold, ess, mc_se, projection, proper, version,
+              flagged=None) -> None:
         """:meth:`__init__` past the check of ``source`` (a '<U7' array of known sources)."""
         n, k = source.size, len(coords)
         self.source = source
@@ -127,12 +148,9 @@ class Certificates:
         self.ess = _col(ess, n, None, "ess")
         self.mc_se = _col(mc_se, n, k, "mc_se")
         self.projection = str(projection)
-        if proper is None:
-            self.proper = np.ones(n, dtype=bool)
-        else:
-            p = np.asarray(proper, dtype=bool)
-            self.proper = p.copy() if p.shape == (n,) else np.array(np.broadcast_to(p, (n,)))
+        self.proper = np.ones(n, dtype=bool) if proper is None else _flags(proper, n, "proper")
         self.version = None if version is None else int(version)
+        self.flagged = _flags(flagged, n, "flagged")
         self.of = None  # the belief object these certificates were issued with (see certified())
 
     # ---------------------------------------------------------------- construction
@@ -141,14 +159,17 @@ class Certificates:
         """Every row of ``q`` from one source; ``proper`` from ``q / incoming_to`` (flat batches)."""
         if source not in SOURCES:
             raise ValueError(f"certificate `source` must be one of {SOURCES}, got {source!r}")
-        unknown = set(kw) - {"log_var", "threshold", "ess", "mc_se", "version"}
+        unknown = set(kw) - {"log_var", "threshold", "ess", "mc_se", "version", "flagged"}
         if unknown:
             raise TypeError(f"Certificates.uniform() got unexpected keyword arguments {sorted(unknown)}")
+        if incoming_to is not None and incoming_to.size != q.size:
+            incoming_to = incoming_to.broadcast_to(q.shape)  # one message for a batch (a ValueError where not)
         q = q.ravel()
         proper = None if incoming_to is None else outgoing_proper(q, incoming_to.ravel())
         out = cls.__new__(cls)
         out._fill(np.full(len(q), source, dtype="<U7"), type(q).coord_names, kw.get("log_var"),
-                  kw.get("threshold"), kw.get("ess"), kw.get("mc_se"), projection, proper, kw.get("version"))
+                  kw.get("threshold"), kw.get("ess"), kw.get("mc_se"), projection, proper, kw.get("version"),
+                  kw.get("flagged"))
         return out
 
     def __len__(self) -> int:
@@ -164,7 +185,7 @@ class Certificates:
         rows = np.asarray(rows)
         out = Certificates(self.source[rows], self.coords, log_var=self.log_var[rows], threshold=self.threshold,
                            ess=self.ess[rows], mc_se=self.mc_se[rows], projection=self.projection,
-                           proper=self.proper[rows], version=self.version)
+                           proper=self.proper[rows], version=self.version, flagged=self.flagged[rows])
         return out
 
     def replace(self, rows, other: "Certificates") -> "Certificates":
@@ -173,7 +194,7 @@ class Certificates:
         if len(other) != rows.size:
             raise ValueError(f"{len(other)} certificates for {rows.size} rows")
         out = self._copy()
-        for name in ("source", "log_var", "ess", "mc_se", "proper"):
+        for name in ("source", "log_var", "ess", "mc_se", "proper", "flagged"):
             getattr(out, name)[rows] = getattr(other, name)
         return out
 
@@ -209,26 +230,28 @@ class Certificates:
                    log_var=np.concatenate([p.log_var for p in parts]), threshold=last.threshold,
                    ess=np.concatenate([p.ess for p in parts]), mc_se=np.concatenate([p.mc_se for p in parts]),
                    projection=last.projection, proper=np.concatenate([p.proper for p in parts]),
-                   version=last.version)
+                   version=last.version, flagged=np.concatenate([p.flagged for p in parts]))
 
     # ---------------------------------------------------------------- quality
     @property
     def confident(self) -> np.ndarray:
-        """(n,) learned answers whose log predictive variance is ≤ the threshold in every coordinate."""
+        """(n,) learned answers whose log predictive variance is ≤ the threshold in every coordinate
+        and that are not ``flagged``."""
         if self.threshold is None:
             return np.zeros(len(self), dtype=bool)
-        return (self.source == "learned") & ~above_threshold(self.log_var, self.threshold)
+        return (self.source == "learned") & ~above_threshold(self.log_var, self.threshold) & ~self.flagged
 
     @property
     def uncertain(self) -> np.ndarray:
-        """(n,) learned answers above the threshold in some coordinate (or with no variance)."""
+        """(n,) learned answers above the threshold in some coordinate (or with no variance), or
+        ``flagged``."""
         if self.threshold is None:
             return np.zeros(len(self), dtype=bool)
         return (self.source == "learned") & ~self.confident
 
     def counts(self) -> dict[str, int]:
         """Answers per source and quality: ``rule``, ``oracle``, ``learned``, ``learned_confident``,
-        ``learned_uncertain`` (above the threshold), ``learned_unrated`` (no threshold or variance),
+        ``learned_uncertain`` (above the threshold, or flagged), ``learned_unrated`` (no threshold or variance),
         ``improper`` (outgoing message not proper)."""
         learned = self.source == "learned"
         conf, unc = self.confident, self.uncertain
@@ -267,6 +290,8 @@ class Certificates:
             "proper": self.proper.tolist(),
             "version": self.version,
             "coords": list(self.coords),
+            # (null where no row is: the one-message answer and most batches)
+            "flagged": self.flagged.tolist() if self.flagged.any() else None,
         }
 
     @classmethod
@@ -280,7 +305,7 @@ class Certificates:
         return cls(d["source"], d["coords"], log_var=arr(d.get("log_var")), threshold=d.get("threshold"),
                    ess=None if ess is None else np.array(ess, dtype=float),
                    mc_se=arr(d.get("mc_se")), projection=d.get("projection", "kl"), proper=d.get("proper"),
-                   version=d.get("version"))
+                   version=d.get("version"), flagged=d.get("flagged"))
 
 
 # ------------------------------------------------------------------------------ any operator
@@ -302,10 +327,13 @@ def above_threshold(log_var, threshold) -> np.ndarray:
         return ~np.all(np.asarray(log_var, dtype=float) <= threshold, axis=-1)
 
 
-def certified(op, incoming: Mapping[str, Family], to, **kw) -> tuple[Family, Certificates]:
+def certified(op, incoming: Mapping[str, Family], to, *, unknown_source: str = "rule", **kw
+              ) -> tuple[Family, Certificates]:
     """``(belief, Certificates)`` from any operator: its own ``certified`` if it has one, else its
-    ``belief`` with the certificates it left in ``last_certificates_``, else ``rule`` certificates
-    (``source``: the operator's ``certificate_source``) with the outgoing messages' propriety."""
+    ``belief`` with the certificates it left in ``last_certificates_``, else certificates of one
+    source — the operator's ``certificate_source``, or ``unknown_source`` for an object without one
+    (``"oracle"`` where it stands in an oracle's place: not an exact rule, unless it says so) — with the
+    outgoing messages' propriety."""
     fn = getattr(type(op), "certified", None)
     if callable(fn):
         return op.certified(incoming, to, **kw)
@@ -315,11 +343,11 @@ def certified(op, incoming: Mapping[str, Family], to, **kw) -> tuple[Family, Cer
         factor = getattr(op, "factor", None)
         m = incoming.get(to) if to is not None else None
         try:
-            ok = isinstance(m, type(q)) and m.shape == q.shape
-            cert = Certificates.uniform(getattr(op, "certificate_source", "rule"), q, m.ravel() if ok else None,
+            cert = Certificates.uniform(getattr(op, "certificate_source", unknown_source), q,
+                                        m if isinstance(m, type(q)) else None,
                                         projection=projection_convention(factor) if factor is not None else "kl")
         except Exception:  # noqa: BLE001 - an odd answer: the caller validates it
-            cert = Certificates(np.full(math.prod(q.shape), "rule", dtype=object), type(q).coord_names)
+            cert = Certificates(np.full(math.prod(q.shape), unknown_source, dtype=object), type(q).coord_names)
         cert.of = q
     return q, cert
 

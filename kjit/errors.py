@@ -31,9 +31,17 @@ def rows_of_batch(exc: BaseException, rows) -> BaseException:
     r = getattr(exc, "rows", None)
     if r is not None:
         try:
-            exc.rows = np.asarray(rows)[np.asarray(r, dtype=int).ravel()]
+            mapped = np.asarray(rows)[np.asarray(r, dtype=int).ravel()]
         except (TypeError, ValueError, IndexError):
-            exc.rows = None
+            mapped = None
+        exc.rows = mapped
+        # the message numbers the sub-batch's rows: say which rows of the batch they are (found by an
+        # audit: "rows [3]" in the text where .rows, and the batch, said row 4)
+        if (mapped is not None and isinstance(exc, OracleError) and exc.args and isinstance(exc.args[0], str)
+                and not np.array_equal(mapped, np.asarray(r, dtype=int).ravel())):
+            shown = mapped[:10].tolist()
+            exc.args = (f"{exc.args[0]} [the rows of a sub-batch; of the whole batch: rows {shown}"
+                        f"{'…' if mapped.size > 10 else ''}]",) + exc.args[1:]
     return exc
 
 

@@ -828,14 +828,15 @@ class KernelOperator(Operator):
         self._certify(q, None, flat)
         return q
 
-    def _certify(self, q, logvar, flat, threshold=None, version=None):
+    def _certify(self, q, logvar, flat, threshold=None, version=None, flagged=None):
         """The certificates of a prediction (kept in ``last_certificates_``): learned, with their
         log predictive variance (NaN from ``belief``, which computes none); version: pairs learned
-        (or ``version``)."""
+        (or ``version``); ``flagged``: rows a just-in-time rule would consult whatever their variance."""
         n = math.prod(q.shape)
         cert = Certificates.uniform("learned", q, flat[self.to], projection=projection_convention(self.factor),
                                     log_var=None if logvar is None else np.reshape(logvar, (n, -1)),
-                                    threshold=threshold, version=int(self.blr_.n_) if version is None else version)
+                                    threshold=threshold, version=int(self.blr_.n_) if version is None else version,
+                                    flagged=flagged)
         cert.of = q
         self.last_certificates_ = cert
         return cert
@@ -969,13 +970,17 @@ class KernelOperator(Operator):
         psi = np.asarray(self.features_.transform(messages), np.float64)
         with np.errstate(all="ignore"):
             Z = (self._targets(beliefs, n, flat) - self.y_mean_) / self.y_scale_
-        A, b = self.blr_.A_, self.blr_.b_.reshape(psi.shape[1], -1)
         # the check that `data` is what was learned: ΨᵀΨ must be the regression's statistic
         # (float32 features are rounded versions of the float64 ones the fit used)
-        tol = (1e-8 if self.features_.dtype == np.float64 else 1e-3) * max(float(np.max(np.abs(A))), 1.0)
-        if float(np.max(np.abs(psi.T @ psi - A))) > tol:
+        A_fit, A = self.blr_.A_, psi.T @ psi
+        tol = (1e-8 if self.features_.dtype == np.float64 else 1e-3) * max(float(np.max(np.abs(A_fit))), 1.0)
+        if float(np.max(np.abs(A - A_fit))) > tol:
             raise ValueError("`data` is not the set of pairs this operator has learned (its features' "
                              "statistic differs from the regression's)")
+        # the statistics of these very features, so that taking a group's rows out leaves a positive
+        # semi-definite ΨᵀΨ (found by an audit: a float32 operator's float64 A_ minus its float32 rows
+        # was indefinite along a direction only the left-out group covers — LinAlgError)
+        b = psi.T @ Z
         pv, s2 = float(self.blr_.prior_var), float(self.blr_.noise_var)
         z = np.empty((n, Z.shape[1]))
         v = np.empty(n)
@@ -2094,7 +2099,7 @@ class JITOperator(Operator):
 
         t = time.perf_counter()
         try:
-            q, cert = certified(self.oracle, incoming, self.to)
+            q, cert = certified(self.oracle, incoming, self.to, unknown_source="oracle")
         except LowESSError as exc:
             raise LowESSError(np.asarray(positions)[exc.rows], exc.ess, exc.min_ess) from exc
         except Exception as exc:  # any other error naming rows (the exact rule's OracleError): the request's
@@ -2204,8 +2209,12 @@ class JITOperator(Operator):
         q, _, decision, uncertain, flat = self._screen(incoming, to)
         # rated on the variance the threshold applies to, as predict's certificates are (the
         # epistemic part with uncertainty="epistemic": the predictive one never falls below the
-        # noise floor, though the rule stops consulting there)
-        return q, self.operator._certify(q, decision, flat, threshold=self.threshold, version=version), uncertain
+        # noise floor, though the rule stops consulting there); the rows the rule would consult
+        # for another reason (the outgoing precision's sign, the density guard) are flagged: never
+        # confident (found by an audit: guarded rows, KL up to 0.05, were certified confident)
+        flagged = np.asarray(uncertain, bool).reshape(-1) & ~above_threshold(decision, self.threshold)
+        cert = self.operator._certify(q, decision, flat, threshold=self.threshold, version=version, flagged=flagged)
+        return q, cert, uncertain
 
     def _screen(self, incoming, to):
         """``(belief, predictive variance, log of the variance the threshold applies to (n, k),

@@ -135,6 +135,10 @@ class CertificatesOut(BaseModel):
     proper: list[bool] = Field(description="per row: the outgoing message is a proper distribution")
     version: int | None = Field(description="operator version the answers were computed from")
     coords: list[str]
+    flagged: list[bool] | None = Field(
+        None, description="per row: a learned answer the operator's just-in-time rule would consult whatever its "
+                          "log_var (the outgoing precision's sign undetermined, or a message far from the training "
+                          "data): never confident; null where no row is")
 
 
 class MessagesResponse(BaseModel):

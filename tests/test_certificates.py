@@ -317,3 +317,132 @@ def test_json_columns_of_one_row_are_the_arrays_columns():
                                         "1e-300"]
     assert json_columns([np.array([3]), np.array([True])]) == [[3.0], [1.0]]
     assert json_columns([np.array([1.0, np.nan])]) == [[1.0, None]]
+
+
+# ------------------------------------------------------------------------------ found by an audit (session 21)
+def _far(n, seed, lo=4.0, hi=9.0):
+    rng = np.random.default_rng(seed)
+    mean = rng.choice([-1.0, 1.0], n) * rng.uniform(lo, hi, n)
+    var = np.exp(rng.uniform(np.log(0.1), np.log(3.0), n))
+    label = rng.random(n) < 0.5
+    from kjit.families import Beta
+    return {"x": Gaussian(mean, var), "z": Beta(np.where(label, 2.0, 1.0), np.where(label, 1.0, 2.0))}
+
+
+def test_rows_the_jit_rule_would_consult_are_never_certified_confident(kernel_op):
+    """screen_certified (the service's mode=predict) rated its certificates on the threshold alone:
+    rows below the density guard — which predict consults — were certified confident (KL up to 0.05
+    against the exact answer).  They are flagged now: uncertain in the certificates, in their JSON,
+    and to the EP engine, which sends them to its oracle with on_uncertain="oracle"."""
+    import copy
+
+    inc = {v: type(m).concatenate([m, _far(20, 12)[v]]) for v, m in _inc(60, 11).items()}
+    guard = float(np.quantile(kernel_op.density(inc), 0.3))
+    jit = JITOperator(copy.deepcopy(kernel_op), QuadratureOracle(F), threshold=0.0, selection="all",
+                      density_guard=guard)
+    q, cert, unc = jit.screen_certified(inc)
+    by_variance = ~np.all(cert.log_var <= cert.threshold, axis=1)
+    assert (unc & ~by_variance).sum() >= 5  # rows the guard alone flags
+    np.testing.assert_array_equal(cert.uncertain, unc)
+    np.testing.assert_array_equal(cert.flagged, unc & ~by_variance)
+    assert not (cert.confident & unc).any()
+    assert cert.counts()["learned_uncertain"] == unc.sum()
+    # what predict does with the same rows: consults exactly those
+    _, _, consulted = copy.deepcopy(jit).predict(inc)
+    np.testing.assert_array_equal(consulted, unc)
+    back = Certificates.from_json(cert.to_json())
+    np.testing.assert_array_equal(back.flagged, cert.flagged)
+    np.testing.assert_array_equal(back.confident, cert.confident)
+    # no flagged row: the key is null, and such JSON (an older server's, too) reads as none flagged
+    plain = cert.take(np.flatnonzero(~cert.flagged))
+    assert plain.to_json()["flagged"] is None and not Certificates.from_json(plain.to_json()).flagged.any()
+    for part in (cert.take([0, 1]), Certificates.concatenate([cert, cert]), cert.replace([0], cert.take([0]))):
+        assert part.flagged.dtype == bool
+
+
+def test_a_message_broadcast_over_the_batch_is_checked_for_propriety():
+    """certified() of an operator without certificates of its own, with incoming[to] one message for
+    a batch (shape () against q's (6,)): every outgoing message was certified proper — three are not."""
+    from kjit.families import Beta
+
+    inc = {"x": Gaussian(0.5, 2.0), "z": Beta(np.array([0.3, 0.5, 2.0, 1.0, 0.4, 3.0]),
+                                               np.array([0.3, 0.6, 1.0, 2.0, 0.4, 3.0]))}
+    q, cert = certified(LogisticOperator(), inc, "x")
+    truth = np.asarray((q / inc["x"]).is_proper, bool)
+    assert q.shape == (6,) and not truth.all() and truth.any()
+    np.testing.assert_array_equal(cert.proper, truth)
+    np.testing.assert_array_equal(outgoing_proper(q, inc["x"]), truth)
+
+
+def test_an_oracle_without_certificates_is_not_called_an_exact_rule(kernel_op):
+    """A user's oracle object (factor + belief, here backed by importance sampling) gave the JIT's
+    consulted rows source "rule" — an exact rule's; the client already called such answers "oracle"."""
+    import copy
+
+    class MyOracle:
+        def __init__(self):
+            self.factor = F
+            self.inner = ImportanceSamplingOracle(F, n_samples=20_000, random_state=0)
+
+        def belief(self, incoming, to):
+            return self.inner.belief(incoming, to)
+
+    jit = JITOperator(copy.deepcopy(kernel_op), MyOracle(), threshold=-30.0)  # every row consulted
+    _, cert = jit.certified(_inc(4, 3))
+    assert list(cert.source) == ["oracle"] * 4
+    # an object that says what it is keeps its word
+    MyOracle.certificate_source = "rule"
+    _, cert = JITOperator(copy.deepcopy(kernel_op), MyOracle(), threshold=-30.0).certified(_inc(4, 3))
+    assert list(cert.source) == ["rule"] * 4
+
+
+def test_an_oracle_error_of_a_sub_batch_names_the_batchs_rows():
+    """rows_of_batch renamed .rows but the message still numbered the sub-batch's rows ("rows [3]"
+    for row 4 of the request)."""
+    from kjit.errors import OracleError, rows_of_batch
+
+    exc = rows_of_batch(OracleError("the tilted moments of rows [1] are not a distribution", rows=[1]), [2, 4, 7])
+    assert exc.rows.tolist() == [4] and "of the whole batch: rows [4]" in str(exc)
+    same = rows_of_batch(OracleError("rows [1] failed", rows=[1]), [0, 1, 2])
+    assert str(same) == "rows [1] failed"  # (nothing to say where the numbers agree)
+
+
+def test_the_ep_engine_sends_flagged_answers_to_its_oracle(kernel_op):
+    """A served operator in mode=predict marks the rows its just-in-time rule would consult (here:
+    below its density guard) in its certificates; the EP engine with on_uncertain="oracle" re-asked
+    only the rows above the threshold and used the flagged ones as they were."""
+    import copy
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 2)) * 3.0
+    y = (X @ np.array([1.0, -1.0]) > 0).astype(float)
+    guard = float(np.quantile(kernel_op.density(_inc(200, seed=5)), 0.5))
+    jit = JITOperator(copy.deepcopy(kernel_op), QuadratureOracle(F), threshold=50.0, selection="all",
+                      density_guard=guard)
+
+    class Screened:  # what a RemoteOperator in mode=predict gives the engine
+        factor, to, threshold = F, "x", 50.0
+
+        def predict(self, incoming, to=None):
+            q, cert, _ = jit.screen_certified(incoming, to)
+            self.last_certificates_ = cert
+            n = len(cert)
+            return q, cert.log_var, np.zeros(n, dtype=bool)
+
+        def belief(self, incoming, to=None):
+            return self.predict(incoming, to)[0]
+
+    seen = []
+    real = jit.screen_certified
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        # the rows the rule consults whose variance is below the threshold: the guard's
+        seen.append(int((np.asarray(out[2]).ravel() & np.all(out[1].log_var <= 50.0, axis=1)).sum()))
+        return out
+
+    jit.screen_certified = spy
+    res = BayesianLogisticRegression(Screened(), oracle=QuadratureOracle(F), on_uncertain="oracle",
+                                     max_iter=3).fit(X, y).result_
+    assert sum(seen) > 0  # the threshold (50) flags nothing: the guard alone does
+    assert sum(r.n_oracle for r in res.history) == sum(seen) and res.n_uncertain == 0

@@ -1327,3 +1327,36 @@ def test_choose_uncertainty_failure_leaves_the_operator_as_it_was(op, data, monk
     with pytest.raises(RuntimeError, match="scoring failed"):
         ens.choose_uncertainty(tr, GROUPS, cal)
     assert base.error_model_ is em and base.error_model_selection_ is sel
+
+
+def test_held_out_predict_of_a_float32_operator_with_a_group_of_its_own():
+    """held_out_predict took a group's float32 features out of the regression's statistic, which the fit
+    accumulated from float64 ones: the difference was indefinite along a direction only that group covers
+    (one pair far from the others: LinAlgError in held_out_predict, fit_error_model and the pooled
+    calibration; found by an audit).  Now the float32 operator's answers are its float64 twin's."""
+    from kjit.training import TrainingSet
+
+    def msgs(lo, hi, vlo, vhi):
+        def draw(n, rng):
+            lab = rng.random(n) < 0.5
+            return {"x": Gaussian(rng.uniform(lo, hi, n), np.exp(rng.uniform(np.log(vlo), np.log(vhi), n))),
+                    "z": Beta(np.where(lab, 2.0, 1.0), np.where(lab, 1.0, 2.0))}
+        return draw
+
+    f = Logistic()
+    orc = QuadratureOracle(f)
+    a = make_training_set(f, "x", msgs(-3, 3, 0.1, 3.0), orc, n=300, random_state=0)
+    b = make_training_set(f, "x", msgs(6, 9, 0.01, 0.1), orc, n=1, random_state=1)  # one pair elsewhere
+    ts = TrainingSet(f.name, "x", {v: type(a.incoming[v]).concatenate([a.incoming[v], b.incoming[v]])
+                                   for v in a.incoming}, Gaussian.concatenate([a.beliefs, b.beliefs]))
+    groups = np.r_[np.repeat(np.arange(5), 60), [5]]
+    out = {}
+    for dt in ("float64", "float32"):
+        op = KernelOperator(f, "x", n_inner=100, n_outer=300, random_state=0, dtype=dt).fit(ts)
+        out[dt] = op.held_out_predict(ts, groups)
+    q64, lv64 = out["float64"]
+    q32, lv32 = out["float32"]
+    assert np.all(np.isfinite(lv32))
+    # float32 features move the far row's held-out variance by their rounding, not by orders of magnitude
+    np.testing.assert_allclose(lv32, lv64, atol=0.05)
+    np.testing.assert_allclose(q32.mean(), q64.mean(), atol=1e-3 * np.sqrt(q64.var()).max())

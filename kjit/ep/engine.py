@@ -725,20 +725,24 @@ class LinearEP:
         if thr is None:
             _count(rec, cert, n)
             return q, logvar_spread
-        unc = ~consulted & above_threshold(logvar, thr)
+        # uncertain: above the threshold, or flagged by the operator's own rule (a served operator's
+        # density guard or undetermined sign, which its certificates carry)
+        flagged = cert.flagged if cert is not None and len(cert) == n else False
+        unc = ~consulted & (above_threshold(logvar, thr) | flagged)
         if not unc.any():
             _count(rec, cert, n)
             return q, logvar_spread
         if self.on_uncertain == "raise":
             raise UncertainAnswerError(
-                f"{int(unc.sum())} answer(s) of {type(self.operator).__name__} have a log predictive variance "
-                f"above its threshold {thr:g} (rows {np.flatnonzero(unc)[:10].tolist()} of the batch); "
+                f"{int(unc.sum())} answer(s) of {type(self.operator).__name__} are uncertain: a log predictive "
+                f"variance above its threshold {thr:g}, or flagged by its just-in-time rule (rows "
+                f"{np.flatnonzero(unc)[:10].tolist()} of the batch); "
                 'on_uncertain="raise"', rows=np.flatnonzero(unc))
         if self.on_uncertain == "oracle":
             rows = np.flatnonzero(unc)
             sub = {k: m[rows] for k, m in incoming.items()}
             try:
-                q_or, cert_or = certified(self._oracle(), sub, self.site_var)
+                q_or, cert_or = certified(self._oracle(), sub, self.site_var, unknown_source="oracle")
             except Exception as exc:
                 raise rows_of_batch(exc, rows)  # the sub-batch's rows named as the batch's
             mean, var = np.array(q.mean(), dtype=float), np.array(q.var(), dtype=float)
