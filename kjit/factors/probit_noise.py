@@ -40,6 +40,18 @@ _NOT_SMOOTH = (
 )
 
 
+def _label_posterior(p, eps, log_phi_pos, log_phi_neg):
+    """P(y = +1 | f) ∝ p (ε + (1 − 2ε) Φ(z)) against (1 − p)(ε + (1 − 2ε) Φ(−z)), in logs (``log_phi_*``:
+    log Φ(±z)): a hard label the cavity contradicts (p = 1, Φ(z) underflowed) was 0/0 = NaN where the
+    answer is the label itself (found by an audit)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        le = np.log(eps) if eps > 0 else -np.inf
+        l12 = np.log1p(-2.0 * eps)
+        lpos = np.log(p) + np.logaddexp(le, l12 + log_phi_pos)
+        lneg = np.log1p(-p) + np.logaddexp(le, l12 + log_phi_neg)
+        return special.expit(lpos - lneg)
+
+
 class ProbitNoise(Factor):
     """Probit with label noise: p(y | f) = ε + (1 − 2ε) Θ(y f), y ∈ {−1, +1}."""
 
@@ -224,10 +236,7 @@ class ProbitNoiseOperator(Operator):
         # posterior of the label (power 1): P(y=+1) ∝ p (ε + (1−2ε) Φ(z))
         eps = self.eps
         z = mu / np.sqrt(v)
-        like_pos = eps + (1 - 2 * eps) * special.ndtr(z)
-        like_neg = eps + (1 - 2 * eps) * special.ndtr(-z)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            py = p * like_pos / (p * like_pos + (1 - p) * like_neg)
+        py = _label_posterior(p, eps, special.log_ndtr(z), special.log_ndtr(-z))
         return tuple(a.reshape(shape) for a in (log_z, mean, var, e_log, py))
 
     def _tilted_scalar(self, mu, v, p, u):
@@ -260,10 +269,7 @@ class ProbitNoiseOperator(Operator):
         var = (pi_pos * (v * tv_p + (m_pos - mean) ** 2) if pi_pos > 0 else 0.0) + (
             pi_neg * (v * tv_n + (m_neg - mean) ** 2) if pi_neg > 0 else 0.0)
         e_log = (pi_pos * lcp if pi_pos > 0 else 0.0) + (pi_neg * lcn if pi_neg > 0 else 0.0)
-        like_pos = eps + (1 - 2 * eps) * math.exp(lzp)
-        like_neg = eps + (1 - 2 * eps) * math.exp(lzn)
-        den = p * like_pos + (1 - p) * like_neg
-        py = p * like_pos / den if den > 0 else nan
+        py = float(_label_posterior(np.float64(p), eps, np.float64(lzp), np.float64(lzn)))
         return log_z, mean, var, e_log, py
 
     def belief(self, incoming: Mapping[str, Family], to: str, power: float = 1.0) -> Family:

@@ -1,0 +1,108 @@
+"""Exact rules at extreme messages against mpmath (50 digits), found by an audit (session 21)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kjit.errors import OracleError
+from kjit.factors import get_factor
+from kjit.families import Gamma
+from kjit.oracles import QuadratureOracle
+
+mp = pytest.importorskip("mpmath")
+
+
+def _compound_gamma_belief(a, b, s1=1.0, r1=1.0, s2=1.0):
+    """The KL projection of p_cg(τ)·Gamma(τ; a, b) onto the Gamma family, by mpmath quadrature in
+    u = ln τ over the tilted density's own scale, E[τ] and E[ln τ] relative to its mode (the projection
+    needs ln E[τ] − E[ln τ], ~1/(2a) for a narrow one)."""
+    with mp.workdps(30):
+        a, b, s1, r1, s2 = (mp.mpf(x) for x in (a, b, s1, r1, s2))
+        c1 = s2 - 1 + a
+        logf = lambda u: c1 * u - b * mp.exp(u) - (s1 + s2) * mp.log(r1 + mp.exp(u))  # noqa: E731
+        mode = mp.findroot(lambda u: c1 - b * mp.exp(u) - (s1 + s2) * mp.exp(u) / (r1 + mp.exp(u)), mp.log(c1 / b))
+        sd = 1 / mp.sqrt(b * mp.exp(mode) + (s1 + s2) * r1 * mp.exp(mode) / (r1 + mp.exp(mode)) ** 2)
+        if c1 < mp.mpf("1e-3"):
+            # a small exponent: a tail τ^(c1 − 1) at 0 (over ~1/c1 in u) — in τ, where tanh-sinh takes it
+            # with h(t) = (r1 + t)^−(s1+s2) e^−bt smooth: ∫₀¹ t^(c1−1) h = h(0)/c1 + ∫₀¹ t^(c1−1)(h − h(0)),
+            # ∫₀¹ t^(c1−1) ln t h = −h(0)/c1² + ∫₀¹ t^(c1−1) ln t (h − h(0)) (bounded integrands)
+            h = lambda t: (r1 + t) ** (-(s1 + s2)) * mp.exp(-b * t)  # noqa: E731
+            h0 = h(0)
+            z = h0 / c1 + mp.quad(lambda t: t ** (c1 - 1) * (h(t) - h0), [0, 1]) \
+                + mp.quad(lambda t: t ** (c1 - 1) * h(t), [1, 10, mp.inf])
+            e_log = (-h0 / c1**2 + mp.quad(lambda t: t ** (c1 - 1) * mp.log(t) * (h(t) - h0), [0, 1])
+                     + mp.quad(lambda t: t ** (c1 - 1) * mp.log(t) * h(t), [1, 10, mp.inf])) / z
+            e_tau = mp.quad(lambda t: t ** c1 * h(t), [0, 1, 10, mp.inf]) / z
+            s = mp.log(e_tau) - e_log
+            e_t = e_tau / mp.exp(mode) - 1
+        else:
+            f0 = logf(mode)
+            pts = [mode + k * sd for k in range(-60, 61, 4)]
+            w = lambda u: mp.exp(logf(u) - f0)  # noqa: E731
+            z = mp.quad(w, pts)
+            e_d = mp.quad(lambda u: (u - mode) * w(u), pts) / z                   # E[u] − mode
+            e_t = mp.quad(lambda u: mp.expm1(u - mode) * w(u), pts) / z            # E[τ]/τ_mode − 1
+            s = mp.log1p(e_t) - e_d                                                # ln E[τ] − E[ln τ]
+        t = mp.findroot(lambda t: t - mp.digamma(mp.exp(t)) - s, (mp.log(1 / (2 * s)) - 1, mp.log(1 / s) + 1),
+                        solver="illinois")  # (in t = ln shape: bracketed, ln x − ψ(x) decreasing)
+        shape = mp.exp(t)
+        rate = shape / (mp.exp(mode) * (1 + e_t))
+        return float(shape), float(rate)
+
+
+@pytest.mark.parametrize("a,b", [(2.0, 1.0), (1e8, 1e8), (1e12, 1e12), (1e14, 1e10), (1e15, 1.0), (1e-6, 1.0),
+                                 (1e-9, 1.0)])
+def test_compound_gamma_belief_against_mpmath(a, b):
+    """Gamma(1e15, 1): the rule's belief had shape 3.5e13 for 1e15 (its E[τ] and E[ln τ] handed to the
+    projection apart lost ln E[τ] − E[ln τ] ~ 1/(2a) to rounding); Gamma(1e-6, 1): a bare ValueError."""
+    q = QuadratureOracle(get_factor("compound_gamma")).belief({"tau": Gamma(a, b)}, "tau")
+    shape, rate = _compound_gamma_belief(a, b)
+    # the rule's own nodes: s = ln E[τ] − E[ln τ] to ~1e-8 relative of itself at a ~1e15 (it is ~1e-16·u
+    # absolute in u = ln τ's nodes), better below
+    tol = 1e-6 if a < 1e10 else 1e-7
+    assert float(q.shape_param) == pytest.approx(shape, rel=max(tol, 1e-9)), (q, shape, rate)
+    assert float(q.rate) == pytest.approx(rate, rel=max(tol, 1e-9))
+
+
+@pytest.mark.parametrize("a", [1e-11, 1e-30, 1e-100, 1e17, 1e100])
+def test_compound_gamma_refuses_what_its_rule_cannot_resolve(a):
+    """Below shape 1e-10 the tilted mass spreads over ~1/shape in ln τ: the rate drifted (30 % at 1e-16),
+    and s2 + a − 1 rounded to 0 below 1e-16 ("improper"); beyond 1e16 the nodes cannot resolve τ (shape
+    1e100 answered 3e26).  Now an OracleError naming the row, the others answered."""
+    o = QuadratureOracle(get_factor("compound_gamma"))
+    with pytest.raises(OracleError) as e:
+        o.belief({"tau": Gamma(np.array([2.0, a]), 1.0)}, "tau")
+    assert list(e.value.rows) == [1]
+
+
+def test_logistic_belief_on_z_refuses_an_x_message_too_narrow_for_it():
+    """The Beta's concentration (~1/v) is carried by a gap ~v in its log statistics, which the rule
+    knows to ~1e-14: x ~ N(3, 1e-11) gave α 13 % off (KL 4e-3), N(3, 1e-16) 98 % (KL 1.4).  Now an
+    OracleError naming the row; a narrow-enough row is still answered, as is a far tail (where the gap
+    is small with the statistics themselves)."""
+    from kjit.families import Beta, Gaussian
+
+    o = QuadratureOracle(get_factor("logistic"))
+    inc = {"x": Gaussian(np.array([3.0, 3.0, 3.0, 400.0]), np.array([1e-6, 1e-11, 1e-16, 100.0])),
+           "z": Beta(np.array([2.0, 2.0, 2.0, 1.0]), np.array([1.0, 1.0, 1.0, 2.0]))}
+    with pytest.raises(OracleError) as e:
+        o.belief(inc, "z")
+    assert list(e.value.rows) == [1, 2]
+    q = o.belief({v: m[[0, 3]] for v, m in inc.items()}, "z")
+    # v = 1e-6: the Beta is ~(σ(3), σ(−3))/(σ(3)σ(−3)·1e-6) — α ≈ 2.1e7 (mpmath: 21085533.57, the audit's)
+    assert float(q.alpha[0]) == pytest.approx(21085533.57, rel=1e-7)
+    assert float(q.alpha[1]) > 1e100 and np.isfinite(q.beta[1])
+
+
+@pytest.mark.parametrize("mu,p", [(-40.0, 1.0), (40.0, 0.0), (-38.0, 1.0)])
+def test_probit_label_posterior_of_a_contradicted_hard_label(mu, p):
+    """P(y = +1) = p Φ(z) / (p Φ(z) + (1 − p) Φ(−z)) was 0/0 = NaN once Φ(z) underflowed, where the
+    answer is the hard label itself (the batch and one-message paths disagreed at z = −38)."""
+    from kjit.factors.probit_noise import ProbitNoiseOperator
+    from kjit.families import Bernoulli, Gaussian
+
+    op = ProbitNoiseOperator()
+    for n in (1, 2):
+        q = op.belief({"f": Gaussian(np.full(n, mu), np.ones(n)), "y": Bernoulli(np.full(n, p))}, "y")
+        np.testing.assert_array_equal(q.p, np.full(n, p))
