@@ -810,3 +810,46 @@ def test_jit_names_the_request_row_whose_oracle_belief_cannot_be_learned():
     with pytest.raises(ValueError) as err:
         jit.predict(inc)
     assert "rows [5]" in str(err.value), str(err.value)
+
+
+def test_an_epistemic_rule_is_calibrated_on_the_variance_it_thresholds(monkeypatch):
+    """With uncertainty="epistemic" the rule compares log(v − σ_y² sd²) with the threshold, but target_kl
+    calibrated that threshold on the predictive log variance (found by an audit).  Now on the epistemic
+    one: calibrate_threshold's scalar "max_epistemic", KernelOperator.epistemic_log_variance (one home,
+    the rule's too)."""
+    from kjit import operators as O
+    from kjit.families import Beta
+
+    seen = []
+    real = O.calibrate_threshold
+
+    def spy(op, held, target, **kw):
+        seen.append(kw.get("scalar", "max"))
+        t = real(op, held, target, **kw)
+        # the threshold is the one its own scalar gives: recompute it from the epistemic variances
+        u, kl = O._pooled(op, held, None, None, labels=True, scalar=kw.get("scalar", "max"))
+        _, lv = op.predict(held.incoming)
+        want = np.max(op.epistemic_log_variance(lv), axis=-1) if kw.get("scalar") == "max_epistemic" \
+            else np.max(lv, axis=-1)
+        np.testing.assert_array_equal(u, want)
+        return t
+
+    monkeypatch.setattr(O, "calibrate_threshold", spy)
+    rng = np.random.default_rng(0)
+
+    def inc(n):
+        lab = rng.random(n) < 0.5
+        return {"x": Gaussian(rng.uniform(-3, 3, n), np.exp(rng.uniform(np.log(0.1), np.log(3.0), n))),
+                "z": Beta(np.where(lab, 2.0, 1.0), np.where(lab, 1.0, 2.0))}
+
+    f = Logistic()
+    for rule, scalar in (("epistemic", "max_epistemic"), ("predictive", "max")):
+        jit = JITOperator(None, QuadratureOracle(f), threshold=-6.0, initial_batch=120, to="x", target_kl=1e-4,
+                          uncertainty=rule, operator_kwargs={"n_inner": 40, "n_outer": 80, "random_state": 0})
+        jit.predict(inc(120))
+        assert seen[-1] == scalar
+        # the rule's own log variance is the operator's epistemic one
+        _, lv = jit.operator.predict(inc(5))
+        if rule == "epistemic":
+            np.testing.assert_array_equal(jit._decision_logvar(np.exp(lv)),
+                                          jit.operator.epistemic_log_variance(lv))
