@@ -115,3 +115,26 @@ def test_variances_that_overflow_only_in_their_formula():
     assert float(Beta(1e120, 1e120).var()) == pytest.approx(1.25e-121, rel=1e-12)  # was 0
     assert float(Gamma(1e-200, 1e-200).var()) == pytest.approx(1e200, rel=1e-12)  # was inf
     assert Beta(2.0, 3.0).var() == 2.0 * 3.0 / (25.0 * 6.0) and Gamma(2.0, 3.0).var() == 2.0 / 9.0
+
+
+def _gauss_kl(m1, v1, m2, v2):
+    m1, v1, m2, v2 = (mp.mpf(float(x)) for x in (m1, v1, m2, v2))
+    return float((v1 / v2 - 1 - mp.log(v1 / v2) + (m1 - m2) ** 2 / v2) / 2)
+
+
+@pytest.mark.parametrize("m1,v1,m2,v2", [(0.0, 1e-200, 0.0, 1e200), (0.0, 1e-170, 0.0, 1e170), (0.3, 2.0, 0.3, 2.0 * (1 + 1e-9)),
+                                         (1.0, 1.0, 1.0 + 1e-8, 1.0 + 1e-7), (0.0, 1.0, 5.0, 3.0)])
+def test_gaussian_kl_against_mpmath(m1, v1, m2, v2):
+    """r − 1 − ln r lost a near pair's digits ((r − 1)²/2 formed from O(1) terms) and was inf for a finite
+    KL where v1/v2 underflowed (391 at 1e-170 against 1e170)."""
+    got = float(Gaussian(m1, v1).kl(Gaussian(m2, v2)))
+    assert got == pytest.approx(_gauss_kl(m1, v1, m2, v2), rel=1e-7)
+    assert float(Gaussian(0.0, 1e200).kl(Gaussian(0.0, 1e-200))) == np.inf  # (was NaN)
+
+
+def test_beta_kl_with_a_parameter_near_the_smallest_double():
+    """x1·x2 underflowed in the ln B difference: NaN for Beta(1e-170, 1) against Beta(2e-170, 1)."""
+    a1, a2 = mp.mpf(1e-170), mp.mpf(2e-170)
+    with mp.workdps(60):
+        ref = (mp.log(mp.beta(a2, 1)) - mp.log(mp.beta(a1, 1)) + (a1 - a2) * (mp.digamma(a1) - mp.digamma(a1 + 1)))
+    assert float(Beta(1e-170, 1.0).kl(Beta(2e-170, 1.0))) == pytest.approx(float(ref), rel=1e-12)
