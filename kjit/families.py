@@ -756,7 +756,7 @@ class Gaussian(Family):
         other._require_proper("kl")
         with np.errstate(all="ignore"):
             r = self._var / other._var
-            ok = (r > 0) & np.isfinite(r)
+            ok = (r > 1e-300) & (r < 1e300)  # (r − 1 rounds to −1 for a subnormal r: ln r from the logs there)
             # r − 1 − ln r: its series near r = 1 (a near pair's KL ~ (r − 1)²/4, found by an audit to lose
             # digits there), ln r from the logs where r under/overflows (KL inf for a finite 391, NaN for +inf)
             spread = np.where(ok, -log1p_minus(np.where(ok, r, 1.0) - 1.0),

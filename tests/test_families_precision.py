@@ -130,6 +130,8 @@ def test_gaussian_kl_against_mpmath(m1, v1, m2, v2):
     got = float(Gaussian(m1, v1).kl(Gaussian(m2, v2)))
     assert got == pytest.approx(_gauss_kl(m1, v1, m2, v2), rel=1e-7)
     assert float(Gaussian(0.0, 1e200).kl(Gaussian(0.0, 1e-200))) == np.inf  # (was NaN)
+    # a subnormal ratio: r − 1 rounds to −1, ln r from the logs
+    assert float(Gaussian(0.0, 1e-320).kl(Gaussian(0.0, 1.0))) == pytest.approx(0.5 * (320 * np.log(10) - 1), rel=1e-3)
 
 
 def test_beta_kl_with_a_parameter_near_the_smallest_double():
