@@ -1,7 +1,8 @@
 """The continuous accuracy audit (issue 20): served answers re-checked against the oracle.
 
 With ``KJIT_AUDIT_RATE`` = r > 0, each learned answer a served operator gives (``mode=predict`` and
-the rows of ``mode=jit`` the oracle did not answer) is picked for audit with probability r.  The
+the rows of ``mode=jit`` the oracle did not answer) is picked for audit with probability r — with a
+token configured, only from requests that carry it (the audit learns and may lower the threshold).  The
 request only copies the picked rows into a bounded queue (``KJIT_AUDIT_QUEUE`` rows; when it is
 full the rows are dropped and counted, never waited for) — after its answer was computed, so the
 audit cannot change or delay it.  One background thread per server:
@@ -20,8 +21,8 @@ audit cannot change or delay it.  One background thread per server:
 4. sleeps so that its CPU time stays within ``KJIT_AUDIT_CPU_SHARE`` of one core (after a batch
    that took c CPU seconds and w wall seconds, it sleeps c / share − w).
 
-Drift.  The audited KLs of *confident* answers (learned, log variance ≤ the threshold) since the
-threshold last changed form a window; once it holds ``KJIT_AUDIT_MIN_AUDITS`` answers and its 95th
+Drift.  The audited KLs of *confident* answers (learned, served as confident, log variance ≤ the
+threshold in force when their record is made) since the threshold last changed form a window; once it holds ``KJIT_AUDIT_MIN_AUDITS`` answers and its 95th
 percentile exceeds ``KJIT_AUDIT_KL_TARGET``, the threshold is lowered (more consultation): to the
 largest log variance at which the window's answers at or below it have a 95th percentile KL within
 the target — and at least ``THRESHOLD_STEP`` below the current one — or, when no such cut holds
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from kjit.certificates import Certificates, certified
+from kjit.operators import respect_factor_bounds
 from kjit.families import Family
 from kjit.oracles import ClientOracle
 
@@ -121,7 +123,13 @@ class AuditStats:
         conf = np.asarray(audit["confident"], bool)
         u = np.array([np.nan if x is None else x for x in audit["log_var"]], float)
         target = float(audit["target"])
-        t = float(audit.get("time", 0.0))
+        # each row's serving version and time (records before the twenty-first session: the record's)
+        n = kl.size
+        versions = audit.get("served_version") or [int(version)] * n
+        times = audit.get("served_time") or [float(audit.get("time", 0.0))] * n
+        # the window: confident under the threshold in force when the record was made (decided then, in
+        # the record; earlier records: confident when served)
+        in_window = np.asarray(audit["in_window"], bool) if "in_window" in audit else conf
         self.records += 1
         self.count += int(kl.size)
         self.sum_kl += float(kl.sum())
@@ -129,9 +137,9 @@ class AuditStats:
         self.above += int(np.count_nonzero(kl > target))
         self.confident += int(np.count_nonzero(conf))
         self.confident_above += int(np.count_nonzero(conf & (kl > target)))
-        for k, c in zip(kl.tolist(), conf.tolist()):
-            self.recent.append((t, int(version), float(k), bool(c)))
-        for uu, k in zip(u[conf].tolist(), kl[conf].tolist()):
+        for t, v, k, c in zip(times, versions, kl.tolist(), conf.tolist()):
+            self.recent.append((float(t), int(v), float(k), bool(c)))
+        for uu, k in zip(u[in_window].tolist(), kl[in_window].tolist()):
             self.window.append((float(uu), float(k)))
         change = audit.get("threshold_change")
         if change:
@@ -183,12 +191,32 @@ class AuditStats:
         }
 
 
-class _Item:
-    __slots__ = ("entry", "incoming", "served", "log_var", "confident", "version")
+def _rows_of(rows, n: int):
+    """An error's ``rows`` as distinct positions of a batch of ``n`` (None: none named, or any outside it)."""
+    if rows is None:
+        return None
+    try:
+        r = np.unique(np.asarray(rows, dtype=int).ravel())
+    except (TypeError, ValueError):
+        return None
+    return r if r.size and r.min() >= 0 and r.max() < n else None
 
-    def __init__(self, entry, incoming, served, log_var, confident, version):
+
+class _Item:
+    __slots__ = ("entry", "incoming", "served", "log_var", "confident", "version", "time")
+
+    def __init__(self, entry, incoming, served, log_var, confident, version, when):
         self.entry, self.incoming, self.served = entry, incoming, served
-        self.log_var, self.confident, self.version = log_var, confident, version
+        self.log_var, self.confident, self.version, self.time = log_var, confident, version, when
+
+    def __len__(self) -> int:
+        return len(self.served)
+
+    def split(self, k: int) -> tuple["_Item", "_Item"]:
+        """The first ``k`` rows and the rest."""
+        a, b = slice(0, k), slice(k, None)
+        return tuple(_Item(self.entry, {v: m[r] for v, m in self.incoming.items()}, self.served[r], self.log_var[r],
+                           self.confident[r], self.version, self.time) for r in (a, b))
 
 
 class Auditor:
@@ -245,7 +273,7 @@ class Auditor:
             self._queued += int(pick.size)
         # copies of the picked rows (fancy indexing): nothing the response holds is shared
         item = _Item(entry, {v: m.ravel()[pick] for v, m in incoming.items()}, q.ravel()[pick],
-                     np.array(cert.log_var[pick]), np.array(cert.confident[pick]), cert.version)
+                     np.array(cert.log_var[pick]), np.array(cert.confident[pick]), cert.version, time.time())
         self._q.put_nowait(item)
         return int(pick.size)
 
@@ -278,9 +306,11 @@ class Auditor:
             return None
         with self._lock:
             self._busy += 1
-        items = [first]
-        n = len(first.served)
-        rest = []
+        items, rest = [first], []
+        if len(first) > self.batch:  # (a request's rows beyond the batch wait for the next one, in front)
+            first, later = first.split(self.batch)
+            items, rest = [first], [later]
+        n = len(first)
         # linger: a batch of rows costs the oracle's fixed cost, one record and one fsync once
         deadline = time.monotonic() + self.linger
         while n < self.batch:
@@ -293,20 +323,30 @@ class Auditor:
                 self._q.put(None)
                 break
             if it.entry is first.entry:
+                if n + len(it) > self.batch:  # at most KJIT_AUDIT_BATCH rows a record (found by an audit:
+                    it, later = it.split(self.batch - n)  # a 300-row request made one record of 310)
+                    rest.append(later)
                 items.append(it)
-                n += len(it.served)
+                n += len(it)
             else:
                 rest.append(it)
-        for it in rest:
-            self._q.put(it)
+        self._requeue(rest)
         return items
+
+    def _requeue(self, items) -> None:
+        """Put items back in front of the queue, in their order (the queue's own lock: FIFO kept)."""
+        if not items:
+            return
+        with self._q.mutex:
+            self._q.queue.extendleft(reversed(items))
+            self._q.not_empty.notify()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             items = self._take()
             if items is None:
                 return
-            n = sum(len(it.served) for it in items)
+            n = sum(len(it) for it in items)
             c0, w0 = time.thread_time(), time.monotonic()
             try:
                 self._audit(items)
@@ -345,16 +385,39 @@ class Auditor:
         served = fam.concatenate([it.served for it in items])
         log_var = np.concatenate([it.log_var for it in items])
         confident = np.concatenate([it.confident for it in items])
+        version = np.concatenate([np.full(len(it), -1 if it.version is None else int(it.version)) for it in items])
+        when = np.concatenate([np.full(len(it), float(it.time)) for it in items])
         oracle = self._oracle(entry)
-        try:
-            with np.errstate(all="ignore"):
-                truth, _ = certified(oracle, inc, entry.jit.to)
-                kl = np.asarray(truth.kl(served), float).ravel()
-        except Exception as exc:  # noqa: BLE001 - e.g. a low ESS: these rows cannot be audited
-            log.info("audit of %s: the oracle could not answer %d row(s): %s", entry.name, len(served), exc)
-            with self._lock:
-                self.failed += len(served)
-            return
+        keep = np.arange(len(served))
+        for attempt in range(2):
+            sub = {v: m[keep] for v, m in inc.items()} if keep.size < len(served) else inc
+            try:
+                with np.errstate(all="ignore"):
+                    truth, _ = certified(oracle, sub, entry.jit.to, unknown_source="oracle")
+                    # what the just-in-time path learns: an answer on the wrong side of the factor's
+                    # bound moved onto it (found by an audit: a sampler's beliefs wider than the incoming
+                    # message were learned as they were)
+                    truth = respect_factor_bounds(entry.jit.factor, entry.jit.to, {v: m.ravel() for v, m in sub.items()},
+                                                  truth.ravel())[0]
+                    kl = np.asarray(truth.kl(served[keep]), float).ravel()
+                break
+            except Exception as exc:  # noqa: BLE001 - e.g. a low ESS: these rows cannot be audited
+                rows = getattr(exc, "rows", None)
+                bad = _rows_of(rows, keep.size)
+                if attempt == 0 and bad is not None and 0 < bad.size < keep.size:
+                    # the rows the oracle refused, by name: the others are audited (found by an audit: one
+                    # refused row of another client failed the whole batch — the audit could be blinded)
+                    log.info("audit of %s: the oracle could not answer %d row(s): %s", entry.name, bad.size, exc)
+                    with self._lock:
+                        self.failed += int(bad.size)
+                    keep = np.delete(keep, bad)
+                    continue
+                log.info("audit of %s: the oracle could not answer %d row(s): %s", entry.name, keep.size, exc)
+                with self._lock:
+                    self.failed += int(keep.size)
+                return
+        inc = {v: m[keep] for v, m in inc.items()} if keep.size < len(served) else inc
+        log_var, confident, version, when = log_var[keep], confident[keep], version[keep], when[keep]
         ok = np.isfinite(kl) & np.asarray(truth.is_proper, bool).ravel()
         if not ok.all():
             with self._lock:
@@ -362,16 +425,27 @@ class Auditor:
             if not ok.any():
                 return
             inc = {v: m[ok] for v, m in inc.items()}
-            truth, kl, log_var, confident = truth[ok], kl[ok], log_var[ok], confident[ok]
+            truth, kl, log_var, confident, version, when = (truth[ok], kl[ok], log_var[ok], confident[ok], version[ok],
+                                                            when[ok])
         u = np.max(log_var, axis=1)
         entry.audit_update(inc, truth, lambda stats, threshold: self._payload(entry, stats, threshold, kl, u,
-                                                                              confident))
+                                                                              confident, version, when))
 
-    def _payload(self, entry, stats: AuditStats, threshold: float, kl, u, confident) -> dict:
+    def _payload(self, entry, stats: AuditStats, threshold: float, kl, u, confident, version=None, when=None) -> dict:
         """The ``audit`` part of the record, decided under the operator's exclusive lock."""
+        now = time.time()
+        # the window holds answers confident under the threshold in force now: answers served as confident
+        # under an earlier, higher one are not evidence against this one (found by an audit: rows queued
+        # when the audit lowered the threshold lowered it again, on answers the new one would not give)
+        with np.errstate(invalid="ignore"):
+            in_window = np.asarray(confident, bool) & (u <= threshold)
         payload = {"kl": kl.tolist(), "log_var": [float(x) if np.isfinite(x) else None for x in u],
-                   "confident": confident.tolist(), "target": self.kl_target, "time": time.time()}
-        window = list(stats.window) + [(float(a), float(b)) for a, b, c in zip(u, kl, confident) if c]
+                   "confident": confident.tolist(), "in_window": in_window.tolist(), "target": self.kl_target,
+                   "time": now}
+        if version is not None:  # each row's serving version and time (not the record's)
+            payload["served_version"] = [int(v) for v in version]
+            payload["served_time"] = [float(t) for t in when]
+        window = list(stats.window) + [(float(a), float(b)) for a, b, c in zip(u, kl, in_window) if c]
         window = window[-WINDOW:]
         floor = float(entry.jit.threshold_floor())
         new, p95 = propose_threshold(np.array([w[0] for w in window]), np.array([w[1] for w in window]),
@@ -379,7 +453,7 @@ class Auditor:
         if new is not None and np.isfinite(new):
             at_floor = new <= floor
             payload["threshold_change"] = {
-                "time": payload["time"], "from": float(threshold), "to": float(new), "window": len(window),
+                "time": now, "from": float(threshold), "to": float(new), "window": len(window),
                 "p95_kl": p95, "kl_target": self.kl_target, "at_floor": bool(at_floor),
                 "reason": (f"audited KL of confident answers drifted: p95 {p95:.3g} over the last {len(window)} "
                            f"> target {self.kl_target:g}; threshold lowered {threshold:.4g} -> {new:.4g} "

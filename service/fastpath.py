@@ -34,7 +34,7 @@ from starlette.requests import Request
 from . import schemas
 from .deps import get_entry, get_oracle_slot
 from .errors import ApiError, api_error_handler
-from .routers.messages import answer, messages, router as messages_router
+from .routers.messages import answer, messages, router as messages_router, trusted
 from .validation import body_dependency
 
 __all__ = ["PredictFastPath", "HotPathApp"]
@@ -76,7 +76,7 @@ class PredictFastPath:
             entry = await get_entry(request, name)
             req = await self.parse(request)
             response = await answer(entry, state.settings, state.store, state.metrics,
-                                    await get_oracle_slot(request), req, "predict")
+                                    await get_oracle_slot(request), req, "predict", audit=trusted(scope))
         except ApiError as exc:
             response = await api_error_handler(request, exc)
         await response(scope, receive, send)

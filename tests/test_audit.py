@@ -72,7 +72,7 @@ def test_audit_learns_durably_and_never_changes_an_answer_sent(store_dir, pristi
     inc = probe("logistic", 30)
     q_pristine, _ = local.operator.predict(inc)
     exact = QuadratureOracle(local.factor).belief(inc, "x")
-    with TestClient(_audit_app(store_dir)) as c:
+    with TestClient(_audit_app(store_dir), headers=AUTH) as c:
         wait_ready(c)
         store = c.app.state.store
         r = c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc))
@@ -111,7 +111,7 @@ def test_audit_learns_durably_and_never_changes_an_answer_sent(store_dir, pristi
 
 def test_audit_checks_only_learned_answers(store_dir):
     inc = probe("logistic", 40, seed=5)
-    with TestClient(_audit_app(store_dir)) as c:
+    with TestClient(_audit_app(store_dir), headers=AUTH) as c:
         wait_ready(c)
         body = c.post("/v1/operators/logistic-x/messages?mode=jit", json=_body(inc), headers=AUTH).json()
         n_learned = body["n"] - body["n_consulted"]
@@ -129,7 +129,7 @@ def test_audit_checks_only_learned_answers(store_dir):
 
 def test_audit_statistics_survive_a_crash_and_a_restart(store_dir, tmp_path):
     inc = probe("logistic", 50, seed=9)
-    with TestClient(_audit_app(store_dir, audit_batch=16)) as c:
+    with TestClient(_audit_app(store_dir, audit_batch=16), headers=AUTH) as c:
         wait_ready(c)
         for s in range(3):
             c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body({v: m[s * 15:(s + 1) * 15]
@@ -148,7 +148,7 @@ def test_audit_statistics_survive_a_crash_and_a_restart(store_dir, tmp_path):
         after_crash = e.detail()
     finally:
         st.abandon()
-    with TestClient(_audit_app(store_dir, audit_rate=0.0)) as c:  # a clean restart (snapshot)
+    with TestClient(_audit_app(store_dir, audit_rate=0.0), headers=AUTH) as c:  # a clean restart (snapshot)
         wait_ready(c)
         after = c.get("/v1/operators/logistic-x").json()
     for d in (after_crash, after):
@@ -176,7 +176,7 @@ def test_drift_lowers_the_threshold_and_says_so(store_dir, pristine_store, caplo
     # a threshold above the noise floor with about half the answers confident
     _set_threshold(store_dir, "logistic-x", max(float(np.median(lv.max(axis=1))), floor + 2.0))
     with caplog.at_level(logging.WARNING, logger="kjit.service.store"):
-        with TestClient(_audit_app(store_dir, audit_kl_target=1e-12, audit_min_audits=5)) as c:
+        with TestClient(_audit_app(store_dir, audit_kl_target=1e-12, audit_min_audits=5), headers=AUTH) as c:
             wait_ready(c)
             thr0 = c.get("/v1/operators/logistic-x").json()["threshold"]
             c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc))
@@ -195,7 +195,7 @@ def test_the_threshold_stays_above_the_noise_floor(store_dir, pristine_store):
     floor = local.threshold_floor()
     _set_threshold(store_dir, "logistic-x", floor + 0.2)
     inc = probe("logistic", 200, seed=3)
-    with TestClient(_audit_app(store_dir, audit_kl_target=1e-12, audit_min_audits=5)) as c:
+    with TestClient(_audit_app(store_dir, audit_kl_target=1e-12, audit_min_audits=5), headers=AUTH) as c:
         wait_ready(c)
         for s in range(4):
             c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body({v: m[s * 50:(s + 1) * 50]
@@ -269,7 +269,8 @@ def test_cli_audit_prints_the_summary_and_a_histogram(store_dir, capsys):
     with ThreadedServer(settings_for(store_dir, audit_rate=1.0, audit_cpu_share=1.0)) as srv:
         import httpx
 
-        httpx.post(f"{srv.url}/v1/operators/logistic-x/messages?mode=predict", json=_body(inc), timeout=30)
+        httpx.post(f"{srv.url}/v1/operators/logistic-x/messages?mode=predict", json=_body(inc), timeout=30,
+                   headers=AUTH)
         assert srv.app.state.store.audit.drain()
         detail = httpx.get(f"{srv.url}/v1/operators/logistic-x", timeout=30).json()
         assert main(["audit", "logistic-x", "--url", srv.url]) == 0
@@ -377,3 +378,110 @@ def test_metrics_scrape_while_audits_are_folded():
         t.join()
         sys.setswitchinterval(old)
     assert not errors, errors
+
+
+# ------------------------------------------------------------------------------ found by an audit (session 21)
+def test_a_request_without_the_token_is_not_audited(store_dir):
+    """With a token configured, mode=predict is open to all because it changes nothing — but its rows fed
+    the audit, which learns them and may lower the threshold: an unauthenticated client moved the
+    operator's version, training set and threshold.  Its rows are not audited now; the token's are."""
+    inc = probe("logistic", 30)
+    with TestClient(_audit_app(store_dir)) as c:
+        wait_ready(c)
+        store = c.app.state.store
+        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc)).status_code == 200
+        wrong = {"Authorization": "Bearer not-the-token"}
+        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc), headers=wrong).status_code == 200
+        assert store.audit.drain()
+        d = c.get("/v1/operators/logistic-x").json()
+        assert d["version"] == 0 and d["audit"]["count"] == 0 and d["audit"]["server"]["picked"] == 0
+        assert _records(store_dir) == []
+        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc), headers=AUTH).status_code == 200
+        assert store.audit.drain()
+        d = c.get("/v1/operators/logistic-x").json()
+        assert d["version"] == 1 and d["audit"]["count"] == 30
+
+
+def test_one_refused_row_does_not_sink_its_audit_batch(store_dir):
+    """The oracle's refusal of one row (naming it) failed the whole batch — other clients' rows too, so a
+    row sent every second blinded the audit.  The named rows are counted as failed, the others audited."""
+    from kjit.families import Gaussian
+
+    good = probe("logistic", 40, seed=11)
+    bad = {"x": Gaussian(np.array([3.0]), np.array([1e-11])), "z": probe("logistic", 1, seed=12)["z"]}
+    with TestClient(_audit_app(store_dir), headers=AUTH) as c:
+        wait_ready(c)
+        store = c.app.state.store
+        store.audit.linger = 5.0  # (both requests in one batch)
+        for inc in (good, bad):
+            assert c.post("/v1/operators/logistic-z/messages?mode=predict", json=_body(inc, "z")).status_code == 200
+        assert store.audit.drain()
+        a = c.get("/v1/operators/logistic-z").json()["audit"]
+        assert a["count"] == 40 and a["server"]["failed"] == 1 and a["records"] == 1
+
+
+def test_an_audit_record_holds_at_most_the_batch(store_dir):
+    """KJIT_AUDIT_BATCH bounds the rows a record learns under the operator's exclusive lock: a 10-row then
+    a 300-row request made one record of 310 rows at batch 16."""
+    with TestClient(_audit_app(store_dir, audit_batch=16), headers=AUTH) as c:
+        wait_ready(c)
+        store = c.app.state.store
+        for n, seed in ((10, 1), (300, 2)):
+            assert c.post("/v1/operators/logistic-x/messages?mode=predict",
+                          json=_body(probe("logistic", n, seed=seed))).status_code == 200
+        assert store.audit.drain()
+        sizes = [len(r["audit"]["kl"]) for r in _records(store_dir) if "audit" in r]
+        assert sum(sizes) == 310 and max(sizes) <= 16
+
+
+def _direct_store(store_dir, **kw):
+    from service.audit import Auditor
+    from service.store import OperatorStore
+
+    st = OperatorStore(store_dir)
+    st.audit = Auditor(1.0, cpu_share=1.0, batch=1000, seed=0, **kw)  # (not started: batches run by hand)
+    st.open()
+    st.load_all()
+    return st
+
+
+def test_audited_rows_are_credited_to_the_version_that_served_them(store_dir):
+    """recent.version was the audit record's own number (the state after the audit learned, plus whatever
+    landed while the rows waited), not the version that served them."""
+    from kjit.oracles import QuadratureOracle
+
+    st = _direct_store(store_dir)
+    try:
+        e = st.get("logistic-x")
+        cert = e.predict_certified(probe("logistic", 10, seed=1), "predict")[5]
+        for s in (2, 3):
+            o = probe("logistic", 5, seed=s)
+            e.observe(o, QuadratureOracle(e.jit.factor).belief(o, "x"), None, None)
+        assert e.version == 2 and cert.version == 0
+        st.audit._audit([st.audit._q.get_nowait()])
+        assert e.version == 3
+        assert set(e.detail()["audit"]["recent"]["version"]) == {0}
+    finally:
+        st.abandon()
+
+
+def test_the_drift_window_holds_answers_confident_under_the_threshold_in_force(store_dir):
+    """Rows served as confident under an older, higher threshold entered the window after the audit had
+    lowered it, and lowered it again on answers the new threshold would not give as confident."""
+    from service.audit import AuditStats
+
+    st = _direct_store(store_dir, kl_target=1e-3, min_audits=5)
+    try:
+        e = st.get("logistic-x")
+        u = np.linspace(-14.0, -9.0, 40)                   # log variances: served under a threshold of −8
+        kl = np.where(u > -12.0, 1.0, 1e-6)                # wrong exactly where they would be uncertain now
+        confident = np.ones(40, dtype=bool)
+        payload = st.audit._payload(e, AuditStats(), -12.0, kl, u, confident)
+        np.testing.assert_array_equal(payload["in_window"], u <= -12.0)
+        assert "threshold_change" not in payload           # the window's answers meet the target
+        # (and the record folds to the same window on replay)
+        stats = AuditStats()
+        stats.fold(payload, 7)
+        assert len(stats.window) == int(np.sum(u <= -12.0))
+    finally:
+        st.abandon()

@@ -73,9 +73,9 @@ def fast_calls(monkeypatch):
     calls = []
     real = fastpath.answer
 
-    async def counted(*args):
+    async def counted(*args, **kw):
         calls.append(args[0].name)
-        return await real(*args)
+        return await real(*args, **kw)
 
     monkeypatch.setattr(fastpath, "answer", counted)
     return calls

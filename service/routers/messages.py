@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from kjit.oracles import ClientOracle
@@ -15,6 +16,7 @@ from ..deps import EntryDep, MetricsDep, OracleSlotDep, SettingsDep, StoreDep
 from ..errors import ApiError, internal_error
 from ..locks import WouldBlock
 from ..metrics import Metrics
+from ..middleware import UNTRUSTED
 from ..settings import Settings
 from ..store import Conflict, Entry, OperatorStore, OracleFailure, PersistError, Unprocessable
 from ..validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
@@ -46,6 +48,7 @@ INLINE_ROWS = 16
         "`is_proper` is false)."),
 )
 async def messages(
+    request: Request,
     entry: EntryDep,
     settings: SettingsDep,
     store: StoreDep,
@@ -54,22 +57,29 @@ async def messages(
     req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
     mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
 ):
-    return await answer(entry, settings, store, metrics, oracle_slot, req, mode)
+    return await answer(entry, settings, store, metrics, oracle_slot, req, mode, audit=trusted(request.scope))
+
+
+def trusted(scope) -> bool:
+    """Did the request carry the server's token, or does the server have none (the audit may learn its answers)."""
+    state = scope.get("state")
+    return not (state and state.get(UNTRUSTED))
 
 
 async def answer(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
-                 req: schemas.MessagesRequest, mode: str) -> Response:
-    """The messages route's answer (also :mod:`service.fastpath`'s, which calls it without FastAPI)."""
+                 req: schemas.MessagesRequest, mode: str, audit: bool = True) -> Response:
+    """The messages route's answer (also :mod:`service.fastpath`'s, which calls it without FastAPI);
+    ``audit``: whether the continuous audit may take its rows (:func:`trusted`)."""
     # A small read-only batch is answered on the event loop (two small matrix-vector products:
     # less than the thread hops it would otherwise cost), unless an update holds or waits for
     # the operator's lock — then, and for everything else, in the thread pool.
     args = (entry, settings, store, metrics, oracle_slot, req, mode)
     if mode == "predict" and _rows(req) <= INLINE_ROWS:
         try:
-            return _messages(*args, wait=False)
+            return _messages(*args, wait=False, audit=audit)
         except WouldBlock:
             pass
-    return await run_in_threadpool(_messages, *args)
+    return await run_in_threadpool(partial(_messages, *args, audit=audit))
 
 
 def _rows(req: schemas.MessagesRequest) -> int:
@@ -103,7 +113,7 @@ def _rows_within(rows, n: int):
 
 
 def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
-              req: schemas.MessagesRequest, mode: str, wait: bool = True) -> Response:
+              req: schemas.MessagesRequest, mode: str, wait: bool = True, audit: bool = True) -> Response:
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
         raise ApiError(422, ["query", "mode"], f"operator {entry.name!r} has no oracle on the server (its clients run "
                                                f"it): use mode=predict and send the oracle's answers to "
@@ -119,9 +129,11 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
     try:
         if mode == "oracle":
             with oracle_slot():
-                q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode)
+                q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode,
+                                                                                                     audit=audit)
         else:  # mode=predict also marks the rows the just-in-time rule would consult ("uncertain")
-            q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode, wait=wait)
+            q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode, wait=wait,
+                                                                                                 audit=audit)
     except OracleFailure as exc:
         rows = _rows_within(exc.rows, n_rows)
         if rows is not None:  # by row: a client (the EP engines) can skip just those and ask again for the rest

@@ -289,10 +289,12 @@ class Entry:
         rather than wait for an update."""
         return self.predict_certified(incoming, mode, wait=wait)[:5]
 
-    def predict_certified(self, incoming: dict[str, Family], mode: str, wait: bool = True):
+    def predict_certified(self, incoming: dict[str, Family], mode: str, wait: bool = True, audit: bool = True):
         """``(belief, log_var or None, consulted mask, version, n_learned, certificates, uncertain)``;
         ``uncertain`` (mode=predict, else None): the rows the operator's just-in-time rule would
-        consult (:meth:`JITOperator.screen`) — what a client whose oracle runs on its side answers."""
+        consult (:meth:`JITOperator.screen`) — what a client whose oracle runs on its side answers.
+        ``audit=False``: none of the answer is offered to the continuous audit (a request without the
+        server's token: the audit learns its rows and may lower the threshold — a change of state)."""
         if mode == "predict":
             q, logvar, consulted, version, n_learned, cert, uncertain = self._screen(incoming, wait)
         else:
@@ -302,7 +304,7 @@ class Entry:
         # by JITOperator.certified in mode=jit — not read here, after an audit may have changed it)
         if cert.version != version:  # (mode=predict's are issued with it)
             cert = cert.with_(version=version)
-        if mode != "oracle" and self.audit is not None:
+        if mode != "oracle" and self.audit is not None and audit:
             self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
         return q, logvar, consulted, version, n_learned, cert, uncertain
 
