@@ -756,12 +756,13 @@ class Gaussian(Family):
         other._require_proper("kl")
         with np.errstate(all="ignore"):
             r = self._var / other._var
-            ok = (r > 1e-300) & (r < 1e300)  # (r − 1 rounds to −1 for a subnormal r: ln r from the logs there)
-            # r − 1 − ln r: its series near r = 1 (a near pair's KL ~ (r − 1)²/4, found by an audit to lose
-            # digits there), ln r from the logs where r under/overflows (KL inf for a finite 391, NaN for +inf)
-            spread = np.where(ok, -log1p_minus(np.where(ok, r, 1.0) - 1.0),
+            near = np.abs(r - 1.0) < 0.5
+            # r − 1 − ln r: by ln(1 + u) − u's series near r = 1 (a near pair's KL ~ (r − 1)²/4, found by an
+            # audit to lose digits there); elsewhere ln r from the logs (r under/overflows: KL inf for a
+            # finite 391, NaN for +inf; and r − 1 rounds to −1 below 2⁻⁵⁴ — found in review)
+            spread = np.where(near, -log1p_minus(np.where(near, r, 1.0) - 1.0),
                               r - 1.0 - (np.log(self._var) - np.log(other._var)))
-        return 0.5 * (spread + (self._mean - other._mean) ** 2 / other._var)
+        return (0.5 * (spread + (self._mean - other._mean) ** 2 / other._var))[()]
 
     def sample(self, n, random_state=None):
         self._require_proper("sample")
@@ -853,6 +854,15 @@ def _digamma_diff(x, y):
 _TAYLOR_TERMS, _TAYLOR_RATIO = 7, 1e-3
 
 
+def _taylor_terms(ratio: float, most: int) -> int:
+    """Terms of a Taylor series whose n-th term is ~ratioⁿ⁻¹ of the first, to below 1e-17 of it (at most
+    ``most``, at least 2): polygamma calls are what these series cost (found in review: a fixed 17 made
+    Gamma.kl 57× slower on near pairs)."""
+    if not ratio > 0:
+        return 2
+    return int(min(most, max(2, 2 + np.ceil(17.0 / -np.log10(min(float(ratio), 0.5))))))
+
+
 def _near_taylor(out, x, y, big, order):
     """``out`` with the rows where y < 1e-3 x < 10 (not ``big``) replaced by Taylor's series of
     ψ⁽ᵒʳᵈᵉʳ⁾(x) − ψ⁽ᵒʳᵈᵉʳ⁾(x + y) = −Σ ψ⁽ᵒʳᵈᵉʳ⁺ⁿ⁾(x) yⁿ/n! (times x for order 1, as
@@ -864,7 +874,7 @@ def _near_taylor(out, x, y, big, order):
     i = np.flatnonzero(near.ravel())
     xi, yi = x.ravel()[i], y.ravel()[i]
     acc, yn = np.zeros(i.size), yi.copy()
-    for n in range(1, _TAYLOR_TERMS + 1):
+    for n in range(1, _taylor_terms(np.max(yi / xi), _TAYLOR_TERMS) - 1 + 1):
         acc -= special.polygamma(order + n, xi) * yn
         yn = yn * yi / (n + 1)
     out = np.array(out, dtype=float)
@@ -1392,14 +1402,27 @@ class Gamma(Family):
             big = (a1 > 1e3) & (a2 > 1e3)
             x = np.where(big, a1, 1e3)
             t = np.where(big, d, 0.0) / x
-            r, lt = 1.0 / x, np.log1p(t)
+            # ln(1 + t) = ln(a₂/a₁): from the logs where a₂ is far from a₁ (1 + t rounds a₂ away below
+            # a₂/a₁ ~ 1e-8: inf/NaN, found in review), and ln(1 + t) − t likewise
+            far_t = np.abs(t) >= 0.5
+            r = 1.0 / x
+            lt = np.where(far_t, np.log(np.where(big, a2, 1e3)) - np.log(x), np.log1p(t))
+            lm = np.where(far_t, lt - t, log1p_minus(t))
             tail = lambda y: 1.0 / (12.0 * y) - 1.0 / (360.0 * y**3) + 1.0 / (1260.0 * y**5)  # noqa: E731 - R̃
             # R̃(a₂) − R̃(a₁) term by term: a₂⁻ⁿ − a₁⁻ⁿ = a₁⁻ⁿ expm1(−n ln(1 + t))
             tail_diff = (r / 12.0 * np.expm1(-lt) - r**3 / 360.0 * np.expm1(-3.0 * lt)
                          + r**5 / 1260.0 * np.expm1(-5.0 * lt))
-            series = (x * (log1p_minus(t) + t * lt) - 0.5 * log1p_minus(t)
+            # the series' a₁[(1 + t) ln(1 + t) − t] and the rate part together: a₁ (b₂/b₁) h(q), h(q) =
+            # (1 + q) ln(1 + q) − q, 1 + q = the ratio of the means (a₂/b₂)/(a₁/b₁) — apart, each ~a₁t² and
+            # they cancelled for a mean-matched pair (1e-3 relative at shape 1e12, found in review)
+            br = b2 / b1
+            q = np.where(near & ~far_t, (t - rho) / (1.0 + rho), (np.where(big, a2, 1e3) / x) / br - 1.0)
+            lq = np.where(np.abs(q) < 0.5, np.log1p(q),
+                          (np.log(np.where(big, a2, 1e3)) - np.log(x)) - (np.log(b2) - np.log(b1)))
+            hq = np.where(np.abs(q) < 0.5, log1p_minus(q), lq - q) + q * lq
+            series = (x * br * hq - 0.5 * lm
                       + np.where(big, d, 0.0) * (r * r * (1.0 / 12.0 - r * r * (1.0 / 120.0 - r * r / 252.0)))
-                      + tail_diff)
+                      + tail_diff)  # (the whole KL, rate part included)
             direct = special.gammaln(a2) - special.gammaln(a1) - d * special.digamma(a1)
             # a₁ beyond 1e3, a₂ not: −ln Γ(a₁) − d ψ(a₁) = a₁ψ(a₁) − ln Γ(a₁) − a₂ψ(a₁), whose first two
             # terms (~a₁ ln a₁ each) are a₁ − a₁(ln a₁ − ψ(a₁)) − ½ ln(2π/a₁) − R̃(a₁); that a₁ and the
@@ -1407,7 +1430,7 @@ class Gamma(Family):
             y = np.where(a1 > 1e3, a1, 1e3)
             mixed = (special.gammaln(a2) - a2 * special.digamma(y) - y * _log_minus_digamma(y)[0]
                      - 0.5 * np.log(2.0 * np.pi / y) - tail(y) + y * (b2 / b1) - a2 * log_ratio)
-            shape = np.where(big, series, direct)
+            shape = direct
             # near pairs below 1e3: Taylor's series in d (the difference above cancels to ~1e-16 ln Γ(a),
             # which is all of a KL of ~d²/a), at a₁ + 1 below 1 (ln Γ(a) = ln Γ(a + 1) − ln a; the
             # series then converges for |d| < a₁ + 1, and ln Γ(a) ~ −ln a no longer dominates)
@@ -1417,13 +1440,16 @@ class Gamma(Family):
                 i = np.flatnonzero(near_pair.ravel())
                 x, di, si = (a1 + s).ravel()[i], d.ravel()[i], s.ravel()[i]
                 taylor, dn = np.zeros(i.size), di * di / 2.0
-                for n in range(2, _GAMMA_KL_TERMS + 1):  # Σ ψ⁽ⁿ⁻¹⁾(x) dⁿ / n!, |d/x| < 0.1
+                for n in range(2, _taylor_terms(np.max(np.abs(di) / x), _GAMMA_KL_TERMS) + 1):  # Σ ψ⁽ⁿ⁻¹⁾(x) dⁿ/n!
                     taylor += special.polygamma(n - 1, x) * dn
                     dn = dn * di / (n + 1)
-                taylor -= si * log1p_minus(di / a1.ravel()[i])
+                a1i, a2i = a1.ravel()[i], a2.ravel()[i]
+                ti = di / a1i
+                # ln(a₂/a₁) − d/a₁ (the shift's ln Γ(a + 1) − ln a), from the logs where a₂ ≪ a₁
+                taylor -= si * np.where(np.abs(ti) < 0.5, log1p_minus(ti), np.log(a2i) - np.log(a1i) - ti)
                 shape = np.array(shape, dtype=float)
                 shape.ravel()[i] = taylor
-            return np.where((a1 > 1e3) & ~big & ~near_pair, mixed, shape + rate)
+            return np.where(big, series, np.where((a1 > 1e3) & ~near_pair, mixed, shape + rate))[()]
 
     def sample(self, n, random_state=None):
         self._require_proper("sample")

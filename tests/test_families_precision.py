@@ -28,6 +28,11 @@ def _gamma_kl(a1, b1, a2, b2):
     (7509465204748.887, 1209653622.5430915, 0.0009401499281165808, 5.000626039882184e-07, None),  # far, mixed
     (2.5, 1.0, 2.5 * (1 + 1e-9), 1.0, None),
     (3.0, 2.0, 40.0, 0.01, None),
+    # found in review of the first rewrite: a₂ ≪ a₁ (1 + t rounded a₂ away: inf / NaN / −409600) and a
+    # mean-matched pair at a large shape (shape and rate parts, each ~a t², cancelled)
+    (1e-3, 1.0, 1e-20, 1.0, None), (1e-5, 1.0, 1e-300, 1.0, None), (0.05, 1.0, 1e-18, 1.0, None),
+    (1e20, 1.0, 1500.0, 1.5e-17, None), (1e20, 1.0, 1e5, 1e-15, None), (1e12, 1.0, 1e5, 1e-7, None),
+    (1e12, 1.0, 6e11, 0.6, None), (1e12, 1.0, 4e11, 0.4, None), (2.59e11, 1.0, 2.33e11, 0.9, None),
 ])
 def test_gamma_kl_against_mpmath(a1, b1, a2, b2, was):
     got = float(Gamma(a1, b1).kl(Gamma(a2, b2)))
@@ -37,20 +42,30 @@ def test_gamma_kl_against_mpmath(a1, b1, a2, b2, was):
 
 
 def test_gamma_kl_is_never_negative_on_near_pairs_and_matches_mpmath():
-    """4 000 random pairs, shapes 1e-8…1e13, near and far: 49 % of the near pairs beyond shape 1e5 had
-    a negative KL before (−6.6e-3 where the true value is +6.0e-5)."""
+    """Random pairs, shapes 1e-8…1e13 (second shapes down to 1e-300), near, mean-matched and far: 49 % of
+    the near pairs beyond shape 1e5 had a negative KL before (−6.6e-3 where the true value is +6.0e-5)."""
     rng = np.random.default_rng(1)
     n = 400
     a1 = 10 ** rng.uniform(-8, 13, n)
     b1 = 10 ** rng.uniform(-10, 10, n)
-    near = rng.random(n) < 0.6
-    a2 = np.where(near, a1 * (1 + rng.normal(size=n) * 10 ** rng.uniform(-9, -1, n)), 10 ** rng.uniform(-8, 13, n))
-    b2 = np.where(near, b1 * (1 + rng.normal(size=n) * 10 ** rng.uniform(-9, -1, n)), 10 ** rng.uniform(-10, 10, n))
+    kind = rng.integers(0, 4, n)  # near, mean-matched, far, far with a tiny second shape
+    f = 1 + rng.normal(size=n) * 10 ** rng.uniform(-9, -1, n)
+    a2 = np.select([kind == 0, kind == 1, kind == 2], [a1 * (1 + rng.normal(size=n) * 10 ** rng.uniform(-9, -1, n)),
+                                                       a1 * f, 10 ** rng.uniform(-8, 13, n)], 10 ** rng.uniform(-300, -8, n))
+    b2 = np.select([kind == 0, kind == 1], [b1 * (1 + rng.normal(size=n) * 10 ** rng.uniform(-9, -1, n)), b1 * f],
+                   10 ** rng.uniform(-10, 10, n))
     got = Gamma(a1, b1).kl(Gamma(a2, b2))
     ref = np.array([_gamma_kl(*p) for p in zip(a1, b1, a2, b2)])
     assert np.all(got >= 0)
     # relative 1e-6 (the far pairs with one shape ~1e13 are known only to ~1e-7 from their inputs' rounding)
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0)
+
+
+def test_kl_of_two_messages_is_a_scalar():
+    for p, q in ((Gamma(2.0, 1.0), Gamma(3.0, 1.0)), (Gaussian(0.0, 1.0), Gaussian(0.0, 2.0)),
+                 (Beta(2.0, 1.0), Beta(3.0, 1.0))):
+        k = p.kl(q)
+        assert isinstance(k, float) and np.ndim(k) == 0, type(k)
 
 
 def test_gamma_kl_batches_broadcast():
@@ -123,6 +138,7 @@ def _gauss_kl(m1, v1, m2, v2):
 
 
 @pytest.mark.parametrize("m1,v1,m2,v2", [(0.0, 1e-200, 0.0, 1e200), (0.0, 1e-170, 0.0, 1e170), (0.3, 2.0, 0.3, 2.0 * (1 + 1e-9)),
+                                         (0.0, 1e-12, 0.0, 1.0), (0.0, 1e-17, 0.0, 1.0), (0.0, 1e-100, 0.0, 1.0),
                                          (1.0, 1.0, 1.0 + 1e-8, 1.0 + 1e-7), (0.0, 1.0, 5.0, 3.0)])
 def test_gaussian_kl_against_mpmath(m1, v1, m2, v2):
     """r − 1 − ln r lost a near pair's digits ((r − 1)²/2 formed from O(1) terms) and was inf for a finite
