@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["OracleError", "LowESSError", "ConfigurationError", "gaussian_or_error", "rows_of_batch"]
+__all__ = ["OracleError", "LowESSError", "ConfigurationError", "gaussian_or_error", "rows_of_batch", "rows_within"]
 
 
 class ConfigurationError(ValueError):
@@ -43,6 +43,18 @@ def rows_of_batch(exc: BaseException, rows) -> BaseException:
             exc.args = (f"{exc.args[0]} [the rows of a sub-batch; of the whole batch: rows {shown}"
                         f"{'…' if mapped.size > 10 else ''}]",) + exc.args[1:]
     return exc
+
+
+def rows_within(rows, n: int):
+    """An error's ``rows`` as the sorted distinct positions of a batch of ``n`` (an int array), or None
+    (none named, not numbers, or any outside the batch)."""
+    if rows is None:
+        return None
+    try:
+        r = np.unique(np.asarray(rows, dtype=int).ravel())
+    except (TypeError, ValueError):
+        return None
+    return r if r.size and r.min() >= 0 and r.max() < n else None
 
 
 def gaussian_or_error(mean, var, what: str):

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from kjit.certificates import Certificates, certified
+from kjit.errors import rows_within
 from kjit.operators import respect_factor_bounds
 from kjit.families import Family
 from kjit.oracles import ClientOracle
@@ -189,17 +190,6 @@ class AuditStats:
                        "kl": [r[2] for r in self.recent], "confident": [r[3] for r in self.recent]},
             "threshold_changes": list(self.threshold_changes),
         }
-
-
-def _rows_of(rows, n: int):
-    """An error's ``rows`` as distinct positions of a batch of ``n`` (None: none named, or any outside it)."""
-    if rows is None:
-        return None
-    try:
-        r = np.unique(np.asarray(rows, dtype=int).ravel())
-    except (TypeError, ValueError):
-        return None
-    return r if r.size and r.min() >= 0 and r.max() < n else None
 
 
 class _Item:
@@ -403,7 +393,7 @@ class Auditor:
                 break
             except Exception as exc:  # noqa: BLE001 - e.g. a low ESS: these rows cannot be audited
                 rows = getattr(exc, "rows", None)
-                bad = _rows_of(rows, keep.size)
+                bad = rows_within(rows, keep.size)
                 if attempt == 0 and bad is not None and 0 < bad.size < keep.size:
                     # the rows the oracle refused, by name: the others are audited (found by an audit: one
                     # refused row of another client failed the whole batch — the audit could be blinded)

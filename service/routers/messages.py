@@ -9,6 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from kjit.errors import rows_within
 from kjit.oracles import ClientOracle
 
 from .. import schemas
@@ -101,17 +102,6 @@ def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
                                             f"{to!r}{hint}", "wrong_recipient")
 
 
-def _rows_within(rows, n: int):
-    """``rows`` as a sorted list of distinct row numbers of a batch of ``n``, or None (none, or any out of it)."""
-    if rows is None:
-        return None
-    try:
-        r = np.unique(np.asarray(rows, dtype=int).ravel())
-    except (TypeError, ValueError):
-        return None
-    return r.tolist() if r.size and r.min() >= 0 and r.max() < n else None
-
-
 def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
               req: schemas.MessagesRequest, mode: str, wait: bool = True, audit: bool = True) -> Response:
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
@@ -135,7 +125,7 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
             q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode, wait=wait,
                                                                                                  audit=audit)
     except OracleFailure as exc:
-        rows = _rows_within(exc.rows, n_rows)
+        rows = rows_within(exc.rows, n_rows)
         if rows is not None:  # by row: a client (the EP engines) can skip just those and ask again for the rest
             raise row_errors(rows, ["body", "incoming"], f"the oracle failed on this message: {exc}",
                              "oracle_failed") from None
