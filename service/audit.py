@@ -338,12 +338,13 @@ class Auditor:
                 return
             n = sum(len(it) for it in items)
             c0, w0 = time.thread_time(), time.monotonic()
+            self._batch_failed = 0  # rows of this batch _audit counted as failed already
             try:
                 self._audit(items)
             except Exception:  # noqa: BLE001 - the audit must never take the server down
                 log.exception("audit of %s failed", items[0].entry.name)
-                with self._lock:
-                    self.failed += n
+                with self._lock:  # (the rest: picked == audited + dropped + queued + failed — found in review)
+                    self.failed += n - self._batch_failed
             finally:
                 c, w = time.thread_time() - c0, time.monotonic() - w0
                 with self._lock:
@@ -398,20 +399,17 @@ class Auditor:
                     # the rows the oracle refused, by name: the others are audited (found by an audit: one
                     # refused row of another client failed the whole batch — the audit could be blinded)
                     log.info("audit of %s: the oracle could not answer %d row(s): %s", entry.name, bad.size, exc)
-                    with self._lock:
-                        self.failed += int(bad.size)
+                    self._fail(int(bad.size))
                     keep = np.delete(keep, bad)
                     continue
                 log.info("audit of %s: the oracle could not answer %d row(s): %s", entry.name, keep.size, exc)
-                with self._lock:
-                    self.failed += int(keep.size)
+                self._fail(int(keep.size))
                 return
         inc = {v: m[keep] for v, m in inc.items()} if keep.size < len(served) else inc
         log_var, confident, version, when = log_var[keep], confident[keep], version[keep], when[keep]
         ok = np.isfinite(kl) & np.asarray(truth.is_proper, bool).ravel()
         if not ok.all():
-            with self._lock:
-                self.failed += int(np.count_nonzero(~ok))
+            self._fail(int(np.count_nonzero(~ok)))
             if not ok.any():
                 return
             inc = {v: m[ok] for v, m in inc.items()}
@@ -420,6 +418,12 @@ class Auditor:
         u = np.max(log_var, axis=1)
         entry.audit_update(inc, truth, lambda stats, threshold: self._payload(entry, stats, threshold, kl, u,
                                                                               confident, version, when))
+
+    def _fail(self, n: int) -> None:
+        """Count ``n`` rows of the batch in hand as failed (not audited)."""
+        with self._lock:
+            self.failed += n
+        self._batch_failed = getattr(self, "_batch_failed", 0) + n
 
     def _payload(self, entry, stats: AuditStats, threshold: float, kl, u, confident, version=None, when=None) -> dict:
         """The ``audit`` part of the record, decided under the operator's exclusive lock."""

@@ -485,3 +485,30 @@ def test_the_drift_window_holds_answers_confident_under_the_threshold_in_force(s
         assert len(stats.window) == int(np.sum(u <= -12.0))
     finally:
         st.abandon()
+
+
+def test_the_audit_counts_each_row_once_when_its_record_cannot_be_written(store_dir, monkeypatch):
+    """A batch with one refused row whose record then failed (disk full, an unreachable shared store)
+    counted that row as failed twice: picked 41, failed 42 (found in review).  picked = audited +
+    dropped + queued + failed holds."""
+    from kjit.families import Gaussian
+
+    good = probe("logistic", 40, seed=11)
+    bad = {"x": Gaussian(np.array([3.0]), np.array([1e-11])), "z": probe("logistic", 1, seed=12)["z"]}
+    with TestClient(_audit_app(store_dir), headers=AUTH) as c:
+        wait_ready(c)
+        st = c.app.state.store
+        st.audit.linger = 5.0
+        e = st.get("logistic-z")
+
+        def boom(*a, **k):
+            raise OSError("disk full")
+
+        monkeypatch.setattr(e, "audit_update", boom)
+        for inc in (good, bad):
+            assert c.post("/v1/operators/logistic-z/messages?mode=predict", json=_body(inc, "z")).status_code == 200
+        assert st.audit.drain()
+        s = st.audit.summary()
+        audited = sum(x.audit_stats.count for x in st.entries.values())
+        assert s["picked"] == 41 and s["failed"] == 41 and audited == 0
+        assert s["picked"] == audited + s["dropped"] + s["queued"] + s["failed"]
