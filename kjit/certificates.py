@@ -56,6 +56,7 @@ def outgoing_proper(q: Family, incoming_to: Family) -> np.ndarray:
     distribution; ``incoming_to``: of q's batch shape, or one message for every row."""
     if incoming_to.size != q.size:
         incoming_to = incoming_to.broadcast_to(q.shape)
+    q, incoming_to = q.ravel(), incoming_to.ravel()  # (row by row: a flat batch for q's, or the reverse)
     with np.errstate(all="ignore"):
         nat = np.asarray(q.natural(), float) - np.asarray(incoming_to.natural(), float)
         nat = nat.reshape(-1, nat.shape[-1])
@@ -162,10 +163,8 @@ class Certificates:
         unknown = set(kw) - {"log_var", "threshold", "ess", "mc_se", "version", "flagged"}
         if unknown:
             raise TypeError(f"Certificates.uniform() got unexpected keyword arguments {sorted(unknown)}")
-        if incoming_to is not None and incoming_to.size != q.size:
-            incoming_to = incoming_to.broadcast_to(q.shape)  # one message for a batch (a ValueError where not)
+        proper = None if incoming_to is None else outgoing_proper(q, incoming_to)  # (of q's batch, or one for all)
         q = q.ravel()
-        proper = None if incoming_to is None else outgoing_proper(q, incoming_to.ravel())
         out = cls.__new__(cls)
         out._fill(np.full(len(q), source, dtype="<U7"), type(q).coord_names, kw.get("log_var"),
                   kw.get("threshold"), kw.get("ess"), kw.get("mc_se"), projection, proper, kw.get("version"),
