@@ -237,6 +237,7 @@ class Auditor:
         self.picked = 0            # rows picked for audit
         self.dropped = 0           # picked rows dropped: queue full
         self.failed = 0            # rows the oracle could not answer (not audited)
+        self._batch_failed = 0     # of the batch in hand, rows counted in `failed` already (_fail)
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -423,7 +424,7 @@ class Auditor:
         """Count ``n`` rows of the batch in hand as failed (not audited)."""
         with self._lock:
             self.failed += n
-        self._batch_failed = getattr(self, "_batch_failed", 0) + n
+        self._batch_failed += n
 
     def _payload(self, entry, stats: AuditStats, threshold: float, kl, u, confident, version=None, when=None) -> dict:
         """The ``audit`` part of the record, decided under the operator's exclusive lock."""

@@ -34,7 +34,8 @@ from starlette.requests import Request
 from . import schemas
 from .deps import get_entry, get_oracle_slot
 from .errors import ApiError, api_error_handler
-from .routers.messages import answer, messages, router as messages_router, trusted
+from .middleware import trusted
+from .routers.messages import answer, messages, router as messages_router
 from .validation import body_dependency
 
 __all__ = ["PredictFastPath", "HotPathApp"]

@@ -74,6 +74,12 @@ class MetricsMiddleware:
 UNTRUSTED = "kjit_untrusted"
 
 
+def trusted(scope) -> bool:
+    """Did the request carry the server's token, or does the server have none (the audit may learn its answers)."""
+    state = scope.get("state")
+    return not (state and state.get(UNTRUSTED))
+
+
 class AuthMiddleware:
     def __init__(self, app, token: str | None):
         self.app = app

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from kjit.families import FAMILIES
+from kjit.oracles import ORACLE_KINDS
 
 #: largest magnitude of a message parameter: squares and products of two parameters stay finite
 PARAM_MAX = 1e100
@@ -188,7 +189,7 @@ class ParamRange(_Strict):
     scale: Literal["linear", "log"] = "linear"
 
 
-OracleKind = Literal["auto", "quadrature", "importance_sampling", "message_sampler"]
+OracleKind = Literal[ORACLE_KINDS]  # (kjit.oracles.make_oracle's names)
 ORACLE_DOC = ("the operator's oracle (training pairs and just-in-time fallback): `auto` (default) — the factor's "
               "exact rule for the recipient if it has one (`quadrature`), else `message_sampler` (per-message "
               "importance sampling; any sampleable factor, plugins included); `importance_sampling`: one shared "

@@ -17,7 +17,7 @@ from ..deps import EntryDep, MetricsDep, OracleSlotDep, SettingsDep, StoreDep
 from ..errors import ApiError, internal_error
 from ..locks import WouldBlock
 from ..metrics import Metrics
-from ..middleware import UNTRUSTED
+from ..middleware import trusted
 from ..settings import Settings
 from ..store import Conflict, Entry, OperatorStore, OracleFailure, PersistError, Unprocessable
 from ..validation import bad_feature_rows, bad_output_rows, body_dependency, implausible_rows
@@ -59,12 +59,6 @@ async def messages(
     mode: Annotated[Mode, Query(description="predict | jit | oracle")] = "jit",
 ):
     return await answer(entry, settings, store, metrics, oracle_slot, req, mode, audit=trusted(request.scope))
-
-
-def trusted(scope) -> bool:
-    """Did the request carry the server's token, or does the server have none (the audit may learn its answers)."""
-    state = scope.get("state")
-    return not (state and state.get(UNTRUSTED))
 
 
 async def answer(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
