@@ -318,6 +318,25 @@ class Family:
         ]
         return kind._unchecked(*params)
 
+    def with_rows(self, rows, other: "Family") -> "Family":
+        """A copy of this flat batch whose rows ``rows`` (indices) are ``other``'s messages, in
+        order — e.g. an oracle's answers in place of a learned operator's uncertain ones.  Messages
+        carrying natural parameters (an improper row) are merged in those."""
+        if type(other) is not type(self):
+            raise ValueError(f"with_rows: `other` must be {type(self).__name__} messages, got {type(other).__name__}")
+        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
+        if self.ndim != 1 or other.shape != (rows.size,):
+            raise ValueError(f"with_rows: a flat batch and {rows.size} messages for its rows, got shapes "
+                             f"{self.shape} and {other.shape}")
+        if self._extras is not None or other._extras is not None:
+            nat = np.array(self.natural(), dtype=float)
+            nat[rows] = other.natural()
+            return type(self).from_natural(nat)
+        params = [np.array(p, dtype=float) for p in self.params]
+        for p, new in zip(params, other.params):
+            p[rows] = new
+        return type(self)._unchecked(*params)
+
     def __eq__(self, other):
         return (
             type(self) is type(other)

@@ -371,3 +371,101 @@ def test_a_fast_runaway_that_freezes_is_divergence():
         schedule = str(rng.choice(["parallel", "sequential"]))
     r = GraphEP(g, max_iter=50, damping=damping, schedule=schedule).run()
     assert r.outcome == "diverged" and r.status.startswith("diverged at iteration 8")
+
+
+class _Uncertain:
+    """A learned-operator stand-in: the exact rule's answers, the mean shifted by 0.3 on the factors whose
+    cavity mean is above 0 — and those rows' certificates uncertain (log variance 0 above a threshold of
+    −5; the others −10), as a served operator in mode=predict marks them."""
+
+    factor = None  # (no factor object: any logistic factor of the graph)
+
+    def __init__(self):
+        self.exact = QuadratureOracle(Logistic())
+        self.rows = []
+
+    def predict(self, incoming, to):  # (reports uncertainty: the protocol's shape)
+        q, cert = self.certified(incoming, to)
+        return q, cert.log_var
+
+    def certified(self, incoming, to):
+        from kjit.certificates import Certificates
+
+        q = self.exact.belief(incoming, to)
+        bad = np.asarray(incoming["x"].mean() > 0.0)
+        self.rows.append(int(bad.sum()))
+        q = Gaussian(np.where(bad, q.mean() + 0.3, q.mean()), q.var())
+        lv = np.where(bad[:, None], 0.0, -10.0) * np.ones((1, 2))
+        return q, Certificates(np.full(len(q), "learned"), Gaussian.coord_names, log_var=lv, threshold=-5.0)
+
+    def belief(self, incoming, to):
+        return self.certified(incoming, to)[0]
+
+
+def _two_sided_graph():
+    g = FactorGraph()
+    for i, (m, lab) in enumerate(((-2.0, 0), (2.0, 1), (1.0, 0), (-1.0, 1))):
+        g.add_variable(f"w{i}", Gaussian(m, 1.0))
+        g.add_factor("logistic", {"x": f"w{i}", "z": Beta(2.0 if lab else 1.0, 1.0 if lab else 2.0)})
+    return g
+
+
+def test_uncertain_learned_answers_are_counted_and_warned_about_by_default():
+    """Found by an audit: graph EP used answers a served operator marked uncertain with no count, no
+    warning and "converged" (LinearEP warns).  Now as LinearEP's on_uncertain="warn"."""
+    from kjit.ep.engine import UncertainAnswerWarning
+
+    g, op = _two_sided_graph(), _Uncertain()
+    with pytest.warns(UncertainAnswerWarning, match="uncertain were used"):
+        res = GraphEP(g, operators={("logistic", "x"): op}, tol=1e-10).run()
+    assert res.converged and sum(op.rows) > 0
+    assert sum(r.n_uncertain for r in res.history) == sum(op.rows) == res.answers["learned_uncertain"]
+    assert "uncertain were used" in res.status
+
+
+def test_uncertain_learned_answers_raise_or_go_to_the_oracle():
+    from kjit.ep.engine import UncertainAnswerError
+
+    g = _two_sided_graph()
+    with pytest.raises(UncertainAnswerError, match="uncertain") as info:
+        GraphEP(g, operators={("logistic", "x"): _Uncertain()}, on_uncertain="raise").run()
+    assert info.value.uncertain_rows.size > 0
+    # "oracle": the uncertain rows answered by the factor's exact rule (its default oracle) — the run is
+    # then the exact rule's own, to its tolerance, where the shifted answers would move the beliefs by 0.3
+    exact = GraphEP(g, tol=1e-12).run()
+    op = _Uncertain()
+    res = GraphEP(g, operators={("logistic", "x"): op}, on_uncertain="oracle", tol=1e-12).run()
+    assert res.converged and sum(r.n_oracle for r in res.history) == sum(op.rows) > 0
+    assert sum(r.n_uncertain for r in res.history) == 0
+    for v in exact.beliefs:
+        assert res.beliefs[v].mean() == pytest.approx(exact.beliefs[v].mean(), abs=1e-9)
+        assert res.beliefs[v].var() == pytest.approx(exact.beliefs[v].var(), rel=1e-9)
+    warned = GraphEP(g, operators={("logistic", "x"): _Uncertain()}, tol=1e-12)
+    with pytest.warns(UserWarning):
+        moved = warned.run()
+    assert max(abs(moved.beliefs[v].mean() - exact.beliefs[v].mean()) for v in exact.beliefs) > 0.05
+    # an explicit oracle is used instead of the default; a key of no recipient is refused
+    calls = _Counting(QuadratureOracle(Logistic()))
+    GraphEP(g, operators={("logistic", "x"): _Uncertain()}, on_uncertain="oracle",
+            oracles={("logistic", "x"): calls}).run()
+    assert calls.calls > 0
+    with pytest.raises(ValueError, match="`oracles` has key"):
+        GraphEP(g, oracles={("logistic", "y"): calls}).run()
+    with pytest.raises(ValueError, match="on_uncertain"):
+        GraphEP(g, on_uncertain="ignore")
+
+
+def test_on_uncertain_oracle_needs_an_oracle_where_the_factor_has_no_exact_rule():
+    from kjit.factors import SampledFactor, base, register_factor
+
+    f = SampledFactor("graph_test_square", inputs={"x": Gaussian}, output=("y", Gaussian),
+                      sampler=lambda v, rng: v["x"] ** 2)
+    register_factor(f, replace=True)
+    try:
+        g = FactorGraph()
+        g.add_variable("x", Gaussian(0.0, 1.0))
+        g.add_factor(f, {"x": "x", "y": Gaussian(1.0, 0.5)})
+        with pytest.raises(ValueError, match="needs an oracle for .'graph_test_square', 'x'"):
+            GraphEP(g, operators={("graph_test_square", "x"): _Uncertain()}, on_uncertain="oracle").run()
+    finally:
+        base._REGISTRY.pop("graph_test_square", None)

@@ -299,3 +299,52 @@ def test_compound_gamma_precision_runs_through_a_jit_operator():
     assert jit.counters()["calls"] == 7
     quad = CompoundGammaPrecision(QuadratureOracle(factor)).fit(rng.normal(size=30))
     assert np.isfinite(quad.log_evidence_)  # an operator that has one still gives the evidence
+
+
+class _UncertainGamma:
+    """A learned-operator stand-in for compound gamma → τ: the exact rule's posteriors, the rate doubled on
+    the problems with more than 8 observations — and those rows' certificates uncertain (log variance 0
+    above a threshold of −5), as a served operator in mode=predict marks them."""
+
+    def __init__(self):
+        from kjit.oracles import QuadratureOracle
+
+        self.factor = CompoundGamma()
+        self.exact = QuadratureOracle(self.factor)
+
+    def certified(self, incoming, to):
+        from kjit.certificates import Certificates
+
+        q = self.exact.belief(incoming, to)
+        bad = np.asarray(incoming["tau"].shape_param > 5.0)
+        q = Gamma(q.shape_param, np.where(bad, 2.0 * q.rate, q.rate))
+        lv = np.where(bad[:, None], 0.0, -10.0) * np.ones((1, 2))
+        return q, Certificates(np.full(len(q), "learned"), Gamma.coord_names, log_var=lv, threshold=-5.0)
+
+    def belief(self, incoming, to):
+        return self.certified(incoming, to)[0]
+
+
+def test_compound_gamma_handles_uncertain_posteriors():
+    """Found by an audit: fit_many returned a served operator's uncertain answers as posteriors (140× off)
+    with no word.  Now as LinearEP's on_uncertain: warn (default), raise, or the oracle's answer."""
+    from kjit.ep.engine import UncertainAnswerError, UncertainAnswerWarning
+
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(k) for k in (3, 12, 5, 20)]  # problems 1 and 3 uncertain
+    exact = CompoundGammaPrecision(GridCompoundGammaOperator()).fit_many(xs).posterior_
+    with pytest.warns(UncertainAnswerWarning, match=r"2 of 4 posterior\(s\).*problems \[1, 3\]"):
+        model = CompoundGammaPrecision(_UncertainGamma()).fit_many(xs)
+    assert model.n_uncertain_ == 2 and model.n_oracle_ == 0
+    assert model.certificates_.counts()["learned_uncertain"] == 2
+    with pytest.raises(UncertainAnswerError) as info:
+        CompoundGammaPrecision(_UncertainGamma(), on_uncertain="raise").fit_many(xs)
+    assert info.value.uncertain_rows.tolist() == [1, 3]
+    model = CompoundGammaPrecision(_UncertainGamma(), on_uncertain="oracle").fit_many(xs)  # the exact rule's
+    assert model.n_oracle_ == 2 and model.n_uncertain_ == 0
+    assert model.posterior_.allclose(exact, rtol=1e-8)
+    assert list(model.certificates_.source) == ["learned", "rule", "learned", "rule"]
+    with pytest.raises(ValueError, match="on_uncertain"):
+        CompoundGammaPrecision(_UncertainGamma(), on_uncertain="never")
+    with pytest.raises(ValueError, match="needs an oracle"):
+        CompoundGammaPrecision(object(), on_uncertain="oracle")

@@ -1147,3 +1147,20 @@ def test_beta_kl_with_both_parameters_very_large(a, b, d):
     exact = log_ratio - d * psi_diff
     assert 1e-5 < exact < 10
     assert abs(float(Beta(a, b).kl(Beta(a, b + d))) - exact) < 1e-8 * min(1.0, 1e3 * exact)
+
+
+def test_with_rows_replaces_rows_of_a_flat_batch():
+    from kjit.families import Gamma, Gaussian
+
+    q = Gamma([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
+    r = q.with_rows([3, 1], Gamma([9.0, 8.0], [2.0, 3.0]))
+    assert r.shape_param.tolist() == [1.0, 8.0, 3.0, 9.0] and r.rate.tolist() == [1.0, 3.0, 1.0, 2.0]
+    assert q.shape_param.tolist() == [1.0, 2.0, 3.0, 4.0]  # (a copy)
+    # a batch carrying natural parameters (an improper row of precision 0) is merged in those
+    g = Gaussian.from_natural(np.array([[0.5, 0.0], [1.0, -0.5]]))
+    m = g.with_rows([1], Gaussian([3.0], [0.25]))
+    np.testing.assert_array_equal(m.natural(), [[0.5, 0.0], [12.0, -2.0]])
+    with pytest.raises(ValueError, match="Gamma"):
+        q.with_rows([0], Gaussian([0.0], [1.0]))
+    with pytest.raises(ValueError, match="2 messages"):
+        q.with_rows([0, 1], Gamma([1.0], [1.0]))

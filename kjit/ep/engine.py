@@ -204,6 +204,43 @@ class UncertainAnswerError(RuntimeError):
         super().__init__(message)
         self.uncertain_rows = rows
 
+
+def check_on_uncertain(policy) -> str:
+    """``policy`` if it is one of :data:`ON_UNCERTAIN`, else a ValueError naming them."""
+    if policy not in ON_UNCERTAIN:
+        raise ValueError(f"`on_uncertain` must be one of {ON_UNCERTAIN}, got {policy!r}")
+    return policy
+
+
+def uncertain_rows(cert: Certificates | None, n: int) -> np.ndarray:
+    """(n,) the answers of a batch of ``n`` that its certificates rate uncertain — learned, above the
+    operator's threshold in some coordinate or flagged by its just-in-time rule
+    (:attr:`Certificates.uncertain`); none where there are no certificates for the batch."""
+    if cert is None or len(cert) != n:
+        return np.zeros(n, dtype=bool)
+    return np.asarray(cert.uncertain, dtype=bool)
+
+
+def oracle_rows(q: Family, cert: Certificates | None, incoming: Mapping[str, Family], to: str, oracle, rows, **kw):
+    """``(q, cert)`` of a flat batch with the rows ``rows`` answered by ``oracle`` instead (``kw``:
+    passed to it, e.g. ``power=``), their certificates the oracle's.  An exception of the oracle names
+    the batch's rows (:func:`~kjit.errors.rows_of_batch`); an answer that is not one message of
+    ``q``'s family per row is a ValueError."""
+    rows = np.asarray(rows, dtype=np.intp).reshape(-1)
+    sub = {k: m[rows] for k, m in incoming.items()}
+    try:
+        q_or, cert_or = certified(oracle, sub, to, unknown_source="oracle", **kw)
+    except Exception as exc:
+        raise rows_of_batch(exc, rows)  # the sub-batch's rows named as the batch's
+    if not isinstance(q_or, type(q)) or q_or.size != rows.size:
+        raise ValueError(f"the oracle must answer {rows.size} {type(q).__name__} message(s), got "
+                         f"{type(q_or).__name__} of shape {getattr(q_or, 'shape', None)}")
+    q = q.ravel().with_rows(rows, q_or.ravel())
+    if cert is not None and len(cert) == q.size and len(cert_or) == rows.size:
+        cert = cert.replace(rows, cert_or)
+        cert.proper[rows] = outgoing_proper(q_or.ravel(), sub[to].ravel())
+    return q, cert
+
 _SCHEDULES = ("parallel", "sequential")
 #: relaxed-EP readings (see the module docstring, "Relaxed EP: readings")
 RELAX_READINGS = ("projection_kl", "appendix_q", "appendix_site", "scaled_message")
@@ -658,8 +695,7 @@ class LinearEP:
                     raise ValueError(f"relax_reading={self.relax_reading!r} is defined for power = 1 only")
         if self.stop_rule is not None and not callable(self.stop_rule):
             raise ValueError("`stop_rule` must be None or a callable (record, mean, cov) -> bool")
-        if self.on_uncertain not in ON_UNCERTAIN:
-            raise ValueError(f"`on_uncertain` must be one of {ON_UNCERTAIN}, got {self.on_uncertain!r}")
+        check_on_uncertain(self.on_uncertain)
         thr = self.uncertainty_threshold
         if thr is not None and not (isinstance(thr, (int, float, np.floating, np.integer)) and np.isfinite(thr)):
             raise ValueError(f"`uncertainty_threshold` must be None or a finite number, got {thr!r}")
@@ -740,19 +776,10 @@ class LinearEP:
                 'on_uncertain="raise"', rows=np.flatnonzero(unc))
         if self.on_uncertain == "oracle":
             rows = np.flatnonzero(unc)
-            sub = {k: m[rows] for k, m in incoming.items()}
-            try:
-                q_or, cert_or = certified(self._oracle(), sub, self.site_var, unknown_source="oracle")
-            except Exception as exc:
-                raise rows_of_batch(exc, rows)  # the sub-batch's rows named as the batch's
-            mean, var = np.array(q.mean(), dtype=float), np.array(q.var(), dtype=float)
-            mean[rows], var[rows] = q_or.mean(), q_or.var()
-            q = Gaussian._unchecked(mean, var)
+            q, cert = oracle_rows(q, cert if cert is not None and len(cert) == n else None, incoming,
+                                  self.site_var, self._oracle(), rows)
             logvar_spread[rows] = np.nan
             rec.n_oracle += rows.size
-            if cert is not None and len(cert) == n and len(cert_or) == rows.size:
-                cert = cert.replace(rows, cert_or)
-                cert.proper[rows] = outgoing_proper(q_or.ravel(), sub[self.site_var].ravel())
             _count(rec, cert, n)
             return q, logvar_spread
         rec.n_uncertain += int(unc.sum())  # "warn" / "use": used as they are, and counted

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -43,9 +44,11 @@ import numpy as np
 
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError
-from .engine import OPERATOR_FAILURE_ITERATIONS, count_failing, operator_failure
+from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
+                     count_failing, operator_failure, oracle_rows, uncertain_rows)
 from ..factors import Factor, get_factor
 from ..families import Family
+from ..protocols import reports_uncertainty
 
 __all__ = ["FactorGraph", "GraphEP", "GraphResult", "GRAPH_SKIP_REASONS"]
 
@@ -179,6 +182,8 @@ class GraphIteration:
     errors: list[str] = field(default_factory=list)
     # answers received by source and quality (kjit.certificates.Certificates.counts)
     answers: dict[str, int] = field(default_factory=dict)
+    n_uncertain: int = 0  # uncertain learned answers used as they were (on_uncertain="warn")
+    n_oracle: int = 0     # uncertain learned answers replaced by an oracle's (on_uncertain="oracle")
 
 
 @dataclass
@@ -247,11 +252,23 @@ class GraphEP:
         answers for f^u (``belief(incoming, to, power=u)``; operators must have ``supports_power``:
         the exact rules of logistic, probit_noise, gaussian, gamma_rate do, product and exp refuse
         with the reason), and the new site is (q / cavity)^(1/u).
+    on_uncertain : what to do with a learned answer its certificates rate uncertain (above its
+        operator's threshold in some coordinate, or flagged by the operator's just-in-time rule — a
+        ``KernelOperator`` with a threshold, a ``RemoteOperator`` in ``mode="predict"``), as
+        :class:`~kjit.ep.LinearEP`'s: ``"warn"`` (default: use it, count it per iteration in
+        ``n_uncertain``, say so in ``status`` and warn once with ``UncertainAnswerWarning``),
+        ``"raise"`` (``UncertainAnswerError``) or ``"oracle"`` (ask the oracle of its (factor,
+        recipient) for those rows instead; counted in ``n_oracle``).
+    oracles : ``{(factor name, recipient): oracle}`` for ``on_uncertain="oracle"``; default the
+        operator's own ``oracle`` (JITOperator; a RemoteOperator's is the server's ``mode=oracle``),
+        else the factor's exact rule where it has one for the recipient.  A (factor, recipient) whose
+        operator reports uncertainty and has none of these is a ValueError when the run starts.
     """
 
     def __init__(self, graph: FactorGraph, operators: Mapping | None = None, damping: float = 0.0,
                  max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
-                 power: float = 1.0, divergence_limit: float = 1e12):
+                 power: float = 1.0, divergence_limit: float = 1e12, on_uncertain: str = "warn",
+                 oracles: Mapping | None = None):
         if not isinstance(graph, FactorGraph):
             raise ValueError("`graph` must be a FactorGraph")
         if not (0.0 <= damping < 1.0):
@@ -273,6 +290,8 @@ class GraphEP:
         if not (np.isfinite(divergence_limit) and divergence_limit > 0):
             raise ValueError(f"`divergence_limit` must be a positive number, got {divergence_limit!r}")
         self.divergence_limit = float(divergence_limit)
+        self.on_uncertain = check_on_uncertain(on_uncertain)
+        self.oracles = dict(oracles or {})
         self._default_ops: dict = {}
 
     # ------------------------------------------------------------------ operators and groups
@@ -313,6 +332,23 @@ class GraphEP:
                                  f"{exc}") from None
         return self._default_ops[pkey]
 
+    def _oracle(self, factor: Factor, to: str):
+        """The oracle of uncertain answers of (``factor``, ``to``) (see ``oracles``), or None."""
+        key = (factor.name, to)
+        if key in self.oracles:
+            return self.oracles[key]
+        own = getattr(self._operator_for(factor, to), "oracle", None)
+        if own is not None:
+            return own
+        if factor.has_exact(to):
+            from ..oracles import QuadratureOracle
+
+            pkey = ("oracle", factor.name, json.dumps(factor.params(), sort_keys=True))
+            if pkey not in self._default_ops:
+                self._default_ops[pkey] = QuadratureOracle(factor)
+            return self._default_ops[pkey]
+        return None
+
     def _groups(self, idx):
         """Factors ``idx`` grouped by (factor name and parameters, binding pattern)."""
         groups: dict = {}
@@ -335,10 +371,19 @@ class GraphEP:
         if unknown:
             raise ValueError(f"`operators` has key(s) {unknown} that match no (factor name, recipient) of the graph; "
                              f"its recipients are {sorted(known)}")
+        unknown = [k for k in self.oracles if k not in known]
+        if unknown:
+            raise ValueError(f"`oracles` has key(s) {unknown} that match no (factor name, recipient) of the graph; "
+                             f"its recipients are {sorted(known)}")
         for f, bind in g.factors:  # every (factor, recipient) has an operator (and power where asked)
             for fv, b in bind.items():
                 if isinstance(b, str):
-                    self._operator(f, fv)
+                    op = self._operator(f, fv)
+                    if (self.on_uncertain == "oracle" and reports_uncertainty(op)
+                            and self._oracle(f, fv) is None):
+                        raise ValueError(f'on_uncertain="oracle" needs an oracle for ({f.name!r}, {fv!r}): its operator '
+                                         f"{type(op).__name__} has none and the factor no exact rule for {fv!r}; pass "
+                                         f"`oracles`={{({f.name!r}, {fv!r}): ...}}")
         names = list(g.variables)
         prior_nat = {v: np.asarray(g.variables[v][1].natural(), float).reshape(-1) for v in names}
         # sites: (factor index, factor variable) -> natural parameters (zeros: a flat message)
@@ -418,6 +463,12 @@ class GraphEP:
         else:
             outcome, status = "max_iter", (f"stopped at max_iter={self.max_iter} without convergence (last max change "
                                            f"{history[-1].max_change:.3g}, {history[-1].n_skipped} update(s) skipped)")
+        n_unc = int(sum(r.n_uncertain for r in history))
+        if n_unc:
+            msg = f"{n_unc} answer(s) its operators' certificates rate uncertain were used"
+            status += f"; {msg}"
+            warnings.warn(f"graph EP: {msg} (on_uncertain='warn'; pass on_uncertain='oracle' to replace them or "
+                          "'raise' to stop)", UncertainAnswerWarning, stacklevel=2)
         if not self.compute_evidence:
             log_z, note = None, "not computed"
         elif self.power != 1.0:
@@ -533,12 +584,11 @@ class GraphEP:
                     rec.operator_calls += 1
                     try:
                         with np.errstate(all="ignore"):
-                            q, cert = (certified(op, sub, to) if self.power == 1.0
-                                       else certified(op, sub, to, power=self.power))
-                        if len(cert) == live.size:
+                            q, cert = self._certified(op, f, to, sub, live.size, rec)
+                        if cert is not None and len(cert) == live.size:
                             count_answers(rec.answers, cert)
                         break
-                    except ConfigurationError:
+                    except (ConfigurationError, UncertainAnswerError):
                         raise  # (a wrong recipient or operator name: no skip or retry can fix it)
                     except Exception as exc:  # skip and report, as LinearEP does
                         if len(rec.errors) < 5:
@@ -569,6 +619,28 @@ class GraphEP:
                         j = members[rows[r]]
                         proposals[(j, to)] = (qrow - cav[to][0][rows[r]]) / self.power
         return proposals
+
+    def _certified(self, op, factor: Factor, to: str, incoming, n: int, rec):
+        """``(q, cert)`` of ``op`` for the batch ``incoming`` of ``n`` rows, its uncertain learned
+        answers handled by ``on_uncertain`` (counted in ``rec``)."""
+        kw = {} if self.power == 1.0 else {"power": self.power}
+        q, cert = certified(op, incoming, to, **kw)
+        unc = uncertain_rows(cert, n)
+        if not unc.any():
+            return q, cert
+        rows = np.flatnonzero(unc)
+        if self.on_uncertain == "raise":
+            raise UncertainAnswerError(
+                f"{rows.size} answer(s) of {type(op).__name__} for ({factor.name!r}, {to!r}) are uncertain: a log "
+                f"predictive variance above its threshold {cert.threshold}, or flagged by its just-in-time rule "
+                f'(rows {rows[:10].tolist()} of the batch); on_uncertain="raise"', rows=rows)
+        oracle = self._oracle(factor, to) if self.on_uncertain == "oracle" else None
+        if oracle is not None and isinstance(q, Family) and q.shape == (n,):
+            q, cert = oracle_rows(q, cert, incoming, to, oracle, rows, **kw)
+            rec.n_oracle += rows.size
+            return q, cert
+        rec.n_uncertain += rows.size  # "warn": used as they are, and counted
+        return q, cert
 
     def _apply(self, prior_nat, sites, proposals, rec):
         """Damped updates; a variable whose posterior would be improper keeps its old sites."""

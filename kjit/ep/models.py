@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import warnings
+
 import numpy as np
 from scipy import special
 
 from ..families import NUMERIC_KINDS, Bernoulli, Beta, Gamma
+from ..certificates import certified
 from ..protocols import has_log_partition
-from .engine import EPResult, LinearEP
+from .engine import (EPResult, LinearEP, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain, oracle_rows,
+                     uncertain_rows)
 
 __all__ = [
     "BayesianLogisticRegression",
@@ -326,10 +330,35 @@ class CompoundGammaPrecision:
     problems with **one** operator call and sets ``posterior_`` to a batch of shape (k,).
     ``log_evidence_``: log p(x) = −n/2 log 2π + log Γ(a) − a log b + log_partition (exact for the
     operator's factor), where the operator has ``log_partition``; otherwise ``None``.
+
+    ``on_uncertain``: what to do with a posterior the operator's certificates rate uncertain (a
+    learned answer above its threshold, or flagged — a ``RemoteOperator`` in ``mode="predict"``), as
+    :class:`~kjit.ep.LinearEP`'s: ``"warn"`` (default: use it, count it in ``n_uncertain_``, warn
+    with ``UncertainAnswerWarning``), ``"raise"`` (``UncertainAnswerError``) or ``"oracle"`` (that
+    problem's posterior from ``oracle`` — default the operator's own, else the factor's exact rule;
+    counted in ``n_oracle_``).  ``certificates_``: the answers' certificates.
     """
 
-    def __init__(self, operator):
+    def __init__(self, operator, on_uncertain: str = "warn", oracle=None):
         self.operator = operator
+        self.on_uncertain = check_on_uncertain(on_uncertain)
+        self.oracle = oracle
+        if on_uncertain == "oracle" and self._oracle() is None:
+            raise ValueError('on_uncertain="oracle" needs an oracle: pass `oracle=` (e.g. a QuadratureOracle), or an '
+                             f"operator that carries one; {type(operator).__name__} has none")
+
+    def _oracle(self):
+        if self.oracle is not None:
+            return self.oracle
+        own = getattr(self.operator, "oracle", None)
+        if own is not None:
+            return own
+        factor = getattr(self.operator, "factor", None)
+        if factor is not None and factor.has_exact("tau"):
+            from ..oracles import QuadratureOracle
+
+            return QuadratureOracle(factor)
+        return None
 
     @staticmethod
     def likelihood_message(xs: Sequence) -> Gamma:
@@ -357,9 +386,28 @@ class CompoundGammaPrecision:
         msg = self.likelihood_message(xs)
         n = np.array([np.asarray(x).size for x in xs], dtype=float)
         incoming = {"tau": msg}
-        q = self.operator.belief(incoming, "tau")
+        q, cert = certified(self.operator, incoming, "tau")
         if not isinstance(q, Gamma) or q.shape != msg.shape:
             raise ValueError(f"operator returned {type(q).__name__} of shape {getattr(q, 'shape', None)}, expected Gamma {msg.shape}")
+        unc = uncertain_rows(cert, msg.size)
+        self.n_uncertain_ = self.n_oracle_ = 0
+        if unc.any():
+            # (found by an audit: a served operator's uncertain answers were returned as posteriors, 140×
+            # off, with no word)
+            rows = np.flatnonzero(unc)
+            what = (f"{rows.size} of {msg.size} posterior(s) of {type(self.operator).__name__} are uncertain (a log "
+                    f"predictive variance above its threshold {cert.threshold}, or flagged; problems "
+                    f"{rows[:10].tolist()})")
+            if self.on_uncertain == "raise":
+                raise UncertainAnswerError(f'{what}; on_uncertain="raise"', rows=rows)
+            if self.on_uncertain == "oracle":
+                q, cert = oracle_rows(q, cert, incoming, "tau", self._oracle(), rows)
+                self.n_oracle_ = int(rows.size)
+            else:
+                self.n_uncertain_ = int(rows.size)
+                warnings.warn(f"{what} and were used (on_uncertain='warn'; pass on_uncertain='oracle' to replace them "
+                              "or 'raise' to stop)", UncertainAnswerWarning, stacklevel=2)
+        self.certificates_ = cert
         if not np.all(q.is_proper):
             raise ValueError("operator returned an improper belief for τ")
         self.posterior_ = q
