@@ -211,6 +211,20 @@ def test_probit_noise_eps_validation(eps):
         ProbitNoise(eps)
 
 
+@pytest.mark.parametrize("name, param", [("compound_gamma", "s1"), ("compound_gamma", "s2"),
+                                         ("gamma_rate", "shape"), ("probit_noise", "eps")])
+@pytest.mark.parametrize("value", ["0.2", True, None, [0.2]])
+def test_numeric_parameter_of_another_kind_is_named(name, param, value):
+    """A numeric parameter given as text (the service's factor_params take text too), a boolean, None
+    or a list: a ValueError naming the parameter and saying a number is expected — it was numpy's
+    TypeError "ufunc 'isfinite' not supported for the input types" (a list: "truth value of an
+    array is ambiguous"), naming neither."""
+    with pytest.raises(ValueError, match=f"`{param}` must be a number") as info:
+        get_factor(name, **{param: value})
+    assert info.value.param == param  # (the service puts it in the error's location)
+    assert get_factor(name, **{param: np.float64(0.2)}).params()[param] == 0.2  # numpy numbers are numbers
+
+
 # =========================================================================== check_incoming
 def _logistic_incoming(n=3):
     return {"x": Gaussian(np.zeros(n), np.ones(n)), "z": Beta(np.full(n, 2.0), 1.0)}

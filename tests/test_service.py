@@ -580,3 +580,22 @@ def test_training_a_factor_with_a_text_parameter(app_client):
     assert d["factor_params"] == {"shape": 2.0, "projection": "moments"}
     m = c.post("/v1/operators/gr-moments/messages?mode=predict", json=body(probe("gamma_rate", 3), "r"))
     assert m.status_code == 200 and m.json()["projection"] == "moments", m.text
+
+
+def test_a_numeric_factor_parameter_sent_as_text_is_named(app_client):
+    """factor_params take text (a ``projection``), so a number sent as text passed the schema and
+    reached the factor, whose range check raised numpy's "ufunc 'isfinite' not supported for the
+    input types": a 422 naming neither the parameter nor what it should be.  The factor names it
+    (kjit.factors.FactorParamError), at ``factor_params.<name>``, and nothing is created."""
+    req = {"name": "cg-text", "factor": "compound_gamma", "to": "tau", "source": {"kind": "oracle", "n": 40}}
+    for factor, to, param, value in (("compound_gamma", "tau", "s1", "2"), ("gamma_rate", "r", "shape", "2"),
+                                     ("probit_noise", "f", "eps", "0.1")):
+        r = app_client.post("/v1/operators", json={**req, "factor": factor, "to": to, "factor_params": {param: value}},
+                            headers=AUTH)
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "factor_params", param], r.text
+        assert f"`{param}` must be a number" in err["msg"] and "ufunc" not in err["msg"], r.text
+    r = app_client.post("/v1/operators", json={**req, "factor_params": {"s1": -1}}, headers=AUTH)  # a range, named too
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "factor_params", "s1"], r.text
+    assert app_client.get("/v1/operators/cg-text").status_code == 404

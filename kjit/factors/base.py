@@ -37,6 +37,7 @@ import functools
 import importlib
 import logging
 import math
+import numbers
 import threading
 import types
 from typing import Any, Callable, ClassVar, Iterable, Mapping
@@ -67,6 +68,8 @@ __all__ = [
     "UnknownFactorError",
     "FactorBuildError",
     "FactorCodeError",
+    "FactorParamError",
+    "number_param",
 ]
 
 log = logging.getLogger("kjit.factors")
@@ -114,6 +117,32 @@ class FactorBuildError(ValueError):
     def __init__(self, name: str, message: str):
         self.name = name
         super().__init__(message)
+
+
+class FactorParamError(ValueError):
+    """A factor parameter of the wrong kind or out of its range (a ``ValueError``; ``.param`` names
+    it): the service reports it at ``factor_params.<param>``, as pydantic reports a parameter that
+    is neither a number nor text."""
+
+    def __init__(self, param: str, message: str):
+        self.param = param
+        super().__init__(message)
+
+
+def number_param(owner: str, param: str, value) -> float:
+    """A numeric factor parameter as a float, or :class:`FactorParamError` naming it.
+
+    The service's ``factor_params`` take text as well as numbers (a ``projection``), so a number
+    sent as text (``"2"``) reaches the factor's constructor; its range check then failed with
+    numpy's own TypeError ("ufunc 'isfinite' not supported for the input types"), which named
+    neither the parameter nor what it should be (found in review).  Booleans are not numbers
+    here, as in the service's JSON."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise FactorParamError(param, f"{owner}: `{param}` must be a number, got {value!r} ({type(value).__name__})")
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond a double: the caller's range check names it
+        return math.inf if value > 0 else -math.inf
 
 
 # ============================================================================ rules
@@ -767,7 +796,8 @@ def check_projection(projection) -> str:
     """A Gamma (non-Gaussian) belief's projection: ``"kl"`` (match E[x], E[log x]; the default) or
     ``"moments"`` (match mean and variance, Infer.NET's convention for some factors)."""
     if projection not in PROJECTIONS:
-        raise ValueError(f"`projection` must be one of {', '.join(map(repr, PROJECTIONS))}, got {projection!r}")
+        raise FactorParamError("projection", f"`projection` must be one of {', '.join(map(repr, PROJECTIONS))}, "
+                                             f"got {projection!r}")
     return projection
 
 

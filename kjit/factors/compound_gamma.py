@@ -15,7 +15,7 @@ from ..errors import OracleError
 from ..exact._common import gamma_belief, gamma_exponent, gamma_normaliser, gamma_shift, log_gamma_ratio, raise_bad_rows
 from ..families import Family, Gamma
 from ..quadrature import bisect, panel_rule
-from .base import Factor, partition, register_factor, rule
+from .base import Factor, FactorParamError, number_param, partition, register_factor, rule
 
 __all__ = ["CompoundGamma", "compound_gamma_rule", "compound_gamma_incoming"]
 
@@ -40,8 +40,8 @@ class CompoundGamma(Factor):
 
     def __init__(self, s1: float = 1.0, r1: float = 1.0, s2: float = 1.0):
         for n, v in (("s1", s1), ("r1", r1), ("s2", s2)):
-            if not (np.isfinite(v) and v > 0):
-                raise ValueError(f"CompoundGamma: `{n}` must be finite and > 0, got {v!r}")
+            if not (np.isfinite(number_param("CompoundGamma", n, v)) and v > 0):
+                raise FactorParamError(n, f"CompoundGamma: `{n}` must be finite and > 0, got {v!r}")
         self.s1, self.r1, self.s2 = float(s1), float(r1), float(s2)
 
     def params(self):

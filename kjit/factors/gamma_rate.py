@@ -18,8 +18,9 @@ from scipy.special import expit
 
 from ..exact import gamma_rate as _exact
 from ..families import Family, Gamma
-from .base import (GH_NODES, Factor, capped_log_var, check_projection, exact_rules, gamma_from_log_nodes,
-                   gauss_hermite, gauss_hermite_log_base, laplace_mode, register_factor)
+from .base import (GH_NODES, Factor, FactorParamError, capped_log_var, check_projection, exact_rules,
+                   gamma_from_log_nodes, gauss_hermite, gauss_hermite_log_base, laplace_mode, number_param,
+                   register_factor)
 
 __all__ = ["GammaRate", "gamma_rate_incoming"]
 
@@ -35,8 +36,8 @@ class GammaRate(Factor):
     _belief, _log_partition = exact_rules(_exact, ("r", "x"), power=_exact.SUPPORTS_POWER)
 
     def __init__(self, shape: float = 1.0, projection: str = "kl"):
-        if not (np.isfinite(shape) and shape > 0):
-            raise ValueError(f"GammaRate: `shape` must be finite and > 0, got {shape!r}")
+        if not (np.isfinite(number_param("GammaRate", "shape", shape)) and shape > 0):
+            raise FactorParamError("shape", f"GammaRate: `shape` must be finite and > 0, got {shape!r}")
         self.shape = float(shape)
         self.projection = check_projection(projection)
 

@@ -28,7 +28,8 @@ from ..errors import gaussian_or_error
 from ..families import Bernoulli, Family, Gaussian
 from ..protocols import Operator
 from ..quadrature import LOG_SQRT_2PI, gaussian_kl, two_piece_moments
-from .base import Factor, broadcast_messages, check_power, message_rule, partition, register_factor, rule
+from .base import (Factor, FactorParamError, broadcast_messages, check_power, message_rule, number_param, partition,
+                   register_factor, rule)
 
 __all__ = ["ProbitNoise", "ProbitNoiseOperator", "probit_incoming", "probit_log_weights", "probit_label_likelihood"]
 
@@ -66,8 +67,8 @@ class ProbitNoise(Factor):
         return probit_incoming(n, rng)
 
     def __init__(self, eps: float = 0.0):
-        if not (np.isfinite(eps) and 0.0 <= eps < 0.5):
-            raise ValueError(f"ProbitNoise: `eps` must lie in [0, 0.5), got {eps!r}")
+        if not (np.isfinite(number_param("ProbitNoise", "eps", eps)) and 0.0 <= eps < 0.5):
+            raise FactorParamError("eps", f"ProbitNoise: `eps` must lie in [0, 0.5), got {eps!r}")
         self.eps = float(eps)
 
     def params(self):

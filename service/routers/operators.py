@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from kjit.factors import FactorBuildError, UnknownFactorError, get_factor, registered_factors
+from kjit.factors import FactorBuildError, FactorParamError, UnknownFactorError, get_factor, registered_factors
 from kjit.training import TrainingSet
 
 from .. import schemas
@@ -115,6 +115,8 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
         return _client_spec(req, settings)
     try:
         factor = get_factor(req.factor, **req.factor_params)
+    except FactorParamError as exc:  # the factor names the parameter (a number sent as text, a bad range)
+        raise ApiError(422, ["body", "factor_params", exc.param], str(exc), "value_error") from None
     except ValueError as exc:
         field = "factor" if isinstance(exc, (UnknownFactorError, FactorBuildError)) else "factor_params"
         raise ApiError(422, ["body", field], str(exc), "value_error") from None
