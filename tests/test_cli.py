@@ -1,5 +1,6 @@
 """The `kjit` command line: help, errors as one line, train → a loadable operator."""
 
+import argparse
 import subprocess
 import sys
 
@@ -206,6 +207,28 @@ def test_train_trains_a_factor_of_your_own_module(tmp_path, capsys, restore_regi
     # a module that cannot be imported: one line naming it
     _one_line_error(capsys, main(["train", "noisy_product", "--factors", "no_such_module_xyz", "--to", "z",
                                   "--out", str(out)]), "no_such_module_xyz")
+
+
+def _train_oracle_choices():
+    from kjit.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return next(a for a in sub.choices["train"]._actions if a.dest == "oracle").choices
+
+
+def test_train_oracle_choices_are_the_oracle_kinds(monkeypatch):
+    """`kjit train --oracle` takes kjit.oracles.ORACLE_KINDS and the CLI's alias `sampling`: read from
+    there, not a copy of the list (a kind added to the library is offered here as in the service), and
+    the names taken today unchanged (scripts use them)."""
+    from kjit import cli, oracles
+
+    choices = _train_oracle_choices()
+    assert set(choices) == {"auto", "quadrature", "message_sampler", "sampling", "importance_sampling"}
+    with monkeypatch.context() as m:
+        m.setattr(oracles, "ORACLE_KINDS", (*oracles.ORACLE_KINDS, "a_new_kind"))
+        assert "a_new_kind" in _train_oracle_choices()
+    assert sorted(choices) == sorted({*oracles.ORACLE_KINDS, *cli.ORACLE_ALIASES})
+    assert cli.ORACLE_ALIASES == {"sampling": "importance_sampling"}
 
 
 @pytest.mark.slow
