@@ -86,7 +86,7 @@ from scipy import linalg
 from scipy.linalg import blas, cho_factor, cho_solve, eigh, lapack
 from .state import StateReader
 
-__all__ = ["BayesianLinearRegression", "NotFittedError"]
+__all__ = ["BayesianLinearRegression", "NotFittedError", "MAX_CONDITION"]
 
 _STATE_FORMAT = 2  # 2: the stats without the buffered rows, and the buffered rows (1: folded stats); the column
 # sums ``x_sum`` are an optional key of format 2 (a reader that predates them ignores it)
@@ -94,6 +94,10 @@ _STATE_FORMAT = 2  # 2: the stats without the buffered rows, and the buffered ro
 _FOLD_ROWS = 256
 # Row chunk for predict: keeps the (chunk, D) temporary X @ Sigma at about 2**23 elements.
 _PREDICT_CHUNK_ELEMENTS = 1 << 23
+#: bound on the condition number of the posterior precision P, ``1 + prior_var λ_max(A) / noise_var``:
+#: the hyperparameter search (kjit.operators) keeps its final Cholesky within it, and
+#: :meth:`BayesianLinearRegression.log_evidence_grid` answers −inf beyond it
+MAX_CONDITION = 1e13
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -662,6 +666,17 @@ class BayesianLinearRegression:
         ``log|P| = sum_i log(lam_i/s2 + 1/pv)`` and
         ``mu^T P mu = sum_i c_i^2 / (s2^2 (lam_i/s2 + 1/pv))``.
 
+        −inf where ``cond(P) <= 1 + pv lam_max / s2`` exceeds :data:`MAX_CONDITION`, as in the
+        hyperparameter search: there the answer cannot be trusted.  The eigenvalues of ``A`` near 0
+        are known only to about ``eps lam_max`` (the rounding of ``A = X^T X`` itself, then that of
+        any factorisation of it in double precision), and as ``cond(P)`` nears ``1/eps`` that error
+        reaches ``s2/pv``, the prior's share of ``P``, in every such direction: ``log|P|`` and
+        ``mu^T P mu`` move by nats per direction (found in review: at cond(P) = 1e16 — a 30 × 12
+        design with singular values 1 … 1e-12, pv = 1, s2 = 1e-16 — the grid was 183 nats off
+        ``log N(y | 0, pv X X^T + s2 I)`` in 50 digits, with no sign of it).  Below the bound the
+        error is about ``D eps cond(P)`` nats, plus ``eps yy / s2`` from the cancellation in the
+        quadratic form.
+
         Returns
         -------
         ndarray (len(prior_vars), len(noise_vars), k)
@@ -683,6 +698,7 @@ class BayesianLinearRegression:
             mu_P_mu = ((1.0 / prec) @ c2) / nvs[:, None] ** 2  # (N, k)
             const = -0.5 * n * np.log(2.0 * np.pi * nvs) - 0.5 * D * np.log(pv) - 0.5 * log_det
             out[i] = const[:, None] - 0.5 * (self.yy_[None, :] / nvs[:, None] - mu_P_mu)
+            out[i, 1.0 + pv * lam[-1] / nvs > MAX_CONDITION] = -np.inf
         return out
 
     # ----------------------------------------------------------------- persistence

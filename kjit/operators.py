@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .blr import BayesianLinearRegression, _posterior_from_stats
+from .blr import MAX_CONDITION, BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
 from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
@@ -78,7 +78,6 @@ LEARN_RANGE_FACTOR = 10.0
 # "auto" width search: a pattern search on the log2 lattice of (inner, outer) width factors
 _LOG2_BOUNDS = (-10, 6)
 _MAX_EVALS = 40
-MAX_CONDITION = 1e13  # bound on the condition number of the BLR posterior precision
 
 # the error model's (KernelOperator.fit_error_model) grids, on standardised log squared residuals:
 # a log χ²₁ has variance π²/2 ≈ 4.9 about its mean, most of the targets' spread, hence noise up to 1

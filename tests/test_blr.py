@@ -139,6 +139,46 @@ def test_log_evidence_grid_matches_refit():
     np.testing.assert_allclose(at_fit, model.log_marginal_likelihood(), rtol=1e-10)
 
 
+def _log_normal_mp(X, y, pv, s2, mp):
+    """log N(y | 0, pv X X^T + s2 I) in mpmath, X and y taken as exact: from the design itself, not
+    from the stats the model keeps."""
+    n = X.shape[0]
+    Xm, ym = mp.matrix(X.tolist()), mp.matrix(y.tolist())
+    C = mp.mpf(pv) * (Xm * Xm.T) + mp.mpf(s2) * mp.eye(n)
+    L = mp.cholesky(C)
+    quad = (ym.T * mp.cholesky_solve(C, ym))[0]
+    return float(-0.5 * n * mp.log(2 * mp.pi) - mp.fsum(mp.log(L[i, i]) for i in range(n)) - 0.5 * quad)
+
+
+def test_log_evidence_grid_refuses_an_ill_conditioned_precision():
+    """An ill-conditioned design (singular values 1 … 1e-12, cond(A) 1e24): the grid answers where
+    cond(P) <= MAX_CONDITION and is −inf beyond, where the stats (A rounded to eps λ_max) do not
+    determine the evidence — it was 183 nats off at cond(P) = 1e16 (pv = 1, s2 = 1e-16), with no sign
+    of it.  Against log N(y | 0, pv X X^T + s2 I) in 50 digits."""
+    mp = pytest.importorskip("mpmath")
+    from kjit.blr import MAX_CONDITION
+
+    rng = np.random.default_rng(0)
+    n, D = 30, 12
+    U, _ = np.linalg.qr(rng.standard_normal((n, D)))
+    V, _ = np.linalg.qr(rng.standard_normal((D, D)))
+    X = (U * np.logspace(0, -12, D)) @ V.T
+    y = X @ rng.standard_normal(D) + 1e-6 * rng.standard_normal(n)
+    pvs, nvs = np.array([1e-2, 1.0, 1e2]), np.array([1e-16, 1e-14, 1e-12, 1e-10])
+    model = BayesianLinearRegression().fit(X, y)
+    grid = model.log_evidence_grid(pvs, nvs)[..., 0]
+    cond = 1.0 + np.outer(pvs, 1.0 / nvs) * np.linalg.eigvalsh(model.A_).max()
+    assert grid[1, 0] == -np.inf and cond[1, 0] > 1e15
+    np.testing.assert_array_equal(np.isfinite(grid), cond <= MAX_CONDITION)
+    with mp.workdps(50):
+        for i, j in zip(*np.nonzero(np.isfinite(grid))):
+            want = _log_normal_mp(X, y, pvs[i], nvs[j], mp)
+            # the stats' rounding, eps λ_max in A, moves the evidence by ~ D eps cond(P); the
+            # yy/s2 − mu^T P mu cancellation costs eps yy/s2 more
+            tol = 10 * (D * EPS * cond[i, j] + EPS * float(y @ y) / nvs[j])
+            assert abs(grid[i, j] - want) <= tol, (pvs[i], nvs[j], grid[i, j], want, tol)
+
+
 def test_set_params_recomputes_posterior_from_stats():
     X, Y = gaussian_problem(50, 7, seed=6)
     model = BayesianLinearRegression().fit(X, Y)
