@@ -1541,7 +1541,11 @@ class Gamma(Family):
 class Bernoulli(Family):
     """Distribution on y ∈ {-1, +1} with p = P(y = +1); p = 0 or 1 is an observation.
 
-    Natural parameter logit(p) on u(y) = 1[y = +1] (infinite for observations).
+    Natural parameter logit(p) on u(y) = 1[y = +1] (infinite for observations).  A product of
+    contradicting observations (p = 0 times p = 1) or an observation divided by itself has logit
+    −inf + inf: it is improper, as an improper quotient of the other families — p NaN,
+    ``is_proper`` False — and refused by what they refuse (densities, the expected statistics,
+    ``to_coords``, KL, sampling), naming how many rows and the first.
     """
 
     param_names = ("p",)
@@ -1575,6 +1579,7 @@ class Bernoulli(Family):
         return (np.asarray(y, dtype=float) > 0).astype(float)[..., None]
 
     def expected_suff_stats(self):
+        self._require_proper("expected_suff_stats")  # (a NaN p: silently NaN statistics, found in review)
         return self._p[..., None]
 
     def log_normalizer(self):
@@ -1584,6 +1589,7 @@ class Bernoulli(Family):
             return -np.log1p(-self._p)
 
     def log_pdf_stats(self, stats):
+        self._require_proper("log_pdf_stats")  # (as Family.log_pdf_stats, through log_normalizer)
         u = np.asarray(stats, float)[..., 0]
         with np.errstate(divide="ignore"):
             return np.where(u > 0, np.log(self._p), np.log1p(-self._p))
@@ -1610,6 +1616,7 @@ class Bernoulli(Family):
         return cls(np.clip(p, 0.0, 1.0))  # clip only round-off of a weighted average
 
     def to_coords(self):
+        self._require_proper("to_coords")
         return special.logit(self._p)[..., None]
 
     @classmethod

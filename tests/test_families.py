@@ -408,6 +408,24 @@ def test_bernoulli_improper_refuses_density_kl_sample():
         r.sample(3, random_state=0)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # inf − inf, on purpose
+def test_bernoulli_contradicting_observations_refused_as_the_other_families_improper_rows():
+    """p = 0 times p = 1 (logit −inf + inf) is an improper row, p NaN, as the other families' improper
+    quotients; their expected statistics, regression coordinates and log density at statistics refuse
+    such a row, naming it — Bernoulli's answered NaN for it without a word."""
+    r = Bernoulli([0.3, 0.0, 1.0]) * Bernoulli([0.5, 1.0, 1.0])
+    np.testing.assert_array_equal(r.is_proper, [True, False, True])
+    assert np.isnan(r.p[1]) and r.p[0] == pytest.approx(0.3) and r.p[2] == 1.0
+    for op in (r.expected_suff_stats, r.to_coords, lambda: r.log_pdf_stats(np.ones((3, 1))),
+               lambda: r.log_pdf(1.0), lambda: r.kl(Bernoulli(0.5)), lambda: r.sample(2, random_state=0)):
+        with pytest.raises(ValueError, match=r"Bernoulli message is improper at 1 position\(s\) \(first flat index 1\)"):
+            op()
+    ok = r[np.array([0, 2])]  # the proper rows answer as before
+    np.testing.assert_allclose(ok.expected_suff_stats()[:, 0], [0.3, 1.0])
+    np.testing.assert_allclose(ok.to_coords()[:, 0], [np.log(0.3 / 0.7), np.inf])
+    np.testing.assert_allclose(ok.log_pdf_stats(np.ones((2, 1))), np.log([0.3, 1.0]))
+
+
 def test_different_families_do_not_combine():
     for op in (lambda: Gaussian(0.0, 1.0) * Beta(1.0, 1.0), lambda: Gamma(1.0, 1.0) / Beta(1.0, 1.0),
                lambda: Gaussian(0.0, 1.0).kl(Gamma(1.0, 1.0))):
