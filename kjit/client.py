@@ -36,13 +36,19 @@ yours, its own timeouts and limits apply instead).  A 200 answer that is not wha
 API promises (missing or mistyped columns, the wrong family or length, a message that is not
 finite) is a :class:`RemoteOperatorError` saying what is wrong, never an answer; a NaN log
 variance or threshold (a server's ``null``) counts as uncertain.
+
+Threads may share one RemoteOperator: its calls take turns (they share one connection), each with
+its own answer and certificates.  A batch is split at the server's ``max_batch`` and so that no
+request's body exceeds its ``max_body_bytes``.
 """
 
 from __future__ import annotations
 
 import copy
+import email.utils
 import json
 import math
+import threading
 import time
 import uuid
 import warnings
@@ -120,8 +126,35 @@ def _describe(detail) -> str:
     return str(detail)
 
 
+def _retry_after(value: str, default: float) -> float:
+    """Seconds a ``Retry-After`` header asks to wait: a number of seconds or an HTTP date (RFC 9110 allows
+    both; proxies send dates — found by an audit: a date was a bare ValueError out of the retry loop),
+    ``default`` where it is neither."""
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return default
+    if when is None:
+        return default
+    now = time.time()
+    return max(0.0, when.timestamp() - now) if when.tzinfo is not None else default
+
+
 def _types(detail) -> set:
     return {e.get("type") for e in detail if isinstance(e, dict)} if isinstance(detail, list) else set()
+
+
+def _status_types(resp) -> set:
+    """The ``type`` of each complaint in an error answer's ``detail`` (empty if it is not one)."""
+    try:
+        body = _loads(resp.content)
+    except ValueError:
+        return set()
+    return _types(body.get("detail")) if isinstance(body, dict) else set()
 
 
 def _named_rows(detail, prefix: list, length: int, types=None) -> np.ndarray | None:
@@ -200,7 +233,7 @@ def _checked_info(info, url: str, name: str) -> dict:
     limits = info.get("limits", {})
     if not isinstance(limits, dict):
         raise bad(f"limits = {limits!r}")
-    for key in ("max_batch", "max_oracle_batch"):
+    for key in ("max_batch", "max_oracle_batch", "max_body_bytes"):
         v = limits.get(key)
         if v is not None and (type(v) is not int or v < 1):
             raise bad(f"limits.{key} = {v!r}")
@@ -270,6 +303,10 @@ class RemoteOperator:
         self.last_certificates_: Certificates | None = None
         self._cert: Certificates | None = None
         self.last_uncertain_ = None
+        self._row_cap = None  # rows a request may carry under the server's max_body_bytes (learned)
+        # one call at a time: a call's certificates and marks are kept on the instance between its
+        # request and its answer (found by an audit: threads sharing one client got each other's)
+        self._lock = threading.RLock()
 
     def __repr__(self):
         return f"RemoteOperator({self.url!r}, {self.name!r}, mode={self.mode!r})"
@@ -286,13 +323,16 @@ class RemoteOperator:
         self.close()
 
     def _request(self, method: str, path: str, *, json_body=None, params=None, headers=None,
-                 retry: str = "connection") -> Any:
+                 retry: str = "connection", content: bytes | None = None) -> Any:
         """One call with retries.  ``retry``: "connection" (any transport error), "connect"
-        (only when the request cannot have reached the server: no connection) or "never"."""
-        content = None
+        (only when the request cannot have reached the server: no connection) or "never".
+        ``content``: the JSON body already encoded (instead of ``json_body``).  A request carrying an
+        ``Idempotency-Key`` is also retried, with that key, when the server cannot say whether it
+        applied it (503 ``outcome_unknown``): the key makes it apply exactly once."""
         hdrs = dict(headers or {})
         if json_body is not None:
             content = _dumps(json_body)
+        if content is not None:
             hdrs["Content-Type"] = "application/json"
         attempts = 1 + (self.retries if retry != "never" else 0)
         wait = self.backoff
@@ -309,13 +349,21 @@ class RemoteOperator:
                 raise RemoteOperatorError(
                     f"{method} {self.url}{path}: no answer from the server ({type(exc).__name__}: {exc})"
                     + (f" after {attempt + 1} attempts" if attempt else ""), None, None, method, path) from exc
-            # a server not ready (503) or whose oracle slots are busy (429 oracle_busy): nothing was done,
-            # and it says when to come back
-            if resp.status_code in (429, 503) and retry != "never" and attempt + 1 < attempts \
-                    and resp.headers.get("Retry-After") is not None:
-                time.sleep(max(wait, min(float(resp.headers.get("Retry-After", "1")), 5.0)))
-                wait *= 2
-                continue
+            if resp.status_code in (429, 503) and retry != "never" and attempt + 1 < attempts:
+                # a server not ready (503) or whose oracle slots are busy (429 oracle_busy): nothing was
+                # done, and it says when to come back
+                after = resp.headers.get("Retry-After")
+                if after is not None:
+                    time.sleep(max(wait, min(_retry_after(after, wait), 5.0)))
+                    wait *= 2
+                    continue
+                # an update whose outcome the server could not learn (a shared-log append's answer lost):
+                # the same key again applies it once (found by an audit: never retried, and the caller's
+                # own retry carried a new key — the pairs were learned twice)
+                if resp.status_code == 503 and "Idempotency-Key" in hdrs and _status_types(resp) == {"outcome_unknown"}:
+                    time.sleep(wait)
+                    wait *= 2
+                    continue
             return self._decode(resp, method, path)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -434,35 +482,64 @@ class RemoteOperator:
     def _flat(self, incoming: Mapping[str, Family]):
         return self.factor.flat_incoming(incoming, self.to)
 
+    def _step(self) -> int:
+        """Rows a request may carry: the server's ``max_batch``, and what its ``max_body_bytes`` allows."""
+        step = self.max_batch
+        return step if self._row_cap is None else max(1, min(step, self._row_cap))
+
+    def _bodies(self, n: int, step: int, body):
+        """``(first row, rows, encoded JSON)`` of the requests carrying ``n`` rows: at most ``step`` rows
+        each, and no body above the server's ``max_body_bytes`` (found by an audit: only ``max_batch``
+        split a batch, so a batch under it but over the body limit was a 413 every call and EP
+        stopped).  ``body(first, rows)``: the request's JSON object for those rows.  A body too large
+        is split by the bytes a row took in it (and the size kept for the next calls)."""
+        limit = self.info().get("limits", {}).get("max_body_bytes")
+        s = 0
+        while s < n:
+            m = min(step, n - s)
+            content = _dumps(body(s, m))
+            if limit is not None and len(content) > limit and m > 1:
+                step = max(1, min(m - 1, int(m * limit / len(content) * 0.95)))
+                self._row_cap = step
+                continue
+            yield s, m, content
+            s += m
+
     def _call(self, incoming, mode, natural: bool = True, logvar: bool = True, _refreshed: bool = False):
         """The server's answer to ``incoming`` in ``mode``: ``(beliefs, natural, logvar, consulted,
         shape, flat)``; ``natural`` / ``logvar`` False: those columns are not decoded (None)."""
         flat, shape = self._flat(incoming)
         n = math.prod(shape) if shape else 1
-        step = self.max_batch
+        step = self._step()
         if mode == "oracle":  # the server caps oracle work per request separately
             step = min(step, int(self.info().get("limits", {}).get("max_oracle_batch", step)))
-        parts = []
+        parts, sizes = [], []
         retry = "connection" if mode in ("predict", "oracle") else "connect"
-        for s in range(0, n, step):
-            rows = flat if n <= step else {v: m[s:s + step] for v, m in flat.items()}  # (one part: no copies)
-            body = {"to": self.to, "incoming": {v: _columns(m, f"incoming[{v!r}]") for v, m in rows.items()}}
+        to = self.to
+
+        def body(s, m):
+            rows = flat if m == n else {v: b[s:s + m] for v, b in flat.items()}  # (one part: no copies)
+            return {"to": to, "incoming": {v: _columns(b, f"incoming[{v!r}]") for v, b in rows.items()}}
+
+        for s, m, content in self._bodies(n, step, body):
             try:
-                parts.append(self._request("POST", f"{self._base}/messages", json_body=body,
+                parts.append(self._request("POST", f"{self._base}/messages", content=content,
                                            params={"mode": mode}, retry=retry))
+                sizes.append(m)
             except RemoteValidationError as exc:
-                if not parts and not _refreshed and _types(exc.detail) == {"too_long"}:
-                    # the server's limits changed (a restart with a smaller KJIT_MAX_BATCH): learn them and
-                    # split again — nothing was done yet (found in review: every later call failed)
+                if not parts and not _refreshed and (_types(exc.detail) == {"too_long"} or exc.status == 413):
+                    # the server's limits changed (a restart with a smaller KJIT_MAX_BATCH or body limit): learn
+                    # them and split again — nothing was done yet (found in review: every later call failed)
                     self.info(refresh=True)
+                    self._row_cap = None
                     return self._call(incoming, mode, natural, logvar, _refreshed=True)
                 if exc.rows is not None:
                     exc.rows = exc.rows + s  # the part's rows as the batch's
                 raise
         fam = self.family
         path = f"{self._base}/messages"
-        for i, p in enumerate(parts):
-            self._check_answer(p, min(step, n - i * step), path)
+        for p, m in zip(parts, sizes):
+            self._check_answer(p, m, path)
 
         def joined(fn):
             return _joined(parts, fn)
@@ -528,7 +605,7 @@ class RemoteOperator:
 
         if not isinstance(p, dict):
             raise bad(f"a JSON {type(p).__name__}, not an object")
-        if p.get("n") != rows:
+        if type(p.get("n")) is not int or p["n"] != rows:  # (3.0 == 3, then np.full((3.0, k)) — found by an audit)
             raise bad(f"n = {p.get('n')!r} for a request of {rows} messages")
         b = p.get("beliefs")
         if not isinstance(b, dict) or b.get("family") != family_name(fam):
@@ -585,8 +662,9 @@ class RemoteOperator:
 
     def certified(self, incoming: Mapping[str, Family], to: str | None = None):
         """``(belief, Certificates)``: :meth:`belief` with the server's certificates."""
-        q = self.belief(incoming, to)
-        return q, self.last_certificates_
+        with self._lock:
+            q = self.belief(incoming, to)
+            return q, self.last_certificates_
 
     def _answer(self, incoming, natural: bool = True, logvar: bool = True):
         """``_call`` in this operator's mode, or with a local oracle the just-in-time loop across
@@ -634,50 +712,83 @@ class RemoteOperator:
         """``(belief, log predictive variance (…, k), consulted mask)`` like ``JITOperator.predict``
         (log variance is NaN where the server was asked in ``oracle`` mode)."""
         self._check_to(to)
-        q, _, logvar, consulted, shape, _ = self._answer(incoming, natural=False)
-        return self._keep(q.reshape(shape)), logvar.reshape(shape + (logvar.shape[-1],)), consulted.reshape(shape)
+        with self._lock:
+            q, _, logvar, consulted, shape, _ = self._answer(incoming, natural=False)
+            return self._keep(q.reshape(shape)), logvar.reshape(shape + (logvar.shape[-1],)), consulted.reshape(shape)
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         self._check_to(to)
-        q, _, _, _, shape, _ = self._answer(incoming, natural=False, logvar=False)
-        return self._keep(q.reshape(shape))
+        with self._lock:
+            q, _, _, _, shape, _ = self._answer(incoming, natural=False, logvar=False)
+            return self._keep(q.reshape(shape))
 
     def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         """Outgoing messages q / incoming[to], rebuilt from the server's natural parameters (exact;
         may be improper: check ``is_proper``)."""
         self._check_to(to)
-        _, natural, _, _, shape, _ = self._answer(incoming, logvar=False)
-        return self._keep(self.family.from_natural(natural).reshape(shape))
+        with self._lock:
+            _, natural, _, _, shape, _ = self._answer(incoming, logvar=False)
+            return self._keep(self.family.from_natural(natural).reshape(shape))
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
         """Log predictive variance per output coordinate (``predict`` mode: never consults)."""
         self._check_to(to)
-        _, _, logvar, _, shape, _ = self._call(incoming, "predict", natural=False)
-        return logvar.reshape(shape + (logvar.shape[-1],))
+        with self._lock:
+            _, _, logvar, _, shape, _ = self._call(incoming, "predict", natural=False)
+            return logvar.reshape(shape + (logvar.shape[-1],))
 
-    def partial_fit(self, incoming: Mapping[str, Family], beliefs: Family) -> "RemoteOperator":
-        """Send (incoming, belief) pairs computed elsewhere; durable on the server when this returns."""
-        self.observe(incoming, beliefs)
+    def partial_fit(self, incoming: Mapping[str, Family], beliefs: Family,
+                    idempotency_key: str | None = None) -> "RemoteOperator":
+        """Send (incoming, belief) pairs computed elsewhere; durable on the server when this returns
+        (``idempotency_key``: see :meth:`observe`)."""
+        self.observe(incoming, beliefs, idempotency_key)
         return self
 
-    def observe(self, incoming: Mapping[str, Family], beliefs: Family) -> dict:
-        """Like :meth:`partial_fit`, returning the server's answer (``accepted``, ``version``...)."""
-        flat, shape = self._flat(incoming)
-        if not isinstance(beliefs, self.family):
-            raise ValueError(f"`beliefs` must be {self.family.__name__} messages, got {type(beliefs).__name__}")
-        if beliefs.shape != shape:
-            raise ValueError(f"`beliefs` has shape {beliefs.shape}, the incoming messages {shape}")
-        b = beliefs.ravel()
-        n = len(b)
-        step = self.max_batch
-        out = None
-        for s in range(0, n, step):
-            body = {"incoming": {v: _columns(m[s:s + step], f"incoming[{v!r}]") for v, m in flat.items()},
-                    "beliefs": _columns(b[s:s + step], "beliefs")}
-            out = self._request("POST", f"{self._base}/observations", json_body=body,
-                                headers={"Idempotency-Key": uuid.uuid4().hex}, retry="connection")
-            self.last_version_ = out["version"]
-        return out
+    def observe(self, incoming: Mapping[str, Family], beliefs: Family, idempotency_key: str | None = None) -> dict:
+        """Like :meth:`partial_fit`, returning the server's answer (``accepted``, ``version``...).
+
+        ``idempotency_key``: this call's key (default a fresh one); a batch sent in several requests
+        sends ``key-i`` with its i-th part, so calling again with the same key and the same pairs
+        after a failure sends every part again and the server applies each exactly once.  An error
+        carries ``idempotency_key`` and ``applied_rows`` (the first ``applied_rows`` pairs were
+        learned before it — found by an audit: a later part's failure hid the earlier parts' success
+        and named its rows as the part's)."""
+        key = uuid.uuid4().hex if idempotency_key is None else idempotency_key
+        if not (isinstance(key, str) and 0 < len(key) <= 180 and key.isascii() and key.isprintable()):
+            raise ValueError(f"`idempotency_key` must be 1 to 180 printable ASCII characters, got {key!r}")
+        with self._lock:
+            flat, shape = self._flat(incoming)
+            if not isinstance(beliefs, self.family):
+                raise ValueError(f"`beliefs` must be {self.family.__name__} messages, got {type(beliefs).__name__}")
+            if beliefs.shape != shape:
+                raise ValueError(f"`beliefs` has shape {beliefs.shape}, the incoming messages {shape}")
+            b = beliefs.ravel()
+            n = len(b)
+
+            def body(s, m):
+                return {"incoming": {v: _columns(x[s:s + m], f"incoming[{v!r}]") for v, x in flat.items()},
+                        "beliefs": _columns(b[s:s + m], "beliefs")}
+
+            out = None
+            bodies = list(self._bodies(n, self._step(), body))
+            for i, (s, m, content) in enumerate(bodies):
+                part_key = key if len(bodies) == 1 else f"{key}-{i}"
+                try:
+                    out = self._request("POST", f"{self._base}/observations", content=content,
+                                        headers={"Idempotency-Key": part_key}, retry="connection")
+                except RemoteOperatorError as exc:
+                    exc.idempotency_key, exc.applied_rows = key, s
+                    if isinstance(exc, RemoteValidationError):
+                        refused = _refused_beliefs(exc)
+                        exc.refused_rows = None if refused is None else refused + s
+                        if exc.rows is not None:
+                            exc.rows = exc.rows + s
+                    if s:
+                        exc.args = (f"{exc.args[0]} (pairs 0–{s - 1} of this call were learned; call again with "
+                                    f"idempotency_key={key!r} and the same pairs to send the rest exactly once)",)
+                    raise
+                self.last_version_ = out["version"]
+            return out
 
     def _observe_learnable(self, incoming: Mapping[str, Family], beliefs: Family) -> None:
         """:meth:`observe` for the just-in-time loop with a local oracle, one server batch at a time:
@@ -693,12 +804,13 @@ class RemoteOperator:
             try:
                 self.observe(inc, bel)
             except RemoteValidationError as exc:
-                refused = _refused_beliefs(exc)
+                refused = getattr(exc, "refused_rows", None)
                 if refused is None:
                     raise
                 self.unlearned_ += int(refused.size)
                 warnings.warn(f"operator {self.name!r}: {refused.size} oracle answer(s) used but not learned (the "
                               f"server refused them: {_describe(exc.detail)})", RuntimeWarning, stacklevel=3)
-                keep = np.setdiff1d(np.arange(len(bel)), refused)  # (a refused request learned nothing)
+                # (the pairs before the refused request were learned; the refused request learned nothing)
+                keep = np.setdiff1d(np.arange(exc.applied_rows, len(bel)), refused)
                 if keep.size:
                     self.observe({v: m[keep] for v, m in inc.items()}, bel[keep])

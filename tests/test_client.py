@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kjit.client import RemoteOperator, RemoteOperatorError, RemoteValidationError
+from kjit.factors import Logistic
 from kjit.families import Beta, Gaussian
 from kjit.oracles import QuadratureOracle
 
@@ -366,3 +367,167 @@ def test_a_malformed_description_is_a_remote_operator_error(change):
     with _canned_operator(_good, info={**_INFO, **change}) as op:
         with pytest.raises(RemoteOperatorError, match="description of the operator is malformed"):
             op.belief(_INC)
+
+
+# ---------------------------------------------------------------- found by the twenty-second session's audit
+
+
+def test_a_float_n_in_an_answer_is_malformed_not_a_type_error():
+    """``"n": 3.0`` passed ``3.0 == 3`` and a null log_var then met np.full((3.0, k)): a raw TypeError."""
+    def answer(n):
+        a = _good(n)
+        a["n"], a["log_var"] = float(n), None
+        return a
+
+    with _canned_operator(answer) as op:
+        with pytest.raises(RemoteOperatorError, match="malformed: n = 3.0"):
+            op.predict(_INC)
+
+
+class _DatedBusyOnce(_BusyOnce):
+    """As :class:`_BusyOnce`, its 503 saying when to come back by an HTTP date (RFC 9110 allows it)."""
+
+    def on_connection(self, c):
+        _read_request(c)
+        self.requests += 1
+        if self.requests == 1:
+            _answer(c, b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: Wed, 21 Oct 2015 07:28:00 GMT\r\n",
+                    b'{"detail":[{"loc":[],"msg":"loading","type":"not_ready"}]}')
+        else:
+            _answer(c, b"HTTP/1.1 200 OK\r\n", b'{"status":"ok"}')
+
+
+def test_retry_after_as_an_http_date_is_honoured():
+    """Was a bare ValueError (float() of the date) out of the retry loop."""
+    from kjit.client import _retry_after
+
+    busy = _DatedBusyOnce()
+    try:
+        op = RemoteOperator(busy.url, "logistic-x", retries=2, backoff=0.01)
+        assert op.health() == {"status": "ok"} and busy.requests == 2  # (a date past: at once)
+    finally:
+        busy.close()
+    assert _retry_after("2.5", 1.0) == 2.5 and _retry_after("soon", 1.0) == 1.0
+    future = time.time() + 100.0
+    import email.utils
+
+    assert 90.0 < _retry_after(email.utils.formatdate(future, usegmt=True), 1.0) <= 100.0
+
+
+def test_an_observation_whose_outcome_is_unknown_is_retried_with_its_key_and_applied_once(store_dir):
+    """The server answers 503 ``outcome_unknown`` when an update was sent to the shared log and its answer
+    lost; the same Idempotency-Key applies it exactly once.  The client never retried it, and a caller's
+    retry carried a new key: the pairs were learned twice (300 → 304 → 308)."""
+    from service.store.errors import PersistError
+    from service.testing import ThreadedServer
+
+    with ThreadedServer(settings_for(store_dir)) as srv:
+        entry = srv.app.state.store.entries["logistic-x"]
+        real, failures = entry.observe, [1]
+
+        def lost_answer(*a, **k):
+            out = real(*a, **k)  # applied and durable ...
+            if failures[0]:
+                failures[0] -= 1
+                raise PersistError("shared log: connection reset: the update may or may not have been recorded",
+                                   unknown=True)  # ... but its acknowledgement lost
+            return out
+
+        entry.observe = lost_answer
+        inc = probe("logistic", 4, seed=9)
+        q = QuadratureOracle(Logistic()).belief(inc, "x")
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="predict", retries=2, backoff=0.01) as op:
+            n0 = op.counters()["n_train"]
+            out = op.observe(inc, q)
+            assert failures == [0] and out.get("duplicate") is True
+            assert op.counters()["n_train"] == n0 + 4
+            # with retries exhausted it is an error carrying the key: calling again with it applies once
+            failures[0] = 5
+            with pytest.raises(RemoteOperatorError, match="outcome|may or may not") as ei:
+                op.observe(inc, q)
+            key = ei.value.idempotency_key
+            assert op.counters()["n_train"] == n0 + 8
+            failures[0] = 0
+            op.observe(inc, q, idempotency_key=key)
+            assert op.counters()["n_train"] == n0 + 8
+
+
+def test_an_observation_split_in_parts_names_the_batchs_rows_and_what_was_learned(store_dir):
+    """40 pairs in requests of 16, pair 35 refused: the error said "row 3", hid that 32 pairs were learned,
+    and a retry learned those again.  Now: rows of the batch, ``applied_rows``, and the call's key makes a
+    retry apply each part once."""
+    from service.testing import ThreadedServer
+
+    with ThreadedServer(settings_for(store_dir, max_batch=16)) as srv:
+        inc = probe("logistic", 40, seed=2)
+        q = QuadratureOracle(Logistic()).belief(inc, "x")
+        mean = np.array(q.mean())
+        mean[35] += 1e4  # a belief no factor could give
+        bad = Gaussian(mean, q.var())
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="predict") as op:
+            n0 = op.counters()["n_train"]
+            with pytest.raises(RemoteValidationError, match="pairs 0–31 of this call were learned") as ei:
+                op.observe(inc, bad, idempotency_key="call-1")
+            exc = ei.value
+            assert exc.applied_rows == 32 and exc.refused_rows.tolist() == [35] and exc.idempotency_key == "call-1"
+            assert op.counters()["n_train"] == n0 + 32
+            op.observe(inc, q, idempotency_key="call-2")
+            n1 = op.counters()["n_train"]
+            assert n1 == n0 + 72
+            op.observe(inc, q, idempotency_key="call-2")  # the same call again: every part a duplicate
+            assert op.counters()["n_train"] == n1
+        with pytest.raises(ValueError, match="idempotency_key"):
+            RemoteOperator(srv.url, "logistic-x").observe(inc, q, idempotency_key="")
+
+
+def test_a_batch_over_the_servers_body_limit_is_split_to_it(store_dir):
+    """Only max_batch split a batch: one under it but over max_body_bytes was a 413 on every call (EP
+    stopped "operator_failed")."""
+    from service.testing import ThreadedServer
+
+    local = load_pristine(store_dir, "logistic-x")
+    with ThreadedServer(settings_for(store_dir, max_batch=10_000, max_body_bytes=100_000)) as srv:
+        big = probe("logistic", 3000, seed=5)
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="predict") as op:
+            np.testing.assert_allclose(op.belief(big).mean(), local.operator.belief(big).mean(), rtol=1e-12,
+                                       atol=1e-13)
+            assert op._row_cap is not None and op._row_cap < 3000
+            q = QuadratureOracle(Logistic()).belief(big, "x")
+            n0 = op.counters()["n_train"]
+            op.observe(big, q)
+            assert op.counters()["n_train"] == n0 + 3000
+
+
+def test_threads_sharing_one_client_get_their_own_certificates(live):
+    """Certificates and marks were kept on the instance between a call's request and its answer: threads
+    sharing one client got another thread's (3 of 60 calls in the audit's run)."""
+    from kjit.certificates import last_certificates
+
+    incs = [probe("logistic", n, seed=n) for n in (5, 7)]
+    wrong, errors = [], []
+    with RemoteOperator(live.url, "logistic-x", mode="predict") as op:
+        keep = op._keep
+
+        def slow_keep(answer):  # (widens the window between a call's request and its answer's reading)
+            time.sleep(0.002)
+            return keep(answer)
+
+        op._keep = slow_keep
+
+        def work(inc):
+            try:
+                for _ in range(20):
+                    q, cert = op.certified(inc)
+                    if len(cert) != len(inc["x"]) or cert.of is not q:
+                        wrong.append(len(cert))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(inc,)) for inc in incs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        q = op.belief(incs[0])
+        assert last_certificates(op, q) is not None
+    assert not errors and not wrong
