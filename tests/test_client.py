@@ -220,21 +220,18 @@ def test_oracle_mode_is_split_at_the_servers_oracle_batch_limit(store_dir):
 
 
 class _BusyOnce(AcceptLoop):
-    """Answers its first request 429 (``oracle_busy``, ``Retry-After: 0``), every later one 200 —
-    one request per connection (``Connection: close``)."""
+    """Answers its first request 429 (``oracle_busy``, ``Retry-After: 0``; or ``first``: status line and
+    headers, JSON body), every later one 200 — one request per connection (``Connection: close``)."""
 
-    def __init__(self):
-        self.requests = 0
+    def __init__(self, first=(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 0\r\n",
+                              b'{"detail":[{"loc":[],"msg":"the oracle is busy","type":"oracle_busy"}]}')):
+        self.requests, self.first = 0, first
         super().__init__()
 
     def on_connection(self, c):
         _read_request(c)
         self.requests += 1
-        if self.requests == 1:
-            _answer(c, b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 0\r\n",
-                    b'{"detail":[{"loc":[],"msg":"the oracle is busy","type":"oracle_busy"}]}')
-        else:
-            _answer(c, b"HTTP/1.1 200 OK\r\n", b'{"status":"ok"}')
+        _answer(c, *(self.first if self.requests == 1 else (b"HTTP/1.1 200 OK\r\n", b'{"status":"ok"}')))
 
 
 def _read_request(c) -> tuple[bytes, bytes]:
@@ -384,24 +381,13 @@ def test_a_float_n_in_an_answer_is_malformed_not_a_type_error():
             op.predict(_INC)
 
 
-class _DatedBusyOnce(_BusyOnce):
-    """As :class:`_BusyOnce`, its 503 saying when to come back by an HTTP date (RFC 9110 allows it)."""
-
-    def on_connection(self, c):
-        _read_request(c)
-        self.requests += 1
-        if self.requests == 1:
-            _answer(c, b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: Wed, 21 Oct 2015 07:28:00 GMT\r\n",
-                    b'{"detail":[{"loc":[],"msg":"loading","type":"not_ready"}]}')
-        else:
-            _answer(c, b"HTTP/1.1 200 OK\r\n", b'{"status":"ok"}')
-
-
 def test_retry_after_as_an_http_date_is_honoured():
     """Was a bare ValueError (float() of the date) out of the retry loop."""
     from kjit.client import _retry_after
 
-    busy = _DatedBusyOnce()
+    # (RFC 9110 allows a date)
+    busy = _BusyOnce((b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: Wed, 21 Oct 2015 07:28:00 GMT\r\n",
+                      b'{"detail":[{"loc":[],"msg":"loading","type":"not_ready"}]}'))
     try:
         op = RemoteOperator(busy.url, "logistic-x", retries=2, backoff=0.01)
         assert op.health() == {"status": "ok"} and busy.requests == 2  # (a date past: at once)
