@@ -159,3 +159,35 @@ def test_bad_arguments():
         GPClassifier().fit(X, [0, 2, 0])
     with pytest.raises(RuntimeError, match="not fitted"):
         GPClassifier().predict(X)
+
+
+@pytest.mark.parametrize("schedule,damping", [("sequential", 0.0), ("parallel", 0.5)])
+def test_the_stopping_rule_does_not_depend_on_the_kernels_scale(schedule, damping):
+    """The likelihood Θ(y f) is scale-free, so the amplitude changes nothing — but the rule's R is
+    ‖Δα‖, α = S^{-1/2} Uᵀ μ ~ 1/√amplitude: found by an audit, an amplitude of 1e8 stopped after one
+    sweep as "converged", test probabilities 0.2–0.3 off the fixed point (log Z −23.35 vs −23.01).  The
+    fit at any amplitude is now the unit amplitude's (the paper's rule), to EP's own tolerance."""
+    X, y, _ = _two_moons_ish(40, 0, 0.1)
+    Xt, _, _ = _two_moons_ish(200, 1, 0.0)
+    kw = dict(eps=0.1, length_scale=1.0, schedule=schedule, damping=damping, max_iter=300)
+    ref = GPClassifier(**kw, alpha_tol=None, tol=1e-12).fit(X, y)
+    base = GPClassifier(**kw).fit(X, y)
+    for amp in (1e4, 1e8):
+        g = GPClassifier(**kw, amplitude=amp).fit(X, y)
+        assert g.converged_ and g.n_iter_ == base.n_iter_
+        assert g.log_evidence_ == pytest.approx(base.log_evidence_, abs=1e-6)
+        # (stopped at R < 1e-3: near the fixed point, not at it)
+        assert np.max(np.abs(g.predict_proba(Xt) - ref.predict_proba(Xt))) < 1e-3
+        assert g.log_evidence_ == pytest.approx(ref.log_evidence_, abs=1e-3)
+
+
+def test_conflicting_duplicates_are_divergence_not_convergence():
+    """Two copies of one input with labels 1 and 0 and no label noise: no latent value explains both
+    (the evidence is 0).  Their sites' precisions grow without end while the mean — all R sees — stands
+    still: the rule reported "converged" with log evidence −2.6 (parallel) / −12.3 (sequential).  The
+    sites' own change must settle too, so the engine's divergence test ends the run."""
+    X = np.array([[0.3, -0.2], [0.3, -0.2]])
+    y = np.array([1, 0])
+    for schedule, damping in (("sequential", 0.0), ("parallel", 0.5)):
+        g = GPClassifier(eps=0.0, schedule=schedule, damping=damping, max_iter=200).fit(X, y)
+        assert not g.converged_ and g.result_.outcome == "diverged" and g.log_evidence_ is None

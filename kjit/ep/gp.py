@@ -32,6 +32,7 @@ cross-validated test error (``criterion="cv"``, as the paper did).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -100,12 +101,20 @@ class GPClassifier:
         ``relax_c`` and ``relax_reading``, one of :data:`kjit.ep.engine.RELAX_READINGS`).
     schedule, damping, max_iter : passed to :class:`LinearEP` (default sequential, as in the
         paper; undamped).
-    alpha_tol : the paper's stopping rule ``‖α_t − α_{t−1}‖ < alpha_tol``; ``None`` uses the
-        engine's site-change test with ``tol``.
+    alpha_tol : the paper's stopping rule ``R = ‖α_t − α_{t−1}‖ < alpha_tol``, with R in the
+        kernel's own units — times √(mean of diag K), which is 1 for the paper's RBF kernel of unit
+        amplitude, so its rule there — and the sites' own change below it as well (the engine's
+        scale-free site change, ``max_change``: mean in posterior sd, precision relative to the
+        posterior's).  Found by an audit: R alone, absolute, stopped at once where α is small (an
+        amplitude of 1e8, a linear kernel on unscaled features: "converged" after one sweep, test
+        probabilities 0.2–0.3 off the fixed point), and sees only the mean (conflicting duplicate
+        points, whose sites' precisions grow without end while α stands still, "converged" with a
+        finite evidence for an impossible model).  ``None`` uses the engine's site-change test
+        with ``tol``.
 
     Attributes after ``fit``: ``result_`` (:class:`EPResult`), ``converged_``, ``n_iter_``,
-    ``log_evidence_``, ``R_history_`` (``‖α_t − α_{t−1}‖`` per iteration), ``alpha_``,
-    ``rank_`` (kept eigenvalues).
+    ``log_evidence_``, ``R_history_`` (R per iteration, in the kernel's units as above),
+    ``alpha_``, ``rank_`` (kept eigenvalues).
     """
 
     def __init__(self, eps: float = 0.1, length_scale: float = 1.0, amplitude: float = 1.0,
@@ -168,18 +177,21 @@ class GPClassifier:
         K = self._kernel(X, X)
         A, U, s = kernel_factor(K, self.eig_rtol)
         to_alpha = U / np.sqrt(s)  # α = U S^{-1/2} μ
+        # α scales as 1/√(K's scale) while the likelihood is scale-free: R in the kernel's units
+        kernel_sd = math.sqrt(float(np.mean(np.diag(K))))
         R_hist: list[float] = []
         alpha_prev = [np.zeros(X.shape[0])]
 
         def callback(rec, mean, cov):
             alpha = to_alpha @ mean
-            R_hist.append(float(np.linalg.norm(alpha - alpha_prev[0])) if np.all(np.isfinite(alpha)) else np.inf)
+            R_hist.append(float(np.linalg.norm(alpha - alpha_prev[0])) * kernel_sd if np.all(np.isfinite(alpha))
+                          else np.inf)
             alpha_prev[0] = alpha
 
         stop = None
         if self.alpha_tol is not None:
             atol = float(self.alpha_tol)
-            stop = lambda rec, mean, cov: R_hist[-1] < atol  # noqa: E731
+            stop = lambda rec, mean, cov: R_hist[-1] < atol and rec.max_change < atol  # noqa: E731
         engine = LinearEP(
             operator, site_var="f", prior_var=1.0, damping=self.damping, max_iter=self.max_iter,
             tol=self.tol, schedule=self.schedule, allow_negative_sites=True,
