@@ -8,6 +8,7 @@ was checked to work."""
 from __future__ import annotations
 
 import errno
+import shutil
 import threading
 
 import numpy as np
@@ -555,6 +556,79 @@ def test_restart_refuses_a_shared_log_shorter_than_its_snapshot(store_dir, tmp_p
             a.get(NAME)
     finally:
         a.abandon()
+
+
+def test_a_lost_shared_store_fails_the_replica_instead_of_publishing_it_again(store_dir, tmp_path):
+    """Found by an audit: the shared store lost everything (a Redis without its append-only file
+    restarted, a re-created volume) and a replica at version 3 restarted: it published its state
+    as a new base at version 0, its idempotency keys forgotten — a retried acknowledged key was
+    applied a second time.  Now it is reported failed, saying what to do, and publishes nothing;
+    served under another name (its directory renamed) its state is published as a new operator."""
+    shared_dir = tmp_path / "shared"
+    pairs = _oracle_pairs(3, rows=2, seed=141)
+    a = _open(store_dir, DirectorySharedLog(shared_dir))
+    for i, (inc, q) in enumerate(pairs):
+        _observe(a, inc, q, key=f"k{i}")
+    a.close()  # (snapshot at version 3, naming its base)
+    shutil.rmtree(shared_dir)
+    a = _open(store_dir, DirectorySharedLog(shared_dir))
+    try:
+        assert NAME in a.failed, "served again without the history it acknowledged"
+        why = a.failed[NAME]
+        assert "holds no base" in why and "3 acknowledged update(s)" in why and "rename" in why, why
+        with pytest.raises(NotReady):
+            a.get(NAME)
+        assert DirectorySharedLog(shared_dir).get_base(NAME) is None  # nothing was published
+    finally:
+        a.abandon()
+    # the way out the message names: the copy under another name is a new operator, its updates kept
+    (store_dir / "operators" / NAME).rename(store_dir / "operators" / "logistic-x2")
+    a = _open(store_dir, DirectorySharedLog(shared_dir))
+    b = _open(tmp_path / "b", DirectorySharedLog(shared_dir))
+    try:
+        assert a.failed == {} and b.failed == {}
+        e = a.get("logistic-x2")
+        assert e.version == 0 and int(e.jit.operator.n_train_) == 306 and e.meta["name"] == "logistic-x2"
+        test = probe("logistic", 30, seed=14)
+        pa, pb = a.get("logistic-x2").predict(test, "predict"), b.get("logistic-x2").predict(test, "predict")
+        assert np.array_equal(pa[0].mean(), pb[0].mean()) and np.array_equal(pa[1], pb[1])
+    finally:
+        a.abandon()
+        b.abandon()
+
+
+def test_a_replaced_shared_store_fails_the_replica_instead_of_adopting_its_base(store_dir, pristine_store, tmp_path):
+    """Found by an audit: the shared store was replaced (emptied, then another store published its
+    own copy of the operator and took 2 updates) and a replica at version 2 restarted: it adopted
+    the other base, dropping its 2 acknowledged updates without a word (the lost-history check came
+    after, and the other log is as long).  Now it is reported failed.  The store that published the
+    new base recorded none (it was never a replica): that publication is legitimate and unchanged."""
+    from test_service_fixtures import copy_store
+
+    shared_dir = tmp_path / "shared"
+    a = _open(store_dir, DirectorySharedLog(shared_dir))
+    pairs = _oracle_pairs(3, rows=2, seed=151)
+    for inc, q in pairs[:2]:
+        _observe(a, inc, q)
+    a.close()
+    shutil.rmtree(shared_dir)
+    copy_store(pristine_store, tmp_path / "b")
+    solo = _open(tmp_path / "b", None)  # (another copy: one that learned an update standalone)
+    _observe(solo, *pairs[2])
+    solo.close()
+    b = _open(tmp_path / "b", DirectorySharedLog(shared_dir))  # publishes its state, at version 0
+    a = None
+    try:
+        assert b.failed == {} and b.get(NAME).version == 0
+        _observe(b, *pairs[2])
+        _observe(b, *pairs[2])
+        a = _open(store_dir, DirectorySharedLog(shared_dir))
+        assert NAME in a.failed, "adopted another base, dropping 2 acknowledged updates"
+        assert "holds another base" in a.failed[NAME] and "2 acknowledged update(s)" in a.failed[NAME]
+    finally:
+        b.abandon()
+        if a is not None:
+            a.abandon()
 
 
 def test_directory_log_fsyncs_new_directory_entries(tmp_path, monkeypatch):

@@ -169,13 +169,24 @@ class Replicated:
         ``snapshot`` is the loaded snapshot's blob; ``recorded_base`` the shared base it grew from
         (None for a snapshot written outside replication — the base blob itself, or a standalone
         server's);
-        ``n_local`` counts records replayed from this store's own log (taken standalone).
+        ``n_local`` counts records replayed from this store's own log (taken standalone).  A state
+        that grew from a recorded base the shared store no longer holds, with updates of that base's
+        log in it, is refused (SharedLogDamaged): that log was lost or replaced.
         """
         e = self.entry
         base = self.shared.get_base(e.name)
+        if recorded_base is not None and (base is None or sha256(base) != recorded_base) \
+                and (e.version > 0 or len(e.keys)) and not (base is None and e.renamed()):
+            # checked before anything is published or adopted (found by an audit: a shared store that
+            # lost everything was re-published from this state at version 0, keys forgotten, and a
+            # retried key applied again; a replaced one was adopted, dropping acknowledged updates)
+            raise SharedLogDamaged(self._lost_base(base is None, recorded_base))
         if base is None:
             # the first replica to publish this operator: its current state becomes the base
-            # (a standalone store joining a shared one keeps what it learned, at version 0)
+            # (a standalone store joining a shared one keeps what it learned, at version 0; so does
+            # a replica's copy served under another name, the way out of a lost shared store)
+            if e.renamed():
+                e.take_name()
             blob = e.base_blob()
             base = self.shared.publish_base(e.name, blob)
             if base == blob:
@@ -197,6 +208,21 @@ class Replicated:
             e.adopt_base(base, f"{self.shared.url}/{e.name}/base")
         e.base_hash = sha256(base)
         self.catch_up()
+
+    def _lost_base(self, missing: bool, recorded_base: str) -> str:
+        """Why a replica whose state grew from a shared base the shared store no longer holds is not
+        served: records of that log were acknowledged (this state holds ``version`` of them), and
+        neither publishing this state again at version 0 (its idempotency keys forgotten) nor
+        adopting another base keeps them."""
+        e = self.entry
+        what = "holds no base for it" if missing else "holds another base for it"
+        return (f"operator {e.name!r}: the shared store {self.shared.url} {what} (lost or replaced), but this "
+                f"replica's state grew from the shared base {recorded_base[:12]} and holds {e.version} acknowledged "
+                f"update(s) of its log: serving it would drop them, or apply their retries again. Restore the shared "
+                f"store (its base and log of {e.name!r}) and restart; or, to go on from this replica's state as a new "
+                f"operator (version 0; updates other replicas acknowledged after version {e.version} are lost), "
+                f"rename this store's operators/{e.name} directory to a new name and restart (it is published "
+                f"under that name), and remove the other replicas' copies of {e.name!r}")
 
     def catch_up(self, rid: str | None = None) -> int | None:
         """Apply the shared log's records after ``version`` in order (exclusive lock held).

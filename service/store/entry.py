@@ -160,6 +160,16 @@ class Entry:
                             "meta": json.dumps(self.meta, default=str)}
         return dumps_state("JITOperator", state)
 
+    def renamed(self) -> bool:
+        """This operator's directory was renamed by hand (its meta still names the operator it was
+        created or adopted as): a new operator, whose state may be published under the new name."""
+        return self.meta.get("name", self.name) != self.name
+
+    def take_name(self) -> None:
+        """A renamed operator about to be published: its meta names it as it is served now."""
+        self.meta["name"] = self.name
+        write_atomic(self.path / "meta.json", json.dumps(self.meta, indent=1, default=str).encode())
+
     def restart_at_base(self, blob: bytes) -> None:
         """This state was just published as the shared base: it is version 0 of the shared log.  Its
         local snapshot is written now (found in review: a restart before the next update loaded the
