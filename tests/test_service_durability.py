@@ -496,3 +496,68 @@ def test_an_operator_that_could_not_be_rebuilt_acknowledges_nothing_more(tmp_pat
         assert again.get("lx").version == 5
     finally:
         again.abandon()
+
+
+def test_a_rebuild_racing_the_snapshot_writer_keeps_the_generations_it_listed(store_dir, monkeypatch):
+    """Found by an audit: a failed append rebuilds the operator from disk (``Entry._recover``) —
+    it lists the generations, then reads them — while the snapshot writer finishes the snapshot the
+    previous rotation queued and deletes the generations below it, the ones the rebuild listed:
+    FileNotFoundError, the operator reported failed until a restart, over a disk that held every
+    update.  The writer now deletes them under the operator's shared lock, which a rebuild excludes."""
+    import errno
+
+    import service.store.log as log_module
+    from service.store import PersistError
+    from service.store.entry import Entry
+
+    store = OperatorStore(store_dir, snapshot_every=2)
+    store.open()
+    store.load_all()
+    e = store.get("logistic-x")
+    pairs = _pairs(4, seed=2400)
+    go = threading.Event()
+    real_write = log_module.OperatorLog.write_snapshot
+
+    def held_back(self, gen, data, **kw):  # (the writer is slow: snapshot-1 is written during the rebuild)
+        go.wait(60)
+        real_write(self, gen, data, **kw)
+
+    monkeypatch.setattr(log_module.OperatorLog, "write_snapshot", held_back)
+    for inc, q in pairs[:2]:
+        e.observe(inc, q, None, None)  # the 2nd rotates: snapshot-1 queued
+    fail = [True]
+    real_append = log_module.append_durably
+
+    def too_large_once(fh, data):
+        if fail:
+            fail.pop()
+            raise OSError(errno.EFBIG, "File too large")
+        return real_append(fh, data)
+
+    real_load_state = Entry._load_state
+
+    def listed_then_the_writer_runs(self, blob, source):
+        out = real_load_state(self, blob, source)  # (snapshot-0 read; log-0 and log-1 listed, not read yet)
+        go.set()
+        poll(lambda: (store_dir / "operators" / "logistic-x" / "snapshot-00000001.npz").exists(), bool, timeout=60)
+        time.sleep(0.5)  # (before the fix, the writer deleted generation 0 meanwhile)
+        return out
+
+    monkeypatch.setattr(log_module, "append_durably", too_large_once)
+    monkeypatch.setattr(Entry, "_load_state", listed_then_the_writer_runs)
+    with pytest.raises(PersistError) as info:
+        e.observe(*pairs[2], None, None)
+    monkeypatch.setattr(Entry, "_load_state", real_load_state)
+    assert "could not be rebuilt" not in str(info.value) and store.failed == {}, store.failed
+    assert store.get("logistic-x").observe(*pairs[3], None, None)[0] == 3
+    store.close()
+    names = poll(lambda: sorted(p.name for p in (store_dir / "operators" / "logistic-x").glob("[sl]*")),
+                 lambda n: "snapshot-00000000.npz" not in n, timeout=60)
+    assert "snapshot-00000000.npz" not in names and "log-00000000.jsonl" not in names  # (deleted after all)
+    again = OperatorStore(store_dir)
+    again.open()
+    again.load_all()
+    try:
+        assert again.failed == {} and again.get("logistic-x").version == 3
+    finally:
+        again.abandon()

@@ -14,13 +14,14 @@ never acknowledged — and cuts it off; anywhere else it is corruption, and read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 from ..files import append_durably, decode_record, encode_record, fsync_dir, write_atomic
 from .errors import PersistError
@@ -196,18 +197,24 @@ class OperatorLog:
         self.resume(self.gen + 1)
         return self.gen
 
-    def write_snapshot(self, gen: int, data: bytes) -> None:
-        """Write ``snapshot-gen`` atomically, then delete the generations below it."""
+    def write_snapshot(self, gen: int, data: bytes, guard: Callable[[], ContextManager] | None = None) -> None:
+        """Write ``snapshot-gen`` atomically, then delete the generations below it — holding
+        ``guard()`` if given (the snapshot writer: the operator's shared lock; the other callers
+        hold its exclusive lock already).  A load lists the generations, then reads them: none
+        may be deleted in between, and every load after the operator is served holds the exclusive
+        lock (found by an audit: a rebuild after a failed append, racing the writer, met a log it
+        had listed deleted — FileNotFoundError — and left the operator failed until a restart)."""
         t = time.perf_counter()
         write_atomic(self.path / f"snapshot-{gen:08d}.npz", data)
-        for p in self.path.iterdir():
-            m = _SNAP_RE.match(p.name) or _LOG_RE.match(p.name)
-            if m and int(m.group(1)) < gen:
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
         self._observe("snapshot_write", time.perf_counter() - t)
+        with guard() if guard is not None else contextlib.nullcontext():
+            for p in self.path.iterdir():
+                m = _SNAP_RE.match(p.name) or _LOG_RE.match(p.name)
+                if m and int(m.group(1)) < gen:
+                    try:
+                        p.unlink()
+                    except FileNotFoundError:
+                        pass
 
     def close(self) -> None:
         self.reopenable = False

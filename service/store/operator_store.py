@@ -265,7 +265,7 @@ class OperatorStore:
                 return
             entry, gen, data = item
             try:
-                entry.log.write_snapshot(gen, data)
+                entry.log.write_snapshot(gen, data, guard=entry.lock.read)  # (no rebuild lists files meanwhile)
             except Exception:  # the logs still hold every update: nothing is lost
                 log.exception("snapshot %d of %s failed", gen, entry.name)
 
