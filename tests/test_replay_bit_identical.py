@@ -10,6 +10,7 @@ a different rounding that the refactor then spread into every prediction (~1e-8 
 
 from __future__ import annotations
 
+import threading
 
 import numpy as np
 import pytest
@@ -121,3 +122,51 @@ def test_format_1_states_still_load():
     r = BayesianLinearRegression.from_state_dict(old)
     np.testing.assert_array_equal(r.predict(np.eye(5)), m.predict(np.eye(5)))
     np.testing.assert_array_equal(r.A_, m.A_)
+
+
+def test_replay_is_bit_identical_whatever_the_blas_thread_count(pristine_store, tmp_path):
+    """Found by an audit: the same log replayed with 1 and with 2 OpenBLAS threads gave different
+    operators (threaded products sum in another order), so a restart with another thread count, or
+    a replica on a machine with more cores, was no longer the state it acknowledged.  The store now
+    learns and replays with one BLAS thread (service.store.blas), whatever the process's setting:
+    updates learned with 2 threads replay bit for bit with 1, and with 2."""
+    from threadpoolctl import threadpool_limits
+
+    inc = DEFAULT_DISTRIBUTIONS["logistic"](6 * 300 + 4 * 5, np.random.default_rng(21))
+    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    probe = DEFAULT_DISTRIBUTIONS["logistic"](64, np.random.default_rng(22))
+    root = tmp_path / "store"
+    copy_store(pristine_store, root)
+
+    def state(s):
+        op = s.entries["logistic-x"].jit.operator
+        with threadpool_limits(limits=1, user_api="blas"):  # (the states are compared, not predictions' threads)
+            coords, var = op.predict_coords(probe)
+        blr = op.blr_.state_dict()
+        blr["target_range"] = op.target_range_
+        return coords, var, blr
+
+    def observe(s, sizes, start):
+        for rows in sizes:
+            sl = slice(start, start + rows)
+            s.entries["logistic-x"].observe({v: m[sl] for v, m in inc.items()}, q[sl], None, None)
+            start += rows
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        s = _open(root, None)
+        observe(s, [300, 5, 300, 300, 5], 0)  # (300: learned aside; 5: in place)
+        # and on another thread, as a server's requests are (found in review: threadpoolctl lets only the
+        # thread that set OpenBLAS's limit first set it again, and ignored the others)
+        t = threading.Thread(target=observe, args=(s, [300, 5, 300, 300, 5], 910))
+        t.start()
+        t.join(120)
+        live = state(s)
+        s.abandon()  # (a crash: the next start replays the log)
+    for threads in (1, 2):
+        with threadpool_limits(limits=threads, user_api="blas"):
+            s = _open(root, None)
+            try:
+                assert s.entries["logistic-x"].version == 10
+                _assert_identical(live, state(s))
+            finally:
+                s.abandon()

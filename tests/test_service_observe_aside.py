@@ -17,6 +17,7 @@ from kjit.oracles import QuadratureOracle
 from kjit.training import DEFAULT_DISTRIBUTIONS
 from service.locks import RWLock, WouldBlock
 from service.store import ASIDE_ROWS, OperatorStore
+from service.store.blas import one_blas_thread
 
 from test_service_fixtures import copy_store, load_pristine, pristine_store  # noqa: F401 - fixture
 
@@ -79,10 +80,11 @@ def test_a_long_observation_is_learned_aside_bit_identically_and_durably(root, p
     inc, q = _pairs(ASIDE_ROWS + 44, 3)
     small_inc, small_q = _pairs(5, 4)
     probe = DEFAULT_DISTRIBUTIONS["logistic"](16, np.random.default_rng(5))
-    # the reference: the pristine operator learning the same rows in place
+    # the reference: the pristine operator learning the same rows in place (as the store learns: one BLAS thread)
     ref = load_pristine(pristine_store, "logistic-x").operator
-    ref.partial_fit(small_inc, small_q)
-    ref.partial_fit(inc, q)
+    with one_blas_thread():
+        ref.partial_fit(small_inc, small_q)
+        ref.partial_fit(inc, q)
 
     s = _open(root)
     e = s.entries["logistic-x"]

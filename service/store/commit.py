@@ -31,6 +31,7 @@ from kjit.oracles import OracleError
 from ..files import decode_record, encode_record
 from ..shared import SharedLog, SharedLogError
 from ..validation import NUMERIC_ERRORS
+from .blas import one_blas_thread
 from .errors import Conflict, OracleFailure, PersistError, SharedLogDamaged, Unprocessable
 from .records import jit_record, record_rows, sha256
 
@@ -51,7 +52,8 @@ def _answer(jit, incoming, revertible: bool = False):
     """``jit.certified`` for a ``mode=jit`` request, its failures as the store's errors (after
     which nothing was learned or counted: JITOperator.predict is atomic)."""
     try:
-        q, cert = jit.certified(incoming, jit.to, revertible=revertible)
+        with one_blas_thread():  # (it may learn: as its record replays)
+            q, cert = jit.certified(incoming, jit.to, revertible=revertible)
     except OracleError as exc:
         raise OracleFailure(str(exc), getattr(exc, "rows", None)) from None
     except NUMERIC_ERRORS as exc:
@@ -112,7 +114,8 @@ class Standalone:
         e = self.entry
         try:
             if apply is not None:
-                apply()
+                with one_blas_thread():  # (as the record replays)
+                    apply()
             e.log.append(rec)
         except PersistError:
             e._recover("an update could not be written", counters)
@@ -137,7 +140,8 @@ class Standalone:
             rec["seq"] = e.version + 1
             new = copy.deepcopy(e.jit)
             try:
-                apply(new)
+                with one_blas_thread():  # (as the record replays)
+                    apply(new)
             except NUMERIC_ERRORS as exc:  # nothing changed: the served operator is untouched
                 raise Unprocessable(str(exc)) from exc
             try:

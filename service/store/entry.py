@@ -23,6 +23,7 @@ from ..locks import RWLock
 from ..schemas import PARAM_MAX
 from ..validation import NUMERIC_ERRORS
 from . import describe
+from .blas import one_blas_thread
 from .commit import ASIDE_ROWS, Replicated, Standalone
 from .errors import OracleFailure, PersistError, Unprocessable
 from .idempotency import IdempotencyKeys
@@ -200,11 +201,12 @@ class Entry:
         if sum(sizes) != len(bel) or (sizes and min(sizes) < 1):
             raise ValueError(f"record {rec.get('seq')}: groups {sizes} for {len(bel)} beliefs")
         start = 0
-        for size in sizes:  # one partial_fit per group, as the operator learned them
-            sl = slice(start, start + size)
-            # (acknowledged pairs: learned as they were, whatever today's range check says)
-            self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl], check_range=False)
-            start += size
+        with one_blas_thread():  # (as the update was learned: bit for bit)
+            for size in sizes:  # one partial_fit per group, as the operator learned them
+                sl = slice(start, start + size)
+                # (acknowledged pairs: learned as they were, whatever today's range check says)
+                self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl], check_range=False)
+                start += size
         if rec.get("oracle_state") and rec.get("rid") is None:
             # this server's own jit record: its sampler goes on from where the request left it, as it did
             # before the restart (found in review: after kill -9 it redrew particles already used).  Not on
