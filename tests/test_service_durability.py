@@ -561,3 +561,24 @@ def test_a_rebuild_racing_the_snapshot_writer_keeps_the_generations_it_listed(st
         assert again.failed == {} and again.get("logistic-x").version == 3
     finally:
         again.abandon()
+
+
+def test_temporary_files_left_by_a_crash_are_removed_when_the_store_opens(store_dir):
+    """Found by an audit: a kill -9 inside write_atomic (a snapshot, a job record) leaves its
+    ``.tmp-*`` file, and nothing ever removed it.  The store removes them when it opens (holding
+    its lock, before any writer of its own has started) — in operator directories and jobs/ only."""
+    op = store_dir / "operators" / "logistic-x"
+    jobs = store_dir / "jobs"
+    jobs.mkdir(exist_ok=True)
+    (op / ".tmp-abc123").write_bytes((op / "snapshot-00000000.npz").read_bytes())  # what the crash leaves
+    (jobs / ".tmp-def456").write_bytes(b'{"id": "x"')
+    (store_dir / "training-sets" / ".tmp-user").write_bytes(b"")  # (not the store's: left alone)
+    s = OperatorStore(store_dir)
+    s.open()
+    try:
+        assert not list(op.glob(".tmp-*")) and not list(jobs.glob(".tmp-*"))
+        assert (store_dir / "training-sets" / ".tmp-user").exists()
+        s.load_all()
+        assert s.failed == {} and s.get("logistic-x").version == 0
+    finally:
+        s.close()

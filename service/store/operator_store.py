@@ -100,6 +100,7 @@ class OperatorStore:
         for p in self.operators_dir.iterdir():
             if p.name.startswith("."):
                 shutil.rmtree(p, ignore_errors=True)  # an interrupted creation
+        self._remove_temporary_files()
         with self._lock:
             self.loading = {p.name for p in self.operators_dir.iterdir() if p.is_dir()}
             if self.shared is not None:  # operators other replicas published are adopted when loading
@@ -113,6 +114,29 @@ class OperatorStore:
         if self.shared is not None and self.merge_interval > 0:
             self._merge_thread = threading.Thread(target=self._merge_worker, name="kjit-merge", daemon=True)
             self._merge_thread.start()
+
+    def _remove_temporary_files(self) -> None:
+        """Remove what a crash inside :func:`service.files.write_atomic` left: ``.tmp-*`` files (a
+        snapshot, a meta, a job record never renamed into place), in each operator's directory and in
+        ``jobs/`` — nothing else removed them (found by an audit: one per crash, forever).  Only here,
+        holding the store lock and before this store starts a thread: no other process serves this
+        directory (replicas each have their own; the shared store is elsewhere), and no writer of this
+        one has started (the job manager is created after :meth:`open`), so none is being written.
+        ``training-sets/`` is left alone: files are put there by hand, by tools that do not take the lock."""
+        dirs = [p for p in self.operators_dir.iterdir() if p.is_dir()] + [self.root / "jobs"]
+        for d in dirs:
+            try:
+                stray = sorted(d.glob(".tmp-*"))
+            except OSError:
+                continue
+            for p in stray:
+                try:
+                    p.unlink()
+                    log.info("removed %s, left by an interrupted write", p)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("could not remove %s, left by an interrupted write (%s)", p, exc)
 
     def _merge_worker(self) -> None:
         """Replicas: every ``merge_interval`` s apply other replicas' records, adopt new operators."""
