@@ -23,7 +23,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["one_blas_thread"]
+__all__ = ["one_blas_thread", "prepare"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -40,6 +40,15 @@ def _blas():
 
         _controller = ThreadpoolController()
     return _controller
+
+
+def prepare() -> None:
+    """Find the BLAS libraries now (the store calls it when it opens): the first update must not be the
+    first to import threadpoolctl and read the process's libraries — found by an audit: with the file
+    descriptors exhausted (idle connections) that import raised OSError, a 500 on every update."""
+    from threadpoolctl import OpenBLASController  # noqa: F401 - imported here, not by an update
+
+    _blas()
 
 
 def _take_control() -> None:

@@ -35,6 +35,7 @@ from kjit.persistence import dumps_state, loads_state
 from ..files import fsync_dir, write_atomic
 from ..names import NAME_RE
 from ..shared import SharedLog, SharedLogError
+from . import blas
 from .entry import Entry, self_test
 from .errors import Conflict, NotFound, NotReady
 
@@ -97,6 +98,7 @@ class OperatorStore:
         fh.write(f"{os.getpid()}\n")
         fh.flush()
         self._lock_fh = fh
+        blas.prepare()
         for p in self.operators_dir.iterdir():
             if p.name.startswith("."):
                 shutil.rmtree(p, ignore_errors=True)  # an interrupted creation
