@@ -15,8 +15,8 @@ larger than the server's limit is sent in several requests.
 
 ``mode``: ``"jit"`` (the server consults its oracle on uncertain rows and learns; needs the
 token if the server has one), ``"predict"`` (learned operator only, read-only) or
-``"oracle"`` (needs the token too: it costs the server real CPU; batches are split at the
-server's ``max_oracle_batch``).
+``"oracle"`` (needs the token too: it costs the server real CPU).  ``jit`` and ``oracle`` batches
+are split at the server's ``max_oracle_batch``.
 
 Numbers cross the wire as JSON, which carries every finite double exactly, so a remote
 operator gives the same numbers as the same operator in process.  Non-finite parameters are
@@ -511,7 +511,7 @@ class RemoteOperator:
         flat, shape = self._flat(incoming)
         n = math.prod(shape) if shape else 1
         step = self._step()
-        if mode == "oracle":  # the server caps oracle work per request separately
+        if mode in ("oracle", "jit"):  # the server caps the oracle work of a request separately
             step = min(step, int(self.info().get("limits", {}).get("max_oracle_batch", step)))
         parts, sizes = [], []
         retry = "connection" if mode in ("predict", "oracle") else "connect"

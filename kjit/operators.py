@@ -1927,6 +1927,8 @@ def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, l
     if rule not in ("coverage", "max"):
         raise ValueError(f"`rule` must be 'coverage' or 'max', got {rule!r}")
     psi = np.asarray(psi, np.float64)
+    if rule == "max":
+        return _greedy_max(psi, np.asarray(Sigma, np.float64), float(noise_var), limit)
     K = (psi @ Sigma) @ psi.T
     K = 0.5 * (K + K.T)
     var = np.diagonal(K).copy()
@@ -1953,6 +1955,41 @@ def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, l
         denom = noise_var + var[j]
         K -= np.outer(k, k / denom)
         var = np.diagonal(K).copy()
+    return np.asarray(chosen, dtype=int)
+
+
+def _greedy_max(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float) -> np.ndarray:
+    """:func:`greedy_consultations`' rule "max" without K: K's updates are kept as the columns u_p =
+    K_p[:, j_p] / √(σ_y² + K_p[j_p, j_p]) of its picks (K_t = K_0 − Σ_p u_p u_pᵀ, a pivoted Cholesky
+    of K_0 + σ_y² at the picks), so a pick costs O(m (D + t)) and the memory is O(m (D + t)) — the
+    m × m matrix, with an m × m outer product allocated per pick, took 1.8 GB and 130 s under the
+    operator's write lock for one served request of 10 000 uncertain rows (found by an audit).  The
+    same picks as the dense update in exact arithmetic."""
+    P = psi @ Sigma  # (m, D): K_0[:, j] = P ψ_j
+    var = np.einsum("ij,ij->i", P, psi)
+    if not limit > 0:
+        return np.flatnonzero(var > limit)
+    m = len(var)
+    U = np.empty((min(m, 64), m))  # rows: the picks' u_p (grown as needed)
+    chosen: list[int] = []
+    learned = np.zeros(m, dtype=bool)
+    while True:
+        var[learned] = -np.inf  # learned rows are the oracle's answers: never picked again
+        above = var > limit
+        if not above.any():
+            break
+        j = int(np.argmax(np.where(above, var, -np.inf)))
+        t = len(chosen)
+        k = P @ psi[j]
+        if t:
+            k -= U[:t].T @ U[:t, j]
+        u = k / math.sqrt(noise_var + var[j])
+        if t == U.shape[0]:
+            U = np.concatenate([U, np.empty_like(U)])
+        U[t] = u
+        chosen.append(j)
+        learned[j] = True
+        var -= u * u
     return np.asarray(chosen, dtype=int)
 
 

@@ -39,7 +39,8 @@ variable                   meaning                                     default
 ``KJIT_MAX_N_SAMPLES``     largest importance-sampling ``n_samples``   ``500000``
                            of a job (memory ~ 16 x n_samples x 8 B x
                            a few arrays: +166 MB measured at 500 000)
-``KJIT_MAX_ORACLE_BATCH``  most rows of one ``mode=oracle`` request    ``2000``
+``KJIT_MAX_ORACLE_BATCH``  most rows of one ``mode=oracle`` or         ``2000``
+                           ``mode=jit`` request (their oracle work)
 ``KJIT_ORACLE_CONCURRENCY`` oracle-mode requests and observation        ``1``
                            spot checks running at once
 ``KJIT_ORACLE_WAIT``       seconds a request waits for an oracle slot  ``10``

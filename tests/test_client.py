@@ -517,3 +517,14 @@ def test_threads_sharing_one_client_get_their_own_certificates(live):
         q = op.belief(incs[0])
         assert last_certificates(op, q) is not None
     assert not errors and not wrong
+
+
+def test_a_jit_batch_is_split_at_the_servers_oracle_batch_limit(store_dir):
+    """The server caps a mode=jit request at max_oracle_batch rows (its oracle work); the client splits."""
+    from service.testing import ThreadedServer
+
+    with ThreadedServer(settings_for(store_dir, token=TOKEN, max_oracle_batch=5)) as srv:
+        inc = probe("logistic", 12, seed=3)
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="jit") as op:
+            q = op.belief(inc)
+            assert q.shape == (12,) and np.all(q.is_proper)

@@ -853,3 +853,44 @@ def test_an_epistemic_rule_is_calibrated_on_the_variance_it_thresholds(monkeypat
         if rule == "epistemic":
             np.testing.assert_array_equal(jit._decision_logvar(np.exp(lv)),
                                           jit.operator.epistemic_log_variance(lv))
+
+
+def test_greedy_max_equals_the_dense_update_without_an_m_by_m_matrix():
+    """Rule "max" keeps K's updates as its picks' columns (a pivoted Cholesky): the same picks as the
+    dense K ← K − k kᵀ/(σ² + K_jj) (here written out), and no m × m array — the dense form took 1.8 GB
+    and 130 s under the operator's write lock for one request of 10 000 uncertain rows (an audit)."""
+    import tracemalloc
+
+    from kjit.blr import BayesianLinearRegression
+    from kjit.operators import greedy_consultations
+
+    def dense(psi, Sigma, s2, limit):
+        K = psi @ Sigma @ psi.T
+        K = 0.5 * (K + K.T)
+        var, learned, out = np.diagonal(K).copy(), np.zeros(len(psi), bool), []
+        while True:
+            var[learned] = -np.inf
+            if not (var > limit).any():
+                return np.array(out)
+            j = int(np.argmax(var))
+            out.append(j)
+            learned[j] = True
+            k = K[:, j].copy()
+            K -= np.outer(k, k / (s2 + var[j]))
+            var = np.diagonal(K).copy()
+
+    rng = np.random.default_rng(5)
+    for D, m, s2, limit in ((40, 60, 1e-3, 0.05), (25, 200, 0.2, 0.05), (60, 150, 1e-6, 1e-3)):
+        blr = BayesianLinearRegression(prior_var=1.0, noise_var=s2).fit(rng.normal(size=(30, D)), rng.normal(size=30))
+        psi = np.concatenate([rng.normal(size=(m - 30, D)), np.repeat(rng.normal(size=(10, D)), 3, axis=0)])
+        np.testing.assert_array_equal(greedy_consultations(psi, blr.Sigma_, s2, limit),
+                                      dense(psi, blr.Sigma_, s2, limit))
+    # memory: 6 000 rows (the dense form's K alone is 288 MB) in O(m (D + picks))
+    D, m = 20, 6000
+    blr = BayesianLinearRegression(prior_var=1.0, noise_var=1e-3).fit(rng.normal(size=(10, D)), rng.normal(size=10))
+    psi = rng.normal(size=(m, D))
+    tracemalloc.start()
+    pick = greedy_consultations(psi, blr.Sigma_, 1e-3, 0.05)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert 0 < pick.size <= D + 10 and peak < 8 * m * (D + 64) * 1.5
