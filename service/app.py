@@ -24,7 +24,7 @@ from .middleware import AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from .routers import router
 from .settings import Settings
 from .shared import open_shared
-from .store import OperatorStore
+from .store import OperatorStore, blas
 
 log = logging.getLogger("kjit.service")
 
@@ -135,6 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        blas.set_threads(settings.blas_threads)
         store.open()
         app.state.jobs = JobManager(store, workers=settings.job_workers, metrics=metrics)
         loader = threading.Thread(target=store.load_all, name="kjit-load", daemon=True)

@@ -515,3 +515,25 @@ def test_the_first_update_does_not_need_new_files_for_its_blas_limit(store_dir, 
         monkeypatch.setattr(threadpoolctl.ThreadpoolController, "__init__", no_files)
         r = c.post("/v1/operators/logistic-x/messages?mode=jit", json=good_x(3), headers=AUTH)
         assert r.status_code == 200, r.text
+
+
+def test_the_server_runs_blas_on_one_thread_by_default(store_dir):
+    """KJIT_BLAS_THREADS (default 1): a one-message prediction at D 500/1000 took 8.0 ms with OpenBLAS's
+    default two threads on a 2-core host with one core busy, 0.30 ms with one (found by an audit: the
+    benchmarks pinned it, ``make run`` did not)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from service.settings import Settings
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    assert Settings.from_env({}).blas_threads == 1 and Settings.from_env({"KJIT_BLAS_THREADS": "0"}).blas_threads == 0
+    with pytest.raises(ValueError, match="`blas_threads`"):
+        Settings.from_env({"KJIT_BLAS_THREADS": "-1"})
+    with threadpool_limits(2, user_api="blas"):  # (as a process whose BLAS starts with two)
+        assert blas_threads() == {2}
+        with TestClient(create_app(settings_for(store_dir, blas_threads=0))):
+            assert blas_threads() == {2}  # 0: left as it is
+        with TestClient(create_app(settings_for(store_dir))):
+            assert blas_threads() == {1}

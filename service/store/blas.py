@@ -23,7 +23,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["one_blas_thread", "prepare"]
+__all__ = ["one_blas_thread", "prepare", "set_threads"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -40,6 +40,17 @@ def _blas():
 
         _controller = ThreadpoolController()
     return _controller
+
+
+def set_threads(n: int) -> None:
+    """BLAS runs with ``n`` threads in this process from now on (0: left as it is) — the service's
+    ``KJIT_BLAS_THREADS``, set when the app starts."""
+    if int(n) <= 0:
+        return
+    with _lock:
+        _take_control()
+        _blas().limit(limits=int(n), user_api="blas")  # (kept: not restored)
+        _take_control()
 
 
 def prepare() -> None:
