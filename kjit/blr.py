@@ -659,15 +659,17 @@ class BayesianLinearRegression:
         )
         return float(lml[0]) if self._single_output else lml
 
-    def log_evidence_grid(self, prior_vars: Any, noise_vars: Any) -> np.ndarray:
+    def log_evidence_grid(self, prior_vars: Any, noise_vars: Any,
+                          max_condition: float | None = MAX_CONDITION) -> np.ndarray:
         """Log evidence on a hyperparameter grid from the stored stats, with one ``eigh(A)``.
 
         With ``A = Q diag(lam) Q^T`` and ``c = Q^T b``:
         ``log|P| = sum_i log(lam_i/s2 + 1/pv)`` and
         ``mu^T P mu = sum_i c_i^2 / (s2^2 (lam_i/s2 + 1/pv))``.
 
-        −inf where ``cond(P) <= 1 + pv lam_max / s2`` exceeds :data:`MAX_CONDITION`, as in the
-        hyperparameter search: there the answer cannot be trusted.  The eigenvalues of ``A`` near 0
+        −inf where ``cond(P) <= 1 + pv lam_max / s2`` exceeds ``max_condition`` (default
+        :data:`MAX_CONDITION`, as in the hyperparameter search; None: no bound — a caller that has
+        fixed the pair and takes the risk): there the answer cannot be trusted.  The eigenvalues of ``A`` near 0
         are known only to about ``eps lam_max`` (the rounding of ``A = X^T X`` itself, then that of
         any factorisation of it in double precision), and as ``cond(P)`` nears ``1/eps`` that error
         reaches ``s2/pv``, the prior's share of ``P``, in every such direction: ``log|P|`` and
@@ -698,7 +700,8 @@ class BayesianLinearRegression:
             mu_P_mu = ((1.0 / prec) @ c2) / nvs[:, None] ** 2  # (N, k)
             const = -0.5 * n * np.log(2.0 * np.pi * nvs) - 0.5 * D * np.log(pv) - 0.5 * log_det
             out[i] = const[:, None] - 0.5 * (self.yy_[None, :] / nvs[:, None] - mu_P_mu)
-            out[i, 1.0 + pv * lam[-1] / nvs > MAX_CONDITION] = -np.inf
+            if max_condition is not None:
+                out[i, 1.0 + pv * lam[-1] / nvs > max_condition] = -np.inf
         return out
 
     # ----------------------------------------------------------------- persistence

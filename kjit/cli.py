@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--n", type=int, default=2000, help="training pairs (default 2000)")
     t.add_argument("--pairs", help="train on a saved TrainingSet .npz instead of drawing inputs")
     t.add_argument("--save-pairs", help="also save the training pairs to this .npz")
-    from .oracles import ORACLE_KINDS
+    from .oracle_kinds import ORACLE_KINDS  # (not kjit.oracles: scipy for every command)
 
     t.add_argument("--oracle", choices=[*ORACLE_KINDS, *ORACLE_ALIASES], default="auto",
                    help="auto (default): the factor's exact rule for the recipient (quadrature) where it has one, "

@@ -67,6 +67,8 @@ from .transport import HttpxSession, ResponseTooLarge, Session, TransportError
 __all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError", "UnknownOperatorError"]
 
 _MODES = ("predict", "jit", "oracle")
+#: idempotency keys whose split :meth:`RemoteOperator.observe` keeps for retries (the latest)
+_KEPT_SPLITS = 256
 
 
 class RemoteOperatorError(RuntimeError):
@@ -304,6 +306,7 @@ class RemoteOperator:
         self._cert: Certificates | None = None
         self.last_uncertain_ = None
         self._row_cap = None  # rows a request may carry under the server's max_body_bytes (learned)
+        self._splits: dict = {}  # idempotency key → (pairs, pairs per part) of observe's first call with it
         # one call at a time: a call's certificates and marks are kept on the instance between its
         # request and its answer (found by an audit: threads sharing one client got each other's)
         self._lock = threading.RLock()
@@ -749,10 +752,14 @@ class RemoteOperator:
 
         ``idempotency_key``: this call's key (default a fresh one); a batch sent in several requests
         sends ``key-i`` with its i-th part, so calling again with the same key and the same pairs
-        after a failure sends every part again and the server applies each exactly once.  An error
-        carries ``idempotency_key`` and ``applied_rows`` (the first ``applied_rows`` pairs were
-        learned before it — found by an audit: a later part's failure hid the earlier parts' success
-        and named its rows as the part's)."""
+        after a failure sends every part again and the server applies each exactly once.  This client
+        splits a key's pairs again as it did the first time (if the server's limits no longer allow
+        that, the call is refused, a ValueError, rather than learned twice); another client splits them
+        by the server's limits, the same parts only if those are unchanged.  An error carries
+        ``idempotency_key`` and ``applied_rows`` (the first ``applied_rows`` pairs were learned before
+        it — found by an audit: a later part's failure hid the earlier parts' success and named its
+        rows as the part's).  A first part refused as too long or too large (the server's limits
+        shrank: nothing was learned) makes the client read the limits again and split anew."""
         key = uuid.uuid4().hex if idempotency_key is None else idempotency_key
         if not (isinstance(key, str) and 0 < len(key) <= 180 and key.isascii() and key.isprintable()):
             raise ValueError(f"`idempotency_key` must be 1 to 180 printable ASCII characters, got {key!r}")
@@ -769,26 +776,60 @@ class RemoteOperator:
                 return {"incoming": {v: _columns(x[s:s + m], f"incoming[{v!r}]") for v, x in flat.items()},
                         "beliefs": _columns(b[s:s + m], "beliefs")}
 
-            out = None
-            bodies = list(self._bodies(n, self._step(), body))
-            for i, (s, m, content) in enumerate(bodies):
-                part_key = key if len(bodies) == 1 else f"{key}-{i}"
+            for attempt in range(2):
+                bodies = self._observation_parts(key, n, body)
                 try:
-                    out = self._request("POST", f"{self._base}/observations", content=content,
-                                        headers={"Idempotency-Key": part_key}, retry="connection")
-                except RemoteOperatorError as exc:
-                    exc.idempotency_key, exc.applied_rows = key, s
-                    if isinstance(exc, RemoteValidationError):
-                        refused = _refused_beliefs(exc)
-                        exc.refused_rows = None if refused is None else refused + s
-                        if exc.rows is not None:
-                            exc.rows = exc.rows + s
-                    if s:
-                        exc.args = (f"{exc.args[0]} (pairs 0–{s - 1} of this call were learned; call again with "
-                                    f"idempotency_key={key!r} and the same pairs to send the rest exactly once)",)
-                    raise
-                self.last_version_ = out["version"]
-            return out
+                    return self._send_observations(key, bodies)
+                except RemoteValidationError as exc:
+                    if attempt or exc.applied_rows or (exc.status != 413 and _types(exc.detail) != {"too_long"}):
+                        raise
+                    # the server's limits shrank (a restart): nothing of this call was learned — read them
+                    # again and split anew (found in review: every later call failed, as _call's did)
+                    self._splits.pop(key, None)
+                    self.info(refresh=True)
+                    self._row_cap = None
+            raise AssertionError("unreachable")  # pragma: no cover
+
+    def _observation_parts(self, key: str, n: int, body) -> list:
+        """The requests of :meth:`observe` for ``n`` pairs under ``key``: the split of this key's
+        first call where there was one (the part keys ``key-i`` name those parts: another split would
+        be other keys, learned again — found in review), else a new one, kept for retries."""
+        first = self._splits.get(key)
+        if first is None or first[0] != n:
+            bodies = list(self._bodies(n, self._step(), body))
+            self._splits[key] = (n, bodies[0][1])
+            while len(self._splits) > _KEPT_SPLITS:
+                self._splits.pop(next(iter(self._splits)))
+            return bodies
+        bodies = list(self._bodies(n, first[1], body))
+        if bodies[0][1] != first[1] or first[1] > self.max_batch:
+            raise ValueError(f"operator {self.name!r}: the server's limits changed since the first call with "
+                             f"idempotency_key={key!r}; its parts of {first[1]} pairs cannot be sent again as they "
+                             f"were (other parts would be learned again): read the operator's version and n_train "
+                             f"to see what it learned, then send the rest with a new key")
+        return bodies
+
+    def _send_observations(self, key: str, bodies: list) -> dict:
+        """:meth:`observe`'s requests, in order; an error names the batch's rows (see there)."""
+        out = None
+        for i, (s, m, content) in enumerate(bodies):
+            part_key = key if len(bodies) == 1 else f"{key}-{i}"
+            try:
+                out = self._request("POST", f"{self._base}/observations", content=content,
+                                    headers={"Idempotency-Key": part_key}, retry="connection")
+            except RemoteOperatorError as exc:
+                exc.idempotency_key, exc.applied_rows = key, s
+                if isinstance(exc, RemoteValidationError):
+                    refused = _refused_beliefs(exc)
+                    exc.refused_rows = None if refused is None else refused + s
+                    if exc.rows is not None:
+                        exc.rows = exc.rows + s
+                if s:
+                    exc.args = (f"{exc.args[0]} (pairs 0–{s - 1} of this call were learned; call again with "
+                                f"idempotency_key={key!r} and the same pairs to send the rest exactly once)",)
+                raise
+            self.last_version_ = out["version"]
+        return out
 
     def _observe_learnable(self, incoming: Mapping[str, Family], beliefs: Family) -> None:
         """:meth:`observe` for the just-in-time loop with a local oracle, one server batch at a time:

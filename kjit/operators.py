@@ -440,7 +440,9 @@ class KernelOperator(Operator):
                 grid, lam_max = _log_evidence_grid_dual(psi_sub, Z[sub], self.prior_vars, self.noise_vars)
             else:
                 blr = BayesianLinearRegression(prior_var=1.0, noise_var=1.0).fit(psi_sub, Z[sub])
-                grid = blr.log_evidence_grid(self.prior_vars, self.noise_vars)
+                # (a pair the user fixed is taken as it is, as below: no condition bound on a grid of one)
+                bound = MAX_CONDITION if np.size(self.prior_vars) * np.size(self.noise_vars) > 1 else None
+                grid = blr.log_evidence_grid(self.prior_vars, self.noise_vars, max_condition=bound)
                 lam_max = None
             grid = grid.sum(axis=-1)
             # keep the posterior precision A/σ_y² + I/σ₀² well conditioned for the final

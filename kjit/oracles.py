@@ -28,6 +28,7 @@ from .certificates import Certificates, projection_convention
 from .errors import LowESSError, OracleError
 from .factors.base import PASSED_THROUGH, Factor, factor_code_error
 from .families import Family, kernel_limits
+from .oracle_kinds import ORACLE_KINDS
 from .protocols import Operator
 from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
 
@@ -833,9 +834,7 @@ class ClientOracle(Oracle):
 
 
 # ====================================================================== oracles by name
-#: the oracles a training run can name (``kjit train --oracle``, the service's ``oracle``):
-#: ``auto`` is the factor's exact rule for the recipient where it has one, else the per-message sampler
-ORACLE_KINDS = ("auto", "quadrature", "importance_sampling", "message_sampler")
+#: the oracles a training run can name (``kjit train --oracle``, the service's ``oracle``): see kjit.oracle_kinds
 
 
 def resolve_oracle_kind(kind: str, factor: Factor, to: str) -> str:

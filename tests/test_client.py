@@ -528,3 +528,35 @@ def test_a_jit_batch_is_split_at_the_servers_oracle_batch_limit(store_dir):
         with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="jit") as op:
             q = op.belief(inc)
             assert q.shape == (12,) and np.all(q.is_proper)
+
+
+def test_an_observation_retried_with_its_key_is_split_as_the_first_time(store_dir):
+    """Part keys key-i name the first call's parts: another split (the server's limits changed) would
+    be other keys, learned again (found in review: 300 → 700 → 1 100).  This client resends a key's parts
+    as before, or refuses; a first part refused as too long (limits shrank, nothing learned) makes it
+    read the limits again (found in review: observe, unlike belief, failed every call)."""
+    from service.testing import ThreadedServer
+
+    inc = probe("logistic", 240, seed=9)
+    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    with ThreadedServer(settings_for(store_dir, max_batch=100)) as srv:
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="predict") as op:
+            n0 = op.counters()["n_train"]
+            op.observe(inc, q, idempotency_key="K")  # parts of 100, 100, 40
+            assert op.counters()["n_train"] == n0 + 240
+            op.observe(inc, q, idempotency_key="K")  # the same parts: duplicates
+            assert op.counters()["n_train"] == n0 + 240
+            op._info = {**op._info, "limits": {**op._info["limits"], "max_batch": 50}}  # (limits shrank)
+            with pytest.raises(ValueError, match="limits changed since the first call"):
+                op.observe(inc, q, idempotency_key="K")
+            assert op.counters()["n_train"] == n0 + 240
+            # limits the client has cached but the server no longer has: read again, split anew
+            op._info = {**op._info, "limits": {**op._info["limits"], "max_batch": 500}}
+            op.observe(inc, q)
+            assert op.counters()["n_train"] == n0 + 480 and op.max_batch == 100
+    with ThreadedServer(settings_for(store_dir, max_batch=10_000, max_body_bytes=20_000)) as srv:
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="predict") as op:
+            n1 = op.counters()["n_train"]
+            op._info = {**op._info, "limits": {**op._info["limits"], "max_body_bytes": 2_000_000}}
+            op.observe(inc, q)  # (a 413 first)
+            assert op.counters()["n_train"] == n1 + 240

@@ -469,3 +469,23 @@ def test_on_uncertain_oracle_needs_an_oracle_where_the_factor_has_no_exact_rule(
             GraphEP(g, operators={("graph_test_square", "x"): _Uncertain()}, on_uncertain="oracle").run()
     finally:
         base._REGISTRY.pop("graph_test_square", None)
+
+
+def test_oracles_are_checked_as_operators_are():
+    """Found in review: an oracle for another factor of the name (probit_noise eps=0 for eps=0.3) replaced
+    the uncertain answers (means ±1.596 for the exact ±0.638, "converged"); an object without belief ran
+    to operator_failed.  Both refused before the run, as `operators=` entries are."""
+    from kjit.errors import ConfigurationError
+    from kjit.factors import CompoundGamma
+    from kjit.ep import CompoundGammaPrecision
+
+    g = _two_sided_graph()
+    with pytest.raises(ConfigurationError, match="answers for factor"):
+        GraphEP(g, operators={("logistic", "x"): _Uncertain()}, on_uncertain="oracle",
+                oracles={("logistic", "x"): QuadratureOracle(CompoundGamma())}).run()
+    with pytest.raises(ConfigurationError, match="belief"):
+        GraphEP(g, operators={("logistic", "x"): _Uncertain()}, on_uncertain="oracle",
+                oracles={("logistic", "x"): "quadrature"}).run()
+    with pytest.raises(ValueError, match="answers for factor"):
+        CompoundGammaPrecision(QuadratureOracle(CompoundGamma()), on_uncertain="oracle",
+                               oracle=QuadratureOracle(CompoundGamma(s1=5.0)))

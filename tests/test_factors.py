@@ -223,6 +223,7 @@ def test_numeric_parameter_of_another_kind_is_named(name, param, value):
         get_factor(name, **{param: value})
     assert info.value.param == param  # (the service puts it in the error's location)
     assert get_factor(name, **{param: np.float64(0.2)}).params()[param] == 0.2  # numpy numbers are numbers
+    assert get_factor(name, **{param: np.array(0.2)}).params()[param] == 0.2  # and so are 0-d arrays
 
 
 # =========================================================================== check_incoming

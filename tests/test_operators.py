@@ -1360,3 +1360,20 @@ def test_held_out_predict_of_a_float32_operator_with_a_group_of_its_own():
     # float32 features move the far row's held-out variance by their rounding, not by orders of magnitude
     np.testing.assert_allclose(lv32, lv64, atol=0.05)
     np.testing.assert_allclose(q32.mean(), q64.mean(), atol=1e-3 * np.sqrt(q64.var()).max())
+
+
+def test_a_fixed_hyperparameter_pair_is_taken_as_it_is():
+    """One (prior_var, noise_var) pair is the user's choice: the search bounds the posterior's condition
+    only on a grid of several (found in review: the bound moved into log_evidence_grid refused a pair
+    fixed at a small noise the operator had fitted with before)."""
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import DEFAULT_DISTRIBUTIONS
+
+    inc = DEFAULT_DISTRIBUTIONS["logistic"](600, np.random.default_rng(0))
+    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    op = KernelOperator("logistic", "x", n_inner=30, n_outer=60, prior_vars=[1.0], noise_vars=[2e-11],
+                        random_state=0).fit(inc, q)
+    assert op.noise_var_ == 2e-11 and np.isfinite(op.search_[-1]["log_evidence"])
+    blr = BayesianLinearRegression(prior_var=1.0, noise_var=1.0).fit(np.eye(3), np.ones(3))
+    assert np.isneginf(blr.log_evidence_grid([1e20], [1.0])).all()  # (the default bound)
+    assert np.isfinite(blr.log_evidence_grid([1e20], [1.0], max_condition=None)).all()

@@ -213,6 +213,20 @@ class GraphResult:
         return out
 
 
+def _checked(op, what: str, key, factor: Factor):
+    """``op`` (an entry ``what[key]`` of GraphEP's ``operators`` or ``oracles``) if it answers
+    ``belief(incoming, to)`` for ``factor`` — not another factor of the name (other parameters, another
+    sampled factor) — else a ConfigurationError naming it.  Found by audits: a wrong object ran 3 iterations
+    and ended "operator_failed"; gamma_rate(shape=1) answered for shape 1.5, "converged", log Z 0.35 off;
+    an oracle for probit_noise(eps=0) replaced eps=0.3's uncertain answers, means 1.596 for 0.638."""
+    if not callable(getattr(op, "belief", None)):
+        raise ConfigurationError(f"`{what}[{key!r}]` must have a belief(incoming, to) method, got {type(op).__name__}")
+    own = vars(op).get("factor") if hasattr(op, "__dict__") else None  # (an attribute: no I/O)
+    if isinstance(own, Factor) and not own.same_as(factor):
+        raise ConfigurationError(f"`{what}[{key!r}]` answers for factor {own!r}, not {factor!r}")
+    return op
+
+
 def _change(old: Family, new: Family) -> float:
     """Largest change between two beliefs of one family, scale-free (see the module docstring)."""
     d = np.abs(np.asarray(new.to_coords(), float) - np.asarray(old.to_coords(), float)).reshape(-1)
@@ -310,17 +324,7 @@ class GraphEP:
     def _operator_for(self, factor: Factor, to: str):
         key = (factor.name, to)
         if key in self.operators:
-            op = self.operators[key]
-            # found by an audit: a wrong object ran 3 iterations and ended "operator_failed"
-            if not callable(getattr(op, "belief", None)):
-                raise ConfigurationError(f"`operators[{key!r}]` must have a belief(incoming, to) method, got "
-                                         f"{type(op).__name__}")
-            own = vars(op).get("factor") if hasattr(op, "__dict__") else None  # (an attribute: no I/O)
-            # (and not for another factor of the name: other parameters, or another sampled factor —
-            # found by an audit: gamma_rate(shape=1) answered for shape 1.5, "converged", log Z 0.35 off)
-            if isinstance(own, Factor) and not own.same_as(factor):
-                raise ConfigurationError(f"`operators[{key!r}]` answers for factor {own!r}, not {factor!r}")
-            return op
+            return _checked(self.operators[key], "operators", key, factor)
         pkey = (factor.name, json.dumps(factor.params(), sort_keys=True))
         if pkey not in self._default_ops:
             from ..oracles import QuadratureOracle
@@ -336,7 +340,7 @@ class GraphEP:
         """The oracle of uncertain answers of (``factor``, ``to``) (see ``oracles``), or None."""
         key = (factor.name, to)
         if key in self.oracles:
-            return self.oracles[key]
+            return _checked(self.oracles[key], "oracles", key, factor)
         own = getattr(self._operator_for(factor, to), "oracle", None)
         if own is not None:
             return own
@@ -379,6 +383,8 @@ class GraphEP:
             for fv, b in bind.items():
                 if isinstance(b, str):
                     op = self._operator(f, fv)
+                    if (f.name, fv) in self.oracles:
+                        self._oracle(f, fv)  # (checked before the run, as the operators are)
                     if (self.on_uncertain == "oracle" and reports_uncertainty(op)
                             and self._oracle(f, fv) is None):
                         raise ValueError(f'on_uncertain="oracle" needs an oracle for ({f.name!r}, {fv!r}): its operator '

@@ -13,15 +13,15 @@ propagation is the operator :class:`kjit.ep.operators.LaplaceOperator`, e.g.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import warnings
+from typing import Sequence
 
 import numpy as np
 from scipy import special
 
-from ..families import NUMERIC_KINDS, Bernoulli, Beta, Gamma
 from ..certificates import certified
+from ..factors import Factor
+from ..families import NUMERIC_KINDS, Bernoulli, Beta, Gamma
 from ..protocols import has_log_partition
 from .engine import (EPResult, LinearEP, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain, oracle_rows,
                      uncertain_rows)
@@ -343,6 +343,13 @@ class CompoundGammaPrecision:
         self.operator = operator
         self.on_uncertain = check_on_uncertain(on_uncertain)
         self.oracle = oracle
+        if oracle is not None:
+            if not callable(getattr(oracle, "belief", None)):
+                raise ValueError(f"`oracle` must have a belief(incoming, to) method, got {type(oracle).__name__}")
+            mine, theirs = getattr(oracle, "factor", None), getattr(operator, "factor", None)
+            if isinstance(mine, Factor) and isinstance(theirs, Factor) and not mine.same_as(theirs):
+                # (found in review: compound_gamma(s1=5)'s oracle replaced s1=1's answers)
+                raise ValueError(f"`oracle` answers for factor {mine!r}, the operator for {theirs!r}")
         if on_uncertain == "oracle" and self._oracle() is None:
             raise ValueError('on_uncertain="oracle" needs an oracle: pass `oracle=` (e.g. a QuadratureOracle), or an '
                              f"operator that carries one; {type(operator).__name__} has none")

@@ -136,7 +136,9 @@ def number_param(owner: str, param: str, value) -> float:
     sent as text (``"2"``) reaches the factor's constructor; its range check then failed with
     numpy's own TypeError ("ufunc 'isfinite' not supported for the input types"), which named
     neither the parameter nor what it should be (found in review).  Booleans are not numbers
-    here, as in the service's JSON."""
+    here, as in the service's JSON; a 0-d real array is its number."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+        value = value.item()  # (found in review: np.array(0.1) was taken before)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise FactorParamError(param, f"{owner}: `{param}` must be a number, got {value!r} ({type(value).__name__})")
     try:
