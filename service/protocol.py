@@ -11,13 +11,24 @@ head (a write that is a complete ``HTTP/1.x`` status line and header block) unti
 waits on the body: a held head is written at the latest on the event loop's next iteration (a
 streamed or slow body), before a close or ``write_eof``, and is dropped only by ``abort``, which
 drops the transport's own buffer too.  Bytes and their order on the wire are unchanged.
+
+A request's head is bounded (found by an audit: uvicorn's httptools protocol has no limit, and
+httptools joins a header's pieces one read at a time — a 64 MiB header was answered 200 after
+3.5 s, 256 MiB after 67 s and +500 MB, the event loop stalled throughout): the bytes read while
+a request's head is incomplete are summed per read (no per-byte work), and beyond
+``max_head_bytes`` (``KJIT_MAX_HEAD_BYTES``) the request is answered 431 and the connection
+closed.  A head that completes within the read that crossed the bound is measured exactly (its
+URL and headers) before it is refused.  :meth:`OneWriteHttpToolsProtocol.with_limits` gives the
+class with the service's settings (``service.server.uvicorn_config``).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from .errors import error_body
 
 __all__ = ["OneWriteHttpToolsProtocol", "HeadHoldingTransport"]
 
@@ -74,9 +85,97 @@ class HeadHoldingTransport:
         return getattr(self._transport, name)
 
 
+def _error_answer(status: int, items, default_headers=(), close: bool = True) -> bytes:
+    """A whole error response (the service's error body), for the protocol to write itself."""
+    body = error_body(items)
+    head = [STATUS_LINE[status]]
+    for name, value in default_headers:
+        head += [name, b": ", value, b"\r\n"]
+    head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+    if close:
+        head.append(b"connection: close\r\n")
+    return b"".join(head) + b"\r\n" + body
+
+
+def _head_too_large(limit: int) -> list[dict]:
+    return [{"loc": ["header"], "type": "header_too_large",
+             "msg": f"the request line and headers exceed the limit of {limit} bytes (KJIT_MAX_HEAD_BYTES)"}]
+
+
 class OneWriteHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a :class:`HeadHoldingTransport`; pass the class as
-    ``uvicorn.Config(http=...)``."""
+    """uvicorn's httptools protocol on a :class:`HeadHoldingTransport`, with a bounded request head
+    (see the module's docstring); pass the class, or :meth:`with_limits`'s, as ``uvicorn.Config(http=...)``."""
+
+    #: most bytes of a request line and headers (431 and close beyond); ``Settings.max_head_bytes``
+    max_head_bytes: int = 64 * 1024
+
+    @classmethod
+    def with_limits(cls, **limits) -> type:
+        """This class with other limits (class attributes of the same names)."""
+        unknown = [k for k in limits if not hasattr(cls, k) or k.startswith("_")]
+        if unknown:
+            raise TypeError(f"unknown limit(s) {', '.join(unknown)}")
+        return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **limits})
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0  # bytes read since the last head completed (reads that began before the body)
+        self._in_body = False  # between a head's end and its message's end
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(HeadHoldingTransport(transport, self.loop))
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_body:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if not self._in_body and self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+            self._refuse_head()  # a head still incomplete after more than the bound
+
+    def _refuse_head(self) -> None:
+        """431 and close for a request whose head is still incomplete beyond the bound."""
+        self._head_bytes = 0
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # a pipelined request's head: the answer in progress goes out first, then the connection closes
+            cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
+        self.transport.write(_error_answer(431, _head_too_large(self.max_head_bytes),
+                                           self.server_state.default_headers))
+        self.transport.close()
+
+    def _head_size(self) -> int:
+        """The bytes of the request line and headers just parsed (method and version: at most 24)."""
+        return len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) + 24
+
+    def on_headers_complete(self) -> None:
+        if self._head_bytes > self.max_head_bytes and self._head_size() > self.max_head_bytes:
+            # (checked only when this read took the count beyond the bound: a body in the read counts too)
+            app, self.app = self.app, _HeadTooLargeApp(self.max_head_bytes)
+            try:
+                super().on_headers_complete()  # answered by the 431 app (connection: close)
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
+        self._head_bytes = 0
+        self._in_body = True
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_body = False
+
+
+class _HeadTooLargeApp:
+    """The ASGI app that answers a request whose head was too large (431, connection: close)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = error_body(_head_too_large(self.limit))
+        await send({"type": "http.response.start", "status": 431,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -23,7 +23,7 @@ from .shared import SharedLogError, open_shared
 from .store import Conflict, OperatorStore
 from .training import TrainSpec, default_specs, served_defaults, train_operator
 
-__all__ = ["ensure_defaults", "serve", "main"]
+__all__ = ["ensure_defaults", "serve", "main", "uvicorn_config"]
 
 
 #: how long a first start waits for an unreachable shared store before giving up (seconds)
@@ -121,19 +121,30 @@ class _Bar:
             self.bar.close()
 
 
+def uvicorn_config(app, settings: Settings, **kw):
+    """The uvicorn configuration the service runs on (``kjit serve`` and :class:`service.testing.ThreadedServer`):
+    a response's head and body in one write, and the request-head limit, on the service's protocol
+    (service/protocol.py)."""
+    import uvicorn
+
+    from .protocol import OneWriteHttpToolsProtocol
+
+    http = OneWriteHttpToolsProtocol.with_limits(max_head_bytes=int(settings.max_head_bytes))
+    return uvicorn.Config(app, http=http, **kw)
+
+
 def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> int:
     """Train missing defaults (if asked), then run uvicorn until interrupted."""
     import uvicorn
 
     from .app import create_app
-    from .protocol import OneWriteHttpToolsProtocol
 
     if train_defaults and settings.default_operators != ():
         ensure_defaults(settings)
     app = create_app(settings)
     # a response's head and body in one write (service/protocol.py: one wake-up of the client, not two)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=10, http=OneWriteHttpToolsProtocol)
+    config = uvicorn_config(app, settings, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)
 
     def announce():

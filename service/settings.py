@@ -10,6 +10,8 @@ variable                   meaning                                     default
 ``KJIT_TOKEN``             bearer token for mutating requests and      unset (no authentication)
                            ``mode=oracle``; unset or empty: none
 ``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
+``KJIT_MAX_HEAD_BYTES``    largest request line and headers accepted   ``65536`` (64 KiB)
+                           (431 and close above; service/protocol.py)
 ``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
 ``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
 ``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         unset or empty: every
@@ -94,6 +96,7 @@ class Settings:
     store: Path = field(default_factory=_default_store)
     token: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    max_head_bytes: int = 64 * 1024
     max_batch: int = 10_000
     snapshot_every: int = 500
     default_operators: tuple[str, ...] | None = DEFAULT_OPERATORS
@@ -142,7 +145,7 @@ class Settings:
             object.__setattr__(self, "factors", tuple(self.factors))
         if self.token is not None and self.token == "":
             object.__setattr__(self, "token", None)
-        for name in ("max_body_bytes", "max_batch", "snapshot_every", "default_n_train",
+        for name in ("max_body_bytes", "max_head_bytes", "max_batch", "snapshot_every", "default_n_train",
                      "default_n_inner", "default_n_outer", "job_workers", "max_queued_jobs", "max_train_n",
                      "max_n_inner", "max_n_outer", "max_n_samples", "max_oracle_batch", "oracle_concurrency"):
             if int(getattr(self, name)) < 1:

@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from .app import create_app
+from .server import uvicorn_config
 from .settings import Settings
 
 __all__ = ["ThreadedServer", "SubprocessServer", "free_port"]
@@ -42,7 +43,8 @@ class ThreadedServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
+        # the service's protocol and limits, as ``kjit serve`` runs them
+        self.server = uvicorn.Server(uvicorn_config(self.app, settings, log_level=log_level, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, timeout: float = 120.0, ready: bool = True) -> "ThreadedServer":

@@ -171,4 +171,53 @@ def test_serve_runs_uvicorn_on_this_protocol(tmp_path, monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", fake_run)
     settings = Settings.from_env(store=str(tmp_path / "store"), port=0, default_operators=())
     assert serve(settings, train_defaults=False) == 0
-    assert seen["cls"] is OneWriteHttpToolsProtocol
+    assert issubclass(seen["cls"], OneWriteHttpToolsProtocol)
+    assert seen["cls"].max_head_bytes == settings.max_head_bytes
+
+
+# ---------------------------------------------------------------------- the request head is bounded
+def _big_head(n):
+    return b"POST /v1/x HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"a" * n + b"\r\nContent-Length: 2\r\n\r\n{}"
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 50], ids=["one_read", "three_reads", "fifty_reads"])
+def test_a_head_beyond_the_bound_is_a_431_in_one_read_or_many(pieces):
+    """Whether the head completes in the read that crossed the bound (measured exactly) or not (the
+    read count): 431 with the service's error body, connection: close, and the app never runs."""
+    proto_cls = OneWriteHttpToolsProtocol.with_limits(max_head_bytes=1000)
+    calls = []
+
+    async def app(scope, receive, send):
+        calls.append(scope["path"])
+        await _one_shot(scope, receive, send)
+
+    async def main():
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        config.load()
+        proto = proto_cls(config, ServerState(), {}, _loop=asyncio.get_running_loop())
+        raw = RecordingTransport()
+        proto.connection_made(raw)
+        data = _big_head(3000)
+        step = -(-len(data) // pieces)
+        for i in range(0, len(data), step):
+            if raw.closed:
+                break
+            proto.data_received(data[i:i + step])
+        for _ in range(20):
+            await asyncio.sleep(0)
+        proto.connection_lost(None)
+        return b"".join(raw.writes), raw.closed
+
+    out, was_closed = run(main())
+    assert out.startswith(b"HTTP/1.1 431 ") and b"connection: close\r\n" in out.lower(), out[:200]
+    assert b'"type": "header_too_large"' in out and was_closed and calls == []
+
+
+def test_a_head_within_the_bound_is_served_whatever_the_reads_carry():
+    """The count covers reads before a head's end: a large body in the head's read, or a second
+    request after it on the same connection, is not counted against the head."""
+    proto_cls = OneWriteHttpToolsProtocol.with_limits(max_head_bytes=1000)
+    body = b"x" * 5000
+    request = b"POST /v1/x HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n" + body
+    answers = run(_serve(proto_cls, _one_shot, [request, request, _big_head(900)]))
+    assert [b"".join(w)[:15] for w in answers] == [b"HTTP/1.1 200 OK"] * 3

@@ -20,6 +20,8 @@ ERRORS = {
     413: {"model": schemas.ErrorResponse, "description": "request body too large"},
     422: {"model": schemas.ErrorResponse, "description": "invalid request; `loc` names the field"},
     429: {"model": schemas.ErrorResponse, "description": "busy (oracle slots or training queue full); see Retry-After"},
+    431: {"model": schemas.ErrorResponse, "description": "request line and headers too large (the connection is "
+                                                         "closed)"},
     503: {"model": schemas.ErrorResponse, "description": "operator loading or update not persisted"},
 }
 
