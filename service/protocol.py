@@ -18,8 +18,23 @@ httptools joins a header's pieces one read at a time — a 64 MiB header was ans
 a request's head is incomplete are summed per read (no per-byte work), and beyond
 ``max_head_bytes`` (``KJIT_MAX_HEAD_BYTES``) the request is answered 431 and the connection
 closed.  A head that completes within the read that crossed the bound is measured exactly (its
-URL and headers) before it is refused.  :meth:`OneWriteHttpToolsProtocol.with_limits` gives the
-class with the service's settings (``service.server.uvicorn_config``).
+URL and headers) before it is refused.
+
+A request must also arrive in time (found by an audit: connections that sent nothing, stopped
+mid-head or stalled mid-body were never closed, and 1 100 of them under ``ulimit -n 1024`` locked
+every client out for as long as they stayed open).  A connection's first head, and each head
+after its first byte, must be complete within ``head_timeout`` seconds (``KJIT_HEAD_TIMEOUT``);
+a body must arrive within ``body_timeout`` seconds (``KJIT_BODY_TIMEOUT``) of its head plus one
+second per ``min_body_rate`` bytes received (``KJIT_MIN_BODY_RATE``): a stall, or a trickle
+slower than that rate, is answered 408 and the connection closed (closed without an answer when
+the connection sent nothing yet, or when the app already answered).  Time the server itself
+makes a request wait — reading paused while the app is busy, a pipelined request behind an
+answer in progress — does not count.  Idle keep-alive connections are uvicorn's
+(``timeout_keep_alive``).  The timers cost nothing per byte: a request whose head (and body)
+arrive in the read that starts it arms none; others arm one per phase.
+
+:meth:`OneWriteHttpToolsProtocol.with_limits` gives the class with the service's settings
+(``service.server.uvicorn_config``).
 """
 
 from __future__ import annotations
@@ -97,6 +112,10 @@ def _error_answer(status: int, items, default_headers=(), close: bool = True) ->
     return b"".join(head) + b"\r\n" + body
 
 
+def _too_slow(where: str, what: str) -> list[dict]:
+    return [{"loc": [where], "type": "request_timeout", "msg": what}]
+
+
 def _head_too_large(limit: int) -> list[dict]:
     return [{"loc": ["header"], "type": "header_too_large",
              "msg": f"the request line and headers exceed the limit of {limit} bytes (KJIT_MAX_HEAD_BYTES)"}]
@@ -108,6 +127,12 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
 
     #: most bytes of a request line and headers (431 and close beyond); ``Settings.max_head_bytes``
     max_head_bytes: int = 64 * 1024
+    #: seconds from a connection's start, or a request's first byte, to the end of its head (408 and close after)
+    head_timeout: float = 10.0
+    #: seconds a body may take beyond one per ``min_body_rate`` bytes received (408 and close after)
+    body_timeout: float = 30.0
+    #: bytes per second a body must keep up, on average, once ``body_timeout`` has passed
+    min_body_rate: float = 16 * 1024
 
     @classmethod
     def with_limits(cls, **limits) -> type:
@@ -120,17 +145,70 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes = 0  # bytes read since the last head completed (reads that began before the body)
+        self._in_head = False  # between a request's first byte and its head's end
         self._in_body = False  # between a head's end and its message's end
+        self._timer: asyncio.TimerHandle | None = None  # the deadline of the head or body being read
+        self._body_start = 0.0  # when the body's deadline was armed (loop time)
+        self._body_bytes = 0  # bytes read since then
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(HeadHoldingTransport(transport, self.loop))
+        self._timer = self.loop.call_later(self.head_timeout, self._expired)  # a connection that sends nothing
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_timer()
+        super().connection_lost(exc)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def data_received(self, data: bytes) -> None:
-        if not self._in_body:
+        if self._in_body:
+            self._body_bytes += len(data)
+        else:
             self._head_bytes += len(data)
         super().data_received(data)
-        if not self._in_body and self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+        if self._in_body:
+            if self._timer is None:  # a body that did not come whole with its head
+                self._body_start, self._body_bytes = self.loop.time(), 0
+                self._timer = self.loop.call_at(self._body_start + self.body_timeout, self._expired)
+        elif self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
             self._refuse_head()  # a head still incomplete after more than the bound
+        elif self._in_head and self._timer is None:  # a head that did not come whole in one read
+            self._timer = self.loop.call_later(self.head_timeout, self._expired)
+
+    def _expired(self) -> None:
+        """A head's or body's deadline passed: 408 and close, unless the wait was the server's."""
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        now, cycle = self.loop.time(), self.cycle
+        if self._in_body:
+            if self.flow.read_paused:  # the app has not taken what was read (or a pipelined request waits)
+                self._body_start, self._body_bytes = now, 0
+                self._timer = self.loop.call_at(now + self.body_timeout, self._expired)
+                return
+            due = self._body_start + self.body_timeout + self._body_bytes / self.min_body_rate
+            if now < due:
+                self._timer = self.loop.call_at(due, self._expired)
+                return
+            if cycle is not None and not cycle.response_started:
+                cycle.disconnected = True  # the app's receive() sees a disconnect; nothing more is written
+                cycle.message_event.set()
+                self.transport.write(_error_answer(408, _too_slow("body", (
+                    f"the request body did not arrive in time ({self.body_timeout:g} s plus one second per "
+                    f"{self.min_body_rate:g} bytes received: KJIT_BODY_TIMEOUT, KJIT_MIN_BODY_RATE)")),
+                    self.server_state.default_headers))
+        elif cycle is not None and not cycle.response_complete:  # the client waits on an answer in progress
+            self._timer = self.loop.call_later(self.head_timeout, self._expired)
+            return
+        elif self._in_head:
+            self.transport.write(_error_answer(408, _too_slow("header", (
+                f"the request line and headers did not arrive within {self.head_timeout:g} s "
+                f"(KJIT_HEAD_TIMEOUT)")), self.server_state.default_headers))
+        self.transport.close()  # (a connection that sent nothing is closed without an answer)
 
     def _refuse_head(self) -> None:
         """431 and close for a request whose head is still incomplete beyond the bound."""
@@ -149,7 +227,13 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         """The bytes of the request line and headers just parsed (method and version: at most 24)."""
         return len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) + 24
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._cancel_timer()
         if self._head_bytes > self.max_head_bytes and self._head_size() > self.max_head_bytes:
             # (checked only when this read took the count beyond the bound: a body in the read counts too)
             app, self.app = self.app, _HeadTooLargeApp(self.max_head_bytes)
@@ -165,6 +249,7 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_body = False
+        self._cancel_timer()
 
 
 class _HeadTooLargeApp:

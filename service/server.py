@@ -123,14 +123,43 @@ class _Bar:
 
 def uvicorn_config(app, settings: Settings, **kw):
     """The uvicorn configuration the service runs on (``kjit serve`` and :class:`service.testing.ThreadedServer`):
-    a response's head and body in one write, and the request-head limit, on the service's protocol
-    (service/protocol.py)."""
+    a response's head and body in one write, the request-head limit and the head and body timeouts, on the
+    service's protocol (service/protocol.py).
+
+    No ``limit_concurrency``: uvicorn counts every open connection against it, idle ones included, so
+    a flood of connections would turn every client's request into a 503 — what the flood does anyway.
+    The timeouts close the connections that do not send a request in time; :func:`raise_open_files_limit`
+    gives the process room for the rest."""
     import uvicorn
 
     from .protocol import OneWriteHttpToolsProtocol
 
-    http = OneWriteHttpToolsProtocol.with_limits(max_head_bytes=int(settings.max_head_bytes))
+    http = OneWriteHttpToolsProtocol.with_limits(
+        max_head_bytes=int(settings.max_head_bytes), head_timeout=float(settings.head_timeout),
+        body_timeout=float(settings.body_timeout), min_body_rate=float(settings.min_body_rate))
     return uvicorn.Config(app, http=http, **kw)
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files (``RLIMIT_NOFILE``) to the hard limit; returns (before, after).
+
+    Every connection is a file descriptor: systemd's default soft limit of 1024 let 1 100 idle
+    connections lock every client out (found by an audit), while its hard limit (524288) is there to be
+    used — as the Go runtime does at start.  The event loop polls with epoll, so descriptors beyond 1024
+    are fine.  Capped at 2**20; a limit that cannot be raised is left as it is."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # pragma: no cover - e.g. a sandbox that refuses
+            return (soft, soft)
+        return (soft, want)
+    return (soft, soft)
 
 
 def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> int:
@@ -141,6 +170,7 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
 
     if train_defaults and settings.default_operators != ():
         ensure_defaults(settings)
+    raise_open_files_limit()  # (room for connections: see its docstring)
     app = create_app(settings)
     # a response's head and body in one write (service/protocol.py: one wake-up of the client, not two)
     config = uvicorn_config(app, settings, host=settings.host, port=settings.port, log_level=settings.log_level,

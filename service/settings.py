@@ -12,6 +12,14 @@ variable                   meaning                                     default
 ``KJIT_MAX_BODY_BYTES``    largest request body accepted (413 above)   ``16777216`` (16 MiB)
 ``KJIT_MAX_HEAD_BYTES``    largest request line and headers accepted   ``65536`` (64 KiB)
                            (431 and close above; service/protocol.py)
+``KJIT_HEAD_TIMEOUT``      seconds from a connection's start, or a     ``10``
+                           request's first byte, to the end of its
+                           headers (408 and close after)
+``KJIT_BODY_TIMEOUT``      seconds a request body may take beyond one  ``30``
+                           second per KJIT_MIN_BODY_RATE bytes
+                           received (408 and close after)
+``KJIT_MIN_BODY_RATE``     bytes per second a body must keep up on     ``16384`` (16 KiB/s: a 16 MiB
+                           average beyond KJIT_BODY_TIMEOUT            body may take 17 minutes)
 ``KJIT_MAX_BATCH``         most messages in one request (422 above)    ``10000``
 ``KJIT_SNAPSHOT_EVERY``    update records per log before a snapshot    ``500``
 ``KJIT_DEFAULT_OPERATORS`` operators ``kjit serve`` trains when         unset or empty: every
@@ -97,6 +105,14 @@ class Settings:
     token: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     max_head_bytes: int = 64 * 1024
+    # a request must arrive in time (service/protocol.py; found by an audit: connections that sent nothing or
+    # stalled were never closed, and 1 100 of them exhausted `ulimit -n 1024`).  A client's head comes in one
+    # segment, in well under a second: 10 s leaves room for retransmissions on a lossy link.  A body may
+    # stall 30 s and otherwise must keep up 16 KiB/s on average — loopback and LAN clients send the largest
+    # body (16 MiB) in well under a second; at 16 KiB/s (128 kbit/s) it may take 17 minutes
+    head_timeout: float = 10.0
+    body_timeout: float = 30.0
+    min_body_rate: int = 16 * 1024
     max_batch: int = 10_000
     snapshot_every: int = 500
     default_operators: tuple[str, ...] | None = DEFAULT_OPERATORS
@@ -145,13 +161,16 @@ class Settings:
             object.__setattr__(self, "factors", tuple(self.factors))
         if self.token is not None and self.token == "":
             object.__setattr__(self, "token", None)
-        for name in ("max_body_bytes", "max_head_bytes", "max_batch", "snapshot_every", "default_n_train",
+        for name in ("max_body_bytes", "max_head_bytes", "min_body_rate", "max_batch", "snapshot_every", "default_n_train",
                      "default_n_inner", "default_n_outer", "job_workers", "max_queued_jobs", "max_train_n",
                      "max_n_inner", "max_n_outer", "max_n_samples", "max_oracle_batch", "oracle_concurrency"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"setting `{name}` must be >= 1, got {getattr(self, name)!r}")
         if self.shared_store is not None and self.shared_store == "":
             object.__setattr__(self, "shared_store", None)
+        for name in ("head_timeout", "body_timeout"):
+            if not (float(getattr(self, name)) > 0 and math.isfinite(float(getattr(self, name)))):
+                raise ValueError(f"setting `{name}` must be a finite number of seconds > 0, got {getattr(self, name)!r}")
         for name in ("oracle_wait", "observation_max_z", "observation_max_kl"):
             if not (float(getattr(self, name)) >= 0 and math.isfinite(float(getattr(self, name)))):
                 raise ValueError(f"setting `{name}` must be a finite number >= 0, got {getattr(self, name)!r}")
@@ -217,7 +236,7 @@ class Settings:
                     kw[f.name] = raw
                 elif f.name in ("token", "shared_store"):
                     kw[f.name] = raw or None
-                elif f.name in ("merge_interval", "oracle_wait", "observation_max_z", "observation_max_kl",
+                elif f.name in ("head_timeout", "body_timeout", "merge_interval", "oracle_wait", "observation_max_z", "observation_max_kl",
                                 "audit_rate", "audit_cpu_share", "audit_kl_target"):
                     kw[f.name] = float(raw)
                 elif f.name == "store":

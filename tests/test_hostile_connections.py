@@ -117,3 +117,139 @@ def test_the_head_limit_is_a_setting(store_dir):  # noqa: F811
         s.close()
         r = httpx.post(srv.url + PREDICT, content=BODY, headers={"X-Pad": "a" * 3000, "Content-Type": "application/json"})
         assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------------------ B: a request must arrive in time
+FAST = dict(head_timeout=0.5, body_timeout=0.5, min_body_rate=100)
+
+
+@pytest.fixture
+def quick(store_dir):  # noqa: F811
+    """A server whose head and body timeouts are 0.5 s (a body then keeps up 100 B/s)."""
+    with ThreadedServer(settings_for(store_dir, **FAST)) as srv:
+        yield srv
+
+
+def timed_close(s: socket.socket, within: float = 10.0) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when it closed (s from now)."""
+    t, out = time.perf_counter(), b""
+    s.settimeout(within)
+    try:
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            out += b
+    except socket.timeout:
+        raise AssertionError(f"still open after {within} s; read {out[:200]!r}") from None
+    except OSError:
+        pass
+    return out, time.perf_counter() - t
+
+
+def test_a_connection_that_sends_nothing_is_closed_without_an_answer(quick):
+    s = connect(quick)
+    out, dt = timed_close(s)
+    assert out == b"" and dt < 5
+    s.close()
+
+
+def test_a_head_that_stops_midway_is_a_408_and_closed(quick):
+    s = connect(quick)
+    s.sendall(b"POST " + PREDICT.encode() + b" HTTP/1.1\r\nHost: t\r\n")
+    out, dt = timed_close(s)
+    assert out.startswith(b"HTTP/1.1 408 ") and b"connection: close" in out.lower() and dt < 5, out[:300]
+    detail = json.loads(out.partition(b"\r\n\r\n")[2])["detail"]
+    assert detail[0]["type"] == "request_timeout" and detail[0]["loc"] == ["header"]
+    assert "KJIT_HEAD_TIMEOUT" in detail[0]["msg"]
+    s.close()
+    # the next head on a kept-alive connection has its own deadline, from its first byte
+    s = connect(quick)
+    s.sendall(head() + BODY)
+    assert read_answer(s, check_closed=False)[0] == 200
+    time.sleep(0.7)  # longer than the head timeout, within uvicorn's keep-alive (5 s): still open
+    s.sendall(head() + BODY)
+    assert read_answer(s, check_closed=False)[0] == 200
+    s.sendall(b"POST / HTTP/1.1\r\n")
+    out, _ = timed_close(s)
+    assert out.startswith(b"HTTP/1.1 408 ")
+    s.close()
+
+
+def test_a_body_that_stalls_is_a_408_and_closed_and_a_slow_but_steady_one_is_served(quick):
+    s = connect(quick)
+    s.sendall(head() + BODY[:10])
+    out, dt = timed_close(s)
+    assert out.startswith(b"HTTP/1.1 408 ") and dt < 5, out[:300]
+    detail = json.loads(out.partition(b"\r\n\r\n")[2])["detail"]
+    assert detail[0]["type"] == "request_timeout" and detail[0]["loc"] == ["body"]
+    s.close()
+    # a trickle slower than the minimum rate is cut off too (20 B/s here, 100 B/s asked)
+    s = connect(quick)
+    s.sendall(head(length=1000) + b" ")
+    t = time.perf_counter()
+    with pytest.raises((AssertionError, OSError)):
+        while time.perf_counter() - t < 8:
+            s.sendall(b" ")
+            time.sleep(0.05)
+            if closed(s, 0.0):
+                raise AssertionError("closed")
+    assert time.perf_counter() - t < 5
+    s.close()
+    # a body arriving in pieces for longer than the timeout, faster than the rate, is served
+    s = connect(quick)
+    s.sendall(head())
+    for i in range(0, len(BODY), 40):
+        time.sleep(0.25)
+        s.sendall(BODY[i:i + 40])
+    assert read_answer(s, check_closed=False)[0] == 200
+    s.close()
+
+
+def test_the_largest_body_over_loopback_is_not_timed_out(store_dir):  # noqa: F811
+    with ThreadedServer(settings_for(store_dir, max_body_bytes=16 << 20, body_timeout=0.5)) as srv:
+        s = connect(srv, timeout=60)
+        big = b" " * ((16 << 20) - 2) + b"{}"
+        s.sendall(head(length=len(big)) + big)
+        status, _, body, _ = read_answer(s, check_closed=False)
+        assert status == 422, body[:300]  # parsed (an empty object), not cut off
+        s.close()
+
+
+def test_idle_connections_are_closed_and_the_server_keeps_serving(quick):
+    """The audit's lock-out, small: connections that send nothing, half a head, or a stalled body."""
+    socks = []
+    for i in range(60):
+        k = connect(quick)
+        if i % 3 == 1:
+            k.sendall(b"POST " + PREDICT.encode() + b" HTTP/1.1\r\nHost: x\r\n")
+        elif i % 3 == 2:
+            k.sendall(head(length=100) + b"{")
+        socks.append(k)
+    time.sleep(2.0)
+    answers = [timed_close(k, 2.0)[0][:12] for k in socks]  # (fails if one is still open)
+    assert answers == [b"", b"HTTP/1.1 408", b"HTTP/1.1 408"] * 20
+    for k in socks:
+        k.close()
+    assert httpx.post(quick.url + PREDICT, content=BODY, headers={"Content-Type": "application/json"}).status_code == 200
+
+
+def test_the_timeouts_are_settings_and_kjit_serve_raises_the_open_files_limit():
+    import subprocess
+    import sys
+
+    from service.settings import Settings
+
+    s = Settings.from_env({"KJIT_HEAD_TIMEOUT": "2.5", "KJIT_BODY_TIMEOUT": "7", "KJIT_MIN_BODY_RATE": "1000"})
+    assert (s.head_timeout, s.body_timeout, s.min_body_rate) == (2.5, 7.0, 1000)
+    for key, bad in (("KJIT_HEAD_TIMEOUT", "0"), ("KJIT_BODY_TIMEOUT", "inf"), ("KJIT_MIN_BODY_RATE", "0")):
+        with pytest.raises(ValueError):
+            Settings.from_env({key: bad})
+    code = ("import resource; from service.server import raise_open_files_limit as r; "
+            "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); resource.setrlimit(resource.RLIMIT_NOFILE, (256, h)); "
+            "print(r(), resource.getrlimit(resource.RLIMIT_NOFILE), h)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(")")
+    before_after, now = eval(out[0] + ")"), eval(out[1] + ")")
+    hard = int(out[2])
+    want = min(hard, 1 << 20) if hard >= 0 else 1 << 20
+    assert before_after == (256, want) and now[0] == want

@@ -17,6 +17,8 @@ ERRORS = {
                                                          "type)"},
     401: {"model": schemas.ErrorResponse, "description": "missing or invalid bearer token"},
     404: {"model": schemas.ErrorResponse, "description": "unknown operator"},
+    408: {"model": schemas.ErrorResponse, "description": "the request's headers or body did not arrive in time "
+                                                         "(the connection is closed)"},
     413: {"model": schemas.ErrorResponse, "description": "request body too large"},
     422: {"model": schemas.ErrorResponse, "description": "invalid request; `loc` names the field"},
     429: {"model": schemas.ErrorResponse, "description": "busy (oracle slots or training queue full); see Retry-After"},
