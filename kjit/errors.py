@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["OracleError", "LowESSError", "ConfigurationError", "gaussian_or_error", "rows_of_batch", "rows_within"]
+__all__ = ["OracleError", "LowESSError", "ConfigurationError", "gaussian_or_error", "rows_of_batch", "rows_within",
+           "quoted", "QUOTE_LIMIT"]
+
+#: most characters of a caller's text an error message quotes
+QUOTE_LIMIT = 100
+
+
+def quoted(value, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)`` for an error message, at most ``limit`` characters of it, then "…" — what a
+    caller sent (a name, a path) is quoted, never echoed whole (found by an audit: a 15 MiB `to`
+    came back whole in the service's 422)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else text[:limit] + "…"
 
 
 class ConfigurationError(ValueError):

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kjit.errors import QUOTE_LIMIT
 from kjit.families import FAMILIES
 
 log = logging.getLogger("kjit.service")
@@ -40,9 +41,19 @@ class ApiError(Exception):
         return e
 
 
+def _bounded_loc(item: dict) -> dict:
+    """The item with each key of its ``loc`` cut to :data:`kjit.errors.QUOTE_LIMIT` characters (a key the
+    client sent, such as an unknown field's name, is quoted, not echoed whole)."""
+    loc = item.get("loc")
+    if loc and any(isinstance(x, str) and len(x) > QUOTE_LIMIT for x in loc):
+        item = {**item, "loc": [x[:QUOTE_LIMIT] + "…" if isinstance(x, str) and len(x) > QUOTE_LIMIT else x
+                                for x in loc]}
+    return item
+
+
 def _payload(items) -> dict:
     items = list(items)
-    out = {"detail": items[:MAX_ERRORS]}
+    out = {"detail": [_bounded_loc(i) for i in items[:MAX_ERRORS]]}
     if len(items) > MAX_ERRORS:
         out["error_count"] = len(items)
     return out

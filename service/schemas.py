@@ -38,6 +38,9 @@ Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Param = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-PARAM_MAX, le=PARAM_MAX)]
 #: a factor parameter that is text (e.g. ``projection``): no booleans or numbers as text
 FactorText = Annotated[str, Field(strict=True, min_length=1, max_length=200)]
+#: a name the client sends — a variable, a factor, a family (found by an audit: unbounded, a 15 MiB `to`
+#: came back whole in its 422); no pattern: what names are accepted is the factors' contract, not this one's
+Label = Annotated[str, Field(max_length=200)]
 
 
 # (a bound pydantic checks in Rust: a per-number Python validator cost ~0.3 us an element, ~0.1 ms
@@ -94,8 +97,8 @@ _EXAMPLE_INCOMING = {
 class MessagesRequest(_Strict):
     """A batch of incoming messages (one batch per variable of the factor, equal lengths)."""
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"to": "x", "incoming": _EXAMPLE_INCOMING}]})
-    to: str = Field(description="recipient variable: the operator's direction")
-    incoming: dict[str, MessageBatch] = Field(description="variable name → batch of messages from it to the factor")
+    to: Label = Field(description="recipient variable: the operator's direction")
+    incoming: dict[Label, MessageBatch] = Field(description="variable name → batch of messages from it to the factor")
 
 
 class ObservationsRequest(_Strict):
@@ -103,7 +106,7 @@ class ObservationsRequest(_Strict):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
         "incoming": _EXAMPLE_INCOMING,
         "beliefs": {"family": "gaussian", "mean": [0.42, 2.1], "var": [0.83, 0.45]}}]})
-    incoming: dict[str, MessageBatch]
+    incoming: dict[Label, MessageBatch]
     beliefs: MessageBatch = Field(description="projected beliefs q on the recipient, one per row")
 
 
@@ -199,7 +202,7 @@ ORACLE_DOC = ("the operator's oracle (training pairs and just-in-time fallback):
 class OracleSource(_Strict):
     kind: Literal["oracle"]
     n: Int = Field(ge=4, le=200_000, description="training pairs to draw and answer with the oracle")
-    distribution: Literal["default"] | dict[str, dict[str, ParamRange]] = Field(
+    distribution: Literal["default"] | dict[Label, dict[Label, ParamRange]] = Field(
         "default", description="'default' (documented per factor) or, per variable and parameter, a range")
     oracle: OracleKind = Field("auto", description=ORACLE_DOC)
     n_samples: Int = Field(100_000, ge=100, le=5_000_000, description="importance-sampling particles "
@@ -210,7 +213,7 @@ class OracleSource(_Strict):
 
 class FileSource(_Strict):
     kind: Literal["file"]
-    path: str = Field(description="training-set .npz (kjit.training.TrainingSet.save), relative to "
+    path: str = Field(max_length=4096, description="training-set .npz (kjit.training.TrainingSet.save), relative to "
                                   "<store>/training-sets")
     oracle: OracleKind = Field("auto", description=ORACLE_DOC)
     n_samples: Int = Field(100_000, ge=100, le=5_000_000)
@@ -222,8 +225,8 @@ class ClientSource(_Strict):
     its clients' oracle computed.  The operator's oracle stays on the clients (they send its
     answers as observations); the server never runs it."""
     kind: Literal["client"]
-    variables: dict[str, str] = Field(description="variable name (an identifier) → message family name")
-    output: str = Field(description="the factor's output variable (one of `variables`)")
+    variables: dict[Label, Label] = Field(description="variable name (an identifier) → message family name")
+    output: Label = Field(description="the factor's output variable (one of `variables`)")
     incoming: dict[str, MessageBatch] = Field(description="the initial pairs' incoming messages, per variable")
     beliefs: MessageBatch = Field(description="the initial pairs' beliefs on `to`, computed by the client's oracle")
 
@@ -233,11 +236,11 @@ class TrainRequest(_Strict):
         "name": "my-logistic-x", "factor": "logistic", "to": "x",
         "source": {"kind": "oracle", "n": 1000}, "n_inner": 200, "n_outer": 300}]})
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$", description="name of the new operator")
-    factor: str
-    factor_params: dict[str, Union[Finite, FactorText]] = Field(
+    factor: Label
+    factor_params: dict[Label, Union[Finite, FactorText]] = Field(
         default_factory=dict, description="the factor's parameters (`Factor.params()`): numbers, or strings such as "
                                           "`projection: \"moments\"`; omitted ones take the factor's defaults")
-    to: str
+    to: Label
     source: Annotated[Union[OracleSource, FileSource, ClientSource], Field(discriminator="kind")]
     n_inner: Int = Field(300, ge=1, le=5000)
     n_outer: Int = Field(500, ge=2, le=5000)

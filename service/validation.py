@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from kjit.errors import quoted
 from kjit.families import Family
 from kjit.operators import LEARN_RANGE_FACTOR, TargetsNotFiniteError
 from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
@@ -95,7 +96,7 @@ def parse_body(model: type[M], request: Request, max_batch: int) -> M:
         raise ApiError.many(422, clean_errors(exc.errors(include_url=False, include_input=False), ["body"]))
     loc = duplicate_key(raw)
     if loc is not None:
-        raise ApiError(422, ["body", *loc], f"the key {loc[-1]!r} appears more than once in the same object: "
+        raise ApiError(422, ["body", *loc], f"the key {quoted(loc[-1])} appears more than once in the same object: "
                                             f"which one is meant is ambiguous (send each key once)", "duplicate_key")
     return parsed
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kjit.certificates import json_columns
+from kjit.errors import quoted
 from kjit.factors import Factor
 from kjit.families import Family, family_name
 
@@ -39,7 +40,7 @@ def to_families(factor: Factor, incoming: dict, max_batch: int, loc=("body", "in
     for v in incoming:
         if v not in factor.variables:
             errors.append({"loc": loc + [v], "type": "unknown_variable",
-                           "msg": f"{v!r} is not a variable of factor {factor.name!r}; its variables are "
+                           "msg": f"{quoted(v)} is not a variable of factor {factor.name!r}; its variables are "
                                   f"{', '.join(factor.variables)}"})
     for v in factor.variables:
         if v not in incoming:

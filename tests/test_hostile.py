@@ -537,3 +537,64 @@ def test_the_server_runs_blas_on_one_thread_by_default(store_dir):
             assert blas_threads() == {2}  # 0: left as it is
         with TestClient(create_app(settings_for(store_dir))):
             assert blas_threads() == {1}
+
+
+def _long_cases(n):
+    """(label, path, body) of requests carrying one client text of ``n`` characters."""
+    long = "q" * n
+    oracle = {"kind": "oracle", "n": 10}
+    client = {"kind": "client", "variables": {"x": "gaussian", "y": "gaussian"}, "output": long,
+              "incoming": {"x": {"family": "gaussian", "mean": [0.0] * 4, "var": [1.0] * 4}},
+              "beliefs": {"family": "gaussian", "mean": [0.0] * 4, "var": [1.0] * 4}}
+    predict = "/v1/operators/logistic-x/messages?mode=predict"
+    extra = good_x(1)
+    extra["incoming"]["x"][long] = 1.0
+    return [
+        ("predict to", predict, {**good_x(1), "to": long}),
+        ("predict incoming key", predict, {"to": "x", "incoming": {**good_x(1)["incoming"], long: good_x(1)["incoming"]["x"]}}),
+        ("predict unknown field", predict, extra),
+        ("training factor", "/v1/operators", {"name": "a1", "factor": long, "to": "x", "source": oracle}),
+        ("training to", "/v1/operators", {"name": "a2", "factor": "logistic", "to": long, "source": oracle}),
+        ("training factor_params key", "/v1/operators",
+         {"name": "a3", "factor": "logistic", "to": "x", "factor_params": {long: 1.0}, "source": oracle}),
+        ("training output", "/v1/operators", {"name": "a4", "factor": "mine", "to": "x", "source": client}),
+        ("training file path", "/v1/operators",
+         {"name": "a5", "factor": "logistic", "to": "x", "source": {"kind": "file", "path": long}}),
+    ]
+
+
+@pytest.mark.parametrize("n", [150, 1_000_000], ids=["150_chars", "1M_chars"])
+def test_long_client_text_is_quoted_never_echoed(app_client, n):
+    """Found by an audit: a 15 MiB `to` (mode=predict, no token), a training `factor`, `to` or `output`
+    came back whole in the 422.  Names are bounded (200 characters) and error messages and locs quote
+    at most 100 characters of what was sent."""
+    for label, path, body in _long_cases(n):
+        r = app_client.post(path, json=body, headers=AUTH)
+        assert r.status_code == 422, (label, r.text[:300])
+        assert len(r.content) < 2000, (label, len(r.content), r.text[:300])
+        assert "q" * 101 not in r.text, label
+    r = app_client.get("/v1/jobs/" + "j" * 5000)
+    assert r.status_code == 404 and len(r.content) < 500
+    raw = b'{"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [0.0], "var": [1.0]}, "z": ' \
+          b'{"family": "beta", "alpha": [2.0], "beta": [1.0]}}, "' + b"k" * 150 + b'": 1, "' + b"k" * 150 + b'": 2}'
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", content=raw,
+                        headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "k" * 101 not in r.text, r.text[:300]
+
+
+def test_names_are_bounded_but_not_narrowed(app_client):
+    """200 characters at most; otherwise what was accepted is (the factors' rules decide)."""
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json={**good_x(1), "to": "é" * 200})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "unknown_recipient"
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json={**good_x(1), "to": "é" * 201})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "string_too_long"
+
+
+def test_the_library_quotes_an_unknown_factor_s_name_briefly():
+    from kjit.errors import quoted
+    from kjit.factors import UnknownFactorError, get_factor
+
+    with pytest.raises(UnknownFactorError) as info:
+        get_factor("f" * 100_000)
+    assert len(str(info.value)) < 2000 and info.value.name == "f" * 100_000
+    assert quoted("abc") == "'abc'" and quoted("a" * 101) == repr("a" * 100) + "…" and quoted("a" * 50, 40).endswith("…")

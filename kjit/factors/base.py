@@ -44,7 +44,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import numpy as np
 
-from ..errors import OracleError
+from ..errors import OracleError, quoted
 from ..families import FAMILIES, NUMERIC_KINDS, Family, Gamma, Gaussian
 from ..reductions import all_
 
@@ -698,7 +698,7 @@ def get_factor(name: str, **params) -> Factor:
         load_entry_points()
         factory = _REGISTRY.get(name)
     if factory is None:
-        msg = f"unknown factor {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+        msg = f"unknown factor {quoted(name)}; registered: {', '.join(sorted(_REGISTRY))}"
         if _PLUGIN_ERRORS:
             msg += "; plugins that failed to load: " + "; ".join(f"{k} ({v})" for k, v in _PLUGIN_ERRORS.items())
         raise UnknownFactorError(name, msg)

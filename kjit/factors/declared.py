@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .base import Factor, register_factor
+from ..errors import quoted
 from ..families import FAMILIES
 
 __all__ = ["DeclaredFactor"]
@@ -30,19 +31,19 @@ class DeclaredFactor(Factor):
 
     def __init__(self, label: str, variables: Mapping[str, str], output: str):
         if not isinstance(label, str) or not label.isidentifier():
-            raise ValueError(f"label: {label!r} is not an identifier (letters, digits, _; not starting with a digit)")
+            raise ValueError(f"label: {quoted(label)} is not an identifier (letters, digits, _; not starting with a digit)")
         if not isinstance(variables, Mapping) or not variables:
             raise ValueError("variables: give at least one variable and its message family")
         fams = {}
         for v, fam in variables.items():
             if not isinstance(v, str) or not v.isidentifier():
-                raise ValueError(f"variables.{v}: {v!r} is not an identifier (letters, digits, _; not starting "
+                raise ValueError(f"variables.{v}: {quoted(v)} is not an identifier (letters, digits, _; not starting "
                                  f"with a digit)")
             if fam not in FAMILIES:
-                raise ValueError(f"variables.{v}: unknown family {fam!r}; known: {', '.join(sorted(FAMILIES))}")
+                raise ValueError(f"variables.{v}: unknown family {quoted(fam)}; known: {', '.join(sorted(FAMILIES))}")
             fams[v] = FAMILIES[fam]
         if output not in fams:
-            raise ValueError(f"output: {output!r} is not one of the variables ({', '.join(fams)})")
+            raise ValueError(f"output: {quoted(output)} is not one of the variables ({', '.join(fams)})")
         self.label = label
         self._variables = {v: str(f) for v, f in variables.items()}
         self.inputs = tuple(v for v in fams if v != output)

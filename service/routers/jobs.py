@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from kjit.errors import quoted
+
 from .. import schemas
 from ..deps import JobsDep
 from ..errors import ApiError
@@ -23,6 +25,5 @@ def list_jobs(jobs: JobsDep):
 def job_status(job_id: str, jobs: JobsDep):
     job = jobs.get(job_id)
     if job is None:
-        shown = repr(job_id) if len(job_id) <= 40 else repr(job_id[:40]) + "…"  # (echoed only that far)
-        raise ApiError(404, ["path", "job_id"], f"unknown job {shown}", "not_found")
+        raise ApiError(404, ["path", "job_id"], f"unknown job {quoted(job_id, 40)}", "not_found")
     return json_response(job.as_dict())

@@ -9,7 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from kjit.errors import rows_within
+from kjit.errors import quoted, rows_within
 from kjit.oracles import ClientOracle
 
 from .. import schemas
@@ -86,14 +86,14 @@ def _rows(req: schemas.MessagesRequest) -> int:
 def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
     factor = entry.jit.factor
     if to not in factor.variables:
-        raise ApiError(422, ["body", "to"], f"unknown recipient {to!r} for factor {factor.name!r}; its variables are "
+        raise ApiError(422, ["body", "to"], f"unknown recipient {quoted(to)} for factor {factor.name!r}; its variables are "
                                             f"{', '.join(factor.variables)}", "unknown_recipient")
     if to != entry.jit.to:
         others = [n for n in store.names() if (e := store.entries.get(n)) is not None
                   and e.jit.factor.name == factor.name and e.jit.to == to]
-        hint = f"; operator {others[0]!r} sends to {to!r}" if others else ""
+        hint = f"; operator {others[0]!r} sends to {quoted(to)}" if others else ""
         raise ApiError(422, ["body", "to"], f"operator {entry.name!r} sends messages to {entry.jit.to!r}, not "
-                                            f"{to!r}{hint}", "wrong_recipient")
+                                            f"{quoted(to)}{hint}", "wrong_recipient")
 
 
 def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,

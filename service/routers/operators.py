@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
+from kjit.errors import quoted
 from kjit.factors import FactorBuildError, FactorParamError, UnknownFactorError, get_factor, registered_factors
 from kjit.training import TrainingSet
 
@@ -97,7 +98,7 @@ def _client_spec(req: schemas.TrainRequest, settings: Settings) -> TrainSpec:
         loc = ["body", "factor"] if path == ["label"] else ["body", "source", *path]
         raise ApiError(422, loc, str(exc), "value_error") from None
     if req.to not in factor.variables:
-        raise ApiError(422, ["body", "to"], f"unknown recipient {req.to!r}; the variables are "
+        raise ApiError(422, ["body", "to"], f"unknown recipient {quoted(req.to)}; the variables are "
                                             f"{', '.join(factor.variables)}", "unknown_recipient")
     inc = to_families(factor, src.incoming, settings.max_batch, loc=("body", "source", "incoming"))
     n = len(next(iter(inc.values())))
@@ -121,9 +122,9 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
         field = "factor" if isinstance(exc, (UnknownFactorError, FactorBuildError)) else "factor_params"
         raise ApiError(422, ["body", field], str(exc), "value_error") from None
     except TypeError as exc:
-        raise ApiError(422, ["body", "factor_params"], f"factor {req.factor!r}: {exc}", "value_error") from None
+        raise ApiError(422, ["body", "factor_params"], f"factor {quoted(req.factor)}: {exc}", "value_error") from None
     if req.to not in factor.variables:
-        raise ApiError(422, ["body", "to"], f"unknown recipient {req.to!r} for factor {factor.name!r}; its variables "
+        raise ApiError(422, ["body", "to"], f"unknown recipient {quoted(req.to)} for factor {factor.name!r}; its variables "
                                             f"are {', '.join(factor.variables)}", "unknown_recipient")
     src = req.source
     spec = TrainSpec(factor=req.factor, to=req.to, factor_params=dict(req.factor_params), n_inner=req.n_inner,
@@ -157,13 +158,13 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
             p = (base / src.path).resolve()
             p_is_file = p.is_file()
         except (ValueError, OSError) as exc:  # a NUL byte, a name too long (found in review: 500)
-            raise ApiError(422, ["body", "source", "path"], f"{src.path[:100]!r} is not a usable file name "
+            raise ApiError(422, ["body", "source", "path"], f"{quoted(src.path)} is not a usable file name "
                                                             f"({type(exc).__name__})", "value_error") from None
         if not p.is_relative_to(base):
-            raise ApiError(422, ["body", "source", "path"], f"{src.path!r} is outside the training-set directory",
+            raise ApiError(422, ["body", "source", "path"], f"{quoted(src.path)} is outside the training-set directory",
                            "value_error")
         if not p_is_file:
-            raise ApiError(422, ["body", "source", "path"], f"no training-set file {src.path!r} in the store's "
+            raise ApiError(422, ["body", "source", "path"], f"no training-set file {quoted(src.path)} in the store's "
                                                             f"training-set directory", "value_error")
         # read now: a file that is not a training set of this factor and recipient is a 422, not a
         # 202 and a failed job (found by an audit: EOFError, KeyError, ... in the job's error)
