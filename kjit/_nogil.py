@@ -87,55 +87,50 @@ def _fortran(a: np.ndarray, name: str, ndim: int = 2) -> int:
     return a.ctypes.data
 
 
+def _square(routine, a: np.ndarray, name: str, lower: bool) -> int:
+    """``routine(uplo, n, a, lda, info)`` on the square ``a`` in place; LAPACK's ``info``."""
+    p = _fortran(a, name)
+    n = a.shape[0]
+    if a.shape != (n, n):
+        raise ValueError(f"{name} must be square")
+    args = _Args()
+    info = args.int(0)
+    routine(args.ch("L" if lower else "U"), args.int(n), p, args.int(max(n, 1)), info)
+    return args.value(info)
+
+
 def dpotrf(a: np.ndarray, lower: bool = True) -> int:
     """Cholesky factor of ``a`` (n × n) in place, in the ``lower`` (else upper) triangle; the other
     triangle is left as it was (``scipy.linalg.cho_factor``).  Returns LAPACK's ``info``."""
-    p = _fortran(a, "a")
-    n = a.shape[0]
-    if a.shape != (n, n):
-        raise ValueError("a must be square")
+    return _square(_dpotrf, a, "a", lower)
+
+
+def _solve(routine, flags: str, t: np.ndarray, b: np.ndarray, lower: bool) -> int:
+    """``routine(uplo, *flags, n, k, t, ldt, b, ldb, info)`` solving in place in ``b`` (n × k)."""
+    pt, pb = _fortran(t, "the factor"), _fortran(b, "b")
+    n, k = b.shape
+    if t.shape != (n, n):
+        raise ValueError("the factor and b do not match")
     args = _Args()
     info = args.int(0)
-    _dpotrf(args.ch("L" if lower else "U"), args.int(n), p, args.int(max(n, 1)), info)
+    routine(args.ch("L" if lower else "U"), *(args.ch(f) for f in flags), args.int(n), args.int(k), pt,
+            args.int(max(n, 1)), pb, args.int(max(n, 1)), info)
     return args.value(info)
 
 
 def dpotrs(c: np.ndarray, b: np.ndarray, lower: bool = True) -> int:
     """Solve ``C C^T x = b`` (``lower``) in place in ``b`` (n × k), ``c`` from :func:`dpotrf`."""
-    pc, pb = _fortran(c, "c"), _fortran(b, "b")
-    n, k = b.shape
-    if c.shape != (n, n):
-        raise ValueError("c and b do not match")
-    args = _Args()
-    info = args.int(0)
-    _dpotrs(args.ch("L" if lower else "U"), args.int(n), args.int(k), pc, args.int(max(n, 1)), pb,
-            args.int(max(n, 1)), info)
-    return args.value(info)
+    return _solve(_dpotrs, "", c, b, lower)
 
 
 def dpotri(c: np.ndarray, lower: bool = True) -> int:
     """The inverse of ``C C^T`` in place in ``c``'s ``lower`` triangle (the other is left as it was)."""
-    p = _fortran(c, "c")
-    n = c.shape[0]
-    if c.shape != (n, n):
-        raise ValueError("c must be square")
-    args = _Args()
-    info = args.int(0)
-    _dpotri(args.ch("L" if lower else "U"), args.int(n), p, args.int(max(n, 1)), info)
-    return args.value(info)
+    return _square(_dpotri, c, "c", lower)
 
 
 def dtrtrs(t: np.ndarray, b: np.ndarray, lower: bool = True) -> int:
     """Solve ``T x = b`` in place in ``b`` (n × k) for the ``lower`` (else upper) triangular ``t``."""
-    pt, pb = _fortran(t, "t"), _fortran(b, "b")
-    n, k = b.shape
-    if t.shape != (n, n):
-        raise ValueError("t and b do not match")
-    args = _Args()
-    info = args.int(0)
-    _dtrtrs(args.ch("L" if lower else "U"), args.ch("N"), args.ch("N"), args.int(n), args.int(k), pt,
-            args.int(max(n, 1)), pb, args.int(max(n, 1)), info)
-    return args.value(info)
+    return _solve(_dtrtrs, "NN", t, b, lower)
 
 
 def dgemm(alpha: float, a: np.ndarray, b: np.ndarray, beta: float, c: np.ndarray,
