@@ -776,6 +776,7 @@ class RemoteOperator:
                 return {"incoming": {v: _columns(x[s:s + m], f"incoming[{v!r}]") for v, x in flat.items()},
                         "beliefs": _columns(b[s:s + m], "beliefs")}
 
+            retried = key in self._splits  # (this client sent this key before)
             for attempt in range(2):
                 bodies = self._observation_parts(key, n, body)
                 try:
@@ -783,9 +784,12 @@ class RemoteOperator:
                 except RemoteValidationError as exc:
                     if attempt or exc.applied_rows or (exc.status != 413 and _types(exc.detail) != {"too_long"}):
                         raise
-                    # the server's limits shrank (a restart): nothing of this call was learned — read them
-                    # again and split anew (found in review: every later call failed, as _call's did)
-                    self._splits.pop(key, None)
+                    # the server's limits shrank (a restart): nothing of this attempt was learned — read them
+                    # again and split anew (found in review: every later call failed, as _call's did); a key
+                    # sent before keeps its parts, which the new limits then refuse (the server checks a
+                    # request's size before its key: new part keys would be learned again — found in review)
+                    if not retried:
+                        self._splits.pop(key, None)
                     self.info(refresh=True)
                     self._row_cap = None
             raise AssertionError("unreachable")  # pragma: no cover

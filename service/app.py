@@ -135,21 +135,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        blas.set_threads(settings.blas_threads)
-        store.open()
-        app.state.jobs = JobManager(store, workers=settings.job_workers, metrics=metrics)
-        loader = threading.Thread(target=store.load_all, name="kjit-load", daemon=True)
-        loader.start()
-        if store.audit is not None:
-            store.audit.start()
+        restore_blas = blas.set_threads(settings.blas_threads)  # (for the app's lifetime)
         try:
-            yield
+            store.open()
+            app.state.jobs = JobManager(store, workers=settings.job_workers, metrics=metrics)
+            loader = threading.Thread(target=store.load_all, name="kjit-load", daemon=True)
+            loader.start()
+            if store.audit is not None:
+                store.audit.start()
+            try:
+                yield
+            finally:
+                app.state.jobs.shutdown()
+                loader.join(timeout=120)
+                if store.audit is not None:  # rows still queued were never counted: nothing is lost
+                    store.audit.stop()
+                store.close()
         finally:
-            app.state.jobs.shutdown()
-            loader.join(timeout=120)
-            if store.audit is not None:  # rows still queued were never counted: nothing is lost
-                store.audit.stop()
-            store.close()
+            if restore_blas is not None:
+                restore_blas()
 
     app = HotPathApp(title="kjit message-operator service", version=kjit_version, description=DESCRIPTION,
                   lifespan=lifespan)

@@ -39,8 +39,10 @@ Param = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-PARAM_MAX, 
 #: a factor parameter that is text (e.g. ``projection``): no booleans or numbers as text
 FactorText = Annotated[str, Field(strict=True, min_length=1, max_length=200)]
 #: a name the client sends — a variable, a factor, a family (found by an audit: unbounded, a 15 MiB `to`
-#: came back whole in its 422); no pattern: what names are accepted is the factors' contract, not this one's
-Label = Annotated[str, Field(max_length=200)]
+#: came back whole in its 422; messages quote at most 100 characters of it, kjit.errors.quoted); bounded as
+#: a path is, not tighter (found in review: a client-declared factor's 230-character variable, accepted
+#: before, made its operator unusable at 200); no pattern: which names are accepted is the factors' contract
+Label = Annotated[str, Field(max_length=4096)]
 
 
 # (a bound pydantic checks in Rust: a per-number Python validator cost ~0.3 us an element, ~0.1 ms

@@ -560,3 +560,22 @@ def test_an_observation_retried_with_its_key_is_split_as_the_first_time(store_di
             op._info = {**op._info, "limits": {**op._info["limits"], "max_body_bytes": 2_000_000}}
             op.observe(inc, q)  # (a 413 first)
             assert op.counters()["n_train"] == n1 + 240
+
+
+def test_a_key_retried_after_the_server_s_limits_shrank_is_refused_not_learned_twice(store_dir):
+    """Found in review: 240 pairs sent whole under key K; the server restarted with max_batch 100; the
+    same client retried K: the server refused the request's size (before it looks at the key), the
+    client split anew under new part keys, and the server learned the 240 pairs again (+480)."""
+    from service.testing import ThreadedServer
+
+    inc = probe("logistic", 240, seed=9)
+    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    with ThreadedServer(settings_for(store_dir, max_batch=500)) as srv:
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="predict") as op:
+            n0 = op.counters()["n_train"]
+            op.observe(inc, q, idempotency_key="K")
+            assert op.counters()["n_train"] == n0 + 240
+            srv.app.state.settings = srv.app.state.settings.with_(max_batch=100)  # (as a restart would)
+            with pytest.raises(ValueError, match="limits changed since the first call"):
+                op.observe(inc, q, idempotency_key="K")
+            assert op.counters()["n_train"] == n0 + 240 and op.max_batch == 100

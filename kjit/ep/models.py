@@ -346,7 +346,8 @@ class CompoundGammaPrecision:
         if oracle is not None:
             if not callable(getattr(oracle, "belief", None)):
                 raise ValueError(f"`oracle` must have a belief(incoming, to) method, got {type(oracle).__name__}")
-            mine, theirs = getattr(oracle, "factor", None), getattr(operator, "factor", None)
+            # (attributes only: a RemoteOperator's factor property asks its server — found in review)
+            mine, theirs = (vars(x).get("factor") if hasattr(x, "__dict__") else None for x in (oracle, operator))
             if isinstance(mine, Factor) and isinstance(theirs, Factor) and not mine.same_as(theirs):
                 # (found in review: compound_gamma(s1=5)'s oracle replaced s1=1's answers)
                 raise ValueError(f"`oracle` answers for factor {mine!r}, the operator for {theirs!r}")

@@ -41,7 +41,7 @@ INLINE_ROWS = 16
         "`mode=predict`: the learned operator answers every row (never the oracle; read-only).\n\n"
         "`mode=jit` (default): rows whose log predictive variance exceeds the operator's threshold in any "
         "coordinate go to the oracle, whose answers are returned and learned (durably, before the response; "
-        "needs the token when one is configured).\n\n"
+        "needs the token when one is configured; at most KJIT_MAX_ORACLE_BATCH rows).\n\n"
         "`mode=oracle`: the oracle answers every row; nothing is learned (needs the token when one is "
         "configured; at most KJIT_MAX_ORACLE_BATCH rows, KJIT_ORACLE_CONCURRENCY requests at a time).\n\n"
         "`beliefs` are the projected beliefs q; `messages` are q / incoming[to], whose natural parameters are "

@@ -42,15 +42,24 @@ def _blas():
     return _controller
 
 
-def set_threads(n: int) -> None:
-    """BLAS runs with ``n`` threads in this process from now on (0: left as it is) — the service's
-    ``KJIT_BLAS_THREADS``, set when the app starts."""
+def set_threads(n: int):
+    """BLAS runs with ``n`` threads in this process until the returned callable restores what it was
+    (None for ``n`` = 0: left as it is) — the service's ``KJIT_BLAS_THREADS``, for the app's lifetime
+    (restored when it stops: a process that embeds the app keeps its own setting — found in review)."""
     if int(n) <= 0:
-        return
+        return None
     with _lock:
         _take_control()
-        _blas().limit(limits=int(n), user_api="blas")  # (kept: not restored)
+        limiter = _blas().limit(limits=int(n), user_api="blas")
         _take_control()
+
+    def restore() -> None:
+        with _lock:
+            _take_control()
+            limiter.restore_original_limits()
+            _take_control()
+
+    return restore
 
 
 def prepare() -> None:
