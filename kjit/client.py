@@ -782,22 +782,24 @@ class RemoteOperator:
                 try:
                     return self._send_observations(key, bodies)
                 except RemoteValidationError as exc:
-                    if attempt or exc.applied_rows or (exc.status != 413 and _types(exc.detail) != {"too_long"}):
+                    if (attempt or exc.applied_rows or retried
+                            or (exc.status != 413 and _types(exc.detail) != {"too_long"})):
                         raise
-                    # the server's limits shrank (a restart): nothing of this attempt was learned — read them
-                    # again and split anew (found in review: every later call failed, as _call's did); a key
-                    # sent before keeps its parts, which the new limits then refuse (the server checks a
-                    # request's size before its key: new part keys would be learned again — found in review)
-                    if not retried:
-                        self._splits.pop(key, None)
+                    # the server's limits shrank (a restart): nothing of this call was learned — read them
+                    # again and split anew (found in review: every later call failed, as _call's did).  A key
+                    # sent before keeps its parts (new part keys would be learned again — found in review):
+                    # the server answers a part it applied from its key, whatever its limits now
+                    self._splits.pop(key, None)
                     self.info(refresh=True)
                     self._row_cap = None
             raise AssertionError("unreachable")  # pragma: no cover
 
     def _observation_parts(self, key: str, n: int, body) -> list:
-        """The requests of :meth:`observe` for ``n`` pairs under ``key``: the split of this key's
-        first call where there was one (the part keys ``key-i`` name those parts: another split would
-        be other keys, learned again — found in review), else a new one, kept for retries."""
+        """The requests of :meth:`observe` for ``n`` pairs under ``key``: the parts of this key's first
+        call where there was one (the part keys ``key-i`` name those parts: another split would be
+        other keys, learned again — found in review), else a new split, kept for retries.  The server
+        answers a part it applied from its key before its batch limit; but a body above its
+        ``max_body_bytes`` is refused before the key is read, so such a part cannot be sent again."""
         first = self._splits.get(key)
         if first is None or first[0] != n:
             bodies = list(self._bodies(n, self._step(), body))
@@ -805,12 +807,14 @@ class RemoteOperator:
             while len(self._splits) > _KEPT_SPLITS:
                 self._splits.pop(next(iter(self._splits)))
             return bodies
-        bodies = list(self._bodies(n, first[1], body))
-        if bodies[0][1] != first[1] or first[1] > self.max_batch:
-            raise ValueError(f"operator {self.name!r}: the server's limits changed since the first call with "
-                             f"idempotency_key={key!r}; its parts of {first[1]} pairs cannot be sent again as they "
-                             f"were (other parts would be learned again): read the operator's version and n_train "
-                             f"to see what it learned, then send the rest with a new key")
+        m = first[1]
+        bodies = [(s, min(m, n - s), _dumps(body(s, min(m, n - s)))) for s in range(0, n, m)]
+        limit = self.info().get("limits", {}).get("max_body_bytes")
+        if limit is not None and max(len(c) for _, _, c in bodies) > limit:
+            raise ValueError(f"operator {self.name!r}: the server's body limit shrank since the first call with "
+                             f"idempotency_key={key!r}; its parts of {m} pairs cannot be sent again as they were "
+                             f"(other parts would be learned again): read the operator's version and n_train to see "
+                             f"what it learned, then send the rest with a new key")
         return bodies
 
     def _send_observations(self, key: str, bodies: list) -> dict:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from kjit.client import RemoteOperator, RemoteOperatorError, RemoteValidationError
+from kjit.client import RemoteOperator, RemoteOperatorError, RemoteValidationError, _columns
 from kjit.factors import Logistic
 from kjit.families import Beta, Gaussian
 from kjit.oracles import QuadratureOracle
@@ -427,14 +427,23 @@ def test_an_observation_whose_outcome_is_unknown_is_retried_with_its_key_and_app
             out = op.observe(inc, q)
             assert failures == [0] and out.get("duplicate") is True
             assert op.counters()["n_train"] == n0 + 4
-            # with retries exhausted it is an error carrying the key: calling again with it applies once
-            failures[0] = 5
+            # an outcome the server never learns (the append's fate unknown, here not applied) until the
+            # retries are spent: an error carrying the key, and calling again with it applies once
+
+            def unknown(*a, **k):
+                raise PersistError("shared log: connection reset: the update may or may not have been recorded",
+                                   unknown=True)
+
+            entry.observe = unknown
             with pytest.raises(RemoteOperatorError, match="outcome|may or may not") as ei:
                 op.observe(inc, q)
             key = ei.value.idempotency_key
+            assert op.counters()["n_train"] == n0 + 4
+            entry.observe = lost_answer  # (applied, then its answer lost once more: the retry is a duplicate)
+            failures[0] = 1
+            assert op.observe(inc, q, idempotency_key=key)["duplicate"]
             assert op.counters()["n_train"] == n0 + 8
-            failures[0] = 0
-            op.observe(inc, q, idempotency_key=key)
+            assert op.observe(inc, q, idempotency_key=key)["duplicate"]
             assert op.counters()["n_train"] == n0 + 8
 
 
@@ -546,9 +555,15 @@ def test_an_observation_retried_with_its_key_is_split_as_the_first_time(store_di
             assert op.counters()["n_train"] == n0 + 240
             op.observe(inc, q, idempotency_key="K")  # the same parts: duplicates
             assert op.counters()["n_train"] == n0 + 240
-            op._info = {**op._info, "limits": {**op._info["limits"], "max_batch": 50}}  # (limits shrank)
-            with pytest.raises(ValueError, match="limits changed since the first call"):
+            srv.app.state.settings = srv.app.state.settings.with_(max_batch=50)  # (limits shrank: a restart)
+            assert op.observe(inc, q, idempotency_key="K")["duplicate"]  # (the parts of 100, from their keys)
+            assert op.counters()["n_train"] == n0 + 240
+            srv.app.state.settings = srv.app.state.settings.with_(max_batch=100)
+            # a body limit below a part's: refused before the server reads its key, so not sent again
+            op._info = {**op._info, "limits": {**op._info["limits"], "max_body_bytes": 5_000}}
+            with pytest.raises(ValueError, match="body limit shrank since the first call"):
                 op.observe(inc, q, idempotency_key="K")
+            op._info = {**op._info, "limits": {**op._info["limits"], "max_body_bytes": 2_000_000}}
             assert op.counters()["n_train"] == n0 + 240
             # limits the client has cached but the server no longer has: read again, split anew
             op._info = {**op._info, "limits": {**op._info["limits"], "max_batch": 500}}
@@ -576,6 +591,16 @@ def test_a_key_retried_after_the_server_s_limits_shrank_is_refused_not_learned_t
             op.observe(inc, q, idempotency_key="K")
             assert op.counters()["n_train"] == n0 + 240
             srv.app.state.settings = srv.app.state.settings.with_(max_batch=100)  # (as a restart would)
-            with pytest.raises(ValueError, match="limits changed since the first call"):
-                op.observe(inc, q, idempotency_key="K")
-            assert op.counters()["n_train"] == n0 + 240 and op.max_batch == 100
+            assert op.observe(inc, q, idempotency_key="K")["duplicate"]  # (its first answer, from its key)
+            assert op.counters()["n_train"] == n0 + 240
+            # another client (no memory of the split), the same: the key is read before the batch limit
+            with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="predict") as other:
+                with pytest.raises(RemoteValidationError, match="exceeds the limit"):
+                    other._request("POST", f"{other._base}/observations", json_body={
+                        "incoming": {v: _columns(m, v) for v, m in inc.items()}, "beliefs": _columns(q, "b")},
+                        headers={"Idempotency-Key": "fresh"})
+                r = other._request("POST", f"{other._base}/observations", json_body={
+                    "incoming": {v: _columns(m, v) for v, m in inc.items()}, "beliefs": _columns(q, "b")},
+                    headers={"Idempotency-Key": "K"})
+                assert r["duplicate"] and r["accepted"] == 240
+            assert op.counters()["n_train"] == n0 + 240

@@ -182,6 +182,20 @@ def observations(
     req: Annotated[schemas.ObservationsRequest, Depends(body_dependency(schemas.ObservationsRequest))],
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
 ):
+    body_hash = canonical_hash(req) if idempotency_key else None
+    if idempotency_key is not None:
+        # a key applied before gets its first answer before this request is checked again: the checks (the
+        # batch limit, the plausibility rule) may have changed since (a restart with a smaller
+        # KJIT_MAX_BATCH refused a retry its first request had applied — found in review)
+        try:
+            with entry.lock.read():
+                seen = entry.keys.seen(idempotency_key, body_hash)
+                n_train = int(entry.jit.operator.n_train_)
+        except Conflict as exc:
+            raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
+        if seen is not None:
+            return json_response({"operator": entry.name, "accepted": seen[1], "version": seen[0],
+                                  "n_train": n_train, "duplicate": True})
     factor = entry.jit.factor
     inc = to_families(factor, req.incoming, settings.max_batch)
     n_inc = len(next(iter(inc.values())))
@@ -197,8 +211,7 @@ def observations(
         raise ApiError.many(422, [{"loc": ["body", "beliefs", i], "type": kind,
                                    "msg": f"row {i}: {why}"} for i, why, kind in bad])
     try:
-        version, accepted, dup = entry.observe(inc, beliefs, idempotency_key,
-                                               canonical_hash(req) if idempotency_key else None)
+        version, accepted, dup = entry.observe(inc, beliefs, idempotency_key, body_hash)
     except Conflict as exc:
         raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
     except PersistError as exc:
