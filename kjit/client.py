@@ -752,14 +752,15 @@ class RemoteOperator:
 
         ``idempotency_key``: this call's key (default a fresh one); a batch sent in several requests
         sends ``key-i`` with its i-th part, so calling again with the same key and the same pairs
-        after a failure sends every part again and the server applies each exactly once.  This client
-        splits a key's pairs again as it did the first time (if the server's limits no longer allow
-        that, the call is refused, a ValueError, rather than learned twice); another client splits them
-        by the server's limits, the same parts only if those are unchanged.  An error carries
+        after a failure sends every part again and the server applies each exactly once (it answers a
+        key it applied before checking the request again).  This client sends a key's pairs again in
+        the parts of its first call (refused, a ValueError, where a part's body now exceeds the
+        server's body limit, which is checked before the key); another client splits them by the
+        server's limits, the same parts only if those are unchanged.  An error carries
         ``idempotency_key`` and ``applied_rows`` (the first ``applied_rows`` pairs were learned before
         it — found by an audit: a later part's failure hid the earlier parts' success and named its
-        rows as the part's).  A first part refused as too long or too large (the server's limits
-        shrank: nothing was learned) makes the client read the limits again and split anew."""
+        rows as the part's).  A new key's first part refused as too long or too large (the server's
+        limits shrank: nothing was learned) makes the client read the limits again and split anew."""
         key = uuid.uuid4().hex if idempotency_key is None else idempotency_key
         if not (isinstance(key, str) and 0 < len(key) <= 180 and key.isascii() and key.isprintable()):
             raise ValueError(f"`idempotency_key` must be 1 to 180 printable ASCII characters, got {key!r}")
@@ -785,10 +786,10 @@ class RemoteOperator:
                     if (attempt or exc.applied_rows or retried
                             or (exc.status != 413 and _types(exc.detail) != {"too_long"})):
                         raise
-                    # the server's limits shrank (a restart): nothing of this call was learned — read them
-                    # again and split anew (found in review: every later call failed, as _call's did).  A key
-                    # sent before keeps its parts (new part keys would be learned again — found in review):
-                    # the server answers a part it applied from its key, whatever its limits now
+                    # a new key's first part refused by the server's shrunken limits (a restart): nothing was
+                    # learned — read them again and split anew (found in review: every later call failed, as
+                    # _call's did).  A key sent before is not split anew (new part keys would be learned
+                    # again — found in review): the server answered its applied parts from their keys
                     self._splits.pop(key, None)
                     self.info(refresh=True)
                     self._row_cap = None
