@@ -186,7 +186,10 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
             return
         now, cycle = self.loop.time(), self.cycle
         if self._in_body:
-            if self.flow.read_paused:  # the app has not taken what was read (or a pipelined request waits)
+            if self.flow.read_paused or getattr(cycle, "waiting_for_100_continue", False):
+                # the app has not taken what was read (or a pipelined request waits), or the client waits
+                # for the 100 Continue the app's first receive() sends (found in review: a wait of the app's
+                # before reading counted against the client)
                 self._body_start, self._body_bytes = now, 0
                 self._timer = self.loop.call_at(now + self.body_timeout, self._expired)
                 return

@@ -253,3 +253,54 @@ def test_the_timeouts_are_settings_and_kjit_serve_raises_the_open_files_limit():
     hard = int(out[2])
     want = min(hard, 1 << 20) if hard >= 0 else 1 << 20
     assert before_after == (256, want) and now[0] == want
+
+
+def test_an_app_s_wait_before_a_100_continue_is_not_the_client_s(tmp_path):
+    """Found in review: with ``Expect: 100-continue`` the client sends its body only after the 100, which the
+    app's first receive() sends; an app that waited longer than the body timeout before reading made the
+    client's request a 408 at 0.5 s — a wait of the server's counted against the client."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from service.server import uvicorn_config
+    from service.settings import Settings
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (m := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await asyncio.sleep(1.2)  # (longer than the body timeout) before reading the body
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        out = json.dumps({"n": len(body)}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    settings = Settings(store=tmp_path, head_timeout=0.5, body_timeout=0.5, min_body_rate=1000)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        s = socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=10)
+        s.sendall(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 100"), first[:80]
+        s.sendall(b"hello")
+        status, _, body, _ = read_answer(s, check_closed=False)
+        assert status == 200 and json.loads(body) == {"n": 5}
+        s.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
