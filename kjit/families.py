@@ -1266,6 +1266,8 @@ _GAMMA_KL_TERMS = 17
 _GAMMA_KL_SERIES = 30.0
 #: (n, cₖ) of Stirling's R̃(y) = ln Γ(y) − (y − ½) ln y + y − ½ ln 2π = Σ cₖ y⁻ⁿ, n = 2k − 1
 _STIRLING = ((1, 1 / 12), (3, -1 / 360), (5, 1 / 1260), (7, -1 / 1680), (9, 1 / 1188))
+#: shapes from which Gamma.log_pdf takes ln Γ by Stirling's series (its next term, 691/360360 a⁻¹¹, < 1e-19)
+_STIRLING_FROM = 30.0
 
 
 def _pow_minus_one_plus(t, lt, n: int):
@@ -1384,15 +1386,21 @@ class Gamma(Family):
         return cls(np.exp(c[..., 0]), np.exp(c[..., 1]))
 
     def log_pdf(self, x):
+        """a ln b − ln Γ(a) + (a − 1) ln x − b x; from shape 30 as ½ ln(a / 2π) − R(a) − ln x + a (ln(1 + u)
+        − u), u = b x / a − 1 (Stirling's ln Γ(a) = (a − ½) ln a − a + ½ ln 2π + R(a)), whose terms do not
+        cancel: the textbook sum's are each ~a ln a, and it was 6.5e-3 off at shape 1e12, 3.8 at 1e15
+        (found by an audit, against mpmath)."""
         self._require_proper("log_pdf")
         x = np.asarray(x, dtype=float)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out = (
-                self._shape * np.log(self._rate)
-                - special.gammaln(self._shape)
-                + special.xlogy(self._shape - 1.0, x)
-                - self._rate * x
-            )
+        a, b = self._shape, self._rate
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            out = a * np.log(b) - special.gammaln(a) + special.xlogy(a - 1.0, x) - b * x
+            big = a >= _STIRLING_FROM
+            if np.any(big):
+                ab = np.where(big, a, _STIRLING_FROM)
+                R = sum(c * ab**-n for n, c in _STIRLING)
+                stable = 0.5 * np.log(ab / (2.0 * np.pi)) - R - np.log(x) + ab * log1p_minus(b * x / ab - 1.0)
+                out = np.where(big & np.isfinite(stable), stable, out)
         return np.where(x > 0, out, -np.inf)
 
     def mean(self):
