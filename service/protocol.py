@@ -172,12 +172,16 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data)
         if self._in_body:
             if self._timer is None:  # a body that did not come whole with its head
-                self._body_start, self._body_bytes = self.loop.time(), 0
-                self._timer = self.loop.call_at(self._body_start + self.body_timeout, self._expired)
+                self._arm_body(self.loop.time())
         elif self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
             self._refuse_head()  # a head still incomplete after more than the bound
         elif self._in_head and self._timer is None:  # a head that did not come whole in one read
             self._timer = self.loop.call_later(self.head_timeout, self._expired)
+
+    def _arm_body(self, now: float) -> None:
+        """The body's deadline counted from ``now``, its bytes from 0."""
+        self._body_start, self._body_bytes = now, 0
+        self._timer = self.loop.call_at(now + self.body_timeout, self._expired)
 
     def _expired(self) -> None:
         """A head's or body's deadline passed: 408 and close, unless the wait was the server's."""
@@ -190,8 +194,7 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
                 # the app has not taken what was read (or a pipelined request waits), or the client waits
                 # for the 100 Continue the app's first receive() sends (found in review: a wait of the app's
                 # before reading counted against the client)
-                self._body_start, self._body_bytes = now, 0
-                self._timer = self.loop.call_at(now + self.body_timeout, self._expired)
+                self._arm_body(now)
                 return
             due = self._body_start + self.body_timeout + self._body_bytes / self.min_body_rate
             if now < due:

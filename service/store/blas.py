@@ -49,15 +49,11 @@ def set_threads(n: int):
     if int(n) <= 0:
         return None
     with _lock:
-        _take_control()
-        limiter = _blas().limit(limits=int(n), user_api="blas")
-        _take_control()
+        limiter = _limit(int(n))
 
     def restore() -> None:
         with _lock:
-            _take_control()
-            limiter.restore_original_limits()
-            _take_control()
+            _restore(limiter)
 
     return restore
 
@@ -83,14 +79,29 @@ def _take_control() -> None:
         clear(force=True)
 
 
+def _limit(n: int):
+    """BLAS limited to ``n`` threads (call under ``_lock``); the limiter restores what was."""
+    _take_control()
+    limiter = _blas().limit(limits=n, user_api="blas")
+    _take_control()
+    return limiter
+
+
+def _restore(limiter) -> None:
+    """What ``limiter`` found restored (call under ``_lock``); whoever sets BLAS next may (e.g. with
+    threadpoolctl.threadpool_limits)."""
+    _take_control()
+    limiter.restore_original_limits()
+    _take_control()
+
+
 @contextmanager
 def one_blas_thread() -> Iterator[None]:
     """BLAS runs with one thread inside (every thread's calls: see the module's docstring)."""
     global _depth, _limiter
     with _lock:
         if _depth == 0:
-            _take_control()
-            _limiter = _blas().limit(limits=1, user_api="blas")
+            _limiter = _limit(1)
         _depth += 1
     try:
         yield
@@ -98,7 +109,5 @@ def one_blas_thread() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                _take_control()
-                _limiter.restore_original_limits()
+                _restore(_limiter)
                 _limiter = None
-                _take_control()  # (and whoever sets it next, e.g. with threadpoolctl.threadpool_limits, may)
