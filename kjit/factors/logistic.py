@@ -19,7 +19,7 @@ import numpy as np
 from scipy import special
 
 from ..errors import OracleError, gaussian_or_error
-from ..families import Beta, Family, Gaussian, log1p_minus, log_beta, stirling_rest
+from ..families import Beta, Family, Gaussian, beta_concentrated, beta_log_pdf_logit, log_beta
 from ..protocols import Operator
 from ..quadrature import bisect, gaussian_kl, panel_rule, weighted_mean_var
 from .base import (GH_NODES, MAX_LOG_PARAM, Factor, as_shape, broadcast_messages, check_power, gauss_hermite,
@@ -33,52 +33,16 @@ __all__ = ["Logistic", "logistic_tilted_rule", "log_label_density", "logistic_la
 _LOGISTIC_BENDS = np.array([-6.0, -3.0, -1.5, 0.0, 1.5, 3.0, 6.0])
 
 
-#: where a label message's α − 1 and β − 1 both exceed this, its log density is formed about its mode
-_CONCENTRATED = 1e5
-
-
 def _concentrated(alpha, beta):
     """Rows whose label message Beta(α, β) is concentrated enough for ℓ to be formed about its mode."""
-    return (alpha - 1.0 > _CONCENTRATED) & (beta - 1.0 > _CONCENTRATED)
+    return beta_concentrated(alpha, beta)
 
 
 def log_label_density(t, alpha, beta):
-    """``ℓ(t) = log Beta(σ(t); α, β) = (α−1) log σ(t) + (β−1) log σ(−t) − log B(α, β)``: the logistic
-    factor's log likelihood of ``x = t`` under the label message Beta(α, β) on z; broadcasts.
-
-    Where α − 1 and β − 1 both exceed 1e5, the two terms and log B are each ~(α+β) ln 2 and cancel
-    to ~1e-16 (α+β) absolute (the evidence was 1e-5–1e-4 nats off at Beta(1e12, 1e12), 1e-2 at
-    1e14); there ℓ is formed about its mode (:func:`_log_label_about_mode`).
-    """
-    t, alpha, beta = np.broadcast_arrays(*(np.asarray(p, float) for p in (t, alpha, beta)))
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = -(alpha - 1.0) * np.logaddexp(0.0, -t) - (beta - 1.0) * np.logaddexp(0.0, t) - log_beta(alpha, beta)
-    big = _concentrated(alpha, beta)
-    if big.any():
-        out = np.array(out, dtype=float)
-        out[big] = _log_label_about_mode(t[big], alpha[big] - 1.0, beta[big] - 1.0)
-    return out
-
-
-def _log_label_about_mode(t, a, b):
-    """ℓ(t) for α − 1 = ``a``, β − 1 = ``b`` (both large), about the mode t₀ = ln(a/b), σ(t₀) = a/c
-    (c = a + b): ℓ(t) = ℓ(t₀) − a ln(1 + (b/c)(e^{−d} − 1)) − b ln(1 + (a/c)(e^{d} − 1)), d = t − t₀,
-    whose terms vanish with d; ℓ(t₀) = a ln(a/c) + b ln(b/c) − ln B(a + 1, b + 1) = ln(c + 1) −
-    ln(ab/c) − R(a) − R(b) + R(c) by Stirling (lnΓ(x) = x ln x − x + R(x), R =
-    :func:`~kjit.families.stirling_rest`), with nothing left to cancel."""
-    c = a + b
-    d = t - np.log(a / b)  # (a/b correctly rounded: ln a − ln b lost ~1e-14 absolute, ×κd in ℓ — review)
-    mode = np.log1p(c) - (np.log(a) + np.log(b) - np.log(c)) - stirling_rest(a) - stirling_rest(b) + stirling_rest(c)
-    with np.errstate(over="ignore", invalid="ignore"):
-        u, w = (b / c) * np.expm1(-d), (a / c) * np.expm1(d)
-        # near the mode, a u + b w = (ab/c)(e^−d + e^d − 2) = (ab/c) 4 sinh²(d/2): the first-order
-        # terms of the two logarithms, which cancel there, taken out exactly (found in review: 1e-9
-        # relative left otherwise); beyond |d| = 1 they do not cancel, and the sinh² form would
-        # (ab/c e^|d| against b w: found in review, 2.6e33 for −9.9e7 at d = 100)
-        sh = np.sinh(0.5 * d)
-        near = mode - a * log1p_minus(u) - b * log1p_minus(w) - (a * b / c) * 4.0 * sh * sh
-        direct = mode - a * np.log1p(u) - b * np.log1p(w)
-    return np.where(np.abs(d) <= 1.0, near, direct)
+    """``ℓ(t) = log Beta(σ(t); α, β)``: the logistic factor's log likelihood of ``x = t`` under the label
+    message Beta(α, β) on z — :func:`kjit.families.beta_log_pdf_logit` (formed about its mode where the
+    message is concentrated); broadcasts."""
+    return beta_log_pdf_logit(t, alpha, beta)
 
 
 def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0):
@@ -109,7 +73,7 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
         if any_big:  # u·ℓ about its mode, the normaliser included (log_label_density)
             a0, b0, bg = (np.broadcast_to(col(p, t, rows), out.shape) for p in (alpha0, beta0, big))
             tt, mm, vv = (np.broadcast_to(p, out.shape)[bg] for p in (t, m, vv))
-            out[bg] = -0.5 * (tt - mm) ** 2 / vv + power * _log_label_about_mode(tt, a0[bg] - 1.0, b0[bg] - 1.0)
+            out[bg] = -0.5 * (tt - mm) ** 2 / vv + power * beta_log_pdf_logit(tt, a0[bg], b0[bg])
         return out
 
     def dlogf0(t):
