@@ -32,6 +32,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from . import _nogil
 from .blr import MAX_CONDITION, BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
 from .errors import ConfigurationError, rows_of_batch
@@ -176,7 +177,11 @@ def _log_evidence_grid_dual(psi: np.ndarray, Y: np.ndarray, prior_vars, noise_va
     psi = np.asarray(psi, np.float64)
     Y = np.asarray(Y, np.float64)
     n, D = psi.shape
-    lam_n, U = np.linalg.eigh(psi @ psi.T)
+    # scipy's syevr through kjit._nogil as BayesianLinearRegression.log_evidence_grid (GIL released):
+    # numpy's syevd was 2-21x further from a 40-digit reference at noise 1e-8 (2.4e-3 nats vs 1.1e-4)
+    lam_n, U, info = _nogil.dsyevr(np.array(psi @ psi.T, order="F"), lower=True)
+    if info != 0:  # pragma: no cover - MRRR failing on a finite symmetric matrix
+        raise np.linalg.LinAlgError(f"eigh(ΨΨᵀ) failed: LAPACK dsyevr info={info}")
     lam_n = np.maximum(lam_n, 0.0)
     c2_n = lam_n[:, None] * (U.T @ Y) ** 2  # (n, k)
     yy = np.einsum("ij,ij->j", Y, Y)
