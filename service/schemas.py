@@ -177,7 +177,8 @@ class ObservationsResponse(BaseModel):
     operator: str
     accepted: int
     version: int
-    n_train: int
+    n_train: int = Field(description="the operator's training pairs at `version` (for a duplicate, at its first "
+                                     "request's version)")
     duplicate: bool = Field(description="true when the Idempotency-Key was seen before: nothing was added again")
 
 

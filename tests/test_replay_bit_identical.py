@@ -55,7 +55,7 @@ def _run(pristine, tmp, updates, stops: dict[int, str], shared=None):
             s.close() if how == "clean" else s.abandon()
             s = _open(root, shared)
         sl = slice(i * ROWS, (i + 1) * ROWS)
-        version, n, dup = s.entries["logistic-x"].observe({v: m[sl] for v, m in inc.items()}, q[sl], None, None)
+        version, n, dup, _ = s.entries["logistic-x"].observe({v: m[sl] for v, m in inc.items()}, q[sl], None, None)
         assert (version, n, dup) == (i + 1, ROWS, False)
     op = s.entries["logistic-x"].jit.operator
     coords, var = op.predict_coords(probe)

@@ -162,6 +162,38 @@ def test_observations_update_the_operator(live, store_dir, pristine_store):
         assert c.get("/v1/operators/logistic-x").json()["version"] == 2
 
 
+def test_observation_answer_names_the_pairs_at_its_version(app_client, monkeypatch):
+    """An observation's ``n_train`` is the operator's at the answer's ``version``: it was read again
+    after the update, under another lock, so another request's update landing in between showed in it
+    (found by an audit: 115 of 160 answers under four concurrent writers).  The other update is made
+    to land there; a duplicate answers its first request's count."""
+    from service.store.entry import Entry
+
+    inc = probe("logistic", 7, seed=41)
+    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    first, other = ({v: m[:4] for v, m in inc.items()}, q[:4]), ({v: m[4:] for v, m in inc.items()}, q[4:])
+    real = Entry.observe
+    pending = [other]
+
+    def observe(self, incoming, beliefs, key, body_hash):
+        out = real(self, incoming, beliefs, key, body_hash)
+        while pending:  # another request's update, applied before this one's answer is formed
+            real(self, *pending.pop(), None, None)
+        return out
+
+    monkeypatch.setattr(Entry, "observe", observe)
+    n0 = app_client.get("/v1/operators/logistic-x").json()["n_train"]
+    payload = {"incoming": body(first[0], "x")["incoming"], "beliefs": beliefs_body(first[1])}
+    hdr = {**AUTH, "Idempotency-Key": "k-count"}
+    r = app_client.post("/v1/operators/logistic-x/observations", json=payload, headers=hdr)
+    assert r.status_code == 200, r.text
+    assert (r.json()["version"], r.json()["n_train"]) == (1, n0 + 4)
+    now = app_client.get("/v1/operators/logistic-x").json()
+    assert (now["version"], now["n_train"]) == (2, n0 + 7)
+    again = app_client.post("/v1/operators/logistic-x/observations", json=payload, headers=hdr).json()
+    assert again["duplicate"] and (again["version"], again["n_train"]) == (1, n0 + 4)
+
+
 def test_training_job_with_progress(live, store_dir):
     with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         req = {"name": "tiny-x", "factor": "logistic", "to": "x", "n_inner": 20, "n_outer": 30, "threshold": -3.0,

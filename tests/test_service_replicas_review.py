@@ -42,7 +42,8 @@ def _open(root, shared, **kw):
 
 
 def _observe(store, inc, q, key=None):
-    return store.get(NAME).observe(inc, q, key, "h-" + key if key else None)
+    """(version, accepted, duplicate)"""
+    return store.get(NAME).observe(inc, q, key, "h-" + key if key else None)[:3]
 
 
 def _predict(store, test):
@@ -750,3 +751,41 @@ def test_damaged_final_record_of_the_directory_log_is_treated_as_torn(store_dir,
         assert _observe(a, *pairs[1])[0] == 2
     finally:
         a.abandon()
+
+
+@pytest.mark.parametrize("kind", ["jit", "observe"])
+def test_lost_append_answer_names_its_own_record_when_another_replica_followed(store_dir, tmp_path, kind):
+    """A's append lands but its answer is lost (a Redis reply lost to a socket timeout) and B appends
+    right after: A's catch-up finds its record and applies B's too.  The answer is A's record's: a jit
+    answer said version 2 — B's record included, which it does not reflect (found by an audit) — and an
+    observation's ``n_train`` counted B's pairs."""
+    shared_dir = tmp_path / "shared"
+    sa = DirectorySharedLog(shared_dir)
+    a = _open(store_dir, sa)
+    b = _open(tmp_path / "b", DirectorySharedLog(shared_dir))
+    try:
+        (inc, q), (inc_b, q_b) = _oracle_pairs(2, rows=3, seed=81)
+        real_append = sa.append
+
+        def append(name, expected, record):
+            assert real_append(name, expected, record)
+            sa.append = real_append
+            assert _observe(b, inc_b, q_b) == (2, 3, False)  # B's update lands right after A's record
+            raise SharedLogError("Timeout reading from socket")
+
+        sa.append = append
+        ea = a.get(NAME)
+        n0 = int(ea.jit.operator.n_train_)
+        if kind == "jit":
+            ea.jit.threshold = -1e3  # every row consulted and learned
+            _, _, consulted, version, n_learned = ea.predict(inc, "jit")
+            assert (version, n_learned) == (1, 3) and np.all(consulted)
+        else:
+            version, accepted, dup, n_train = ea.observe(inc, q, "k-a", "h-k-a")
+            assert (version, accepted, dup, n_train) == (1, 3, False, n0 + 3)
+            assert _observe(a, inc, q, key="k-a") == (1, 3, True)
+            assert ea.keys.seen("k-a", "h-k-a")[2] == n0 + 3
+        assert ea.version == 2 and int(ea.jit.operator.n_train_) == n0 + 6
+    finally:
+        a.abandon()
+        b.abandon()

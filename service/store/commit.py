@@ -228,10 +228,11 @@ class Replicated:
                 f"rename this store's operators/{e.name} directory to a new name and restart (it is published "
                 f"under that name), and remove the other replicas' copies of {e.name!r}")
 
-    def catch_up(self, rid: str | None = None) -> int | None:
+    def catch_up(self, rid: str | None = None) -> dict | None:
         """Apply the shared log's records after ``version`` in order (exclusive lock held).
 
-        Returns the sequence number of the record whose ``rid`` is ``rid``, if it was among them.
+        Returns the record whose ``rid`` is ``rid``, if it was among them (its ``seq`` and, from
+        :meth:`Entry._account`, ``n_train``: the state it made, which later records may have moved on).
         """
         e = self.entry
         found = None
@@ -267,7 +268,7 @@ class Replicated:
                 raise SharedLogDamaged(why) from exc
             n += 1
             if rid is not None and rec.get("rid") == rid:
-                found = seq
+                found = rec
             self.applied()
         if n:
             e.store.observe("merge", time.perf_counter() - t)
@@ -308,14 +309,14 @@ class Replicated:
             except SharedLogDamaged as exc:  # (found in review: a 500 for the request that found it)
                 raise PersistError(f"{exc}; the operator is reported failed") from exc
             if found is not None:
-                return {"seq": found, "found": True}
+                return found
             rec = make()
             if rec is None:
                 return None
             rec["seq"], rec["rid"] = e.version + 1, rid
             ok, found = self._place(rec)
             if found is not None:
-                return {"seq": found, "found": True}
+                return found
             if ok:
                 try:
                     e._apply_record(rec)
@@ -331,8 +332,8 @@ class Replicated:
         """Append ``rec`` as record ``version + 1``: ``(True, None)`` if it is there now,
         ``(False, None)`` if another record took the place.  If the append itself failed, the
         log is read to see whether the record landed anyway — ``before_catch_up`` first undoes
-        what the caller already applied — and ``(None, seq)`` says it did (applied now by the
-        catch-up); otherwise the outcome is unknown: PersistError(unknown=True)."""
+        what the caller already applied — and ``(None, record)`` says it did (applied now by the
+        catch-up, with any later records); otherwise the outcome is unknown: PersistError(unknown=True)."""
         e = self.entry
         try:
             return self.shared.append(e.name, e.version, encode_record(rec)), None
@@ -368,8 +369,10 @@ class Replicated:
                     return q, logvar, consulted, e.version, 0, cert
                 rec["seq"], rec["rid"] = e.version + 1, rid
                 ok, found = self._place(rec, before_catch_up=jit.revert_last_)
-                if found is not None:  # it landed after all; the catch-up applied it from the log
-                    return q, logvar, consulted, e.version, n_learned, cert
+                if found is not None:  # it landed after all; the catch-up applied it from the log, and any
+                    # records after it (another replica's): the answer is the state before it (found by an
+                    # audit: the response named the later version)
+                    return q, logvar, consulted, int(found["seq"]), n_learned, cert
                 if ok:  # learned already, exactly as the record replays
                     e._account(rec, n_learned)
                     e.last_rid = rid

@@ -216,7 +216,11 @@ class Entry:
         self.last_rid = rec.get("rid")
 
     def _account(self, rec, n: int) -> None:
+        """Count the applied record ``rec`` (``n`` pairs learned) and make its seq the version; the
+        operator's pairs at that version go into ``rec["n_train"]`` (after the record was written:
+        what the update's answer reports) and with its idempotency key."""
         self.version = int(rec["seq"])
+        rec["n_train"] = int(self.jit.operator.n_train_)
         if rec["kind"] == "observe":
             self.observed_pairs += n
         elif rec["kind"] == "audit":  # audited pairs (service.audit): statistics and threshold decisions
@@ -231,7 +235,7 @@ class Entry:
                 known = self.jit.raw_counters()
                 self.jit.set_counters({k: v for k, v in rec["counters"].items() if k in known})
         if rec.get("key"):
-            self.keys.remember(rec["key"], rec.get("body_hash", ""), int(rec["seq"]), n)
+            self.keys.remember(rec["key"], rec.get("body_hash", ""), int(rec["seq"]), n, rec["n_train"])
 
     # ---------------------------------------------------------------- snapshots
     def _snapshot_if_due(self) -> None:
@@ -350,7 +354,8 @@ class Entry:
         return q, None, np.ones(n, dtype=bool), version, 0, cert
 
     def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None):
-        """Add pairs durably; returns ``(version, n_accepted, duplicate)``."""
+        """Add pairs durably; returns ``(version, n_accepted, duplicate, n_train)``: ``n_train`` the
+        operator's pairs at ``version`` (None for a duplicate whose key a snapshot of an older server kept)."""
         dup = []
 
         def make():
@@ -366,8 +371,8 @@ class Entry:
         rec = self.commit.update(make, lambda jit: jit.operator.partial_fit(incoming, beliefs),
                                  aside=len(beliefs) >= ASIDE_ROWS)
         if rec is None:
-            return dup[0][0], dup[0][1], True
-        return int(rec["seq"]), len(beliefs), False
+            return dup[0][0], dup[0][1], True, dup[0][2]
+        return int(rec["seq"]), len(beliefs), False, rec.get("n_train")
 
     def audit_update(self, incoming: dict[str, Family], beliefs: Family, make_payload) -> int | None:
         """Learn audited pairs (the oracle's beliefs) with their audit statistics, durably: one

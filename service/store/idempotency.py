@@ -19,24 +19,26 @@ MAX_IDEMPOTENCY_KEYS = 10_000
 
 
 class IdempotencyKeys:
-    """key → (body hash, version of the update, rows accepted), most recent last."""
+    """key → (body hash, version of the update, rows accepted, the operator's pairs at that version —
+    None for a key kept by a snapshot written before the twenty-third session), most recent last."""
 
     def __init__(self, items=()):
-        self._keys: OrderedDict[str, tuple[str, int, int]] = OrderedDict(
-            (k, (h, int(s), int(n))) for k, h, s, n in items)
+        self._keys: OrderedDict[str, tuple[str, int, int, int | None]] = OrderedDict(
+            (k, (h, int(s), int(n), None if not rest or rest[0] is None else int(rest[0])))
+            for k, h, s, n, *rest in items)
 
-    def seen(self, key: str | None, body_hash: str | None) -> tuple[int, int] | None:
-        """``(version, rows)`` of the update that used ``key`` before, or None; :class:`Conflict`
-        if it was used with another body."""
+    def seen(self, key: str | None, body_hash: str | None) -> tuple[int, int, int | None] | None:
+        """``(version, rows, n_train at that version)`` of the update that used ``key`` before, or
+        None; :class:`Conflict` if it was used with another body."""
         if key is None or key not in self._keys:
             return None
-        h, seq, n = self._keys[key]
+        h, seq, n, n_train = self._keys[key]
         if h != body_hash:
             raise Conflict("this Idempotency-Key was used before with a different request body")
-        return seq, n
+        return seq, n, n_train
 
-    def remember(self, key: str, body_hash: str, seq: int, n: int) -> None:
-        self._keys[key] = (body_hash, int(seq), int(n))
+    def remember(self, key: str, body_hash: str, seq: int, n: int, n_train: int | None = None) -> None:
+        self._keys[key] = (body_hash, int(seq), int(n), None if n_train is None else int(n_train))
         self._keys.move_to_end(key)
         while len(self._keys) > MAX_IDEMPOTENCY_KEYS:
             self._keys.popitem(last=False)
@@ -54,7 +56,7 @@ class IdempotencyKeys:
         return key in self._keys
 
     def to_json(self) -> str:
-        return json.dumps([[k, h, s, n] for k, (h, s, n) in self._keys.items()])
+        return json.dumps([[k, *v] for k, v in self._keys.items()])
 
     @classmethod
     def from_json(cls, text: str) -> "IdempotencyKeys":
