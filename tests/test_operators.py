@@ -1377,3 +1377,69 @@ def test_a_fixed_hyperparameter_pair_is_taken_as_it_is():
     blr = BayesianLinearRegression(prior_var=1.0, noise_var=1.0).fit(np.eye(3), np.ones(3))
     assert np.isneginf(blr.log_evidence_grid([1e20], [1.0])).all()  # (the default bound)
     assert np.isfinite(blr.log_evidence_grid([1e20], [1.0], max_condition=None)).all()
+
+
+def test_repeated_pairs_do_not_make_the_evidence_search_overconfident():
+    """Exact repeats of a pair (a deterministic oracle asked the same messages again) looked to the
+    evidence like noise-free repeated measurements: 200 pairs each sent 20 times chose noise 1e-11
+    instead of 1e-3, and of 2 000 held-out messages 492 were answered with log variance < −6 and
+    KL > 0.1, up to 55 (found by an audit).  The search now sees each distinct pair once: the same
+    hyperparameters as the distinct pairs alone, and no confident answer far off."""
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import logistic_incoming, make_training_set
+
+    factor = Logistic()
+    oracle = QuadratureOracle(factor)
+    pairs = make_training_set(factor, "z", logistic_incoming, oracle, n=200, random_state=0)
+    test = make_training_set(factor, "z", logistic_incoming, oracle, n=600, random_state=123)
+    ops = {k: KernelOperator(factor, "z", random_state=0).fit(pairs.subset(np.repeat(np.arange(200), k)))
+           for k in (1, 20)}
+    chosen = {k: (op.prior_var_, op.noise_var_, op.inner_factor_, op.width_factor_) for k, op in ops.items()}
+    assert chosen[20] == chosen[1]
+    assert (ops[1].n_distinct_, ops[20].n_distinct_, ops[20].n_train_) == (200, 200, 4000)
+    q, logvar = ops[20].predict(test.incoming)
+    kl = test.beliefs.kl(q)
+    confident = np.max(logvar, axis=1) < -6.0
+    assert confident.mean() > 0.5  # (it still answers most)
+    assert kl[confident].max() < 1.0, kl[confident].max()
+    with pytest.raises(ValueError, match="distinct"):
+        KernelOperator(factor, "z", random_state=0).fit(pairs.subset(np.zeros(5, int)))
+
+
+def test_a_prediction_that_is_no_belief_is_refused_by_row(monkeypatch):
+    """A predicted log parameter beyond ±709 (messages far outside what the operator learned — an
+    audit met them on an operator trained on Beta parameters 1e-3–1e6) made the family's constructor
+    refuse the whole batch with "Beta: `alpha` must be finite"; it is a PredictionOverflowError naming
+    the rows (the EP engines skip exactly those).  A JIT consults the oracle for such a row (its
+    variance is large) and answers it, where the request failed on the learned row before."""
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.operators import JITOperator, PredictionOverflowError
+    from kjit.training import logistic_incoming, make_training_set
+
+    factor = Logistic()
+    oracle = QuadratureOracle(factor)
+    op = KernelOperator(factor, "z", random_state=0).fit(
+        make_training_set(factor, "z", logistic_incoming, oracle, n=120, random_state=0))
+    inc = {"x": Gaussian([0.0, 1.0, -1.0], [1.0, 0.5, 2.0]), "z": Beta([2.0, 1.0, 3.0], [1.0, 2.0, 3.0])}
+    real = KernelOperator._finish_coords
+
+    def far(self, z, v, psi, flat, *a, **k):  # x = N(1, 0.5)'s prediction overflows, with a far row's variance
+        out = real(self, z, v, psi, flat, *a, **k)
+        coords = out[0] if v is not None else out
+        rows = np.asarray(flat["x"].mean()).reshape(-1) == 1.0
+        coords.reshape(-1, 2)[rows, 0] += 800.0
+        if v is not None:
+            out[1].reshape(-1, 2)[rows] = np.exp(9.0)
+        return out
+
+    monkeypatch.setattr(KernelOperator, "_finish_coords", far)
+    for call in (op.predict, op.belief, op.message):
+        with pytest.raises(PredictionOverflowError, match=r"rows \[1\]") as err:
+            call(inc)
+        assert err.value.rows.tolist() == [1]
+    jit = JITOperator(op, oracle, threshold=-6.0)
+    q = jit.predict(inc)[0]
+    exact = oracle.belief({v: m[1:2] for v, m in inc.items()}, "z")
+    assert q[1:2] == exact

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kjit.factors import Logistic
-from kjit.families import Gaussian
+from kjit.families import Beta, Gaussian
 from kjit.oracles import QuadratureOracle
 from kjit.training import make_training_set
 
@@ -192,6 +192,29 @@ def test_observation_answer_names_the_pairs_at_its_version(app_client, monkeypat
     assert (now["version"], now["n_train"]) == (2, n0 + 7)
     again = app_client.post("/v1/operators/logistic-x/observations", json=payload, headers=hdr).json()
     assert again["duplicate"] and (again["version"], again["n_train"]) == (1, n0 + 4)
+
+
+def test_a_prediction_that_is_no_belief_is_refused_by_row(app_client, monkeypatch):
+    """A row whose learned prediction overflows its family (kjit.operators.PredictionOverflowError) is
+    a 422 naming that row — as an oracle's failure is — so a client skips just it; it was a 422 for
+    the batch, rows unnamed."""
+    from kjit.operators import KernelOperator
+
+    real = KernelOperator._finish_coords
+
+    def far(self, z, v, psi, flat, *a, **k):
+        out = real(self, z, v, psi, flat, *a, **k)
+        coords = out[0] if v is not None else out
+        coords.reshape(-1, coords.shape[-1])[np.asarray(flat["x"].mean()).reshape(-1) == 1.0, 1] += 800.0
+        return out
+
+    monkeypatch.setattr(KernelOperator, "_finish_coords", far)
+    inc = {"x": Gaussian([0.0, 1.0, -1.0], [1.0, 0.5, 2.0]), "z": Beta([2.0, 1.0, 3.0], [1.0, 2.0, 3.0])}
+    r = app_client.post("/v1/operators/logistic-x/messages?mode=predict", json=body(inc, "x"))
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert [d["loc"] for d in detail] == [["body", "incoming", 1]] and detail[0]["type"] == "not_computable"
+    assert "rows [1]" in detail[0]["msg"]
 
 
 def test_training_job_with_progress(live, store_dir):

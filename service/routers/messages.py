@@ -131,6 +131,10 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
         if rows:
             raise row_errors(rows, ["body", "incoming"], "the operator cannot evaluate these messages (their "
                              "random features are not finite numbers)", "not_computable") from None
+        rows = rows_within(exc.rows, n_rows)
+        if rows is not None:  # by row, as the oracle's failures: a client can skip just those
+            raise row_errors(rows, ["body", "incoming"], f"these messages cannot be answered: {exc}",
+                             "not_computable") from None
         raise ApiError(422, ["body", "incoming"], f"these messages cannot be answered: {exc}", "not_computable") from None
     except PersistError as exc:
         if exc.unknown:

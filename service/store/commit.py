@@ -57,7 +57,7 @@ def _answer(jit, incoming, revertible: bool = False):
     except OracleError as exc:
         raise OracleFailure(str(exc), getattr(exc, "rows", None)) from None
     except NUMERIC_ERRORS as exc:
-        raise Unprocessable(str(exc)) from None
+        raise Unprocessable.of(exc) from None
     return q, cert, cert.log_var, cert.source != "learned"
 
 
@@ -123,7 +123,7 @@ class Standalone:
         except Exception as exc:
             e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})", counters)
             if isinstance(exc, NUMERIC_ERRORS):
-                raise Unprocessable(str(exc)) from exc
+                raise Unprocessable.of(exc) from exc
             raise
         e._account(rec, record_rows(rec))
         e._snapshot_if_due()
@@ -143,7 +143,7 @@ class Standalone:
                 with one_blas_thread():  # (as the record replays)
                     apply(new)
             except NUMERIC_ERRORS as exc:  # nothing changed: the served operator is untouched
-                raise Unprocessable(str(exc)) from exc
+                raise Unprocessable.of(exc) from exc
             try:
                 e.log.append(rec)
             except PersistError:

@@ -334,7 +334,7 @@ class Entry:
             try:
                 q, cert, uncertain = self.jit.screen_certified(incoming, version=version)
             except NUMERIC_ERRORS as exc:
-                raise Unprocessable(str(exc)) from None
+                raise Unprocessable.of(exc) from None
         return q, cert.log_var, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
 
     def _predict(self, incoming: dict[str, Family], mode: str):

@@ -34,7 +34,17 @@ class OracleFailure(RuntimeError):
 
 
 class Unprocessable(ValueError):
-    """The input is valid but the numerics cannot carry it (nothing was changed)."""
+    """The input is valid but the numerics cannot carry it (nothing was changed); ``rows``: the
+    request's rows the error named (e.g. kjit.operators.PredictionOverflowError), if it named them."""
+
+    def __init__(self, message: str = "", rows=None):
+        super().__init__(message)
+        self.rows = rows
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Unprocessable":
+        """The numeric error ``exc`` as the store's, with the rows it named."""
+        return cls(str(exc), getattr(exc, "rows", None))
 
 
 class SharedLogDamaged(ValueError):
