@@ -94,7 +94,7 @@ def compound_gamma_pairs(m, rng):
     tau = cg.sample({}, m, rng)
     s = np.array([np.sum(rng.normal(0.0, 1.0 / np.sqrt(t), size=k) ** 2) for t, k in zip(tau, n_obs)])
     inc = {"tau": Gamma(1.0 + n_obs / 2.0, s / 2.0)}
-    return TrainingSet("compound_gamma", "tau", inc, QuadratureOracle(cg).belief(inc, "tau"))
+    return TrainingSet("compound_gamma", "tau", inc, QuadratureOracle(cg).belief(inc, "tau"), cg.params())
 
 
 def blas_floor(batch, d_in, d_out, dtype, rng):

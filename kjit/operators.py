@@ -607,6 +607,7 @@ class KernelOperator(Operator):
                 raise ValueError(
                     f"training set is for {data.factor}→{data.to}, operator is {self.factor.name}→{self.to}"
                 )
+            self.factor.check_same((data.factor, data.factor_params), "the training set", "the operator")
             return data.incoming, data.beliefs
         if beliefs is None:
             raise ValueError("`beliefs` is required when `data` is a dict of incoming messages")
@@ -2138,8 +2139,10 @@ class JITOperator(Operator):
             raise ValueError(f"`to`={to!r} contradicts the operator's recipient {operator.to!r}")
         self.factor = oracle.factor
         self.to = self.factor.check_to(operator.to if operator is not None else to)
-        if operator is not None and (operator.factor.name != self.factor.name or operator.to != self.to):
-            raise ValueError("`operator` and `oracle` are for different factors or directions")
+        if operator is not None:
+            if operator.to != self.to:
+                raise ValueError("`operator` and `oracle` are for different factors or directions")
+            self.factor.check_same(operator.factor, "`operator`", "`oracle`")
         if not np.isfinite(threshold):
             raise ValueError("`threshold` must be finite")
         if int(initial_batch) < 2:
@@ -2556,7 +2559,7 @@ class JITOperator(Operator):
         else:
             # calibrate the threshold on a quarter of the initial batch held out from the fit,
             # then learn those pairs too (online: the hyperparameters stay those of the fit)
-            data = TrainingSet(self.factor.name, self.to, incoming, beliefs)
+            data = TrainingSet(self.factor.name, self.to, incoming, beliefs, self.factor.params())
             n_held = max(1, len(data) // 4)
             fit_part, held = data.split(len(data) - n_held, random_state=0)
             self.operator = KernelOperator(self.factor, self.to, **self.operator_kwargs).fit(fit_part)

@@ -21,7 +21,7 @@ import numpy as np
 from joblib import Parallel, delayed
 
 from . import __version__
-from .factors import Factor, get_factor, registered_factors
+from .factors import Factor, get_factor, param_mismatch, registered_factors
 from .families import Family, family_by_name, family_name
 from .oracles import ImportanceSamplingOracle, OracleError
 
@@ -32,7 +32,9 @@ FORMAT_VERSION = 1
 
 @dataclass
 class TrainingSet:
-    """Pairs of incoming messages (a dict of batches of length n) and beliefs (length n)."""
+    """Pairs of incoming messages (a dict of batches of length n) and beliefs (length n), for the factor
+    named ``factor`` with ``factor_params`` (its :meth:`~kjit.factors.Factor.params`): an operator fits
+    only pairs of its own factor, name and parameters (:meth:`~kjit.factors.Factor.check_same`)."""
 
     factor: str
     to: str
@@ -67,9 +69,12 @@ class TrainingSet:
     def concatenate(cls, sets) -> "TrainingSet":
         sets = list(sets)
         first = sets[0]
-        for s in sets[1:]:
-            if (s.factor, s.to, s.factor_params) != (first.factor, first.to, first.factor_params):
+        for i, s in enumerate(sets[1:], 1):
+            if (s.factor, s.to) != (first.factor, first.to):
                 raise ValueError("cannot concatenate training sets of different factors or directions")
+            why = param_mismatch(s.factor_params, first.factor_params, f"set {i}", "set 0")
+            if why is not None:
+                raise ValueError(f"cannot concatenate training sets of different factors: {first.factor!r} with {why}")
         return cls(
             first.factor, first.to,
             {v: type(m).concatenate([s.incoming[v] for s in sets]) for v, m in first.incoming.items()},
@@ -252,8 +257,7 @@ def make_training_set(
     if isinstance(factor, str):
         factor = get_factor(factor)
     factor.check_to(to)
-    if oracle.factor is not factor and type(oracle.factor) is not type(factor):
-        raise ValueError("`oracle` was built for a different factor")
+    factor.check_same(oracle.factor, "`oracle`", "`factor`")
     if int(chunk_size) < 1:
         raise ValueError("`chunk_size` must be >= 1")
     if isinstance(random_state, np.random.SeedSequence):

@@ -219,8 +219,7 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
         ts = TrainingSet.load(spec.training_set) if spec.pairs is None else spec.pairs
         if ts.factor != factor.name or ts.to != spec.to:
             raise ValueError(f"the training set is for {ts.factor}→{ts.to}, not {factor.name}→{spec.to}")
-        if ts.factor_params != factor.params():
-            raise ValueError(f"the training set's factor parameters {ts.factor_params} differ from {factor.params()}")
+        factor.check_same((ts.factor, ts.factor_params), "the training set", "the operator")
         if len(ts) < 4:
             raise ValueError(f"the training set has {len(ts)} pairs; at least 4 are needed")
         if spec.threshold is None and len(ts) >= 40:

@@ -414,3 +414,38 @@ def test_sampled_factor_validation():
 def test_base_factor_is_abstract():
     with pytest.raises(NotImplementedError):
         Factor().sample({}, 1, np.random.default_rng(0))
+
+
+def test_mismatch_is_the_one_same_factor_comparison_and_names_the_parameter():
+    """Factor.mismatch: None for the same factor — parameters by value, as JSON or an npz give them back —
+    else the differing parameter with both values (found by an audit: only names were compared)."""
+    import json
+
+    from kjit.errors import ConfigurationError
+
+    a = CompoundGamma(s1=1.0 / 3.0, r1=0.1, s2=7)
+    back = json.loads(json.dumps(a.params()))
+    npz = {k: np.asarray(v)[()] for k, v in a.params().items()}  # (numpy scalars, as read from an npz)
+    for other in (a, CompoundGamma(**back), ("compound_gamma", back), ("compound_gamma", npz)):
+        assert a.mismatch(other) is None and a.check_same(other) is None
+    assert a.same_as(CompoundGamma(**back)) and not a.same_as(CompoundGamma(s1=1.0 / 3.0, r1=0.1, s2=7.5))
+    why = a.mismatch(CompoundGamma(s1=1.0 / 3.0, r1=0.1, s2=7.5), "the set", "the operator")
+    assert why == "the set and the operator are for different factors: 'compound_gamma' with `s2` 7.5 for the set, 7.0 for the operator"
+    with pytest.raises(ConfigurationError, match="`r1` 0.2 for the other, 0.1 for this one"):
+        a.check_same(("compound_gamma", {**back, "r1": 0.2}))
+    assert "`s2` 7.0 for this one, none recorded for the other" in a.mismatch(("compound_gamma", {"s1": 1 / 3, "r1": 0.1}))
+    assert "'logistic' for the other" in a.mismatch(("logistic", {}))
+    assert "different factors" in a.mismatch(Logistic())
+    # NaNs and nested values compare by value too
+    assert F.param_mismatch({"p": [1, (2, float("nan"))], "q": {"k": (1,)}},
+                            {"p": (1.0, [2.0, float("nan")]), "q": {"k": [1.0]}}) is None
+    assert F.param_mismatch({"q": {"k": 1}}, {"q": {"k": 2}}) == "`q` {'k': 1} for the other, {'k': 2} for this one"
+    # a sampled factor is only itself; its recorded (name, params) still compares
+    s = SampledFactor("t_mismatch", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, rng: v["x"])
+    s2 = SampledFactor("t_mismatch", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, rng: v["x"])
+    assert s.same_as(s) and not s.same_as(s2) and "same object" in s.mismatch(s2)
+    assert s.mismatch(("t_mismatch", {})) is None
+    # a copied operator still answers for its sampled factor: a copy of one is itself
+    import copy
+
+    assert copy.deepcopy(s) is s and copy.copy(s) is s

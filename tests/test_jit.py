@@ -894,3 +894,23 @@ def test_greedy_max_equals_the_dense_update_without_an_m_by_m_matrix():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert 0 < pick.size <= D + 10 and peak < 8 * m * (D + 64) * 1.5
+
+
+def test_an_oracle_for_other_factor_parameters_is_refused_naming_them(tmp_path):
+    """Found by an audit: JITOperator compared only the factor's name, so a gamma_rate(shape=1) operator
+    took an oracle for shape 3 (its answers then trained the operator).  Now a ConfigurationError
+    naming `shape` and both values; the same parameters rebuilt from a saved JIT operator still match."""
+    from kjit.errors import ConfigurationError
+    from kjit.factors.gamma_rate import GammaRate, gamma_rate_incoming
+
+    f1 = GammaRate(shape=1.0 / 3.0)
+    pairs = make_training_set(f1, "r", gamma_rate_incoming, QuadratureOracle(f1), n=30, random_state=0)
+    op = KernelOperator(f1, "r", n_inner=20, n_outer=40, inner_factors=(1.0,), width_factors=(1.0,),
+                        random_state=0).fit(pairs)
+    with pytest.raises(ConfigurationError, match=r"`shape` 0\.333+\d* for `operator`, 3\.0 for `oracle`"):
+        JITOperator(op, QuadratureOracle(GammaRate(shape=3.0)), threshold=-8.5)
+    with pytest.raises(ConfigurationError, match="`projection` 'kl' for `operator`, 'moments' for `oracle`"):
+        JITOperator(op, QuadratureOracle(GammaRate(shape=1.0 / 3.0, projection="moments")), threshold=-8.5)
+    jit = JITOperator(op, QuadratureOracle(GammaRate(shape=1.0 / 3.0)), threshold=-8.5)  # another object, same factor
+    save_operator(jit, tmp_path / "jit.npz")
+    assert load_operator(tmp_path / "jit.npz").factor.same_as(f1)

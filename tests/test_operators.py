@@ -1443,3 +1443,28 @@ def test_a_prediction_that_is_no_belief_is_refused_by_row(monkeypatch):
     q = jit.predict(inc)[0]
     exact = oracle.belief({v: m[1:2] for v, m in inc.items()}, "z")
     assert q[1:2] == exact
+
+
+def test_pairs_for_other_factor_parameters_are_refused_naming_them(tmp_path):
+    """Found by an audit: fit compared only the factor's name, so an operator for gamma_rate(shape=1)
+    fitted pairs labelled shape 3 (also from a file) and then answered confidently wrong (231 of 493
+    rows it accepted at threshold -6 were > 0.1 nats off).  Now a ConfigurationError naming `shape`
+    and both values; pairs of its own parameters still fit, also after a round trip through a file."""
+    from kjit.errors import ConfigurationError
+    from kjit.factors.gamma_rate import GammaRate, gamma_rate_incoming
+
+    f1, f3 = GammaRate(shape=1.0 / 3.0), GammaRate(shape=3.0)
+    pairs3 = make_training_set(f3, "r", gamma_rate_incoming, QuadratureOracle(f3), n=30, random_state=0)
+    pairs3.save(tmp_path / "ts3.npz")
+    kw = dict(n_inner=20, n_outer=40, inner_factors=(1.0,), width_factors=(1.0,), random_state=0)
+    for pairs in (pairs3, TrainingSet.load(tmp_path / "ts3.npz")):
+        with pytest.raises(ConfigurationError, match=r"`shape` 3\.0 for the training set, 0\.333+\d* for the operator"):
+            KernelOperator(f1, "r", **kw).fit(pairs)
+    op1 = KernelOperator(f1, "r", **kw)
+    pairs1 = make_training_set(f1, "r", gamma_rate_incoming, QuadratureOracle(f1), n=30, random_state=0)
+    pairs1.save(tmp_path / "ts1.npz")
+    op1.fit(TrainingSet.load(tmp_path / "ts1.npz"))  # 1/3 round-tripped through JSON is the same shape
+    with pytest.raises(ConfigurationError, match="`shape`"):
+        op1.partial_fit(pairs3)
+    with pytest.raises(ConfigurationError, match="`shape`"):
+        op1.fit_error_model(pairs3, np.arange(len(pairs3)) % 3)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kjit.factors import CompoundGamma, Logistic, ProbitNoise, SampledFactor, register_factor
+from kjit.errors import ConfigurationError
 from kjit.families import Bernoulli, Beta, Gamma, Gaussian
 from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
 from kjit.training import FORMAT_VERSION, TrainingSet, make_training_set
@@ -125,6 +126,10 @@ def test_bad_arguments():
         make_training_set(Logistic(), "w", logistic_sampler, oracle, n=3)
     with pytest.raises(ValueError, match="different factor"):
         make_training_set(Logistic(), "x", logistic_sampler, QuadratureOracle(CompoundGamma()), n=3)
+    # found by an audit: an oracle for other parameters of the factor was taken, its beliefs stored under
+    # the factor's parameters (shape-3 beliefs labelled shape 1)
+    with pytest.raises(ConfigurationError, match=r"`s1` 5\.0 for `oracle`, 1\.0 for `factor`"):
+        make_training_set(CompoundGamma(s1=1.0), "tau", None, QuadratureOracle(CompoundGamma(s1=5.0)), n=3)
     with pytest.raises(ValueError, match="chunk_size"):
         make_training_set(Logistic(), "x", logistic_sampler, oracle, n=3, chunk_size=0)
     with pytest.raises(ValueError, match="unknown factor 'nope'"):
@@ -262,6 +267,12 @@ def test_subset_split_concatenate(small_set):
     other_dir = make_training_set(Logistic(), "z", ts.incoming, QuadratureOracle(Logistic()), n=3)
     with pytest.raises(ValueError, match="different"):
         TrainingSet.concatenate([a, other_dir])
+    # parameters compare by value: a tuple kept as a list by JSON is the same parameter; another value is not
+    tup, lst = (TrainingSet(a.factor, a.to, a.incoming, a.beliefs, {"w": p}) for p in ((1, 2.5), [1.0, 2.5]))
+    assert len(TrainingSet.concatenate([tup, lst])) == 2 * len(a)
+    other = TrainingSet(a.factor, a.to, a.incoming, a.beliefs, {"w": [1.0, 2.0]})
+    with pytest.raises(ValueError, match=r"`w` \[1\.0, 2\.0\] for set 1, \(1, 2\.5\) for set 0"):
+        TrainingSet.concatenate([tup, other])
 
 
 def test_constructor_checks_lengths(small_set):

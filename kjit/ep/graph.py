@@ -161,8 +161,7 @@ class FactorGraph:
             raise ValueError(f"factor {f.name!r} is bound to no graph variable")
         for g, _ in self.factors:
             # factors are told apart by name and parameters (operators' keys, groups of a sweep)
-            if g.name == f.name and not g.same_as(f) and json.dumps(g.params(), sort_keys=True, default=repr) \
-                    == json.dumps(f.params(), sort_keys=True, default=repr):
+            if not g.same_as(f) and g.mismatch((f.name, f.params())) is None:
                 raise ValueError(f"factor {f.name!r}: the graph has another factor of that name and parameters "
                                  f"({g!r}); an operator would answer for both: add the same factor object again, or give "
                                  f"them distinct names")

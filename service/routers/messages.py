@@ -90,7 +90,7 @@ def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
                                             f"{', '.join(factor.variables)}", "unknown_recipient")
     if to != entry.jit.to:
         others = [n for n in store.names() if (e := store.entries.get(n)) is not None
-                  and e.jit.factor.name == factor.name and e.jit.to == to]
+                  and e.jit.factor.same_as(factor) and e.jit.to == to]
         hint = f"; operator {others[0]!r} sends to {quoted(to)}" if others else ""
         raise ApiError(422, ["body", "to"], f"operator {entry.name!r} sends messages to {entry.jit.to!r}, not "
                                             f"{quoted(to)}{hint}", "wrong_recipient")

@@ -172,9 +172,7 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
             ts = TrainingSet.load(p)
             if (ts.factor, ts.to) != (factor.name, req.to):
                 raise ValueError(f"the training set is for {ts.factor}→{ts.to}, not {factor.name}→{req.to}")
-            if ts.factor_params != factor.params():
-                raise ValueError(f"the training set's factor parameters {ts.factor_params} differ from "
-                                 f"{factor.params()}")
+            factor.check_same((ts.factor, ts.factor_params), "the training set", "the operator")
             if len(ts) < 4:
                 raise ValueError(f"the training set has {len(ts)} pairs; at least 4 are needed")
             factor.check_incoming(ts.incoming, req.to)  # (its variables and families)
