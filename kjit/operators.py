@@ -99,6 +99,23 @@ UNCERTAINTY_SCALARS = ("max", "kl")
 UNCERTAINTY_CHOICES = ("max", "kl", "enssum")
 
 
+def group_index(groups, name: str = "groups", n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(labels, index)``: the sorted distinct labels of ``groups`` (a label per row) and each row's
+    position among them (flat) — the one reading of a ``groups`` argument.  ``n``: the rows there must
+    be one label for each of.  A ValueError naming ``name`` for labels that do not sort together
+    (found by an audit: ["a", 1, …] or None among numbers raised numpy's bare "'<' not supported")."""
+    g = np.asarray(groups)
+    if n is not None and g.shape != (n,):
+        raise ValueError(f"`{name}` has shape {g.shape}, expected ({n},)")
+    try:
+        labels, index = np.unique(g.ravel(), return_inverse=True)
+    except TypeError:
+        kinds = sorted({type(x).__name__ for x in g.ravel().tolist()})
+        raise ValueError(f"`{name}`: group labels must be mutually comparable (all numbers, or all strings), "
+                         f"got labels of kinds {', '.join(kinds)}") from None
+    return labels, index.ravel()
+
+
 def flagged_share_needed(u, kl, worst: float = 0.01, catch: float = 0.95) -> float:
     """How well uncertainties ``u`` rank errors ``kl`` (one per row), free of any threshold: the
     share of rows with u at or above the highest threshold that still flags ``catch`` of the
@@ -978,7 +995,7 @@ class KernelOperator(Operator):
         z, v, Z, psi, flat, inc, shape = self._held_out_z(data, groups, beliefs)
         coords, var = self._finish_coords(z, v, psi, flat, inc, shape, False,
                                           error_log=self._held_out_error_log(psi, groups),
-                                          bounds=self._held_out_bounds(Z, np.unique(groups, return_inverse=True)[1]))
+                                          bounds=self._held_out_bounds(Z, group_index(groups)[1]))
         return self._to_belief(coords, flat, shape), np.log(var)
 
     def _held_out_error_log(self, psi, groups, model=None):
@@ -1014,10 +1031,7 @@ class KernelOperator(Operator):
         if len(shape) != 1:
             raise ValueError("`incoming` must be 1-D batches")
         n = shape[0]
-        groups = np.asarray(groups)
-        if groups.shape != (n,):
-            raise ValueError(f"`groups` has shape {groups.shape}, expected ({n},)")
-        labels, index = np.unique(groups, return_inverse=True)
+        labels, index = group_index(groups, n=n)
         if labels.size < 2:
             raise ValueError("`groups` must name at least 2 groups")
         if n != self.blr_.n_:
@@ -1123,7 +1137,7 @@ class KernelOperator(Operator):
         if int(folds) < 2:
             raise ValueError("`folds` must be ≥ 2")
         z, v, Z, psi, flat, inc, shape = self._held_out_z(data, groups, beliefs)
-        labels, index = np.unique(np.asarray(groups), return_inverse=True)
+        labels, index = group_index(groups)
         fold_of = np.arange(labels.size) % min(int(folds), labels.size)
         row_fold = fold_of[index.ravel()]
         models = {}
@@ -1604,9 +1618,9 @@ def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_group
         if has_held_out:
             if held_out_groups is None:
                 raise ValueError("`confidence` needs `held_out_groups` (the held-out rows' problems)")
-            labels.append(np.unique(np.asarray(held_out_groups), return_inverse=True)[1].ravel())
+            labels.append(group_index(held_out_groups, "held_out_groups")[1])
         if has_fitted:
-            g = np.unique(np.asarray(groups), return_inverse=True)[1].ravel()
+            g = group_index(groups)[1]
             labels.append(g + (labels[0].max() + 1 if labels else 0))
         lab = np.concatenate(labels)
         if lab.size != u.size:
@@ -1656,8 +1670,7 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
     if not 0.0 < confidence < 1.0:
         raise ValueError("`confidence` must lie in (0, 1)")
     u = np.asarray(u, np.float64).ravel()
-    labels, gi = np.unique(np.asarray(groups).ravel(), return_inverse=True)
-    gi = gi.ravel()
+    labels, gi = group_index(groups)
     if gi.size != u.size:
         raise ValueError("`groups` must give one label per value of `u`")
     G = labels.size

@@ -547,6 +547,29 @@ def test_held_out_predict_refuses_other_pairs_and_one_group(op, data):
         op.held_out_predict(tr, GROUPS[:10])
 
 
+def test_group_labels_that_do_not_sort_together_are_refused_naming_the_argument(op, data):
+    """Found by an audit: labels of mixed kinds (["a", 1, …], None among numbers) raised numpy's bare
+    TypeError "'<' not supported" from np.unique; every `groups` argument is read by one helper now,
+    a ValueError naming it."""
+    tr, cal = data["train"], data["test"]
+    mixed = np.array(["a", 1] * 200, dtype=object)
+    none = np.array([None, 1] * 200, dtype=object)
+    msg = "`groups`: group labels must be mutually comparable"
+    for groups in (mixed, none):
+        with pytest.raises(ValueError, match=msg):
+            op.held_out_predict(tr, groups)
+        with pytest.raises(ValueError, match=msg):
+            calibrate_threshold(op, cal, 1e-3, fitted=tr, groups=groups)
+        with pytest.raises(ValueError, match=msg):
+            copy.deepcopy(op).fit_error_model(tr, groups)
+        with pytest.raises(ValueError, match=msg):
+            op.held_out_density(tr, groups)
+        with pytest.raises(ValueError, match=msg):
+            operators.tolerance_threshold(np.zeros(400), groups, 0.1, 0.9)
+    with pytest.raises(ValueError, match="`held_out_groups`: group labels must be mutually comparable"):
+        operators.budget_threshold(op, cal, 0.1, confidence=0.9, held_out_groups=mixed[:300])
+
+
 def test_budget_threshold_is_the_conformal_quantile_of_the_pooled_uncertainties(op, data):
     """k-th smallest of the pooled uncertainties, k = ⌈(n+1)(1−budget)⌉, computed here from
     predict and from the scratch refits without each group."""
