@@ -190,13 +190,21 @@ def _check_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
+def check_random_state(random_state):
+    """``random_state`` as given if it is None, a non-negative int or a numpy Generator, else a
+    ValueError naming it: the one check of a feature map's (and so an operator's) ``random_state``.
+    Found by an audit: -1 was taken, and fit then raised numpy's bare "expected non-negative integer"."""
+    if random_state is None or isinstance(random_state, np.random.Generator):
+        return random_state
+    if isinstance(random_state, (bool, np.bool_)) or not isinstance(random_state, numbers.Integral) or random_state < 0:
+        raise ValueError(f"`random_state` must be None, a non-negative int or a numpy Generator, got {random_state!r}")
+    return random_state
+
+
 def _rng(random_state) -> np.random.Generator:
+    random_state = check_random_state(random_state)
     if isinstance(random_state, np.random.Generator):
         return random_state
-    if random_state is not None and (
-        isinstance(random_state, (bool, np.bool_)) or not isinstance(random_state, numbers.Integral)
-    ):
-        raise ValueError(f"`random_state` must be None, an int or a numpy Generator, got {random_state!r}")
     return np.random.default_rng(random_state)
 
 
@@ -223,7 +231,7 @@ class TwoStageFeatures:
         Multiplies the median heuristic (ignored when ``outer_width`` is given).
     treatment : "gaussian" or "exact"
         How non-Gaussian components enter the inner map (module docstring).
-    random_state : None, int or numpy Generator
+    random_state : None, a non-negative int or a numpy Generator
         Source of every random draw (features and the median subsample).
     dtype : float32 or float64
         Precision of the hot path (``inner``/``transform``).  Widths are fitted in float64.
@@ -256,9 +264,7 @@ class TwoStageFeatures:
         if not isinstance(treatment, str) or treatment not in TREATMENTS:
             raise ValueError(f"`treatment` must be one of {', '.join(map(repr, TREATMENTS))}, got {treatment!r}")
         self.treatment = treatment
-        if random_state is not None and not isinstance(random_state, np.random.Generator):
-            _rng(random_state)  # validates
-        self.random_state = random_state
+        self.random_state = check_random_state(random_state)
         self.dtype = _check_dtype(dtype)
 
     @classmethod

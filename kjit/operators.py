@@ -38,7 +38,7 @@ from .certificates import Certificates, above_threshold, certified, outgoing_pro
 from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
-from .features import TwoStageFeatures, component_moments
+from .features import TwoStageFeatures, check_random_state, component_moments
 from .protocols import Operator
 from .reductions import all_finite, any_
 from .training import TrainingSet
@@ -306,7 +306,7 @@ class KernelOperator(Operator):
         grids, searched exhaustively (a single value fixes it).
     prior_vars, noise_vars : grids for σ₀² and σ_y² (on standardised targets), searched
         exhaustively at each width setting from one eigendecomposition.
-    random_state : seeds the random features.
+    random_state : seeds the random features: None, a non-negative int or a numpy Generator.
     dtype : float64 or float32 for the prediction hot path.
     target : what is regressed.  "relative" (default): the belief's coordinates relative to the
         recipient's incoming message — for a Gaussian ((m_q − m)/√v, log v_q − log v), for Beta
@@ -397,7 +397,7 @@ class KernelOperator(Operator):
             vals = np.asarray(getattr(self, name))
             if vals.size == 0 or np.any(~(vals > 0)) or np.any(~np.isfinite(vals)):
                 raise ValueError(f"`{name}` must be a non-empty list of positive numbers")
-        self.random_state = random_state
+        self.random_state = check_random_state(random_state)
         self.dtype = np.dtype(dtype)
         self.family = self.factor.families[self.to]
 

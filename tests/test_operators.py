@@ -1491,3 +1491,18 @@ def test_pairs_for_other_factor_parameters_are_refused_naming_them(tmp_path):
         op1.partial_fit(pairs3)
     with pytest.raises(ConfigurationError, match="`shape`"):
         op1.fit_error_model(pairs3, np.arange(len(pairs3)) % 3)
+
+
+def test_random_state_is_checked_where_it_is_given_naming_it(factor):
+    """Found by an audit: KernelOperator(random_state=-1) was taken and fit raised numpy's bare
+    "expected non-negative integer".  The constructor (and the feature map's) now refuse it by name
+    through one check (kjit.features.check_random_state); what numpy seeds with is still taken."""
+    from kjit.features import TwoStageFeatures
+
+    for bad in (-1, np.int64(-3), 1.0, True, "0", np.random.RandomState(1)):
+        with pytest.raises(ValueError, match="`random_state` must be None, a non-negative int or a numpy Generator"):
+            KernelOperator(factor, "x", random_state=bad)
+        with pytest.raises(ValueError, match="`random_state` must be None, a non-negative int or a numpy Generator"):
+            TwoStageFeatures((Gaussian, Beta), random_state=bad)
+    for ok in (None, 0, np.int64(3), 2**70, np.random.default_rng(5)):
+        assert KernelOperator(factor, "x", random_state=ok).random_state is ok
