@@ -624,7 +624,10 @@ class KernelOperator(Operator):
                 raise ValueError(
                     f"training set is for {data.factor}→{data.to}, operator is {self.factor.name}→{self.to}"
                 )
-            self.factor.check_same((data.factor, data.factor_params), "the training set", "the operator")
+            # the parameters the set records must be the operator's (one it does not record — a set built
+            # by hand with no factor_params — is taken as the operator's: there is nothing to compare)
+            self.factor.check_same((data.factor, {**self.factor.params(), **data.factor_params}), "the training set",
+                                   "the operator")
             return data.incoming, data.beliefs
         if beliefs is None:
             raise ValueError("`beliefs` is required when `data` is a dict of incoming messages")

@@ -1491,6 +1491,13 @@ def test_pairs_for_other_factor_parameters_are_refused_naming_them(tmp_path):
         op1.partial_fit(pairs3)
     with pytest.raises(ConfigurationError, match="`shape`"):
         op1.fit_error_model(pairs3, np.arange(len(pairs3)) % 3)
+    # a set built by hand records no parameters: nothing to compare, it is taken (as before)
+    unlabelled = TrainingSet(pairs1.factor, pairs1.to, pairs1.incoming, pairs1.beliefs)
+    assert unlabelled.factor_params == {}
+    KernelOperator(f1, "r", **kw).fit(unlabelled)
+    partly = TrainingSet(pairs1.factor, pairs1.to, pairs1.incoming, pairs1.beliefs, {"shape": 3.0})
+    with pytest.raises(ConfigurationError, match="`shape` 3.0 for the training set"):
+        KernelOperator(f1, "r", **kw).fit(partly)
 
 
 def test_random_state_is_checked_where_it_is_given_naming_it(factor):
