@@ -1243,7 +1243,8 @@ def log_beta(a, b):
     above is within 2e-16 relative of mpmath there (it was used beyond 1e5 each until the
     twenty-third session)."""
     a, b = np.asarray(a, float), np.asarray(b, float)
-    big = np.maximum(a, b) >= _STIRLING_FROM
+    # (finite positive arguments only: betaln's inf / NaN elsewhere — a review found NaN for ln B(0, 100))
+    big = (np.maximum(a, b) >= _STIRLING_FROM) & (a > 0) & (b > 0) & (a < np.inf) & (b < np.inf)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         ab, bb = np.where(big, a, _STIRLING_FROM), np.where(big, b, _STIRLING_FROM)
         stable = stirling_rest(ab) + stirling_rest(bb) - stirling_rest(ab + bb) - _x_log1p_ratio(ab, bb) \
@@ -1293,15 +1294,21 @@ def _beta_log_about_mode(t, a, b):
     d = t - np.log(a / b)  # (a/b correctly rounded: ln a − ln b lost ~1e-14 absolute, ×κd in ℓ — review)
     mode = np.log1p(c) - (np.log(a) + np.log(b) - np.log(c)) - stirling_rest(a) - stirling_rest(b) + stirling_rest(c)
     with np.errstate(over="ignore", invalid="ignore"):
-        u, w = (b / c) * np.expm1(-d), (a / c) * np.expm1(d)
+        near_d = np.abs(d) <= 1.0
+        dn = np.where(near_d, d, 0.0)
+        u, w = (b / c) * np.expm1(-dn), (a / c) * np.expm1(dn)
         # near the mode, a u + b w = (ab/c)(e^−d + e^d − 2) = (ab/c) 4 sinh²(d/2): the first-order
         # terms of the two logarithms, which cancel there, taken out exactly (found in review: 1e-9
         # relative left otherwise); beyond |d| = 1 they do not cancel, and the sinh² form would
         # (ab/c e^|d| against b w: found in review, 2.6e33 for −9.9e7 at d = 100)
-        sh = np.sinh(0.5 * d)
-        near = mode - a * log1p_minus(u) - b * log1p_minus(w) - (a * b / c) * 4.0 * sh * sh
-        direct = mode - a * np.log1p(u) - b * np.log1p(w)
-    return np.where(np.abs(d) <= 1.0, near, direct)
+        sh = np.sinh(0.5 * dn)
+        near = mode - a * log1p_minus(u) - b * log1p_minus(w) - (a * (b / c)) * 4.0 * sh * sh
+        # beyond: 1 + u = a/c + (b/c) e^−d and 1 + w = b/c + (a/c) e^d as sums of logs — 1 + w formed
+        # directly rounded to 0 where a/c rounds to 1 (+inf at Beta(2e21, 1e5 + 2) at 0.5), e^|d|
+        # overflowed beyond 709 (−inf for −7.2e14) — found in review
+        la, lb = -np.log1p(b / a), -np.log1p(a / b)  # ln(a/c), ln(b/c)
+        direct = mode - a * np.logaddexp(la, lb - d) - b * np.logaddexp(lb, la + d)
+    return np.where(near_d, near, direct)
 
 
 def _log_minus_digamma(a):

@@ -449,3 +449,33 @@ def test_mismatch_is_the_one_same_factor_comparison_and_names_the_parameter():
     import copy
 
     assert copy.deepcopy(s) is s and copy.copy(s) is s
+
+
+def test_a_factory_registered_sampled_factor_trains_saves_and_loads(clean_registry, tmp_path):
+    """A factory registration gives a new SampledFactor per get_factor; the factor check of the JIT and
+    of make_training_set compares name and parameters (a SampledFactor is the same only as itself, so
+    comparing the objects refused a saved JIT's oracle against its own operator — found in review)."""
+    from kjit.oracles import ImportanceSamplingOracle
+    from kjit.operators import JITOperator, KernelOperator
+    from kjit.persistence import load_operator, save_operator
+    from kjit.training import make_training_set
+
+    def make_shift():
+        return SampledFactor("shift_factory", inputs={"x": Gaussian}, output=("z", Gaussian),
+                             sampler=lambda v, rng: v["x"] + 1.0)
+
+    register_factor(make_shift, name="shift_factory")
+    f = get_factor("shift_factory")
+    assert get_factor("shift_factory") is not f
+
+    def inc(n, rng):
+        return {"x": Gaussian(rng.normal(size=n), np.exp(rng.normal(size=n))),
+                "z": Gaussian(rng.normal(size=n), np.exp(rng.normal(size=n)) + 1)}
+
+    oracle = ImportanceSamplingOracle(f, n_samples=2000, random_state=0)
+    ts = make_training_set("shift_factory", "z", inc, oracle, n=40, random_state=0)
+    op = KernelOperator(f, "z", n_inner=20, n_outer=40, random_state=0).fit(ts)
+    save_operator(JITOperator(op, oracle, threshold=-6.0), tmp_path / "jit.npz")
+    back = load_operator(tmp_path / "jit.npz")
+    test = inc(5, np.random.default_rng(1))
+    np.testing.assert_array_equal(back.operator.predict(test)[0].mean(), op.predict(test)[0].mean())

@@ -1513,3 +1513,31 @@ def test_random_state_is_checked_where_it_is_given_naming_it(factor):
             TwoStageFeatures((Gaussian, Beta), random_state=bad)
     for ok in (None, 0, np.int64(3), 2**70, np.random.default_rng(5)):
         assert KernelOperator(factor, "x", random_state=ok).random_state is ok
+
+
+def test_a_jit_names_the_request_rows_it_cannot_answer_after_its_initial_batch(monkeypatch):
+    """A JIT's first request longer than its initial batch answers the rest with the newly fitted
+    operator; a PredictionOverflowError there named the rest's row (10) for the request's (50), and the
+    EP engines skip by those rows (found in review)."""
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.operators import JITOperator, PredictionOverflowError
+
+    rng = np.random.default_rng(0)
+    m = rng.normal(size=60)
+    m[50] = 1.0
+    inc = {"x": Gaussian(m, np.exp(rng.normal(size=60) * 0.3)), "z": Beta(1 + rng.random(60) * 3, 1 + rng.random(60) * 3)}
+    real = KernelOperator._finish_coords
+
+    def far(self, z, v, psi, flat, *a, **k):
+        out = real(self, z, v, psi, flat, *a, **k)
+        coords = out[0] if v is not None else out
+        coords.reshape(-1, 2)[np.asarray(flat["x"].mean()).reshape(-1) == 1.0, 0] += 800.0
+        return out
+
+    monkeypatch.setattr(KernelOperator, "_finish_coords", far)
+    jit = JITOperator(None, QuadratureOracle(Logistic()), to="z", initial_batch=40, threshold=50.0,
+                      operator_kwargs=dict(n_inner=20, n_outer=40, random_state=0))
+    with pytest.raises(PredictionOverflowError) as err:
+        jit.predict(inc)
+    assert err.value.rows.tolist() == [50]

@@ -352,6 +352,9 @@ def test_idempotency_keys_survive_a_restart_from_a_snapshot(store_dir, tmp_path)
         assert a.get(NAME).snapshot_version == 1
         assert _observe(a, inc, q, key="k-snap") == (1, 2, True)
         assert _observe(b, inc, q, key="k-snap") == (1, 2, True)
+        # the pairs at the key's version travel too (beside the keys, which a server before the
+        # twenty-third session reads: [key, hash, version, rows])
+        assert a.get(NAME).observe(inc, q, "k-snap", "h-k-snap")[3] == int(a.get(NAME).jit.operator.n_train_)
     finally:
         a.abandon()
         b.abandon()
@@ -789,3 +792,21 @@ def test_lost_append_answer_names_its_own_record_when_another_replica_followed(s
     finally:
         a.abandon()
         b.abandon()
+
+
+def test_idempotency_keys_stay_readable_by_an_older_server():
+    """The keys' JSON in a snapshot stays [key, hash, version, rows] (a server before the twenty-third
+    session unpacks four items and refused a fifth — found in review); the pairs at each key's version
+    are kept beside them, and keys without them (an older snapshot) answer None."""
+    import json
+
+    from service.store.idempotency import IdempotencyKeys
+
+    keys = IdempotencyKeys()
+    keys.remember("k1", "h1", 3, 5, 120)
+    keys.remember("k2", "h2", 4, 1)
+    text, counts = keys.to_json()
+    assert [(k, h, s, n) for k, h, s, n in json.loads(text)] == [("k1", "h1", 3, 5), ("k2", "h2", 4, 1)]
+    back = IdempotencyKeys.from_json(text, counts)
+    assert back.seen("k1", "h1") == (3, 5, 120) and back.seen("k2", "h2") == (4, 1, None)
+    assert IdempotencyKeys.from_json(text).seen("k1", "h1") == (3, 5, None)  # an older snapshot

@@ -125,7 +125,7 @@ class Entry:
         self.version = self.snapshot_version = int(svc.get("version", 0))
         self.observed_pairs = int(svc.get("observed_pairs", 0))
         self.learned_pairs = int(svc.get("learned_pairs", 0))
-        self.keys = IdempotencyKeys.from_json(svc.get("idempotency", "[]"))
+        self.keys = IdempotencyKeys.from_json(svc.get("idempotency", "[]"), svc.get("idempotency_n_train"))
         self.last_rid = svc.get("shared_last_rid")
         self.audit_stats = AuditStats.from_state(json.loads(svc.get("audit", "null")))
         self.audited_pairs = int(svc.get("audited_pairs", 0))
@@ -267,9 +267,10 @@ class Entry:
 
     def _snapshot_bytes(self) -> bytes:
         state = self.jit.state_dict()
+        keys, key_counts = self.keys.to_json()
         state["service"] = {
             "version": self.version, "observed_pairs": self.observed_pairs, "learned_pairs": self.learned_pairs,
-            "idempotency": self.keys.to_json(),
+            "idempotency": keys, "idempotency_n_train": key_counts,
             "audit": json.dumps(self.audit_stats.state()), "audited_pairs": self.audited_pairs,
         }
         if self.base_hash is not None:

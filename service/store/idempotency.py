@@ -55,9 +55,14 @@ class IdempotencyKeys:
     def __contains__(self, key) -> bool:
         return key in self._keys
 
-    def to_json(self) -> str:
-        return json.dumps([[k, *v] for k, v in self._keys.items()])
+    def to_json(self) -> tuple[str, str]:
+        """``(keys, counts)``: the keys as ``[key, hash, version, rows]`` (what servers before the
+        twenty-third session read: a snapshot stays readable by one — a fifth item was refused, found in
+        review) and, apart, ``{key: n_train}``."""
+        return (json.dumps([[k, h, s, n] for k, (h, s, n, _) in self._keys.items()]),
+                json.dumps({k: t for k, (_, _, _, t) in self._keys.items() if t is not None}))
 
     @classmethod
-    def from_json(cls, text: str) -> "IdempotencyKeys":
-        return cls(json.loads(text))
+    def from_json(cls, text: str, counts: str | None = None) -> "IdempotencyKeys":
+        n_train = json.loads(counts) if counts else {}
+        return cls([k, h, s, n, n_train.get(k)] for k, h, s, n, *_ in json.loads(text))
