@@ -36,8 +36,10 @@ its answers are noisy — and runs every sweep to the cap, so this total grows w
 ``sampling_sweeps_at_cap``, ``sampling_sweeps`` and ``jit_sweeps_same_problems``), ``jit_over_exact``,
 ``consultation_rate_after_first``, ``max_posterior_gap_sd`` (JIT vs exact-rule EP, in posterior sd,
 over problems 2… and every variable); ``max_posterior_gap_sd_nearest_fixed_point``: the same to the
-nearer of two exact-rule fixed points (the run's own and one damped more heavily: by 0.5, or by 0.8
-where the runs are damped by 0.5 already; ``exact_fixed_points_apart_sd`` per problem) — the
+nearest of up to three exact-rule fixed points (the run's own; one damped more heavily: by 0.5, or by 0.8
+where the runs are damped by 0.5 already; ``exact_fixed_points_apart_sd`` per problem; and, on the
+graph models, exact-rule EP continued from the JIT run's sites, ``GraphEP.run(init=)``, where it
+converges — it stays at the JIT's fixed point if that is one of the exact rules') — the
 rank-one posterior is bimodal (the sign mirror (u, v) → (−u, −v), broken only by v's prior), and
 which mode an EP run settles in says nothing of its operator's accuracy.  A problem on which
 exact-rule EP does not converge (then there is no exact posterior to compare with; row
@@ -234,11 +236,14 @@ def _jit_specs(args):
     def run_graph(make, model):
         max_iter = sweeps(model)
 
-        def run(problem, ops, damping):
+        def run(problem, ops, damping, init=None):
             g = make(problem)
             res = GraphEP(g, operators={(g.factors[0][0].name, to): op for to, op in ops.items()},
-                          tol=1e-6, max_iter=max_iter, damping=damping).run()
+                          tol=1e-6, max_iter=max_iter, damping=damping).run(init=init)
+            last["result"] = res
             return _graph_moments(res), res.iterations, res.converged, sum(res.skipped.values())
+        last = {}
+        run.last = last  # (the last run's GraphResult: where exact-rule EP continues from)
         return run
 
     def run_poisson(problem, ops, damping):
@@ -306,6 +311,8 @@ def jit_experiment(model, args):
             moments, iters, conv, skipped = run(problem, ops, damping)
             out[label] = {"seconds": time.perf_counter() - t, "iterations": iters, "converged": conv,
                           "moments": moments, "skipped": skipped}
+            if label == "jit" and getattr(run, "last", None):
+                out[label]["result"] = run.last["result"]
             if label == "jit":
                 out[label]["consultations"] = sum(j.counters()["consultations"] for j in jits.values()) - c0
                 out[label]["requests"] = sum(j.counters()["requests"] for j in jits.values()) - r0
@@ -313,6 +320,13 @@ def jit_experiment(model, args):
         # a second exact-rule fixed point, where the model has more than one (rank one: the sign
         # mirror (u, v) -> (-u, -v) of a bimodal posterior): exact-rule EP damped more heavily
         be_alt = run(problem, {to: exact for to in directions}, 0.8 if damping >= 0.5 else 0.5)[0]
+        # and the exact-rule fixed point nearest the JIT run's: exact-rule EP continued from its sites (a
+        # graph model; it stays where the JIT converged if that is an exact fixed point — rank one's JIT run
+        # at seed 0, problem 3, converged to the mirror mode, 11 sd from be and be_alt, an exact fixed point)
+        be_jit = None
+        if "result" in out["jit"]:
+            ex_moments, _, ex_conv, _ = run(problem, {to: exact for to in directions}, damping, init=out["jit"]["result"])
+            be_jit = ex_moments if ex_conv else None
         # a problem on which exact-rule EP converges to no fixed point has no exact posterior to
         # compare with: its gap is reported (the row, ``max_posterior_gap_sd_all``) but not counted
         comparable.append(bool(out["exact"]["converged"]))
@@ -321,7 +335,8 @@ def jit_experiment(model, args):
             return max(abs(other[v][0] - ref[v][0]) / np.sqrt(ref[v][1]) for v in ref)
 
         gaps.append(gap(out["jit"]["moments"]))
-        nearest.append(min(gaps[-1], gap(out["jit"]["moments"], be_alt)))
+        nearest.append(min(gaps[-1], gap(out["jit"]["moments"], be_alt),
+                           gap(out["jit"]["moments"], be_jit) if be_jit is not None else np.inf))
         if "sampling" in out:  # the sampler alone, for scale: how far its own noise puts EP
             out["sampling"]["gap"] = gap(out["sampling"]["moments"])
         row = {"model": model, "jit_problem": k,

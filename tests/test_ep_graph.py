@@ -489,3 +489,28 @@ def test_oracles_are_checked_as_operators_are():
     with pytest.raises(ValueError, match="answers for factor"):
         CompoundGammaPrecision(QuadratureOracle(CompoundGamma()), on_uncertain="oracle",
                                oracle=QuadratureOracle(CompoundGamma(s1=5.0)))
+
+
+def test_run_continues_from_a_result_and_finds_the_other_fixed_point_of_a_bimodal_posterior():
+    """GraphEP.run(init=result) starts from the result's sites: a converged run continued stays (one
+    sweep); started from the sign mirror of its sites, exact-rule EP on a rank-one factorisation converges
+    to the mirror mode — a second exact fixed point (log evidence −39.91 vs −39.89).  The JIT experiment of
+    benchmarks/ep_models.py measured a JIT run 11 sd from exact-rule EP here: it had converged to that
+    other fixed point (found this session)."""
+    from kjit.ep.graph import GraphResult
+    from kjit.ep.models import rank_one
+
+    Y = np.array([[-0.31, -0.06, -0.84, 2.88, -3.48], [0.64, 0.02, -0.38, -0.72, 0.54],
+                  [0.39, -0.44, 0.26, -0.93, 0.1], [0.33, 1.21, 1.94, 1.73, -3.13]])
+    g = rank_one(Y, 0.25, Gaussian(0.0, 1.0), Gaussian(1.0, 1.0))
+    a = GraphEP(g, tol=1e-8, max_iter=300, damping=0.5).run()
+    assert a.converged and a.beliefs["u0"].mean() > 1.5
+    again = GraphEP(g, tol=1e-8, max_iter=300, damping=0.5).run(init=a)
+    assert again.converged and again.iterations == 1
+    assert max(abs(float(again.beliefs[v].mean() - a.beliefs[v].mean())) for v in a.beliefs) < 1e-7
+    mirror = GraphResult(**{**a.__dict__, "sites": {k: s * np.array([-1.0, 1.0]) for k, s in a.sites.items()}})
+    b = GraphEP(g, tol=1e-8, max_iter=300, damping=0.5).run(init=mirror)
+    assert b.converged and b.beliefs["u0"].mean() < -1.5 and b.beliefs["v4"].mean() > 1.5
+    assert abs(b.log_evidence - a.log_evidence) < 0.1
+    with pytest.raises(ValueError, match="`init`"):
+        GraphEP(rank_one(Y[:3], 0.25, Gaussian(0.0, 1.0), Gaussian(1.0, 1.0))).run(init=a)

@@ -197,6 +197,9 @@ class GraphResult:
     operator_calls: int
     log_evidence: float | None = None
     log_evidence_note: str = ""
+    #: the final site messages, ``(factor index, factor variable) -> natural parameters``: what
+    #: :meth:`GraphEP.run` (``init=``) continues from
+    sites: dict | None = None
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -363,7 +366,10 @@ class GraphEP:
         return list(groups.values())
 
     # ------------------------------------------------------------------ run
-    def run(self) -> GraphResult:
+    def run(self, init: GraphResult | None = None) -> GraphResult:
+        """EP on the graph from flat site messages, or from the sites of ``init`` (a result of EP on this
+        graph, e.g. with other operators: exact-rule EP continued from a learned operator's fixed point
+        stays there if it is one of the exact rules' — a bimodal posterior has several)."""
         g = self.graph
         if not g.factors:
             raise ValueError("the graph has no factors")
@@ -394,6 +400,14 @@ class GraphEP:
         # sites: (factor index, factor variable) -> natural parameters (zeros: a flat message)
         sites = {(j, fv): np.zeros_like(prior_nat[b]) for j, (f, bind) in enumerate(g.factors)
                  for fv, b in bind.items() if isinstance(b, str)}
+        if init is not None:
+            given = getattr(init, "sites", None)
+            if given is None or set(given) != set(sites) or any(np.shape(given[k]) != sites[k].shape for k in sites):
+                raise ValueError("`init` must be a GraphResult of EP on this graph (its sites: one per factor and "
+                                 "bound variable)")
+            if not all(np.all(np.isfinite(given[k])) for k in sites):
+                raise ValueError("`init` has non-finite site messages")
+            sites = {k: np.array(given[k], dtype=float) for k in sites}
         post = self._posteriors(prior_nat, sites)
         history: list[GraphIteration] = []
         converged, diverged, calls = False, None, 0
@@ -485,7 +499,7 @@ class GraphEP:
         if log_z is not None and not converged:
             note += "; EP did not converge, so this is the estimate at the last iterate"
         return GraphResult(self._beliefs(post), converged, outcome, n, status, history,
-                           time.perf_counter() - t_start, calls, log_z, note)
+                           time.perf_counter() - t_start, calls, log_z, note, {k: s.copy() for k, s in sites.items()})
 
     def _log_evidence(self, prior_nat, sites, post):
         """The EP estimate of log ∫ Π priors Π factors (messages normalised), Minka's formula for a
