@@ -139,8 +139,15 @@ def test_multiplicity_counts_the_messages_one_operator_sends_to_one_variable():
     assert g.multiplicity("product", "z") == 0
     r1 = rank_one(np.zeros((4, 5)), 0.3)
     assert r1.multiplicity("product", "x") == 5 and r1.multiplicity("product", "y") == 4
-    th, se = g.jit_budget("gamma_rate", "r", posterior_tol=0.07)
+    # (a Gamma recipient: the budget's threshold is in a Gaussian mean's sd, which it does not bound here)
+    with pytest.warns(UserWarning, match="log parameters"):
+        th, se = g.jit_budget("gamma_rate", "r", posterior_tol=0.07)
     assert se == pytest.approx(0.01) and th == pytest.approx(2 * np.log(0.01))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Gaussian recipient: no warning
+        assert r1.jit_budget("product", "x", posterior_tol=0.5) == (pytest.approx(2 * np.log(0.1)), pytest.approx(0.1))
     with pytest.raises(ValueError, match="posterior_tol"):
         g.jit_budget("gamma_rate", "r", posterior_tol=0.0)
     with pytest.raises(ValueError, match="no factor 'product'"):
@@ -171,7 +178,8 @@ def test_a_shared_error_of_the_budget_moves_the_posterior_by_the_tolerance(n):
     rng = np.random.default_rng(3)
     g = poisson_gamma(rng.poisson(rng.gamma(2.0, 1.0, n)), shape=2.0, prior_rate=Gamma(2.0, 1.0))
     tol = 0.1
-    _, eps = g.jit_budget("gamma_rate", "r", posterior_tol=tol)
+    with pytest.warns(UserWarning, match="log parameters"):  # (the shared error here is one of the mean, in sd)
+        _, eps = g.jit_budget("gamma_rate", "r", posterior_tol=tol)
     exact = GraphEP(g, tol=1e-10, max_iter=200).run()
     biased = GraphEP(g, operators={("gamma_rate", "r"): SharedBias(eps)}, tol=1e-10, max_iter=200).run()
     assert exact.converged and biased.converged
