@@ -2170,10 +2170,7 @@ class JITOperator(Operator):
         if operator is not None:
             if operator.to != self.to:
                 raise ValueError("`operator` and `oracle` are for different factors or directions")
-            # by name and parameters (a SampledFactor is the same factor only as the same object, but an
-            # operator loaded from a state, or built by a factory registration, has its own copy of the
-            # oracle's: found in review, a saved JIT of a factory-registered sampled factor did not load)
-            self.factor.check_same((operator.factor.name, operator.factor.params()), "`operator`", "`oracle`")
+            self.factor.check_same(operator.factor, "`operator`", "`oracle`")
         if not np.isfinite(threshold):
             raise ValueError("`threshold` must be finite")
         if int(initial_batch) < 2:
@@ -2393,7 +2390,21 @@ class JITOperator(Operator):
             self._counts["consultations"] += start
             state = (list(self._pending), self._n_pending, self.threshold, self.density_guard, self.guard_rows_)
             self._undo = lambda: self._restore_initial(*state)
-            self._learn_initial(head, q)
+            n_before = self._n_pending
+            try:
+                self._learn_initial(head, q)
+            except Exception as exc:
+                # the initial fit's rows are the pending pairs': earlier requests' first, then this one's
+                # head — named as this request's, or not at all where an earlier request's row is named
+                # (found in review: row 25 of the fit for the request's row 5)
+                r = getattr(exc, "rows", None)
+                if r is not None:
+                    try:
+                        r = np.asarray(r, dtype=int).ravel()
+                        exc.rows = r - n_before if r.size and r.min() >= n_before else None
+                    except (TypeError, ValueError, AttributeError):
+                        pass
+                raise
             if start == n:
                 return q.reshape(shape), np.full(shape + (k,), np.nan), np.ones(shape, dtype=bool)
             q_t, lv_t, c_t = self._answer({v: m[start:] for v, m in flat.items()}, offset=start)

@@ -257,8 +257,7 @@ def make_training_set(
     if isinstance(factor, str):
         factor = get_factor(factor)
     factor.check_to(to)
-    # (by name and parameters, as JITOperator does: a factory-registered SampledFactor's get_factor is a new one)
-    factor.check_same((oracle.factor.name, oracle.factor.params()), "`oracle`", "`factor`")
+    factor.check_same(oracle.factor, "`oracle`", "`factor`")
     if int(chunk_size) < 1:
         raise ValueError("`chunk_size` must be >= 1")
     if isinstance(random_state, np.random.SeedSequence):

@@ -514,3 +514,19 @@ def test_run_continues_from_a_result_and_finds_the_other_fixed_point_of_a_bimoda
     assert abs(b.log_evidence - a.log_evidence) < 0.1
     with pytest.raises(ValueError, match="`init`"):
         GraphEP(rank_one(Y[:3], 0.25, Gaussian(0.0, 1.0), Gaussian(1.0, 1.0))).run(init=a)
+
+
+def test_a_result_compares_and_an_improper_init_is_refused():
+    """GraphResult's sites take no part in == and repr (an == of two results raised on the arrays —
+    found in review); an `init` whose sites make a posterior improper is refused before any sweep."""
+    import copy
+
+    from kjit.ep.graph import GraphResult
+    from kjit.ep.models import rank_one
+
+    g = rank_one(np.array([[1.0, -0.5], [0.3, 2.0]]), 0.25, Gaussian(0.0, 1.0), Gaussian(1.0, 1.0))
+    a = GraphEP(g, tol=1e-8, max_iter=200, damping=0.5).run()
+    assert a == copy.deepcopy(a) and "sites" not in repr(a)
+    bad = GraphResult(**{**a.__dict__, "sites": {k: np.array([s[0], 100.0]) for k, s in a.sites.items()}})
+    with pytest.raises(ValueError, match="improper posterior"):
+        GraphEP(g).run(init=bad)

@@ -455,6 +455,7 @@ def test_a_factory_registered_sampled_factor_trains_saves_and_loads(clean_regist
     """A factory registration gives a new SampledFactor per get_factor; the factor check of the JIT and
     of make_training_set compares name and parameters (a SampledFactor is the same only as itself, so
     comparing the objects refused a saved JIT's oracle against its own operator — found in review)."""
+    from kjit.errors import ConfigurationError
     from kjit.oracles import ImportanceSamplingOracle
     from kjit.operators import JITOperator, KernelOperator
     from kjit.persistence import load_operator, save_operator
@@ -479,3 +480,17 @@ def test_a_factory_registered_sampled_factor_trains_saves_and_loads(clean_regist
     back = load_operator(tmp_path / "jit.npz")
     test = inc(5, np.random.default_rng(1))
     np.testing.assert_array_equal(back.operator.predict(test)[0].mean(), op.predict(test)[0].mean())
+    # built by the same registration: the same factor (a graph takes operators loaded apart); another
+    # sampled factor of that name is not (its sampler may differ: x − 5 here), nor one built after the
+    # registration was replaced
+    assert back.factor.same_as(f) and get_factor("shift_factory").same_as(back.operator.factor)
+    other = SampledFactor("shift_factory", inputs={"x": Gaussian}, output=("z", Gaussian),
+                          sampler=lambda v, rng: v["x"] - 5.0)
+    with pytest.raises(ConfigurationError, match="another sampled factor"):
+        make_training_set(f, "z", inc, ImportanceSamplingOracle(other, n_samples=2000), n=5)
+    with pytest.raises(ConfigurationError, match="another sampled factor"):
+        JITOperator(op, ImportanceSamplingOracle(other, n_samples=2000), threshold=-6.0)
+    register_factor(make_shift, name="shift_factory")  # (the same factory again: a no-op)
+    assert get_factor("shift_factory").same_as(f)
+    register_factor(lambda: make_shift(), name="shift_factory", replace=True)
+    assert not get_factor("shift_factory").same_as(f)

@@ -1541,3 +1541,39 @@ def test_a_jit_names_the_request_rows_it_cannot_answer_after_its_initial_batch(m
     with pytest.raises(PredictionOverflowError) as err:
         jit.predict(inc)
     assert err.value.rows.tolist() == [50]
+
+
+def test_a_jit_names_the_request_rows_its_initial_fit_refuses():
+    """The initial fit learns the pending pairs of earlier requests and this one's head; an error naming
+    a row of that fit named row 25 (20 pending + 5) for the request's row 5 (found in review)."""
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+    from kjit.operators import JITOperator
+
+    class FarOff:  # the exact rule, except a belief far off for x's mean 7
+        def __init__(self):
+            self.q = QuadratureOracle(Logistic())
+            self.factor = self.q.factor
+
+        def belief(self, incoming, to=None):
+            b = self.q.belief(incoming, to)
+            m = np.array(b.mean(), float)
+            m[np.asarray(incoming["x"].mean()).reshape(-1) == 7.0] = 1.7e308
+            return Gaussian(m, b.var())
+
+    rng = np.random.default_rng(0)
+
+    def inc(n):
+        return {"x": Gaussian(rng.normal(size=n), 0.01 + rng.random(n)),
+                "z": Beta(1 + rng.random(n) * 3, 1 + rng.random(n) * 3)}
+
+    jit = JITOperator(None, FarOff(), to="x", initial_batch=40, threshold=50.0,
+                      operator_kwargs=dict(n_inner=20, n_outer=40, random_state=0))
+    jit.predict(inc(20))
+    second = inc(30)
+    mx, vx = np.array(second["x"].mean()), np.array(second["x"].var())
+    mx[5], vx[5] = 7.0, 0.01
+    second["x"] = Gaussian(mx, vx)
+    with pytest.raises(Exception) as err:
+        jit.predict(second)
+    assert np.asarray(err.value.rows).tolist() == [5]

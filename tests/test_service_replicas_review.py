@@ -810,3 +810,5 @@ def test_idempotency_keys_stay_readable_by_an_older_server():
     back = IdempotencyKeys.from_json(text, counts)
     assert back.seen("k1", "h1") == (3, 5, 120) and back.seen("k2", "h2") == (4, 1, None)
     assert IdempotencyKeys.from_json(text).seen("k1", "h1") == (3, 5, None)  # an older snapshot
+    # (five items: a snapshot of this session's interim format kept the count inline — found in review)
+    assert IdempotencyKeys.from_json('[["k1", "h1", 3, 5, 120]]').seen("k1", "h1") == (3, 5, 120)

@@ -211,7 +211,7 @@ class GraphResult:
     log_evidence_note: str = ""
     #: the final site messages, ``(factor index, factor variable) -> natural parameters``: what
     #: :meth:`GraphEP.run` (``init=``) continues from
-    sites: dict | None = None
+    sites: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -381,7 +381,7 @@ class GraphEP:
     # ------------------------------------------------------------------ run
     def run(self, init: GraphResult | None = None) -> GraphResult:
         """EP on the graph from flat site messages, or from the sites of ``init`` (a result of EP on this
-        graph, e.g. with other operators: exact-rule EP continued from a learned operator's fixed point
+        graph — checked by its sites' keys and shapes only —, e.g. with other operators: exact-rule EP continued from a learned operator's fixed point
         stays there if it is one of the exact rules' — a bimodal posterior has several)."""
         g = self.graph
         if not g.factors:
@@ -422,6 +422,11 @@ class GraphEP:
                 raise ValueError("`init` has non-finite site messages")
             sites = {k: np.array(given[k], dtype=float) for k in sites}
         post = self._posteriors(prior_nat, sites)
+        if init is not None:
+            bad = [v for v in names if not bool(np.all(g.variables[v][0].from_natural(post[v]).is_proper))]
+            if bad:
+                raise ValueError(f"`init`'s sites give an improper posterior on {', '.join(map(repr, bad[:5]))}: "
+                                 "it is not a result of EP on this graph")
         history: list[GraphIteration] = []
         converged, diverged, calls = False, None, 0
         failing = 0  # consecutive iterations in which the operators failed every update they were asked

@@ -611,12 +611,18 @@ class SampledFactor(Factor):
         copied operator still answers for it (a factor is not changed after it is built)."""
         return self
 
+    #: the registry's factory that built this factor (:func:`get_factor`), if one did
+    _origin = None
+
     def mismatch(self, other, theirs: str = "the other", mine: str = "this one") -> str | None:
-        """As :meth:`Factor.mismatch`, but another SampledFactor is never this one: two sampled factors
-        of one name may sample different things (a recorded ``(name, params)`` is compared as usual)."""
-        if isinstance(other, Factor) and other is not self:
+        """As :meth:`Factor.mismatch`, but another SampledFactor is this one only if the same registered
+        factory built both (each :func:`get_factor` of a factory is a new object: a saved operator and its
+        oracle are rebuilt so — found in review), else never: two sampled factors of one name may sample
+        different things (a recorded ``(name, params)`` is compared as usual)."""
+        if isinstance(other, Factor) and other is not self and (
+                self._origin is None or getattr(other, "_origin", None) is not self._origin):
             return (f"{theirs} is for another sampled factor named {other.name!r} ({mine}'s is {self.name!r}): "
-                    f"sampled factors are the same only as the same object")
+                    f"sampled factors are the same only as the same object, or built by the same registered factory")
         return super().mismatch(other, theirs, mine)
 
     def approximate_belief(self, incoming, to):
@@ -784,6 +790,8 @@ def get_factor(name: str, **params) -> Factor:
                              f"params() (it gives {reported!r}): operators save a factor as its name and "
                              f"params() and rebuild it from them, so the factor must report every parameter "
                              f"it is built with (override Factor.params)")
+    if isinstance(factor, SampledFactor) and getattr(factory, "_kjit_instance", None) is None:
+        factor._origin = factory  # (SampledFactor.mismatch: built by this registration)
     return factor
 
 

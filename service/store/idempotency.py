@@ -65,4 +65,5 @@ class IdempotencyKeys:
     @classmethod
     def from_json(cls, text: str, counts: str | None = None) -> "IdempotencyKeys":
         n_train = json.loads(counts) if counts else {}
-        return cls([k, h, s, n, n_train.get(k)] for k, h, s, n, *_ in json.loads(text))
+        # (a fifth item: the n_train of a snapshot written in this session before the format was split)
+        return cls([k, h, s, n, n_train.get(k, rest[0] if rest else None)] for k, h, s, n, *rest in json.loads(text))
