@@ -380,9 +380,10 @@ class GraphEP:
 
     # ------------------------------------------------------------------ run
     def run(self, init: GraphResult | None = None) -> GraphResult:
-        """EP on the graph from flat site messages, or from the sites of ``init`` (a result of EP on this
-        graph — checked by its sites' keys and shapes only —, e.g. with other operators: exact-rule EP continued from a learned operator's fixed point
-        stays there if it is one of the exact rules' — a bimodal posterior has several)."""
+        """EP on the graph from flat site messages, or from the sites of ``init``: a result of EP on this
+        graph (checked by its sites' keys and shapes only), e.g. with other operators — exact-rule EP
+        continued from a learned operator's fixed point stays there if it is one of the exact rules' (a
+        bimodal posterior has several)."""
         g = self.graph
         if not g.factors:
             raise ValueError("the graph has no factors")

@@ -33,11 +33,6 @@ __all__ = ["Logistic", "logistic_tilted_rule", "log_label_density", "logistic_la
 _LOGISTIC_BENDS = np.array([-6.0, -3.0, -1.5, 0.0, 1.5, 3.0, 6.0])
 
 
-def _concentrated(alpha, beta):
-    """Rows whose label message Beta(α, β) is concentrated enough for ℓ to be formed about its mode."""
-    return beta_concentrated(alpha, beta)
-
-
 def log_label_density(t, alpha, beta):
     """``ℓ(t) = log Beta(σ(t); α, β)``: the logistic factor's log likelihood of ``x = t`` under the label
     message Beta(α, β) on z — :func:`kjit.families.beta_log_pdf_logit` (formed about its mode where the
@@ -59,7 +54,7 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
     mu, v, alpha0, beta0 = (np.asarray(p, float) for p in (mu, v, alpha, beta))
     alpha, beta = _powered(alpha0, beta0, power)
     am1, bm1 = alpha - 1.0, beta - 1.0
-    big = _concentrated(alpha0, beta0)
+    big = beta_concentrated(alpha0, beta0)  # (label messages whose ℓ is formed about its mode)
     any_big = bool(np.any(big))
     ab = am1 + bm1
 
