@@ -628,7 +628,7 @@ def direction_rows(f, recs, args, rng):
         # problems for the pooled threshold; the same checks with its variance
         for mode, tag in (("additive", "errmodel"), ("ratio", "errratio")):
             op.fit_error_model(data["train"], problem["train"], mode=mode)
-            u_e = np.max(op.predict(test.incoming)[1], axis=-1)
+            u_e = op.row_uncertainty(test.incoming, *op.predict(test.incoming))  # (the JIT rule's, as budget_threshold's)
             thr_e = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"])
             row.update({f"flagged_fraction_needed_{tag}": flagged_share_needed(u_e, kl),
                         f"worst1pct_flagged_at_q90_{tag}": float(np.mean((u_e > thr_e)[worst])),
@@ -693,7 +693,8 @@ def novelty_figures(op, train, groups, cal, cal_groups, test_incoming, u, kl, te
     q_cal, lv_cal = op.predict(cal.incoming)
     q_tr, lv_tr = op.held_out_predict(train, groups)
     u_pool = np.concatenate([op.row_uncertainty(cal.incoming, q_cal, lv_cal, "max"),
-                             op.row_uncertainty(train.incoming, q_tr, lv_tr, "max")])
+                             op.row_uncertainty(train.incoming, q_tr, lv_tr, "max",
+                                                learned_curvature=op.held_out_learned_curvature(train, groups))])
     kl_pool = np.maximum(np.concatenate([cal.beliefs.kl(q_cal), train.beliefs.kl(q_tr)]), 1e-300)
 
     def cdf(pool, x):

@@ -207,8 +207,11 @@ class Certificates:
         return out
 
     def with_(self, **kw) -> "Certificates":
-        """A copy with some scalar fields changed (``threshold``, ``version``, ``projection``)."""
+        """A copy with some scalar fields changed (``threshold``, ``version``, ``projection``), or its
+        ``log_var`` (n, k) replaced."""
         out = self._copy()
+        if "log_var" in kw:
+            out.log_var = _col(kw.pop("log_var"), len(self.source), len(self.coords), "log_var")
         for key, value in kw.items():
             if key not in ("threshold", "version", "projection"):
                 raise ValueError(f"cannot set {key!r}")

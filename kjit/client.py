@@ -734,7 +734,9 @@ class RemoteOperator:
             return self._keep(self.family.from_natural(natural).reshape(shape))
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
-        """Log predictive variance per output coordinate (``predict`` mode: never consults)."""
+        """Log predictive variance per output coordinate (``predict`` mode: never consults) — the served
+        operator's just-in-time rule's, each coordinate weighted by how many times the prediction's KL
+        curvature in it exceeds the learned one (:meth:`~kjit.operators.KernelOperator.decision_log_weights`)."""
         self._check_to(to)
         with self._lock:
             _, _, logvar, _, shape, _ = self._call(incoming, "predict", natural=False)

@@ -567,6 +567,25 @@ class Family:
         raise ValueError(f"fisher_information: unsupported family {cls.__name__}")
 
     @classmethod
+    def decision_weights(cls, coords, base=None) -> np.ndarray:
+        """Per-coordinate KL curvatures (..., k), at least 1: w_j = max(1, F̃_jj), F̃ the Fisher
+        information (:meth:`fisher_information`) at the belief ``coords`` in the regressed coordinates —
+        relative to ``base`` where given (scaled by :meth:`relative_scale`).  An error δ in coordinate j
+        alone costs KL ½ F̃_jj δ², as an error of √F̃_jj δ standard deviations in a Gaussian's mean: a
+        Gaussian's mean relative to a reference is in the reference's standard deviation (F̃ = reference
+        variance / variance, ≈ 1 against the factor's approximation of the belief), a Gamma's log rate
+        costs ``shape``.  :meth:`KernelOperator.decision_log_weights` compares a prediction's curvature
+        with the learned one (the fifth largest among the beliefs learned).  NaN on a row whose coordinates or Fisher information are not
+        numbers (never confident)."""
+        c = np.asarray(coords, np.float64)
+        with np.errstate(all="ignore"):
+            d = np.diagonal(cls.fisher_information(c), axis1=-2, axis2=-1)
+            if base is not None:
+                d = d * cls.relative_scale(base) ** 2
+            bad = np.isnan(d) | np.isnan(c).any(axis=-1, keepdims=True)
+            return np.where(bad, np.nan, np.maximum(d, 1.0))
+
+    @classmethod
     def least_expected_kl(cls, coords, var, base=None) -> np.ndarray:
         """The expected KL[p(c) ‖ p(c + δ)] to second order, ½ E[δᵀ F(c) δ], of an error δ whose
         coordinates have variances ``var`` (..., k) — the smallest over every correlation between
@@ -824,6 +843,21 @@ class Gaussian(Family):
         out = np.ones_like(b)
         out[..., 0] = np.exp(0.5 * b[..., 1])
         return out
+
+    @classmethod
+    def decision_weights(cls, coords, base=None):
+        # the Fisher information is diagonal: (max(1, var_base / var), 1) relative to a base, (max(1, 1 / var), 1)
+        # in absolute units — written out, the general form's few numbers in a one-message request's path
+        c = np.asarray(coords, np.float64)
+        with np.errstate(all="ignore"):
+            logr = -c[..., 1] if base is None else np.asarray(base, np.float64)[..., 1] - c[..., 1]
+            w = np.empty(np.broadcast_shapes(c.shape, np.shape(logr) + (2,)))
+            w[..., 0] = np.maximum(np.exp(logr), 1.0)
+            w[..., 1] = 1.0
+            bad = np.isnan(c).any(axis=-1) | np.isnan(logr)
+            if bad.any():
+                w[bad] = np.nan
+        return w
 
     @classmethod
     def fisher_information(cls, coords):
@@ -1697,6 +1731,13 @@ class Bernoulli(Family):
     def from_coords(cls, coords):
         c = _check_coords(cls, coords)
         return cls(special.expit(c[..., 0]))
+
+    @classmethod
+    def fisher_information(cls, coords):
+        # (logit p): p (1 − p)
+        c = np.asarray(coords, np.float64)
+        p = special.expit(c[..., 0])
+        return (p * (1.0 - p))[..., None, None]
 
     def log_pdf(self, y):
         self._require_proper("log_pdf")

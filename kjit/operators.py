@@ -454,7 +454,7 @@ class KernelOperator(Operator):
         messages = self.feature_inputs(inc)
         if len(shape) != 1 or shape[0] < 2:
             raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
-        Y = self._targets(beliefs, shape[0], incoming)
+        Y, curv = self._targets(beliefs, shape[0], incoming, curvature=True)
         t0 = time.perf_counter()
         n = shape[0]
         self.y_mean_ = Y.mean(axis=0)
@@ -467,6 +467,7 @@ class KernelOperator(Operator):
             self.y_scale_ = np.maximum(self.y_scale_, MIN_TARGET_SCALE)
         Z = (Y - self.y_mean_) / self.y_scale_
         self.target_range_ = np.stack([Y.min(axis=0), Y.max(axis=0)])
+        self.curvature_top_ = _curvature_top(curv)
         families = [self.factor.families[v] for v in self.factor.variables]
 
         def features(inner_factor, widths=None):
@@ -587,7 +588,7 @@ class KernelOperator(Operator):
         messages, shape, _ = self._messages(incoming)
         if len(shape) != 1:
             raise ValueError("`incoming` must be 1-D batches")
-        Y = self._targets(beliefs, shape[0], incoming)
+        Y, curv = self._targets(beliefs, shape[0], incoming, curvature=True)
         with np.errstate(all="ignore"):
             Z = (Y - self.y_mean_) / self.y_scale_
         _require_finite_rows(Z, "standardised regression targets")
@@ -603,6 +604,8 @@ class KernelOperator(Operator):
         if getattr(self, "target_range_", None) is not None and len(Y):
             self.target_range_ = np.stack([np.minimum(self.target_range_[0], Y.min(axis=0)),
                                            np.maximum(self.target_range_[1], Y.max(axis=0))])
+        if getattr(self, "curvature_top_", None) is not None and len(Y):
+            self.curvature_top_ = _curvature_top(curv, self.curvature_top_)
         return self
 
     def out_of_range_rows(self, data: TrainingSet | Mapping[str, Family], beliefs: Family | None = None) -> np.ndarray:
@@ -705,14 +708,21 @@ class KernelOperator(Operator):
         flat, shape = self.factor.flat_incoming(incoming, self.to)
         return self._targets(beliefs.ravel(), math.prod(shape), flat)
 
-    def _targets(self, beliefs, n, incoming):
-        Y = self._check_beliefs(beliefs, n)
+    def _targets(self, beliefs, n, incoming, curvature: bool = False):
+        """Regression targets (n, k); with ``curvature`` also the beliefs' KL curvatures (n, k) in them
+        (:meth:`Family.decision_weights`, what ``curvature_top_`` keeps the largest of)."""
+        C = Y = self._check_beliefs(beliefs, n)
+        base = None
         if self.target == "relative":
             inc, _ = self.factor.check_incoming(incoming, self.to)
             with np.errstate(all="ignore"):
-                Y = self._to_relative(Y, self._base(inc))
+                base = self._base(inc)
+                Y = self._to_relative(Y, base)
         _require_finite_rows(Y, "regression targets")
-        return Y
+        if not curvature:
+            return Y
+        with np.errstate(all="ignore"):
+            return Y, self.family.decision_weights(C, base)
 
     def _check_beliefs(self, beliefs, n):
         if not isinstance(beliefs, self.family):
@@ -724,13 +734,17 @@ class KernelOperator(Operator):
         return beliefs.to_coords()
 
     # ------------------------------------------------------------------ prediction
-    def predict_coords(self, incoming, return_var: bool = True, return_features: bool = False):
+    def predict_coords(self, incoming, return_var: bool = True, return_features: bool = False,
+                       return_weights: bool = False):
         """Predicted belief coordinates (batch, k) and the predictive variances (batch, k) of the
         regressed coordinates (relative to the incoming message when ``target="relative"``).
-        ``return_features`` also returns the flat random features ψ (n, D_out)."""
-        return self._predict_coords(incoming, return_var, return_features)[0]
+        ``return_features`` also returns the flat random features ψ (n, D_out); ``return_weights``
+        (with ``return_var``) then the log of the weights (n, k) a just-in-time threshold puts on
+        the variances (:meth:`Family.decision_weights` at the predicted belief, relative to the
+        reference where the targets are)."""
+        return self._predict_coords(incoming, return_var, return_features, return_weights)[0]
 
-    def _predict_coords(self, incoming, return_var, return_features):
+    def _predict_coords(self, incoming, return_var, return_features, return_weights=False):
         """``(predict_coords' answer, validated flat incoming messages, batch shape)``."""
         self._check_fitted()
         messages, shape, inc = self._messages(incoming)
@@ -740,14 +754,17 @@ class KernelOperator(Operator):
             z, v = self.blr_.predict(psi, return_var=True, dtype=self.dtype)
         else:
             z, v = self.blr_.predict(psi, dtype=self.dtype), None
-        return self._finish_coords(z, v, psi, flat, inc, shape, return_features), flat, shape
+        return (self._finish_coords(z, v, psi, flat, inc, shape, return_features, return_weights=return_weights),
+                flat, shape)
 
-    def _finish_coords(self, z, v, psi, flat, inc, shape, return_features, error_log=None, bounds=None):
+    def _finish_coords(self, z, v, psi, flat, inc, shape, return_features, error_log=None, bounds=None,
+                       return_weights=False):
         """predict_coords' answer from the regression's standardised means ``z`` and latent
         predictive variances ``v`` (None: no variances) at features ``psi``; ``error_log``: the
         error model's log variances (n, k) where not its own prediction at ``psi`` (held-out rows);
         ``bounds``: per-row (lo, hi) of non-extrapolated targets where not the learned range's
-        (held-out rows: the range without their group, :meth:`_held_out_bounds`)."""
+        (held-out rows: the range without their group, :meth:`_held_out_bounds`);
+        ``return_weights``: also the log decision weights (n, k) (:meth:`decision_log_weights`)."""
         return_var = v is not None
         coords = np.asarray(z, np.float64).reshape(-1, len(self.y_mean_)) * self.y_scale_ + self.y_mean_
         outside = self._extrapolated_rows(coords, bounds) if return_var else None
@@ -781,7 +798,78 @@ class KernelOperator(Operator):
             var = np.array(var, dtype=np.float64)  # (not a view of the caller's arrays)
             var[outside] = np.maximum(var[outside], prior)
         var = var.reshape(shape + (len(self.y_mean_),))
-        return (coords, var, psi) if return_features else (coords, var)
+        out = (coords, var, psi) if return_features else (coords, var)
+        if return_weights:
+            out = out + (self._log_weights(coords.reshape(-1, len(self.y_mean_)), base),)
+        return out
+
+    @property
+    def learned_curvature_(self):
+        """(k,): per regressed coordinate the :data:`CURVATURE_SUPPORT`-th largest KL curvature among the
+        beliefs learned (``curvature_top_``, kept by fit and every update) — a concentration is learned once
+        that many beliefs at least as concentrated are; None for an operator saved before (unweighted)."""
+        top = getattr(self, "curvature_top_", None)
+        return None if top is None else top[-1]
+
+    def _log_weights(self, coords, base, cm=None):
+        """log of the decision weights (n, k) of flat predicted coordinates (see
+        :meth:`decision_log_weights`), relative to the reference coordinates ``base`` where the targets are;
+        ``cm``: the learned curvatures to compare with ((k,) or per row (n, k); default
+        :attr:`learned_curvature_`)."""
+        cm = self.learned_curvature_ if cm is None else cm
+        if cm is None:  # (an operator saved before the curvatures were kept: unweighted)
+            return np.zeros(np.shape(coords))
+        with np.errstate(all="ignore"):
+            d = self.family.decision_weights(coords, base if self.target == "relative" else None)
+            return np.log(np.maximum(d / cm, 1.0))
+
+    def held_out_learned_curvature(self, data: TrainingSet | tuple, groups, beliefs: Family | None = None) -> np.ndarray:
+        """(n, k): for each of the pairs this operator learned (``data``, as :meth:`held_out_predict`'s), the
+        learned curvature over the pairs of the other groups — :attr:`learned_curvature_` had the row's
+        group not been learned; what weighs :meth:`held_out_predict`'s answers (found in review: with the
+        full maximum the most concentrated problem was never beyond the learned range, and a calibration
+        on held-out problems was optimistic exactly there)."""
+        self._check_fitted()
+        incoming, beliefs = self._unpack(data, beliefs)
+        flat, shape = self.factor.flat_incoming(incoming, self.to)
+        n = math.prod(shape)
+        _, curv = self._targets(beliefs.ravel(), n, flat, curvature=True)
+        _, idx = group_index(groups, n=n)
+        G, k = int(idx.max()) + 1 if n else 0, curv.shape[-1]
+        out = np.ones((G, k))
+        for g in range(G):
+            out[g] = _curvature_top(curv[idx != g])[-1]
+        return out[idx]
+
+    def decision_log_weights(self, incoming: Mapping[str, Family], q: Family, learned_curvature=None) -> np.ndarray:
+        """The log of the weights (n, k) a just-in-time threshold puts on the log predictive variances of
+        a prediction ``q`` for the messages ``incoming``: per regressed coordinate, how many times the
+        prediction's KL curvature (:meth:`Family.decision_weights`: an error δ costs ½ F̃_jj δ², F̃ the
+        Fisher information in the regressed coordinates) exceeds the learned one
+        (:attr:`learned_curvature_`: the :data:`CURVATURE_SUPPORT`-th largest), 0 where it does not.
+
+        Why: a threshold is calibrated — or chosen, as the paper's — on the variances of predictions like
+        those learned, whose errors in the regressed coordinates cost what they cost there.  A belief more
+        concentrated than any learned is an extrapolation whose error costs more: a Gamma's log
+        parameters' error δ moves its mean by √shape·δ standard deviations, so at shape 1e9 (30 times any
+        learned count) an answer 14–60 sd off had a log variance under the threshold (found by an audit);
+        weighted, it is consulted.  In the learned range the weights are 1 and the rule is the paper's.
+        (Two rules that weigh every row by its own curvature were measured and dropped: each coordinate
+        alone consulted 1.4–4.2 % instead of 0 on Poisson–Gamma with a noisy oracle — a learned Gamma's
+        two coordinates carry nearly one error —; each coordinate's share of the expected KL under the
+        coefficients' correlation ranked held-out KL worse on gaussian → τ.  See README.md.)
+        ``learned_curvature``: the learned curvatures to compare with, (k,) or per row (n, k) — for answers of
+        :meth:`held_out_predict`, :meth:`held_out_learned_curvature`'s; default :attr:`learned_curvature_`."""
+        flat, _ = self.factor.flat_incoming(incoming, self.to)
+        base = self._reference(flat) if self.target == "relative" else None
+        q = q.ravel()
+        k = len(self.y_mean_)
+        ok = np.asarray(q.is_proper, bool).reshape(-1)
+        coords = np.full((q.size, k), np.nan)  # an improper row has no weights: NaN, never confident
+        if ok.any():
+            coords[ok] = (q if ok.all() else q[ok]).to_coords().reshape(-1, k)
+        return self._log_weights(coords, base,
+                                 None if learned_curvature is None else np.asarray(learned_curvature, float))
 
     def density(self, incoming: Mapping[str, Family]) -> np.ndarray:
         """How much of the training data lies near each message: the mean kernel value of its
@@ -961,12 +1049,14 @@ class KernelOperator(Operator):
         q, cert = self.certified(incoming, to)
         return q, cert.log_var.reshape(q.shape + (cert.log_var.shape[-1],))
 
-    def row_uncertainty(self, incoming: Mapping[str, Family], q: Family, logvar, scalar: str = "max") -> np.ndarray:
+    def row_uncertainty(self, incoming: Mapping[str, Family], q: Family, logvar, scalar: str = "max",
+                        learned_curvature=None) -> np.ndarray:
         """One uncertainty per row (flat, (n,)) of a prediction ``(q, logvar)`` of this operator
         for the messages ``incoming`` (:meth:`predict` or :meth:`held_out_predict`'s answer).
 
-        ``scalar="max"``: the largest log predictive variance over the output coordinates — what
-        :class:`JITOperator` compares with its threshold.  ``"kl"``: the log of the expected KL
+        ``scalar="max"``: the largest log predictive variance over the output coordinates, each
+        weighted by :meth:`decision_log_weights` (``learned_curvature`` as there: for held-out answers,
+        :meth:`held_out_learned_curvature`'s) — what :class:`JITOperator` compares with its threshold.  ``"kl"``: the log of the expected KL
         the variances imply at the predicted belief, the smallest over every correlation between
         the coordinates' errors (:meth:`Family.least_expected_kl`; the variances are of the
         regressed coordinates, relative to the reference for relative targets) — one scale for
@@ -979,7 +1069,7 @@ class KernelOperator(Operator):
         k = len(self.y_mean_)
         lv = np.asarray(logvar, np.float64).reshape(-1, k)
         if scalar == "max":
-            return np.max(lv, axis=-1)
+            return np.max(lv + self.decision_log_weights(incoming, q, learned_curvature), axis=-1)
         flat, _ = self.factor.flat_incoming(incoming, self.to)
         base = self._reference(flat) if self.target == "relative" else None
         coords = q.ravel().to_coords().reshape(-1, k)
@@ -1176,6 +1266,7 @@ class KernelOperator(Operator):
         _, beliefs = self._unpack(data, beliefs)
         coords = self._finish_coords(z, None, psi, flat, inc, shape, False)
         q_fitted = self._to_belief(coords, flat, shape)
+        cm_fitted = {"learned_curvature": self.held_out_learned_curvature(data, groups, beliefs)}
         bounds = self._held_out_bounds(Z, index.ravel())
         kl = [np.asarray(beliefs.kl(q_fitted), np.float64).ravel()]
         if held_out is not None:
@@ -1195,7 +1286,8 @@ class KernelOperator(Operator):
                                              error_log=self._held_out_error_log(psi, groups, em), bounds=bounds)
                 held = self.predict(held_out.incoming) if held_out is not None else None
                 for sc in scalars:
-                    u = [self.row_uncertainty(inc, q_fitted, np.log(var), sc)]
+                    u = [self.row_uncertainty(inc, q_fitted, np.log(var), sc, **cm_fitted) if sc == "max"
+                         else self.row_uncertainty(inc, q_fitted, np.log(var), sc)]
                     if held is not None:
                         u.append(self.row_uncertainty(held_out.incoming, *held, sc))
                     scores[key[sc, name]] = flagged_share_needed(np.concatenate(u), kl)
@@ -1252,6 +1344,8 @@ class KernelOperator(Operator):
         }
         if getattr(self, "target_range_", None) is not None:
             fitted["target_range"] = np.asarray(self.target_range_, float)
+        if getattr(self, "curvature_top_", None) is not None:
+            fitted["curvature_top"] = np.asarray(self.curvature_top_, float)
         state = {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                  "blr": self.blr_.state_dict()}
         em = getattr(self, "error_model_", None)
@@ -1301,6 +1395,13 @@ class KernelOperator(Operator):
                                                  or np.any(op.target_range_[0] > op.target_range_[1])):
                 raise ValueError(f"operator state's target_range must be finite (lo, hi) rows of shape "
                                  f"(2, {op.y_mean_.size}), got {op.target_range_.tolist()}")
+            # (an operator saved before the curvatures were kept: None, its JIT rule unweighted)
+            op.curvature_top_ = np.asarray(f["curvature_top"], float) if "curvature_top" in f else None
+            if op.curvature_top_ is not None and (op.curvature_top_.shape != (CURVATURE_SUPPORT, op.y_mean_.size)
+                                                  or not np.all(op.curvature_top_ >= 1.0)
+                                                  or not np.all(np.isfinite(op.curvature_top_))):
+                raise ValueError(f"operator state: `curvature_top` must be ({CURVATURE_SUPPORT}, {op.y_mean_.size}) "
+                                 f"finite numbers ≥ 1, got {op.curvature_top_.tolist()}")
             if "error_model" in state:
                 e = state["error_model"]
                 if str(e["mode"]) not in ERROR_MODEL_MODES:
@@ -1466,6 +1567,19 @@ def sign_undetermined(factor: Factor, to: str, incoming: Mapping[str, Family], c
     return und
 
 
+def _curvature_top(curv, top=None) -> np.ndarray:
+    """The :data:`CURVATURE_SUPPORT` largest KL curvatures (m, k) of each regressed coordinate over learned
+    beliefs (n, k) and a previous ``top`` (m, k), descending, at least 1 (padded with 1 while fewer are
+    learned); a belief whose curvature is not a number is not counted."""
+    c = np.where(np.isfinite(curv) & (np.asarray(curv) >= 1.0), curv, 1.0).reshape(-1, np.shape(curv)[-1])
+    if top is not None:
+        c = np.concatenate([np.asarray(top, np.float64), c])
+    c = -np.sort(-c, axis=0)[:CURVATURE_SUPPORT]
+    if len(c) < CURVATURE_SUPPORT:
+        c = np.concatenate([c, np.ones((CURVATURE_SUPPORT - len(c), c.shape[1]))])
+    return c
+
+
 def _padded_range(lo, hi, scale):
     """The bounds of non-extrapolated targets: the range (lo, hi) widened on each side by the
     larger of TARGET_RANGE_MARGIN of its width and the targets' scale."""
@@ -1489,11 +1603,13 @@ def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool, sc
     if scalar not in UNCERTAINTY_SCALARS + ("max_epistemic",):
         raise ValueError(f"`scalar` must be one of {UNCERTAINTY_SCALARS + ('max_epistemic',)}, got {scalar!r}")
 
-    def unc(inc, q_hat, logvar):  # "max" needs nothing but the log variances (any operator's predict)
-        if scalar == "max_epistemic":  # (what a JIT with uncertainty="epistemic" thresholds)
-            return np.max(operator.epistemic_log_variance(logvar), axis=-1).ravel()
-        return (np.max(logvar, axis=-1).ravel() if scalar == "max"
-                else operator.row_uncertainty(inc, q_hat, logvar, scalar))
+    def unc(inc, q_hat, logvar, cm=None):  # (cm: the learned curvatures of held-out answers)
+        if scalar == "max_epistemic":  # (what a JIT with uncertainty="epistemic" thresholds: weighted too)
+            w = operator.decision_log_weights(inc, q_hat, cm)
+            return np.max(operator.epistemic_log_variance(logvar).reshape(w.shape) + w, axis=-1)
+        if scalar == "max":
+            return operator.row_uncertainty(inc, q_hat, logvar, scalar, learned_curvature=cm).ravel()
+        return operator.row_uncertainty(inc, q_hat, logvar, scalar).ravel()
 
     if (fitted is None) != (groups is None):
         raise ValueError("`fitted` and `groups` go together")
@@ -1510,7 +1626,7 @@ def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool, sc
             kls.append(held_out.beliefs.kl(q_hat))
     if fitted is not None:
         q_hat, logvar = operator.held_out_predict(fitted, groups)
-        us.append(unc(fitted.incoming, q_hat, logvar))
+        us.append(unc(fitted.incoming, q_hat, logvar, operator.held_out_learned_curvature(fitted, groups)))
         if labels:
             kls.append(fitted.beliefs.kl(q_hat))
     return np.concatenate(us), (np.concatenate(kls) if labels else None)
@@ -1522,7 +1638,8 @@ def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet | None, 
     """Threshold on log predictive variance whose confident predictions meet ``target_kl``.
 
     On held-out pairs (never used for fitting), sort by the operator's uncertainty (the
-    largest log predictive variance over output coordinates) and take the largest threshold
+    largest log predictive variance over output coordinates, weighted as the just-in-time rule
+    weighs it — :meth:`KernelOperator.row_uncertainty`) and take the largest threshold
     t such that the pairs with uncertainty ≤ t have ``statistic`` (``"mean"`` or a quantile
     such as ``"q90"``) of KL[q ‖ q̂] ≤ ``target_kl``.  Returns −inf when even the most
     certain prediction misses the target.
@@ -1566,7 +1683,8 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
     """Threshold on log predictive variance that flags (``u > t``) at most ``budget`` of
     in-distribution messages: a consultation budget rather than an accuracy target.
 
-    ``u`` is the largest log predictive variance over output coordinates, of ``held_out``
+    ``u`` is the largest log predictive variance over output coordinates (weighted as the just-in-time
+    rule weighs it: :meth:`KernelOperator.row_uncertainty`), of ``held_out``
     (a TrainingSet or a dict of incoming messages — no oracle answers needed) and, with
     ``fitted``/``groups``, of the fitted pairs by leave-one-group-out
     (:meth:`KernelOperator.held_out_predict`).  The threshold is the conformal quantile: the
@@ -1866,11 +1984,16 @@ class KernelEnsemble:
             self._held = held = (data, groups.copy(), others)
         return self._answer(q0, logvar0, held[2], flat)
 
-    def row_uncertainty(self, incoming, q: Family, logvar, scalar: str = "max") -> np.ndarray:
-        """The largest log variance over the coordinates, per row (only ``scalar="max"``)."""
+    def row_uncertainty(self, incoming, q: Family, logvar, scalar: str = "max", learned_curvature=None) -> np.ndarray:
+        """The largest log variance over the coordinates, per row, weighted as the operator's (only
+        ``scalar="max"``)."""
         if scalar != "max":
             raise ValueError("a KernelEnsemble's uncertainty is scalarised by 'max' only")
-        return self.operator.row_uncertainty(incoming, q, logvar, "max")
+        return self.operator.row_uncertainty(incoming, q, logvar, "max", learned_curvature=learned_curvature)
+
+    def held_out_learned_curvature(self, data, groups, beliefs: Family | None = None) -> np.ndarray:
+        """The operator's (:meth:`KernelOperator.held_out_learned_curvature`)."""
+        return self.operator.held_out_learned_curvature(data, groups, beliefs)
 
     def choose_uncertainty(self, data: TrainingSet, groups, held_out: TrainingSet,
                            held_out_groups=None, candidates=UNCERTAINTY_CHOICES, budget: float = 0.1,
@@ -1992,7 +2115,7 @@ class KernelEnsemble:
         return op._to_belief(coords, flat, shape)
 
 
-def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float,
+def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit,
                          rule: str = "max") -> np.ndarray:
     """Rows to ask the oracle so that, once their pairs are learned, every row's latent variance
     ψᵀΣψ is ≤ ``limit``; greedy.  Returns row indices in selection order.
@@ -2010,7 +2133,9 @@ def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, l
     "coverage" 92/76/115, test errors equal or better with "max".  Either way near-duplicate
     uncertain rows (EP sends many) cost one consultation instead of one each.  With
     ``limit`` ≤ 0 (the noise alone exceeds the threshold) every row with variance > limit is
-    returned.
+    returned.  ``limit`` may be one per row (m,) (a just-in-time rule's weighted threshold): "max"
+    then picks the row whose variance is the largest multiple of its own limit, a row whose limit
+    is ≤ 0 (learning cannot bring it under) first.
     """
     if rule not in ("coverage", "max"):
         raise ValueError(f"`rule` must be 'coverage' or 'max', got {rule!r}")
@@ -2020,7 +2145,8 @@ def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, l
     K = (psi @ Sigma) @ psi.T
     K = 0.5 * (K + K.T)
     var = np.diagonal(K).copy()
-    if not limit > 0:
+    limit = np.broadcast_to(np.asarray(limit, np.float64), var.shape)
+    if not np.any(limit > 0):
         return np.flatnonzero(var > limit)
     chosen = []
     learned = np.zeros(len(var), dtype=bool)
@@ -2033,7 +2159,7 @@ def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, l
             j = int(np.argmax(np.where(above, var, -np.inf)))
         else:
             gain = K[above] ** 2 / (noise_var + var)[None, :]  # (rows above, candidates)
-            excess = (var[above] - limit)[:, None]
+            excess = (var[above] - limit[above])[:, None]
             score = np.minimum(gain, excess).sum(axis=0)
             score[~above] = -np.inf  # only rows that need it are consulted
             j = int(np.argmax(score))
@@ -2046,7 +2172,7 @@ def greedy_consultations(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, l
     return np.asarray(chosen, dtype=int)
 
 
-def _greedy_max(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: float) -> np.ndarray:
+def _greedy_max(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit) -> np.ndarray:
     """:func:`greedy_consultations`' rule "max" without K: K's updates are kept as the columns u_p =
     K_p[:, j_p] / √(σ_y² + K_p[j_p, j_p]) of its picks (K_t = K_0 − Σ_p u_p u_pᵀ, a pivoted Cholesky
     of K_0 + σ_y² at the picks), so a pick costs O(m (D + t)) and the memory is O(m (D + t)) — the
@@ -2055,8 +2181,12 @@ def _greedy_max(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: flo
     same picks as the dense update in exact arithmetic."""
     P = psi @ Sigma  # (m, D): K_0[:, j] = P ψ_j
     var = np.einsum("ij,ij->i", P, psi)
-    if not limit > 0:
+    one = np.ndim(limit) == 0
+    limit = np.broadcast_to(np.asarray(limit, np.float64), var.shape)
+    if not np.any(limit > 0):
         return np.flatnonzero(var > limit)
+    # the most uncertain row: the largest multiple of its limit (one limit: the largest variance)
+    inv = 1.0 if one else np.where(limit > 0, 1.0 / np.where(limit > 0, limit, 1.0), np.inf)
     m = len(var)
     U = np.empty((min(m, 64), m))  # rows: the picks' u_p (grown as needed)
     chosen: list[int] = []
@@ -2066,7 +2196,8 @@ def _greedy_max(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: flo
         above = var > limit
         if not above.any():
             break
-        j = int(np.argmax(np.where(above, var, -np.inf)))
+        with np.errstate(invalid="ignore"):
+            j = int(np.argmax(np.where(above, var * inv, -np.inf)))
         t = len(chosen)
         k = P @ psi[j]
         if t:
@@ -2082,6 +2213,9 @@ def _greedy_max(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit: flo
 
 
 _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
+#: learned beliefs at least this concentrated make a concentration learned (KernelOperator.learned_curvature_):
+#: one consulted extreme belief does not cover every concentration below it for the messages EP sends next
+CURVATURE_SUPPORT = 5
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
 
@@ -2094,7 +2228,14 @@ class JITOperator(Operator):
     oracle : the fallback (QuadratureOracle or ImportanceSamplingOracle) for the same factor.
     threshold : log predictive variance above which (in any output coordinate) a row is
         uncertain; [paper] −8.5 synthetic, −8.95 UCI, −6 compound gamma.  Use
-        :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.
+        :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.  Each
+        coordinate's variance is weighted first by how many times the predicted belief's KL curvature
+        in it exceeds the learned one — the fifth largest among the beliefs learned
+        (:meth:`KernelOperator.decision_log_weights`): 1 in the learned
+        range (the paper's rule), more for a belief more concentrated than any learned, whose error
+        costs more — a Gamma's log parameters' error moves its mean by √shape·δ sd.  ``predict``, its
+        certificates and :meth:`screen` / :meth:`screen_certified` report the weighted log variance
+        (the one the threshold applies to).
     initial_batch : with no operator, the first ``initial_batch`` messages go to the oracle;
         then the operator (widths, hyperparameters) is fitted once on them and takes over —
         provided the batch varies: at least ``initial_batch // 4`` of its rows must differ from
@@ -2329,20 +2470,20 @@ class JITOperator(Operator):
 
     def screen(self, incoming: Mapping[str, Family], to: str | None = None):
         """The fitted operator's answer and the rows :meth:`predict` would send to the oracle, without
-        consulting or learning: ``(belief, log predictive variance (…, k), uncertain mask)``.  The
-        mask is this operator's rule — the threshold on the variance its ``uncertainty`` names, an
+        consulting or learning: ``(belief, log predictive variance (…, k) weighted as the rule weighs
+        it (see ``threshold``), uncertain mask)``.  The mask is this operator's rule — the threshold on the variance its ``uncertainty`` names, an
         outgoing message whose precision's sign is undetermined, or a density below the guard — so a client whose oracle runs
         elsewhere (a served operator's ``mode=predict``) consults exactly the rows ``predict`` with
         ``selection="all"`` would."""
-        q, var, _, uncertain, _ = self._screen(incoming, to)
-        return q, np.log(var), uncertain
+        q, var, _, uncertain, _, logw = self._screen(incoming, to)
+        return q, np.log(var) + logw.reshape(var.shape), uncertain
 
     def screen_certified(self, incoming: Mapping[str, Family], to: str | None = None, version: int | None = None):
         """:meth:`screen` with the answer's certificates instead of the bare log variance:
         ``(belief, Certificates (learned, with the threshold), uncertain mask)``; the certificates'
         ``log_var`` is the one the threshold applies to (see ``uncertainty``), as in :meth:`certified`.
         ``version``: the certificates' version (default: the pairs the operator has learned)."""
-        q, _, decision, uncertain, flat = self._screen(incoming, to)
+        q, _, decision, uncertain, flat, _ = self._screen(incoming, to)
         # rated on the variance the threshold applies to, as predict's certificates are (the
         # epistemic part with uncertainty="epistemic": the predictive one never falls below the
         # noise floor, though the rule stops consulting there); the rows the rule would consult
@@ -2353,19 +2494,20 @@ class JITOperator(Operator):
         return q, cert, uncertain
 
     def _screen(self, incoming, to):
-        """``(belief, predictive variance, log of the variance the threshold applies to (n, k),
-        uncertain mask, flat incoming messages)``."""
+        """``(belief, predictive variance, log of the variance the threshold applies to, weighted (n, k),
+        uncertain mask, flat incoming messages, the log weights (n, k))``."""
         self._check_to(to)
         if self.operator is None:
             raise ValueError("no operator yet: the initial batch goes to the oracle")
         op = self.operator
-        (coords, var, psi), flat, shape = op._predict_coords(incoming, return_var=True, return_features=True)
+        (coords, var, psi, logw), flat, shape = op._predict_coords(incoming, return_var=True, return_features=True,
+                                                                   return_weights=True)
         q = op._to_belief(coords, flat, shape)
         k = coords.shape[-1]
         c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
         decision = self._decision_logvar(v2)
-        uncertain = self._uncertain(flat, c2, decision, psi)
-        return q, var, decision, uncertain.reshape(shape), flat
+        uncertain = self._uncertain(flat, c2, decision, psi, logw)
+        return q, var, decision + logw, uncertain.reshape(shape), flat, logw
 
     def _restore_initial(self, pending, n_pending, threshold, guard, guard_rows):
         self.operator = None
@@ -2419,11 +2561,11 @@ class JITOperator(Operator):
         """The fitted operator's answer for flat incoming messages (see :meth:`predict`)."""
         n = next(iter(flat.values())).size
         t = time.perf_counter()
-        coords, var, psi = _named_rows(offset + np.arange(n), self.operator.predict_coords, flat, return_var=True,
-                                       return_features=True)
+        coords, var, psi, logw = _named_rows(offset + np.arange(n), self.operator.predict_coords, flat,
+                                             return_var=True, return_features=True, return_weights=True)
         logvar = self._decision_logvar(var)
         self._counts["seconds_predict"] += time.perf_counter() - t
-        uncertain = self._uncertain(flat, coords, logvar, psi)
+        uncertain = self._uncertain(flat, coords, logvar, psi, logw)
         consulted = np.zeros(n, dtype=bool)
         answers = []  # (row indices, oracle beliefs, the rows of them learned)
         rounds = 0
@@ -2431,9 +2573,11 @@ class JITOperator(Operator):
             rows = np.flatnonzero(uncertain)
             if self.selection == "greedy" and rounds < _MAX_ROUNDS:
                 op = self.operator
-                # latent-variance limit equivalent to the threshold on the largest coordinate;
-                # 0.99: a margin for the float32 prediction path
-                limit = 0.99 * np.exp(self.threshold) / np.max(op.y_scale_) ** 2
+                # per row, the latent-variance limit equivalent to the threshold on the largest
+                # weighted coordinate; 0.99: a margin for the float32 prediction path
+                with np.errstate(all="ignore"):
+                    limit = 0.99 * np.exp(self.threshold) / np.max(np.exp(logw[rows]) * op.y_scale_ ** 2, axis=-1)
+                limit = np.where(np.isnan(limit), -np.inf, limit)  # (no weights: consulted)
                 if self.uncertainty == "predictive":
                     limit -= op.noise_var_
                 t = time.perf_counter()
@@ -2460,8 +2604,9 @@ class JITOperator(Operator):
             if self._undo is None and (self.selection == "greedy" or self._keep_undo):
                 # a later round's oracle call may fail: keep what to restore (atomic request)
                 op, blr = self.operator, copy.deepcopy(self.operator.blr_)
-                rng_ = getattr(op, "target_range_", None)
-                self._undo = lambda: (setattr(op, "blr_", blr), setattr(op, "target_range_", rng_))
+                rng_, curv_ = getattr(op, "target_range_", None), getattr(op, "curvature_top_", None)
+                self._undo = lambda: (setattr(op, "blr_", blr), setattr(op, "target_range_", rng_),
+                                      setattr(op, "curvature_top_", curv_))
             try:
                 if learn.any():
                     self.operator.partial_fit(sub, q_or)
@@ -2478,11 +2623,12 @@ class JITOperator(Operator):
                 # rows left uncertain before this round: answered by the updated operator, if
                 # it is now confident about them (checked, not assumed)
                 t = time.perf_counter()
-                c2, v2, p2 = _named_rows(offset + rest, self.operator.predict_coords,
-                                         {v: m[rest] for v, m in flat.items()}, return_var=True, return_features=True)
+                c2, v2, p2, w2 = _named_rows(offset + rest, self.operator.predict_coords,
+                                             {v: m[rest] for v, m in flat.items()}, return_var=True,
+                                             return_features=True, return_weights=True)
                 self._counts["seconds_predict"] += time.perf_counter() - t
-                coords[rest], logvar[rest], psi[rest] = c2, self._decision_logvar(v2), p2
-                uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest], p2)
+                coords[rest], logvar[rest], psi[rest], logw[rest] = c2, self._decision_logvar(v2), p2, w2
+                uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest], p2, w2)
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
@@ -2498,14 +2644,16 @@ class JITOperator(Operator):
                 for p_all, p_or in zip(params, q_or.params):
                     p_all[idx] = p_or
             q_hat = self.family(*params)
-        return q_hat, logvar, consulted
+        return q_hat, logvar + logw, consulted
 
     def threshold_floor(self) -> float:
         """The lowest useful threshold: below it every answer is uncertain and the oracle answers
         everything.  With ``uncertainty="predictive"`` the decision variance of coordinate k is
-        sd_k²(ψᵀΣψ + σ_y²) ≥ sd_k² σ_y² however much is learned; the floor is where the learnable
-        part ψᵀΣψ may still be as large as the noise σ_y² in the largest coordinate:
-        max_k log(2 sd_k² σ_y²).  ``"epistemic"``: −inf."""
+        w_k sd_k²(ψᵀΣψ + σ_y²) ≥ sd_k² σ_y² however much is learned (w_k ≥ 1 the row's weight, see
+        ``threshold``: 1 in the learned range); the floor is where the learnable part ψᵀΣψ may still be
+        as large as the noise σ_y² in the largest coordinate of a row whose weights are 1:
+        max_k log(2 sd_k² σ_y²).  A belief more concentrated than any learned has a higher floor of its
+        own, until one like it is learned.  ``"epistemic"``: −inf."""
         if self.operator is None or self.uncertainty != "predictive":
             return -np.inf
         op = self.operator
@@ -2526,9 +2674,10 @@ class JITOperator(Operator):
         # as counts of nearby rows (see density_guard): d n_now < guard n_then
         return op._density(psi) * op.n_train_ < self.density_guard * self.guard_rows_
 
-    def _uncertain(self, flat, coords, logvar, psi=None):
-        """Rows to consult: the belief's log predictive variance exceeds the threshold in some
-        coordinate, or the outgoing message's precision has an undetermined sign
+    def _uncertain(self, flat, coords, logvar, psi=None, logw=None):
+        """Rows to consult: the belief's log predictive variance, weighted by ``logw``
+        (:meth:`KernelOperator.decision_log_weights`; none given: unweighted), exceeds the threshold
+        in some coordinate, or the outgoing message's precision has an undetermined sign
         (:func:`sign_undetermined`: what EP consumes is the message, not the belief) while the
         prediction's epistemic variance is above the oracle's noise (an oracle answer would
         settle it), or the row's density is below the guard (features ``psi``; none given: no guard)."""
@@ -2549,7 +2698,7 @@ class JITOperator(Operator):
             # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
             # beliefs moving by ~2e-2 and never converging)
             sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
-        out = above_threshold(logvar, self.threshold) | sign
+        out = above_threshold(logvar if logw is None else logvar + logw, self.threshold) | sign
         guarded = self._guarded(psi)
         return out if guarded is None else out | guarded
 

@@ -44,6 +44,8 @@ def test_remote_operator_has_the_local_interface(live, pristine_store):
         np.testing.assert_array_equal(m.natural(), m_loc.natural())
         np.testing.assert_array_equal(m.is_proper, m_loc.is_proper)
         q2, lv, cons = op.predict(inc)
+        # the served log variance is the one the JIT rule compares (weighted: Family.decision_weights)
+        lv_loc = local.screen_certified(inc)[1].log_var
         np.testing.assert_array_equal(lv, lv_loc)
         assert q2 == q_loc and not cons.any()
         np.testing.assert_array_equal(op.uncertainty(inc), lv_loc)

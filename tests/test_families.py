@@ -1022,8 +1022,39 @@ def test_fisher_information_is_the_hessian_of_the_kl_in_regression_coordinates(f
     Fb = fam.fisher_information(batch)
     assert Fb.shape == (2, 3, 2, 2)
     np.testing.assert_array_equal(Fb[1, 2], fam.fisher_information(batch[1, 2]))
-    with pytest.raises(ValueError, match="fisher_information"):
-        Bernoulli.fisher_information(np.zeros(1))
+
+
+@pytest.mark.parametrize("fam", CONTINUOUS + (Bernoulli,))
+def test_decision_weights_are_the_kl_curvature_of_each_coordinate_at_least_one(fam):
+    """Family.decision_weights: w_j = max(1, ∂²KL/∂δ_j² at δ = 0), against central differences of
+    the family's own ``kl`` (rtol 1e-5, as the Fisher test; 1e-3 at the concentrated Beta/Gamma),
+    relative to a base by ``relative_scale`` (a Gaussian's mean in the base's sd: w₀ = max(1,
+    base variance / variance), to rounding); a NaN coordinate gives NaN weights."""
+    rng = np.random.default_rng(11)
+    cs = [fam(*rand_params(fam, rng)).to_coords() for _ in range(5)]
+    if fam not in (Gaussian, Bernoulli):
+        cs.append(np.log([800.0, 1300.0]))
+    for c in cs:
+        big = np.exp(c).max() > 100 and fam not in (Gaussian, Bernoulli)
+        want = np.maximum(np.diagonal(_kl_hessian(fam, c)), 1.0)
+        np.testing.assert_allclose(fam.decision_weights(c), want, rtol=1e-3 if big else 1e-5)
+    assert np.all(fam.decision_weights(np.stack(cs)) >= 1.0)
+    assert np.isnan(fam.decision_weights(np.full(fam.n_stats, np.nan))).all()
+    if fam is Gaussian:
+        c = np.array([[0.3, np.log(0.5)], [0.3, np.log(4.0)]])
+        base = np.array([[1.0, np.log(2.0)], [1.0, np.log(2.0)]])
+        np.testing.assert_allclose(fam.decision_weights(c, base), [[4.0, 1.0], [1.0, 1.0]], rtol=1e-15)  # (exp, log)
+    if fam is Gamma:  # the log rate weighs by the shape: a concentrated belief's error counts √shape sd
+        np.testing.assert_allclose(fam.decision_weights(np.log([1e9, 3.0]))[1], 1e9, rtol=1e-12)
+
+
+def test_bernoulli_fisher_information_is_the_hessian_of_its_kl():
+    """Bernoulli's one coordinate, logit p: F = p (1 − p), against central differences of its ``kl``
+    (the same step and tolerances as the continuous families')."""
+    for c in (np.array([0.0]), np.array([2.5]), np.array([-7.0])):
+        F = Bernoulli.fisher_information(c)
+        assert F.shape == (1, 1)
+        np.testing.assert_allclose(F, _kl_hessian(Bernoulli, c), rtol=1e-5, atol=1e-8)
 
 
 def test_relative_scale_is_the_derivative_of_from_relative():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kjit.factors import CompoundGamma, Logistic, get_factor
-from kjit.families import Beta, Gaussian
+from kjit.families import Beta, Gamma, Gaussian
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, QuadratureOracle
 from kjit.persistence import load_operator, save_operator
@@ -255,6 +255,47 @@ def test_greedy_consultations_meets_the_limit_and_is_needed():
     np.testing.assert_array_equal(greedy_consultations(psi, blr.Sigma_, blr.noise_var, 0.0), np.arange(len(psi)))
 
 
+def test_greedy_consultations_with_a_limit_per_row():
+    """A just-in-time rule's weighted threshold gives each row its own limit: after the picks are
+    learned every row is ≤ its own limit, and not without the last pick; "max" picks first the row
+    whose variance is the largest multiple of its limit; a row whose limit is ≤ 0 (learning cannot
+    bring it under) is picked, before any other; one limit for all rows as an array picks as the
+    scalar does."""
+    from kjit.blr import BayesianLinearRegression
+    from kjit.operators import greedy_consultations
+
+    rng = np.random.default_rng(4)
+    D = 40
+    blr = BayesianLinearRegression(prior_var=1.0, noise_var=1e-3).fit(rng.normal(size=(30, D)), rng.normal(size=30))
+    psi = rng.normal(size=(40, D))
+    limit = 0.05 * np.exp(rng.uniform(-2, 2, 40))
+    v0 = np.einsum("ij,jk,ik->i", psi, blr.Sigma_, psi)
+
+    def var_after(rows):
+        b = copy.deepcopy(blr)
+        if len(rows):
+            b.partial_fit(psi[rows], np.zeros(len(rows)))
+        return np.einsum("ij,jk,ik->i", psi, b.Sigma_, psi)
+
+    for rule in ("coverage", "max"):
+        pick = greedy_consultations(psi, blr.Sigma_, blr.noise_var, limit, rule=rule)
+        assert 0 < pick.size < len(psi) and len(set(pick.tolist())) == pick.size
+        assert np.all(v0[pick] > limit[pick])
+        assert np.all(var_after(pick) <= limit * (1 + 1e-9))
+        assert np.any(var_after(pick[:-1]) > limit)
+        if rule == "max":
+            assert pick[0] == np.argmax(v0 / limit)
+        np.testing.assert_array_equal(greedy_consultations(psi, blr.Sigma_, blr.noise_var, np.full(40, 0.05), rule=rule),
+                                      greedy_consultations(psi, blr.Sigma_, blr.noise_var, 0.05, rule=rule))
+    hopeless = limit.copy()
+    hopeless[[7, 19]] = [0.0, -np.inf]
+    pick = greedy_consultations(psi, blr.Sigma_, blr.noise_var, hopeless)
+    assert set(pick[:2].tolist()) == {7, 19}
+    keep = np.ones(40, bool)
+    keep[[7, 19]] = False
+    assert np.all(var_after(pick)[keep] <= limit[keep] * (1 + 1e-9))
+
+
 def test_greedy_never_picks_a_row_twice_when_learning_leaves_it_above_the_limit():
     """With the noise variance above the limit, a learned row's latent variance stays above it
     (K_jj σ²/(σ² + K_jj) → σ²): it must not be picked again — that would consult the oracle and
@@ -301,7 +342,9 @@ def test_mixed_batch_consults_exactly_the_far_rows_and_counters_add_up(op, oracl
     q_pred, lv_pred = before.predict(inc)
     for p, p_pred in zip(q.params, q_pred.params):
         np.testing.assert_array_equal(p[~consulted], p_pred[~consulted])
-    np.testing.assert_array_equal(lv, lv_pred)
+    # the log variance the rule compared: the prediction's, weighted (Family.decision_weights; the
+    # weights from the belief's coordinates after a round trip through its parameters: atol 1e-12)
+    np.testing.assert_allclose(lv, lv_pred + before.decision_log_weights(inc, q_pred), rtol=0, atol=1e-12)
     c = jit.counters()
     assert c["calls"] == 1 and c["requests"] == 60
     assert c["consultations"] == c["updates"] == 10
@@ -717,7 +760,7 @@ def test_screen_certificates_rate_the_variance_the_threshold_applies_to():
 @pytest.mark.parametrize("uncertainty", ["predictive", "epistemic"])
 def test_screen_marks_the_rows_predict_would_consult_and_learns_nothing(op, oracle, uncertainty):
     """``screen`` (what a served operator with its oracle on the clients answers in mode=predict):
-    the operator's answer, its log predictive variance, and exactly the rows ``predict`` with
+    the operator's answer, its log predictive variance (weighted), and exactly the rows ``predict`` with
     ``selection="all"`` consults — without consulting, learning or counting."""
     perm = np.random.default_rng(3).permutation(60)
     inc = concat(inside(50, 42), far(10, 43), perm)
@@ -727,7 +770,9 @@ def test_screen_marks_the_rows_predict_would_consult_and_learns_nothing(op, orac
     assert jit.counters()["calls"] == 0 and jit.operator.n_train_ == before.n_train_
     q_pred, lv_pred = before.predict(inc)
     assert_same_family(q, q_pred)
-    np.testing.assert_array_equal(lv, lv_pred)
+    # (weighted as the rule weighs: Family.decision_weights — from the belief's coordinates after a round trip
+    # through its parameters here: atol 1e-12)
+    np.testing.assert_allclose(lv, lv_pred + before.decision_log_weights(inc, q_pred), rtol=0, atol=1e-12)
     _, _, consulted = jit.predict(inc)
     np.testing.assert_array_equal(marked, consulted)
     assert 0 < marked.sum() < 60
@@ -828,9 +873,10 @@ def test_an_epistemic_rule_is_calibrated_on_the_variance_it_thresholds(monkeypat
         t = real(op, held, target, **kw)
         # the threshold is the one its own scalar gives: recompute it from the epistemic variances
         u, kl = O._pooled(op, held, None, None, labels=True, scalar=kw.get("scalar", "max"))
-        _, lv = op.predict(held.incoming)
-        want = np.max(op.epistemic_log_variance(lv), axis=-1) if kw.get("scalar") == "max_epistemic" \
-            else np.max(lv, axis=-1)
+        q, lv = op.predict(held.incoming)
+        w = op.decision_log_weights(held.incoming, q)  # (the rule's weights: Family.decision_weights)
+        want = np.max(op.epistemic_log_variance(lv) + w, axis=-1) if kw.get("scalar") == "max_epistemic" \
+            else np.max(lv + w, axis=-1)
         np.testing.assert_array_equal(u, want)
         return t
 
@@ -914,3 +960,149 @@ def test_an_oracle_for_other_factor_parameters_is_refused_naming_them(tmp_path):
     jit = JITOperator(op, QuadratureOracle(GammaRate(shape=1.0 / 3.0)), threshold=-8.5)  # another object, same factor
     save_operator(jit, tmp_path / "jit.npz")
     assert load_operator(tmp_path / "jit.npz").factor.same_as(f1)
+
+
+def _counts_operator():
+    """gamma_rate → x learned on Poisson counts 0–45 (x's message Gamma(k + 1, 1)), 400 exact pairs:
+    (factor, its quadrature oracle, the operator)."""
+    f = get_factor("gamma_rate", shape=2.0)
+    rng = np.random.default_rng(0)
+    n = 400
+    inc = {"r": Gamma(rng.uniform(5, 40, n), rng.uniform(2, 40, n)),
+           "x": Gamma(rng.poisson(rng.uniform(0.5, 30, n)) + 1.0, np.ones(n))}
+    exact = QuadratureOracle(f)
+    return f, exact, KernelOperator(f, "x", random_state=0).fit(make_training_set(f, "x", inc, exact))
+
+
+def test_a_concentrated_gamma_belief_weighs_its_error_by_its_shape():
+    """A Gamma's regressed coordinates are log parameters: an error δ in them moves the mean by up to
+    √shape · δ standard deviations, so the rule weighs each coordinate's variance by how many times the
+    prediction's KL curvature exceeds the largest learned (KernelOperator.decision_log_weights).  gamma_rate → x
+    learned on counts 0–45 (x's message Gamma(k + 1, 1)) and asked about a count of 1e9: the
+    prediction is > 5 sd from the exact belief (measured 14) with a log variance < −8 — the
+    unweighted rule was confident (found by an audit: 60 sd in a Poisson–Gamma graph); weighted,
+    it consults.  An in-distribution count is still answered."""
+    f, exact, op = _counts_operator()
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=-8.0, selection="all")
+    far = {"r": Gamma(np.array([20.0]), np.array([10.0])), "x": Gamma(np.array([1e9 + 1.0]), np.array([1.0]))}
+    q, lv = op.predict(far)
+    q_exact = exact.belief(far, "x")
+    assert abs(q.mean() - q_exact.mean())[0] / np.sqrt(q_exact.var())[0] > 5.0
+    assert np.all(lv < -8.0)  # the unweighted rule: confident
+    q_jit, lv_jit, consulted = jit.predict(far)
+    assert consulted.all()
+    np.testing.assert_array_equal(q_jit.params, q_exact.params)
+    # the weights, written out: the prediction's KL curvature per coordinate over the largest learned —
+    # (a² ψ'(a), a) for (log shape, log rate) (relative targets have relative_scale 1 for a Gamma)
+    from scipy.special import polygamma
+
+    a = float(q.params[0][0])
+    curv = np.array([a * a * float(polygamma(1, a)), a])
+    assert np.all(op.learned_curvature_ < 100)  # (learned counts ≤ 45)
+    want = np.log(np.maximum(curv / op.learned_curvature_, 1.0))
+    np.testing.assert_allclose(lv_jit[0], lv[0] + want, rtol=1e-9)
+    assert np.all(want > 10.0)
+    # in the learned range: unweighted (the paper's rule), and answered
+    near = {"r": Gamma(np.array([20.0]), np.array([10.0])), "x": Gamma(np.array([31.0]), np.array([1.0]))}
+    q_near, lv_near = op.predict(near)
+    np.testing.assert_array_equal(op.decision_log_weights(near, q_near), 0.0)
+    assert not jit.predict(near)[2].any()
+
+
+def test_greedy_selection_weighs_its_limits_and_its_recheck(monkeypatch):
+    """The greedy rule with weighted variances: near-duplicate messages far beyond the learned counts
+    (x's message Gamma(k + 1, 1), k ≈ 1e6; learned k ≤ 45) are uncertain only once weighted; learning
+    one of them settles the others, so greedy consults fewer than all of them (per-row latent limits
+    from the weights — with one unweighted limit no row needs a pick and every uncertain row is
+    consulted), and every row it does not consult is confident by the weighted rule after the
+    update (the recheck weighs too: its reported log variance, weighted, is under the threshold)."""
+    f, exact, op = _counts_operator()
+    counts = np.array([1.0e6, 1.01e6, 20.0, 1.02e6, 1.03e6, 25.0, 1.04e6, 30.0])
+    batch = {"r": Gamma(np.full(8, 20.0), np.full(8, 10.0)), "x": Gamma(counts + 1.0, np.ones(8))}
+    far = counts > 1e3
+    q0, lv0 = op.predict(batch)
+    assert np.all(lv0 < -9.0)  # unweighted: every row confident
+    w0 = op.decision_log_weights(batch, q0)
+    assert np.all((lv0 + w0).max(-1)[far] > -9.0)  # weighted: the far rows are not
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=-9.0)
+    q, lv, consulted = jit.predict(batch)
+    assert 0 < consulted.sum() < far.sum() and not consulted[~far].any()
+    cert = jit.last_certificates_
+    assert np.all(np.asarray(lv)[~consulted] <= -9.0) and cert.confident[~consulted].all()
+    q_exact = exact.belief(batch, "x")
+    z = np.abs(q.mean() - q_exact.mean()) / np.sqrt(q_exact.var())
+    assert np.all(z < 0.1)
+    # a look-ahead that picks too few — one row, the least concentrated uncertain one (the largest limit):
+    # learning it raises the learned curvature to its own, and the more concentrated rows are still
+    # uncertain once weighted — the recheck of the rest must weigh them and send them to the oracle in
+    # the next rounds instead of answering them (unweighted, each is under the threshold)
+    import kjit.operators as O
+
+    monkeypatch.setattr(O, "greedy_consultations",
+                        lambda psi, Sigma, noise_var, limit, rule="max": np.array(
+                            [int(np.argmax(np.broadcast_to(limit, (len(psi),))))]))
+    spread = np.array([1.0e4, 20.0, 1.0e5, 25.0, 1.0e6])
+    batch2 = {"r": Gamma(np.full(5, 20.0), np.full(5, 10.0)), "x": Gamma(spread + 1.0, np.ones(5))}
+    q0, lv0 = op.predict(batch2)
+    assert np.all(lv0 < -9.0)
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=-9.0)
+    q, lv, consulted = jit.predict(batch2)
+    np.testing.assert_array_equal(consulted, spread > 1e3)
+    assert np.all(np.asarray(lv)[~consulted] <= -9.0) and jit.last_certificates_.confident[~consulted].all()
+
+
+def test_linear_ep_weighs_a_bare_operators_variance_as_the_jit_rule():
+    """A bare KernelOperator reports its predictive variance; LinearEP's ``uncertainty_threshold`` applies
+    to it weighted as the just-in-time rule weighs (KernelOperator.decision_log_weights) — one threshold,
+    one meaning, the one calibrate_threshold gives.  probit_noise → f has the incoming message as its
+    reference, broader than the belief: with weights, rows the JIT consults at −8.5 are uncertain to
+    LinearEP too (found in review: two such rows passed on_uncertain="raise")."""
+    from kjit.certificates import above_threshold
+    from kjit.ep.engine import IterationRecord, LinearEP, UncertainAnswerError
+
+    f = get_factor("probit_noise")
+    rng = np.random.default_rng(0)
+    inc = f.default_incoming(600, rng)
+    ts = make_training_set(f, "f", {v: m[:400] for v, m in inc.items()}, QuadratureOracle(f))
+    te = {v: m[400:] for v, m in inc.items()}
+    op = KernelOperator(f, "f", random_state=0).fit(ts)
+    # (as if it had learned no belief narrower than its reference: every test row's curvature — the
+    # incoming variance over the belief's — is then beyond the learned, and its weight is that ratio)
+    op.curvature_top_ = np.ones((5, 2))
+    thr = -8.5
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=thr, selection="all")
+    _, cert_jit, unc_jit = jit.screen_certified(te)
+    q, lv = op.predict(te)
+    rows = np.flatnonzero(unc_jit & ~above_threshold(lv, thr))
+    assert rows.size >= 1  # (the premise: uncertain only once weighted)
+    ep = LinearEP(op, site_var="f", uncertainty_threshold=thr, on_uncertain="raise")
+    rec = IterationRecord(0, 0.0, 0.0, 0, {}, 0, 0, 0.0)
+    with pytest.raises(UncertainAnswerError):
+        ep._query({v: m[rows] for v, m in te.items()}, rec)
+    ep = LinearEP(op, site_var="f", uncertainty_threshold=thr, on_uncertain="warn")
+    rec = IterationRecord(0, 0.0, 0.0, 0, {}, 0, 0, 0.0)
+    ep._query(te, rec)
+    assert rec.n_uncertain == int(unc_jit.sum())
+
+
+def test_a_failed_round_restores_the_learned_curvature(monkeypatch):
+    """The JIT's rollback of a request whose oracle fails in a later round restores ``curvature_top_``
+    with the regression (a consulted concentrated belief raised it in the first round; kept, it would
+    leave the rows between unweighted after a request that taught nothing)."""
+    import kjit.operators as O
+    from kjit.oracles import OracleError
+
+    f, exact, op = _counts_operator()
+    monkeypatch.setattr(O, "greedy_consultations",
+                        lambda psi, Sigma, noise_var, limit, rule="max": np.array(
+                            [int(np.argmax(np.broadcast_to(limit, (len(psi),))))]))  # one row a round
+    counts = np.array([1.0e4, 1.0e5, 1.0e6])
+    batch = {"r": Gamma(np.full(3, 20.0), np.full(3, 10.0)), "x": Gamma(counts + 1.0, np.ones(3))}
+    ok = JITOperator(copy.deepcopy(op), exact, threshold=-9.0)
+    ok.predict(batch)
+    assert np.all(ok.operator.curvature_top_[0] > 10 * op.curvature_top_[0])  # what the request would teach
+    jit = JITOperator(copy.deepcopy(op), _FailingOracle(exact, fail_on=2), threshold=-9.0)
+    with pytest.raises(OracleError):
+        jit.predict(batch)
+    np.testing.assert_array_equal(jit.operator.curvature_top_, op.curvature_top_)
+    assert jit.operator.n_train_ == op.n_train_

@@ -468,6 +468,12 @@ class _StubOperator:
     def predict(self, incoming, to=None):
         return Gaussian(self.d, 1.0), np.stack([self.u, self.u - 1.0], axis=-1)
 
+    def row_uncertainty(self, incoming, q, logvar, scalar="max", learned_curvature=None):  # (no family: unweighted)
+        return np.max(logvar, axis=-1)
+
+    def held_out_learned_curvature(self, data, groups):
+        return None
+
 
 def _stub_set(n):
     return TrainingSet("logistic", "x", {"x": Gaussian(np.zeros(n), 1.0), "z": Beta(np.full(n, 2.0), 1.0)},
@@ -570,15 +576,22 @@ def test_group_labels_that_do_not_sort_together_are_refused_naming_the_argument(
         operators.budget_threshold(op, cal, 0.1, confidence=0.9, held_out_groups=mixed[:300])
 
 
+def _weighted_max(op, incoming):
+    """The JIT rule's uncertainty per row, written out: the largest log variance after the decision
+    weights (Family.decision_weights)."""
+    q, lv = op.predict(incoming)
+    return (lv + op.decision_log_weights(incoming, q)).max(-1)
+
+
 def test_budget_threshold_is_the_conformal_quantile_of_the_pooled_uncertainties(op, data):
     """k-th smallest of the pooled uncertainties, k = ⌈(n+1)(1−budget)⌉, computed here from
     predict and from the scratch refits without each group."""
     tr, cal = data["train"], data["test"]
-    u_cal = op.predict(cal.incoming)[1].max(-1)
+    u_cal = _weighted_max(op, cal.incoming)
     u_fit = np.empty(400)
     for g in range(4):
         out = GROUPS == g
-        u_fit[out] = _refit_without(op, tr, out).predict(tr.subset(out).incoming)[1].max(-1)
+        u_fit[out] = _weighted_max(_refit_without(op, tr, out), tr.subset(out).incoming)
     for budget in (0.05, 0.1, 0.3):
         t = operators.budget_threshold(op, cal.incoming, budget)
         assert t == np.sort(u_cal)[int(np.ceil(301 * (1 - budget))) - 1]
@@ -697,8 +710,9 @@ def test_budget_threshold_with_confidence_is_the_tolerance_threshold_of_the_pool
     confidence the threshold is tolerance_threshold over the held-out and fitted problems pooled,
     their labels kept apart (the same labels 0-3 on both sides are 8 problems)."""
     tr, cal = data["train"], data["test"]
-    u_cal = op.predict(cal.incoming)[1].max(-1)
-    u_fit = op.held_out_predict(tr, GROUPS)[1].max(-1)
+    u_cal = _weighted_max(op, cal.incoming)
+    q_fit, lv_fit = op.held_out_predict(tr, GROUPS)
+    u_fit = (lv_fit + op.decision_log_weights(tr.incoming, q_fit, op.held_out_learned_curvature(tr, GROUPS))).max(-1)
     pooled = np.r_[u_cal, u_fit]
     for budget in (0.05, 0.1, 0.3):
         t = operators.budget_threshold(op, cal, budget, fitted=tr, groups=GROUPS)
@@ -1006,8 +1020,16 @@ def test_row_uncertainty_max_is_the_jit_rule_and_kl_the_gaussian_expected_kl(fac
     log 10 (checked)."""
     te = data["test"]
     q, lv = op.predict(te.incoming)
-    np.testing.assert_array_equal(op.row_uncertainty(te.incoming, q, lv, "max"), lv.max(-1))
-    np.testing.assert_array_equal(op.row_uncertainty(te.incoming, q, lv), lv.max(-1))
+    # "max" weighs each coordinate (KernelOperator.decision_log_weights): by how many times the
+    # prediction's KL curvature exceeds the largest learned — for the mean, reference variance / predicted
+    # variance against learned_curvature_; none beyond it in these held-out rows of the training distribution
+    w = op.decision_log_weights(te.incoming, q)
+    ref0 = (factor.approximate_belief(te.incoming, "x") if op.reference_ == "approximation" else te.incoming["x"])
+    want0 = np.maximum(np.log(np.maximum(ref0.var() / q.var(), 1.0) / op.learned_curvature_[0]), 0.0)
+    np.testing.assert_allclose(w[:, 0], want0, rtol=0, atol=1e-12)
+    assert np.all(w[:, 1] == 0) and np.max(w) < 1e-5
+    np.testing.assert_array_equal(op.row_uncertainty(te.incoming, q, lv, "max"), (lv + w).max(-1))
+    np.testing.assert_array_equal(op.row_uncertainty(te.incoming, q, lv), (lv + w).max(-1))
     ref = (factor.approximate_belief(te.incoming, "x") if op.reference_ == "approximation"
            else te.incoming["x"])
     var = np.exp(lv)
@@ -1135,7 +1157,8 @@ def test_ensemble_spread_is_the_members_sample_variance(op, data):
     np.testing.assert_allclose(lv, np.log(s2), rtol=0, atol=1e-6)
     np.testing.assert_allclose(ens.with_variance(True).predict(te.incoming)[1], np.log(s2 + np.exp(lv_op)),
                                rtol=0, atol=1e-6)
-    np.testing.assert_array_equal(ens.row_uncertainty(te.incoming, q, lv), lv.max(axis=-1))
+    np.testing.assert_array_equal(ens.row_uncertainty(te.incoming, q, lv),
+                                  (lv + op.decision_log_weights(te.incoming, q)).max(axis=-1))
     with pytest.raises(ValueError, match="max"):
         ens.row_uncertainty(te.incoming, q, lv, "kl")
     # the mean: the members' average of (mean, log var) — relative coordinates are affine in them
@@ -1577,3 +1600,71 @@ def test_a_jit_names_the_request_rows_its_initial_fit_refuses():
     with pytest.raises(Exception) as err:
         jit.predict(second)
     assert np.asarray(err.value.rows).tolist() == [5]
+
+
+def test_learned_curvature_is_the_fifth_largest_and_follows_updates(op, data, tmp_path):
+    """KernelOperator.curvature_top_: per regressed coordinate the CURVATURE_SUPPORT (5) largest KL
+    curvatures (Family.decision_weights, relative to the reference) over the beliefs learned, at least 1 —
+    written out here by sorting; learned_curvature_ is the 5th; partial_fit merges the new beliefs'; saved
+    and loaded; a state without it (saved before) loads with None and leaves the rule unweighted."""
+    import copy
+
+    from kjit.persistence import load_operator, save_operator
+
+    assert operators.CURVATURE_SUPPORT == 5
+    tr, te = data["train"], data["test"]
+    base = op._reference(op.factor.flat_incoming(tr.incoming, op.to)[0])
+    curv = op.family.decision_weights(tr.beliefs.to_coords(), base)
+    np.testing.assert_allclose(op.curvature_top_, -np.sort(-curv, axis=0)[:5], rtol=1e-12)
+    np.testing.assert_array_equal(op.learned_curvature_, op.curvature_top_[-1])
+    mine = copy.deepcopy(op)
+    mine.partial_fit(te.incoming, te.beliefs)
+    base_te = op._reference(op.factor.flat_incoming(te.incoming, op.to)[0])
+    both = np.concatenate([curv, op.family.decision_weights(te.beliefs.to_coords(), base_te)])
+    np.testing.assert_allclose(mine.curvature_top_, -np.sort(-both, axis=0)[:5], rtol=1e-12)
+    save_operator(mine, tmp_path / "op.npz")
+    np.testing.assert_array_equal(load_operator(tmp_path / "op.npz").curvature_top_, mine.curvature_top_)
+    state = mine.state_dict()
+    bad = copy.deepcopy(state)
+    bad["fitted"]["curvature_top"] = np.zeros((5, 2))
+    with pytest.raises(ValueError, match="curvature_top"):
+        KernelOperator.from_state_dict(bad)
+    state["fitted"] = {k: v for k, v in state["fitted"].items() if k != "curvature_top"}
+    old = KernelOperator.from_state_dict(state)
+    assert old.curvature_top_ is None and old.learned_curvature_ is None
+    q, _ = old.predict(te.incoming)
+    np.testing.assert_array_equal(old.decision_log_weights(te.incoming, q), 0.0)
+
+
+def test_held_out_answers_are_weighted_by_the_curvatures_of_the_other_groups():
+    """held_out_predict answers a row as the operator without the row's group would; its weights compare
+    with the curvature learned without that group (held_out_learned_curvature, written out here per group) —
+    with the full maximum the most concentrated problem was never beyond the learned range (found in
+    review).  gamma_rate → x, six problems of counts, the last ~80 where the others are ≤ 45: its rows
+    are weighted when held out, not by the full operator; calibrate/budget thresholds pool them so."""
+    from kjit.factors import get_factor
+    from kjit.families import Gamma
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import make_training_set
+
+    f = get_factor("gamma_rate", shape=2.0)
+    rng = np.random.default_rng(0)
+    n = 300
+    groups = np.repeat(np.arange(6), 50)
+    lam = np.where(groups == 5, 80.0, rng.uniform(0.5, 30, n))
+    inc = {"r": Gamma(rng.uniform(5, 40, n), rng.uniform(2, 40, n)), "x": Gamma(rng.poisson(lam) + 1.0, np.ones(n))}
+    ts = make_training_set(f, "x", inc, QuadratureOracle(f))
+    op = KernelOperator(f, "x", random_state=0).fit(ts)
+    cm = op.held_out_learned_curvature(ts, groups)
+    curv = op.family.decision_weights(ts.beliefs.to_coords(), op._reference(op.factor.flat_incoming(inc, "x")[0]))
+    for g in range(6):  # (the 5th largest over the other groups)
+        fifth = -np.sort(-curv[groups != g], axis=0)[4]
+        np.testing.assert_allclose(cm[groups == g], np.broadcast_to(fifth, (50, 2)), rtol=1e-12)
+    np.testing.assert_allclose(op.learned_curvature_, -np.sort(-curv, axis=0)[4], rtol=1e-12)
+    q, lv = op.held_out_predict(ts, groups)
+    w_held = op.decision_log_weights(ts.incoming, q, cm)
+    w_full = op.decision_log_weights(ts.incoming, q)
+    last = groups == 5
+    assert np.mean(w_held[last].max(-1)) > 0.3 and np.mean(w_full[last].max(-1)) < 0.1 * np.mean(w_held[last].max(-1))
+    u, _ = operators._pooled(op, None, ts, groups, labels=False)
+    np.testing.assert_allclose(u, (lv + w_held).max(-1), rtol=1e-12)

@@ -107,7 +107,8 @@ def test_messages_three_modes_match_the_library(live, store_dir, pristine_store)
         q_loc, lv_loc = local.operator.predict(inc)
         np.testing.assert_array_equal(r["beliefs"]["mean"], q_loc.mean())
         np.testing.assert_array_equal(r["beliefs"]["var"], q_loc.var())
-        np.testing.assert_array_equal(np.transpose(r["log_var"]), lv_loc)
+        # the log variance the JIT rule compares (weighted: Family.decision_weights), as the library's
+        np.testing.assert_array_equal(np.transpose(r["log_var"]), local.screen_certified(inc)[1].log_var)
         assert r["coords"] == ["mean", "log_var"]
         m_loc = q_loc / inc["x"]
         np.testing.assert_array_equal(np.transpose(r["messages"]["natural"]), m_loc.natural())
@@ -654,3 +655,25 @@ def test_a_numeric_factor_parameter_sent_as_text_is_named(app_client):
     r = app_client.post("/v1/operators", json={**req, "factor_params": {"s1": -1}}, headers=AUTH)  # a range, named too
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "factor_params", "s1"], r.text
     assert app_client.get("/v1/operators/cg-text").status_code == 404
+
+
+def test_served_log_var_is_weighted_beyond_the_learned_curvature(live, store_dir, pristine_store):
+    """Messages far from the training distribution (cavity means 8–25 sd out) whose predicted belief is
+    narrower than any learned relative to its reference get weights > 1 (KernelOperator.decision_log_weights):
+    mode=predict serves the weighted log variance, exactly the library's (screen_certified), above the
+    operator's raw predictive one on some rows — a served log_var that dropped the weights (or a snapshot that
+    lost ``curvature_top``) fails here, not on in-distribution probes, whose weights are 1."""
+    local = load_pristine(pristine_store, "logistic-x")
+    rng = np.random.default_rng(59)
+    n = 40
+    mean = rng.choice([-1.0, 1.0], n) * rng.uniform(8.0, 25.0, n)
+    var = np.exp(rng.uniform(np.log(0.1), np.log(3.0), n))
+    label = rng.random(n) < 0.5
+    inc = {"x": Gaussian(mean, var), "z": Beta(np.where(label, 2.0, 1.0), np.where(label, 1.0, 2.0))}
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
+        r = c.post("/v1/operators/logistic-x/messages", params={"mode": "predict"}, json=body(inc, "x")).json()
+    served = np.transpose(r["log_var"])
+    np.testing.assert_array_equal(served, local.screen_certified(inc)[1].log_var)
+    _, raw = local.operator.predict(inc)
+    assert np.all(served >= raw) and np.any(served > raw + 1e-3)
+    np.testing.assert_array_equal(r["certificates"]["log_var"], r["log_var"])

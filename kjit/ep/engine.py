@@ -742,6 +742,15 @@ class LinearEP:
         consulted = np.asarray(out[2], dtype=bool).reshape(n) if len(out) > 2 else np.zeros(n, dtype=bool)
         thr = self._threshold()
         cert = last_certificates(self.operator, q)
+        weigh = getattr(self.operator, "decision_log_weights", None)
+        if thr is not None and weigh is not None and logvar.ndim == 2 and logvar.shape[0] == n:
+            # a bare learned operator reports its predictive variance; a threshold applies to it weighted as
+            # the just-in-time rule weighs it (a JIT's or a served operator's answer is weighted already):
+            # one threshold, one meaning — calibrate_threshold's (found in review: two rows at weighted
+            # −8.0 / −7.6 passed a threshold of −8.5 as confident)
+            logvar = logvar + weigh(incoming, q)
+            if cert is not None and len(cert) == n:
+                cert = cert.with_(log_var=logvar)
         if cert is None and logvar.ndim == 2 and logvar.shape[0] == n:
             # an operator that reports uncertainty but no certificates: learned where not consulted
             try:

@@ -115,14 +115,17 @@ class FactorGraph:
         sampler's :class:`~kjit.oracles.MessageImportanceSampler` setting) — one noisy answer
         learned and reused for all m sites is a shared error too.  Measured on the Poisson–Gamma
         model (25 sites on the rate; ``benchmarks/ep_models.py --posterior-tol``), see there.
-        The regressed coordinates are in the units of the operator's reference (for a mean, the
-        standard deviation of the reference belief), which is the belief's scale to first order —
-        for a Gaussian recipient.  For another family the coordinates are log parameters, and an
-        error δ in them moves the mean by more standard deviations the more concentrated the belief
-        (a Gamma's by √shape · |δ log shape − δ log rate|): the budget then does not hold, and a
-        UserWarning says so (found by an audit: Poisson–Gamma at ``posterior_tol`` 0.1 converged 0.24 sd
-        from exact-rule EP; a count of 1e9, shape 30 times any learned, was answered 60 sd off as
-        confident)."""
+        The regressed coordinates are in the units of the operator's reference (for a Gaussian's
+        mean, the reference belief's standard deviation, the belief's scale to first order) — for a
+        Gaussian recipient.  For a Gamma or Beta they are log parameters, whose error moves the mean
+        by more standard deviations the more concentrated the belief (√shape·δ for a Gamma): within the
+        concentrations the operator has learned the budget's threshold is in those units and does not
+        bound the posterior error (a UserWarning says so); beyond them the JIT weighs a coordinate's
+        variance by how many times the prediction's KL curvature exceeds the learned one (the fifth
+        largest)
+        (:meth:`~kjit.operators.KernelOperator.decision_log_weights`), so a belief more concentrated
+        than any learned is consulted (found by an audit: a count of 1e9 was answered 14–60 sd off as
+        confident; an audit measured Poisson–Gamma at ``posterior_tol`` 0.1 0.24 sd from exact-rule EP)."""
         if not (np.isfinite(posterior_tol) and posterior_tol > 0):
             raise ValueError(f"`posterior_tol` must be a positive number, got {posterior_tol!r}")
         m = self.multiplicity(factor, to)
@@ -131,9 +134,10 @@ class FactorGraph:
         family = next(f.families[to] for f, _ in self.factors if f.name == factor)
         if family is not Gaussian:
             warnings.warn(f"jit_budget({factor!r}, {to!r}): the recipient's messages are {family.__name__}, whose "
-                          "regressed coordinates are log parameters: the budget's threshold is in a Gaussian mean's "
-                          "standard deviations and does not bound the posterior error here (it grows with the "
-                          "belief's concentration, e.g. √shape for a Gamma)", UserWarning, stacklevel=2)
+                          "regressed coordinates are log parameters: within the concentrations a learned operator "
+                          "has seen, the budget's threshold is in those units and does not bound the posterior error "
+                          "(it grows with the belief's concentration, e.g. √shape for a Gamma); beyond them the JIT "
+                          "weighs the variance by the excess curvature", UserWarning, stacklevel=2)
         eps = posterior_tol / m
         return float(2.0 * np.log(eps)), float(eps)
 
