@@ -628,7 +628,8 @@ def direction_rows(f, recs, args, rng):
         # problems for the pooled threshold; the same checks with its variance
         for mode, tag in (("additive", "errmodel"), ("ratio", "errratio")):
             op.fit_error_model(data["train"], problem["train"], mode=mode)
-            u_e = op.row_uncertainty(test.incoming, *op.predict(test.incoming))  # (the JIT rule's, as budget_threshold's)
+            # (the JIT rule's uncertainty, as budget_threshold's)
+            u_e = op.row_uncertainty(test.incoming, *op.predict(test.incoming))
             thr_e = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"])
             row.update({f"flagged_fraction_needed_{tag}": flagged_share_needed(u_e, kl),
                         f"worst1pct_flagged_at_q90_{tag}": float(np.mean((u_e > thr_e)[worst])),

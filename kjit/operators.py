@@ -823,7 +823,8 @@ class KernelOperator(Operator):
             d = self.family.decision_weights(coords, base if self.target == "relative" else None)
             return np.log(np.maximum(d / cm, 1.0))
 
-    def held_out_learned_curvature(self, data: TrainingSet | tuple, groups, beliefs: Family | None = None) -> np.ndarray:
+    def held_out_learned_curvature(self, data: TrainingSet | tuple, groups,
+                                   beliefs: Family | None = None) -> np.ndarray:
         """(n, k): for each of the pairs this operator learned (``data``, as :meth:`held_out_predict`'s), the
         learned curvature over the pairs of the other groups — :attr:`learned_curvature_` had the row's
         group not been learned; what weighs :meth:`held_out_predict`'s answers (found in review: with the
@@ -1056,7 +1057,8 @@ class KernelOperator(Operator):
 
         ``scalar="max"``: the largest log predictive variance over the output coordinates, each
         weighted by :meth:`decision_log_weights` (``learned_curvature`` as there: for held-out answers,
-        :meth:`held_out_learned_curvature`'s) — what :class:`JITOperator` compares with its threshold.  ``"kl"``: the log of the expected KL
+        :meth:`held_out_learned_curvature`'s; the other scalars do not read it) — what
+        :class:`JITOperator` compares with its threshold.  ``"kl"``: the log of the expected KL
         the variances imply at the predicted belief, the smallest over every correlation between
         the coordinates' errors (:meth:`Family.least_expected_kl`; the variances are of the
         regressed coordinates, relative to the reference for relative targets) — one scale for
@@ -1266,7 +1268,7 @@ class KernelOperator(Operator):
         _, beliefs = self._unpack(data, beliefs)
         coords = self._finish_coords(z, None, psi, flat, inc, shape, False)
         q_fitted = self._to_belief(coords, flat, shape)
-        cm_fitted = {"learned_curvature": self.held_out_learned_curvature(data, groups, beliefs)}
+        cm_fitted = self.held_out_learned_curvature(data, groups, beliefs)  # (weighs held-out answers)
         bounds = self._held_out_bounds(Z, index.ravel())
         kl = [np.asarray(beliefs.kl(q_fitted), np.float64).ravel()]
         if held_out is not None:
@@ -1286,8 +1288,7 @@ class KernelOperator(Operator):
                                              error_log=self._held_out_error_log(psi, groups, em), bounds=bounds)
                 held = self.predict(held_out.incoming) if held_out is not None else None
                 for sc in scalars:
-                    u = [self.row_uncertainty(inc, q_fitted, np.log(var), sc, **cm_fitted) if sc == "max"
-                         else self.row_uncertainty(inc, q_fitted, np.log(var), sc)]
+                    u = [self.row_uncertainty(inc, q_fitted, np.log(var), sc, learned_curvature=cm_fitted)]
                     if held is not None:
                         u.append(self.row_uncertainty(held_out.incoming, *held, sc))
                     scores[key[sc, name]] = flagged_share_needed(np.concatenate(u), kl)
@@ -1607,9 +1608,7 @@ def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool, sc
         if scalar == "max_epistemic":  # (what a JIT with uncertainty="epistemic" thresholds: weighted too)
             w = operator.decision_log_weights(inc, q_hat, cm)
             return np.max(operator.epistemic_log_variance(logvar).reshape(w.shape) + w, axis=-1)
-        if scalar == "max":
-            return operator.row_uncertainty(inc, q_hat, logvar, scalar, learned_curvature=cm).ravel()
-        return operator.row_uncertainty(inc, q_hat, logvar, scalar).ravel()
+        return operator.row_uncertainty(inc, q_hat, logvar, scalar, learned_curvature=cm).ravel()
 
     if (fitted is None) != (groups is None):
         raise ValueError("`fitted` and `groups` go together")
@@ -2471,8 +2470,8 @@ class JITOperator(Operator):
     def screen(self, incoming: Mapping[str, Family], to: str | None = None):
         """The fitted operator's answer and the rows :meth:`predict` would send to the oracle, without
         consulting or learning: ``(belief, log predictive variance (…, k) weighted as the rule weighs
-        it (see ``threshold``), uncertain mask)``.  The mask is this operator's rule — the threshold on the variance its ``uncertainty`` names, an
-        outgoing message whose precision's sign is undetermined, or a density below the guard — so a client whose oracle runs
+        it (see ``threshold``), uncertain mask)``.  The mask is this operator's rule — the threshold on
+        the variance its ``uncertainty`` names, an outgoing message whose precision's sign is undetermined, or a density below the guard — so a client whose oracle runs
         elsewhere (a served operator's ``mode=predict``) consults exactly the rows ``predict`` with
         ``selection="all"`` would."""
         q, var, _, uncertain, _, logw = self._screen(incoming, to)

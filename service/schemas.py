@@ -133,8 +133,8 @@ class CertificatesOut(BaseModel):
                     "oracle), `learned` (the learned operator's prediction)")
     log_var: list[list[float | None]] | None = Field(
         description="log predictive variance per coordinate in `coords`, each weighted by how many times the "
-                    "prediction's KL curvature in it exceeds the operator's learned one (its fifth largest; 1 in the learned "
-                    "range; the uncertainty the threshold is applied to; null where none, e.g. oracle mode)")
+                    "prediction's KL curvature in it exceeds the operator's learned one (its fifth largest; 1 in "
+                    "the learned range; the uncertainty the threshold is applied to; null where none, e.g. oracle mode)")
     threshold: float | None = Field(description="the operator's threshold on log_var: above it, uncertain")
     ess: list[float | None] | None = Field(description="oracle answers: effective sample size (null: none)")
     mc_se: list[list[float | None]] | None = Field(
