@@ -35,6 +35,8 @@ import numpy as np
 from . import _nogil
 from .blr import MAX_CONDITION, BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
+from .curvature import (CURVATURE_BINS, CURVATURE_SUPPORT, LearnedCurvature, curvature_hist, curvature_top, gap_edges,
+                        log_weights)
 from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
@@ -467,7 +469,8 @@ class KernelOperator(Operator):
             self.y_scale_ = np.maximum(self.y_scale_, MIN_TARGET_SCALE)
         Z = (Y - self.y_mean_) / self.y_scale_
         self.target_range_ = np.stack([Y.min(axis=0), Y.max(axis=0)])
-        self.curvature_top_ = _curvature_top(curv)
+        self.curvature_top_ = curvature_top(curv)
+        self.curvature_hist_ = curvature_hist(curv)
         families = [self.factor.families[v] for v in self.factor.variables]
 
         def features(inner_factor, widths=None):
@@ -605,7 +608,9 @@ class KernelOperator(Operator):
             self.target_range_ = np.stack([np.minimum(self.target_range_[0], Y.min(axis=0)),
                                            np.maximum(self.target_range_[1], Y.max(axis=0))])
         if getattr(self, "curvature_top_", None) is not None and len(Y):
-            self.curvature_top_ = _curvature_top(curv, self.curvature_top_)
+            self.curvature_top_ = curvature_top(curv, self.curvature_top_)
+        if getattr(self, "curvature_hist_", None) is not None and len(Y):
+            self.curvature_hist_ = curvature_hist(curv, self.curvature_hist_)
         return self
 
     def out_of_range_rows(self, data: TrainingSet | Mapping[str, Family], beliefs: Family | None = None) -> np.ndarray:
@@ -811,25 +816,56 @@ class KernelOperator(Operator):
         top = getattr(self, "curvature_top_", None)
         return None if top is None else top[-1]
 
-    def _log_weights(self, coords, base, cm=None):
+    @property
+    def learned_curvatures_(self) -> LearnedCurvature | None:
+        """What the just-in-time rule's weights compare a prediction's curvatures with (:mod:`kjit.curvature`):
+        the range (:attr:`learned_curvature_`) and the density of the beliefs learned (``curvature_hist_``,
+        kept by fit and every update; None for an operator saved before it was kept: the range alone);
+        None for an operator saved before either (unweighted)."""
+        level = self.learned_curvature_
+        if level is None:
+            return None
+        hist = getattr(self, "curvature_hist_", None)
+        if hist is None:
+            return LearnedCurvature(level)
+        cached = getattr(self, "_gaps_cache", None)
+        if cached is None or cached[0] is not hist:  # (every update replaces the histogram)
+            cached = self._gaps_cache = (hist, gap_edges(hist))
+        return LearnedCurvature(level, cached[1])
+
+    @property
+    def decision_weighting(self) -> str:
+        """What the just-in-time rule weighs this operator's variances against (:mod:`kjit.curvature`):
+        ``"range+density"``; ``"range"`` for an operator saved before the density was kept (concentrations
+        between learned ones are not weighted); ``"none"`` for one saved before the curvatures were kept
+        (unweighted).  The beliefs learned are not kept: refitting restores both."""
+        if getattr(self, "curvature_top_", None) is None:
+            return "none"
+        return "range" if getattr(self, "curvature_hist_", None) is None else "range+density"
+
+    def _log_weights(self, coords, base, learned=None):
         """log of the decision weights (n, k) of flat predicted coordinates (see
         :meth:`decision_log_weights`), relative to the reference coordinates ``base`` where the targets are;
-        ``cm``: the learned curvatures to compare with ((k,) or per row (n, k); default
-        :attr:`learned_curvature_`)."""
-        cm = self.learned_curvature_ if cm is None else cm
-        if cm is None:  # (an operator saved before the curvatures were kept: unweighted)
+        ``learned``: what to compare with (a :class:`~kjit.curvature.LearnedCurvature`, or the range's level
+        alone, (k,) or per row (n, k); default :attr:`learned_curvatures_`)."""
+        if learned is None:
+            learned = self.learned_curvatures_
+        elif not isinstance(learned, LearnedCurvature):
+            learned = LearnedCurvature(np.asarray(learned, float))
+        if learned is None:  # (an operator saved before the curvatures were kept: unweighted)
             return np.zeros(np.shape(coords))
         with np.errstate(all="ignore"):
             d = self.family.decision_weights(coords, base if self.target == "relative" else None)
-            return np.log(np.maximum(d / cm, 1.0))
+        return log_weights(d, learned)
 
     def held_out_learned_curvature(self, data: TrainingSet | tuple, groups,
-                                   beliefs: Family | None = None) -> np.ndarray:
-        """(n, k): for each of the pairs this operator learned (``data``, as :meth:`held_out_predict`'s), the
-        learned curvature over the pairs of the other groups — :attr:`learned_curvature_` had the row's
-        group not been learned; what weighs :meth:`held_out_predict`'s answers (found in review: with the
-        full maximum the most concentrated problem was never beyond the learned range, and a calibration
-        on held-out problems was optimistic exactly there)."""
+                                   beliefs: Family | None = None) -> LearnedCurvature:
+        """For each of the pairs this operator learned (``data``, as :meth:`held_out_predict`'s), the learned
+        curvatures over the pairs of the other groups — :attr:`learned_curvatures_` had the row's group not
+        been learned (``level`` (n, k); the density's ``gaps`` per group, ``rows`` the row's); what weighs
+        :meth:`held_out_predict`'s answers (found in review: with the full maximum the most concentrated
+        problem was never beyond the learned range, and a calibration on held-out problems was optimistic
+        exactly there)."""
         self._check_fitted()
         incoming, beliefs = self._unpack(data, beliefs)
         flat, shape = self.factor.flat_incoming(incoming, self.to)
@@ -837,10 +873,14 @@ class KernelOperator(Operator):
         _, curv = self._targets(beliefs.ravel(), n, flat, curvature=True)
         _, idx = group_index(groups, n=n)
         G, k = int(idx.max()) + 1 if n else 0, curv.shape[-1]
-        out = np.ones((G, k))
+        level = np.ones((G, k))
         for g in range(G):
-            out[g] = _curvature_top(curv[idx != g])[-1]
-        return out[idx]
+            level[g] = curvature_top(curv[idx != g])[-1]
+        gaps = None
+        if getattr(self, "curvature_hist_", None) is not None:
+            full = curvature_hist(curv)
+            gaps = np.stack([gap_edges(full - curvature_hist(curv[idx == g])) for g in range(G)]) if G else None
+        return LearnedCurvature(level[idx], gaps, idx if gaps is not None else None)
 
     def decision_log_weights(self, incoming: Mapping[str, Family], q: Family, learned_curvature=None) -> np.ndarray:
         """The log of the weights (n, k) a just-in-time threshold puts on the log predictive variances of
@@ -859,8 +899,10 @@ class KernelOperator(Operator):
         alone consulted 1.4–4.2 % instead of 0 on Poisson–Gamma with a noisy oracle — a learned Gamma's
         two coordinates carry nearly one error —; each coordinate's share of the expected KL under the
         coefficients' correlation ranked held-out KL worse on gaussian → τ.  See README.md.)
-        ``learned_curvature``: the learned curvatures to compare with, (k,) or per row (n, k) — for answers of
-        :meth:`held_out_predict`, :meth:`held_out_learned_curvature`'s; default :attr:`learned_curvature_`."""
+        ``learned_curvature``: what to compare with — for answers of :meth:`held_out_predict`,
+        :meth:`held_out_learned_curvature`'s; default :attr:`learned_curvatures_` (see :mod:`kjit.curvature`:
+        the range above, and the density: an answer between learned concentrations, in none of them, is
+        weighted by its curvature over the nearest covered one below)."""
         flat, _ = self.factor.flat_incoming(incoming, self.to)
         base = self._reference(flat) if self.target == "relative" else None
         q = q.ravel()
@@ -869,8 +911,7 @@ class KernelOperator(Operator):
         coords = np.full((q.size, k), np.nan)  # an improper row has no weights: NaN, never confident
         if ok.any():
             coords[ok] = (q if ok.all() else q[ok]).to_coords().reshape(-1, k)
-        return self._log_weights(coords, base,
-                                 None if learned_curvature is None else np.asarray(learned_curvature, float))
+        return self._log_weights(coords, base, learned_curvature)
 
     def density(self, incoming: Mapping[str, Family]) -> np.ndarray:
         """How much of the training data lies near each message: the mean kernel value of its
@@ -1347,6 +1388,8 @@ class KernelOperator(Operator):
             fitted["target_range"] = np.asarray(self.target_range_, float)
         if getattr(self, "curvature_top_", None) is not None:
             fitted["curvature_top"] = np.asarray(self.curvature_top_, float)
+        if getattr(self, "curvature_hist_", None) is not None:
+            fitted["curvature_hist"] = np.asarray(self.curvature_hist_, np.int64)
         state = {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                  "blr": self.blr_.state_dict()}
         em = getattr(self, "error_model_", None)
@@ -1403,6 +1446,16 @@ class KernelOperator(Operator):
                                                   or not np.all(np.isfinite(op.curvature_top_))):
                 raise ValueError(f"operator state: `curvature_top` must be ({CURVATURE_SUPPORT}, {op.y_mean_.size}) "
                                  f"finite numbers ≥ 1, got {op.curvature_top_.tolist()}")
+            # (saved before the density was kept: None, the range alone)
+            op.curvature_hist_ = np.asarray(f["curvature_hist"]) if "curvature_hist" in f else None
+            if op.curvature_hist_ is not None and (op.curvature_top_ is None
+                                                   or op.curvature_hist_.shape != (op.y_mean_.size, CURVATURE_BINS)
+                                                   or op.curvature_hist_.dtype.kind not in "iu"
+                                                   or np.any(op.curvature_hist_ < 0)):
+                raise ValueError(f"operator state: `curvature_hist` must be ({op.y_mean_.size}, {CURVATURE_BINS}) "
+                                 "non-negative integer counts, with `curvature_top`")
+            if op.curvature_hist_ is not None:
+                op.curvature_hist_ = op.curvature_hist_.astype(np.int64)
             if "error_model" in state:
                 e = state["error_model"]
                 if str(e["mode"]) not in ERROR_MODEL_MODES:
@@ -1566,19 +1619,6 @@ def sign_undetermined(factor: Factor, to: str, incoming: Mapping[str, Family], c
     if lc is not None:
         und &= ~lc
     return und
-
-
-def _curvature_top(curv, top=None) -> np.ndarray:
-    """The :data:`CURVATURE_SUPPORT` largest KL curvatures (m, k) of each regressed coordinate over learned
-    beliefs (n, k) and a previous ``top`` (m, k), descending, at least 1 (padded with 1 while fewer are
-    learned); a belief whose curvature is not a number is not counted."""
-    c = np.where(np.isfinite(curv) & (np.asarray(curv) >= 1.0), curv, 1.0).reshape(-1, np.shape(curv)[-1])
-    if top is not None:
-        c = np.concatenate([np.asarray(top, np.float64), c])
-    c = -np.sort(-c, axis=0)[:CURVATURE_SUPPORT]
-    if len(c) < CURVATURE_SUPPORT:
-        c = np.concatenate([c, np.ones((CURVATURE_SUPPORT - len(c), c.shape[1]))])
-    return c
 
 
 def _padded_range(lo, hi, scale):
@@ -2212,9 +2252,6 @@ def _greedy_max(psi: np.ndarray, Sigma: np.ndarray, noise_var: float, limit) -> 
 
 
 _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
-#: learned beliefs at least this concentrated make a concentration learned (KernelOperator.learned_curvature_):
-#: one consulted extreme belief does not cover every concentration below it for the messages EP sends next
-CURVATURE_SUPPORT = 5
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
 
@@ -2604,8 +2641,9 @@ class JITOperator(Operator):
                 # a later round's oracle call may fail: keep what to restore (atomic request)
                 op, blr = self.operator, copy.deepcopy(self.operator.blr_)
                 rng_, curv_ = getattr(op, "target_range_", None), getattr(op, "curvature_top_", None)
+                hist_ = getattr(op, "curvature_hist_", None)
                 self._undo = lambda: (setattr(op, "blr_", blr), setattr(op, "target_range_", rng_),
-                                      setattr(op, "curvature_top_", curv_))
+                                      setattr(op, "curvature_top_", curv_), setattr(op, "curvature_hist_", hist_))
             try:
                 if learn.any():
                     self.operator.partial_fit(sub, q_or)

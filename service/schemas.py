@@ -352,6 +352,12 @@ class OperatorDetail(OperatorSummary):
     threshold_note: str | None = Field(
         None, description="why the audit last lowered this operator's threshold (the `reason` of the last of "
                           "`audit.threshold_changes`); null if it never did")
+    decision_weighting: Literal["range+density", "range", "none"] | None = Field(
+        None, description="what the just-in-time rule weighs the log variances against (kjit/curvature.py): "
+                          "`range+density` — an answer more concentrated than the beliefs learned, or between "
+                          "learned concentrations, has its variance weighted by how much more its errors cost; "
+                          "`range` — an operator saved before the density was kept: concentrations between "
+                          "learned ones are not weighted; `none` — saved before either: unweighted (refit it)")
 
 
 class JobList(_Open):

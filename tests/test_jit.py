@@ -1087,7 +1087,7 @@ def test_linear_ep_weighs_a_bare_operators_variance_as_the_jit_rule():
 
 def test_a_failed_round_restores_the_learned_curvature(monkeypatch):
     """The JIT's rollback of a request whose oracle fails in a later round restores ``curvature_top_``
-    with the regression (a consulted concentrated belief raised it in the first round; kept, it would
+    and ``curvature_hist_`` with the regression (a consulted concentrated belief raised it in the first round; kept, it would
     leave the rows between unweighted after a request that taught nothing)."""
     import kjit.operators as O
     from kjit.oracles import OracleError
@@ -1105,4 +1105,6 @@ def test_a_failed_round_restores_the_learned_curvature(monkeypatch):
     with pytest.raises(OracleError):
         jit.predict(batch)
     np.testing.assert_array_equal(jit.operator.curvature_top_, op.curvature_top_)
+    np.testing.assert_array_equal(jit.operator.curvature_hist_, op.curvature_hist_)  # (and the density)
+    assert not np.array_equal(ok.operator.curvature_hist_, op.curvature_hist_)
     assert jit.operator.n_train_ == op.n_train_

@@ -1629,9 +1629,16 @@ def test_learned_curvature_is_the_fifth_largest_and_follows_updates(op, data, tm
     bad["fitted"]["curvature_top"] = np.zeros((5, 2))
     with pytest.raises(ValueError, match="curvature_top"):
         KernelOperator.from_state_dict(bad)
+    # saved before the density was kept (the twenty-fourth session's states): the range alone
+    state["fitted"] = {k: v for k, v in state["fitted"].items() if k != "curvature_hist"}
+    mid = KernelOperator.from_state_dict(copy.deepcopy(state))
+    assert mid.curvature_hist_ is None and mid.learned_curvatures_.gaps is None
+    assert mid.decision_weighting == "range" and mine.decision_weighting == "range+density"
+    np.testing.assert_array_equal(mid.learned_curvatures_.level, mine.learned_curvature_)
     state["fitted"] = {k: v for k, v in state["fitted"].items() if k != "curvature_top"}
     old = KernelOperator.from_state_dict(state)
-    assert old.curvature_top_ is None and old.learned_curvature_ is None
+    assert old.curvature_top_ is None and old.learned_curvature_ is None and old.learned_curvatures_ is None
+    assert old.decision_weighting == "none"
     q, _ = old.predict(te.incoming)
     np.testing.assert_array_equal(old.decision_log_weights(te.incoming, q), 0.0)
 
@@ -1659,7 +1666,7 @@ def test_held_out_answers_are_weighted_by_the_curvatures_of_the_other_groups():
     curv = op.family.decision_weights(ts.beliefs.to_coords(), op._reference(op.factor.flat_incoming(inc, "x")[0]))
     for g in range(6):  # (the 5th largest over the other groups)
         fifth = -np.sort(-curv[groups != g], axis=0)[4]
-        np.testing.assert_allclose(cm[groups == g], np.broadcast_to(fifth, (50, 2)), rtol=1e-12)
+        np.testing.assert_allclose(cm.level[groups == g], np.broadcast_to(fifth, (50, 2)), rtol=1e-12)
     np.testing.assert_allclose(op.learned_curvature_, -np.sort(-curv, axis=0)[4], rtol=1e-12)
     q, lv = op.held_out_predict(ts, groups)
     w_held = op.decision_log_weights(ts.incoming, q, cm)

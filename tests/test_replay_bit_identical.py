@@ -62,6 +62,7 @@ def _run(pristine, tmp, updates, stops: dict[int, str], shared=None):
     blr = op.blr_.state_dict()
     blr["target_range"] = op.target_range_  # (the operator's, learned with the regression)
     blr["curvature_top"] = op.curvature_top_  # (likewise: what the JIT rule's weights compare with)
+    blr["curvature_hist"] = op.curvature_hist_
     s.abandon()
     return coords, var, blr
 
@@ -69,7 +70,8 @@ def _run(pristine, tmp, updates, stops: dict[int, str], shared=None):
 def _assert_identical(a, b):
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
-    for k in ("A", "b", "yy", "Sigma", "coef", "pending_X", "pending_Y", "x_sum", "target_range", "curvature_top"):
+    for k in ("A", "b", "yy", "Sigma", "coef", "pending_X", "pending_Y", "x_sum", "target_range", "curvature_top",
+              "curvature_hist"):
         np.testing.assert_array_equal(a[2][k], b[2][k], err_msg=k)
     assert a[2]["n"] == b[2]["n"] and a[2]["n_since_refactor"] == b[2]["n_since_refactor"]
 
@@ -146,6 +148,7 @@ def test_replay_is_bit_identical_whatever_the_blas_thread_count(pristine_store, 
         blr = op.blr_.state_dict()
         blr["target_range"] = op.target_range_
         blr["curvature_top"] = op.curvature_top_
+        blr["curvature_hist"] = op.curvature_hist_
         return coords, var, blr
 
     def observe(s, sizes, start):

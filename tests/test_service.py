@@ -74,6 +74,7 @@ def test_health_ready_and_listing(live):
         assert set(d) <= set(documented), set(d) - set(documented)
         assert isinstance(d["audit"], dict) and d["audit"]["enabled"] is False and d["audit"]["server"] is None
         assert d["threshold_note"] is None
+        assert d["decision_weighting"] == "range+density"  # (an operator fitted now keeps both)
         assert {"audit", "threshold_note"} <= set(documented) - set(
             spec["components"]["schemas"]["OperatorDetail"].get("required", []))
 

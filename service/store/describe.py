@@ -44,6 +44,7 @@ def detail(entry) -> dict:
             "features": {"n_inner": op.n_inner, "n_outer": op.n_outer, "treatment": op.treatment, "target": op.target},
             "hyperparameters": json.loads(json.dumps(op.hyperparameters(), default=lambda o: o.tolist())),
             "threshold": jit.threshold,
+            "decision_weighting": op.decision_weighting,
             "oracle": {"kind": oracle_kind(jit.oracle)},
             "audit": {"enabled": audit is not None and not isinstance(jit.oracle, ClientOracle),
                       "audited_pairs": entry.audited_pairs,
