@@ -30,19 +30,22 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["CURVATURE_SUPPORT", "CURVATURE_BINS_PER_DECADE", "CURVATURE_WINDOW", "LearnedCurvature",
+__all__ = ["CURVATURE_SUPPORT", "CURVATURE_BINS_PER_DECADE", "CURVATURE_WINDOW", "CURVATURE_EDGES", "LearnedCurvature",
            "curvature_top", "curvature_hist", "gap_edges", "log_weights"]
 
 #: learned beliefs at least this concentrated make a concentration learned (the range), and this many
 #: within :data:`CURVATURE_WINDOW` bins cover a concentration (the density): one consulted extreme
 #: belief does not cover every concentration below it for the messages EP sends next
 CURVATURE_SUPPORT = 5
-#: the histogram's resolution: bin b > 0 holds curvatures in (10^((b−1)/4), 10^(b/4)], bin 0 those ≤ 1
+#: the histogram's resolution: bin b > 0 holds curvatures in (10^((b−1)/4), 10^(b/4)] (:data:`CURVATURE_EDGES`),
+#: bin 0 those ≤ 1
 CURVATURE_BINS_PER_DECADE = 4
 #: bins on each side of a concentration that count towards covering it (half a decade)
 CURVATURE_WINDOW = 2
-#: bins: up to 10^310, past the largest double (a larger curvature is counted in the last bin)
-CURVATURE_BINS = 310 * CURVATURE_BINS_PER_DECADE + 1
+#: bins: up to 10^308, near the largest double (a larger curvature is counted in the last bin)
+CURVATURE_BINS = 308 * CURVATURE_BINS_PER_DECADE + 1
+#: the bins' upper edges, 10^(b/4) (bin 0's is 1)
+CURVATURE_EDGES = 10.0 ** (np.arange(CURVATURE_BINS) / CURVATURE_BINS_PER_DECADE)
 
 
 class LearnedCurvature(NamedTuple):
@@ -70,12 +73,11 @@ def curvature_top(curv, top=None) -> np.ndarray:
 
 
 def curvature_bins(curv) -> np.ndarray:
-    """The histogram bin of each curvature (any shape; int); a curvature that is not a number: -1."""
+    """The histogram bin of each curvature (any shape; int): b with ``CURVATURE_EDGES[b − 1] < c ≤
+    CURVATURE_EDGES[b]`` (bin 0: c ≤ 1; the last bin also holds everything larger); not a number: −1."""
     c = np.asarray(curv, np.float64)
-    with np.errstate(all="ignore"):
-        b = np.ceil(CURVATURE_BINS_PER_DECADE * np.log10(np.maximum(c, 1.0)))
-    return np.where(np.isnan(c), -1, np.clip(np.nan_to_num(b, posinf=CURVATURE_BINS), 0, CURVATURE_BINS - 1)
-                    ).astype(np.int64)
+    b = np.minimum(np.searchsorted(CURVATURE_EDGES, c), CURVATURE_BINS - 1)
+    return np.where(np.isnan(c), -1, b).astype(np.int64)
 
 
 def curvature_hist(curv, hist=None) -> np.ndarray:
@@ -106,7 +108,7 @@ def gap_edges(hist) -> np.ndarray:
     idx = np.where(covered, np.arange(B), -1)
     below = np.maximum.accumulate(idx, axis=-1)  # the highest covered bin ≤ b
     below = np.concatenate([np.full(h.shape[:-1] + (1,), -1), below[..., :-1]], axis=-1)  # … < b
-    edge = 10.0 ** (below / CURVATURE_BINS_PER_DECADE)
+    edge = CURVATURE_EDGES[np.maximum(below, 0)]
     return np.where(covered | (below < 0), np.inf, edge)
 
 
@@ -118,11 +120,12 @@ def log_weights(d, learned: LearnedCurvature) -> np.ndarray:
     with np.errstate(all="ignore"):
         w = d / learned.level
         if learned.gaps is not None:
-            b = np.maximum(curvature_bins(d), 0)
+            # (curvature_bins' bins; a NaN's is the last here, its weight NaN from d itself)
+            b = np.minimum(np.searchsorted(CURVATURE_EDGES, d), CURVATURE_BINS - 1)
             j = np.arange(d.shape[-1])
             if learned.rows is None:
                 edge = learned.gaps[j, b]
             else:
                 edge = learned.gaps[np.asarray(learned.rows)[:, None], j, b]
-            w = np.fmax(w, np.where(np.isnan(d), np.nan, d / edge))
+            w = np.fmax(w, d / edge)
         return np.log(np.maximum(w, 1.0))
