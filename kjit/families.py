@@ -575,7 +575,8 @@ class Family:
         Gaussian's mean relative to a reference is in the reference's standard deviation (F̃ = reference
         variance / variance, ≈ 1 against the factor's approximation of the belief), a Gamma's log rate
         costs ``shape``.  :meth:`KernelOperator.decision_log_weights` compares a prediction's curvature
-        with the learned one (the fifth largest among the beliefs learned).  NaN on a row whose
+        with the learned one (:mod:`kjit.curvature`: beyond the fifth largest among the beliefs learned, or
+        between learned concentrations).  NaN on a row whose
         coordinates or Fisher information are not numbers (never confident)."""
         c = np.asarray(coords, np.float64)
         with np.errstate(all="ignore"):

@@ -414,6 +414,13 @@ class KernelOperator(Operator):
         self.random_state = check_random_state(random_state)
         self.dtype = np.dtype(dtype)
         self.family = self.factor.families[self.to]
+        # caches predictions fill (the padded learned range; the density's gap table, :attr:`learned_curvatures_`)
+        # and the last certificates, present from the start: a prediction never adds a key while another thread deep-copies the operator
+        # (the service's update aside: "dictionary changed size during iteration" in 157 of 200 trials — found in
+        # review; the range's cache had it before the gap table)
+        self._range_cache = None
+        self._gaps_cache = None
+        self.last_certificates_ = None  # (likewise: each prediction's certificates)
 
     def __repr__(self):
         return (f"KernelOperator({self.factor!r}, to={self.to!r}, n_inner={self.n_inner}, "
@@ -886,8 +893,9 @@ class KernelOperator(Operator):
         """The log of the weights (n, k) a just-in-time threshold puts on the log predictive variances of
         a prediction ``q`` for the messages ``incoming``: per regressed coordinate, how many times the
         prediction's KL curvature (:meth:`Family.decision_weights`: an error δ costs ½ F̃_jj δ², F̃ the
-        Fisher information in the regressed coordinates) exceeds the learned one
-        (:attr:`learned_curvature_`: the :data:`CURVATURE_SUPPORT`-th largest), 0 where it does not.
+        Fisher information in the regressed coordinates) exceeds the learned one (:attr:`learned_curvatures_`,
+        :mod:`kjit.curvature`: beyond the :data:`CURVATURE_SUPPORT`-th largest, or between learned
+        concentrations where fewer than that many were learned nearby), 0 where it does not.
 
         Why: a threshold is calibrated — or chosen, as the paper's — on the variances of predictions like
         those learned, whose errors in the regressed coordinates cost what they cost there.  A belief more
@@ -1386,10 +1394,10 @@ class KernelOperator(Operator):
         }
         if getattr(self, "target_range_", None) is not None:
             fitted["target_range"] = np.asarray(self.target_range_, float)
-        if getattr(self, "curvature_top_", None) is not None:
-            fitted["curvature_top"] = np.asarray(self.curvature_top_, float)
+        if getattr(self, "curvature_top_", None) is not None:  # (copies: not the live arrays)
+            fitted["curvature_top"] = np.array(self.curvature_top_, float)
         if getattr(self, "curvature_hist_", None) is not None:
-            fitted["curvature_hist"] = np.asarray(self.curvature_hist_, np.int64)
+            fitted["curvature_hist"] = np.array(self.curvature_hist_, np.int64)
         state = {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                  "blr": self.blr_.state_dict()}
         em = getattr(self, "error_model_", None)
@@ -2030,7 +2038,7 @@ class KernelEnsemble:
             raise ValueError("a KernelEnsemble's uncertainty is scalarised by 'max' only")
         return self.operator.row_uncertainty(incoming, q, logvar, "max", learned_curvature=learned_curvature)
 
-    def held_out_learned_curvature(self, data, groups, beliefs: Family | None = None) -> np.ndarray:
+    def held_out_learned_curvature(self, data, groups, beliefs: Family | None = None) -> LearnedCurvature:
         """The operator's (:meth:`KernelOperator.held_out_learned_curvature`)."""
         return self.operator.held_out_learned_curvature(data, groups, beliefs)
 
@@ -2266,9 +2274,9 @@ class JITOperator(Operator):
         uncertain; [paper] −8.5 synthetic, −8.95 UCI, −6 compound gamma.  Use
         :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.  Each
         coordinate's variance is weighted first by how many times the predicted belief's KL curvature
-        in it exceeds the learned one — the fifth largest among the beliefs learned
-        (:meth:`KernelOperator.decision_log_weights`): 1 in the learned
-        range (the paper's rule), more for a belief more concentrated than any learned, whose error
+        in it exceeds the learned one — beyond the fifth largest among the beliefs learned, or between
+        learned concentrations (:meth:`KernelOperator.decision_log_weights`, :mod:`kjit.curvature`): 1 where
+        learned (the paper's rule), more for a belief more concentrated than those learned, whose error
         costs more — a Gamma's log parameters' error moves its mean by √shape·δ sd.  ``predict``, its
         certificates and :meth:`screen` / :meth:`screen_certified` report the weighted log variance
         (the one the threshold applies to).
@@ -2687,7 +2695,7 @@ class JITOperator(Operator):
         """The lowest useful threshold: below it every answer is uncertain and the oracle answers
         everything.  With ``uncertainty="predictive"`` the decision variance of coordinate k is
         w_k sd_k²(ψᵀΣψ + σ_y²) ≥ sd_k² σ_y² however much is learned (w_k ≥ 1 the row's weight, see
-        ``threshold``: 1 in the learned range); the floor is where the learnable part ψᵀΣψ may still be
+        ``threshold``: 1 where learned); the floor is where the learnable part ψᵀΣψ may still be
         as large as the noise σ_y² in the largest coordinate of a row whose weights are 1:
         max_k log(2 sd_k² σ_y²).  A belief more concentrated than any learned has a higher floor of its
         own, until one like it is learned.  ``"epistemic"``: −inf."""

@@ -133,8 +133,8 @@ class CertificatesOut(BaseModel):
                     "oracle), `learned` (the learned operator's prediction)")
     log_var: list[list[float | None]] | None = Field(
         description="log predictive variance per coordinate in `coords`, each weighted by how many times the "
-                    "prediction's KL curvature in it exceeds the operator's learned one (its fifth largest; 1 in "
-                    "the learned range; the uncertainty the threshold is applied to; null where none, e.g. oracle mode)")
+                    "prediction's KL curvature in it exceeds the operator's learned one (beyond its fifth largest, "
+                    "or between learned concentrations: kjit/curvature.py; 1 where learned; the uncertainty the threshold is applied to; null where none, e.g. oracle mode)")
     threshold: float | None = Field(description="the operator's threshold on log_var: above it, uncertain")
     ess: list[float | None] | None = Field(description="oracle answers: effective sample size (null: none)")
     mc_se: list[list[float | None]] | None = Field(
@@ -166,7 +166,8 @@ class MessagesResponse(BaseModel):
     log_var: list[list[float | None]] | None = Field(
         description="log predictive variance, column-wise: one list of n per coordinate in `coords`, each weighted "
                     "by how many times the prediction's KL curvature in it exceeds the operator's learned one "
-                    "(its fifth largest; 1 in the learned range; the uncertainty the JIT threshold is applied to); "
+                    "(beyond its fifth largest, or between learned concentrations: kjit/curvature.py; 1 where learned; "
+                    "the uncertainty the JIT threshold is applied to); "
                     "null in oracle mode")
     consulted: list[bool] = Field(description="per row: the oracle answered")
     certificates: CertificatesOut | None = Field(None, description="per row: source, quality and propriety")

@@ -121,8 +121,8 @@ class FactorGraph:
         by more standard deviations the more concentrated the belief (√shape·δ for a Gamma): within the
         concentrations the operator has learned the budget's threshold is in those units and does not
         bound the posterior error (a UserWarning says so); beyond them the JIT weighs a coordinate's
-        variance by how many times the prediction's KL curvature exceeds the learned one (the fifth
-        largest: :meth:`~kjit.operators.KernelOperator.decision_log_weights`), so a belief more
+        variance by how many times the prediction's KL curvature exceeds the learned one (beyond the fifth
+        largest, or between learned concentrations: :meth:`~kjit.operators.KernelOperator.decision_log_weights`), so a belief more
         concentrated than those learned is consulted (found by an audit: a count of 1e9 was answered 14–60 sd off as
         confident; an audit measured Poisson–Gamma at ``posterior_tol`` 0.1 0.24 sd from exact-rule EP)."""
         if not (np.isfinite(posterior_tol) and posterior_tol > 0):
