@@ -292,6 +292,9 @@ class BayesianLinearRegression:
         self.prior_var = prior_var
         self.noise_var = noise_var
         self.refactor_every = refactor_every
+        # (filled by predictions; present from the start so that none adds an attribute while another thread
+        # deep-copies the regression — the service's update aside; found in review)
+        self._hyper_seen = None
 
     # ----------------------------------------------------------------- sklearn-style params
 

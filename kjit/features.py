@@ -506,7 +506,9 @@ class TwoStageFeatures:
         cache = self._outer_cache.get(dt)
         if cache is None:
             cache = (self.nu_.astype(dt), self.c_.astype(dt), dt.type(np.sqrt(2.0 / self.n_outer)))
-            self._outer_cache[dt] = cache
+            # a new dict, not a key added to the one in place: a served operator is deep-copied for an update while
+            # predictions go on, and a dict that grows during the copy fails it (found in review)
+            self._outer_cache = {**self._outer_cache, dt: cache}
         nu, cc, scale = cache
         n = phi.shape[0]
         out = np.empty((n, self.n_outer), dtype=dt)
