@@ -26,7 +26,7 @@ import numpy as np
 
 from .certificates import Certificates, projection_convention
 from .errors import LowESSError, OracleError, SamplerOutputError
-from .factors.base import PASSED_THROUGH, Factor, factor_code_error
+from .factors.base import PASSED_THROUGH, Factor, FactorCodeError, factor_code_error
 from .families import Family, kernel_limits
 from .oracle_kinds import ORACLE_KINDS
 from .protocols import Operator
@@ -581,7 +581,7 @@ class MessageImportanceSampler(Oracle):
                 self._unsampleable.update(rows[bad].tolist())
                 d = np.where(inside, d, np.broadcast_to(np.asarray(flat[v][rows].mean(), float), d.shape))
             draws[v] = d.reshape(-1)
-        x_out = np.asarray(sample_output(f, draws, n * R, self._rng), dtype=float).reshape(n * R)
+        x_out = np.asarray(self._sample_output(draws, rows, n), dtype=float).reshape(n * R)
         # draws that are no value of the output's family (NaN, outside its support) leave their rows
         # without an answer, named (see _note_bad_output); the others are weighted as usual
         valid = self.factor.families[f.output].in_closed_support(x_out).reshape(n, R)
@@ -620,6 +620,27 @@ class MessageImportanceSampler(Oracle):
         if not np.isfinite(u).all():  # statistics of ``to`` at particles without weight count as 0
             u = np.where(np.isneginf(lw)[..., None], np.where(np.isfinite(u), u, 0.0), u)
         return u, lw
+
+    def _sample_output(self, draws, rows, n):
+        """The factor's output for the input ``draws`` of ``rows`` (n each, row fastest).  A user
+        sampler's exception is a FactorCodeError naming the rows whose draws raise it alone (each row
+        sampled again by itself to find them; all of them if none does)."""
+        f, R = self.factor, rows.size
+        try:
+            return sample_output(f, draws, n * R, self._rng)
+        except FactorCodeError as exc:
+            if exc.rows is not None:
+                raise
+            failing = []
+            for j in range(R if R > 1 else 0):
+                one = {v: np.asarray(d).reshape(n, R)[:, j] for v, d in draws.items()}
+                try:
+                    sample_output(f, one, n, self._rng)
+                except FactorCodeError:
+                    failing.append(int(rows[j]))
+                except (ValueError, ArithmeticError, OracleError):
+                    pass
+            raise exc.with_rows(failing or rows) from exc.__cause__
 
     def _note_bad_output(self, rows, n, x_out, valid) -> None:
         """Record the rows of a round whose output draws (``x_out`` (n, R)) are no value of the output's
