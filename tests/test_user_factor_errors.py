@@ -65,8 +65,9 @@ def served(tmp_path, monkeypatch):
     from service.testing import ThreadedServer
     from test_service_fixtures import wait_job
 
-    for exc_type in (MemoryError, FloatingPointError):
-        f = _raising(exc_type, f"uf_{exc_type.__name__.lower()}")
+    nan = F.SampledFactor("uf_nan", inputs={"x": Gaussian}, output=("z", Gaussian),
+                          sampler=lambda v, rng: np.where(v["x"] > 0.9, np.nan, v["x"]))
+    for f in [_raising(t, f"uf_{t.__name__.lower()}") for t in (MemoryError, FloatingPointError)] + [nan]:
         monkeypatch.setitem(F._REGISTRY, f.name, None)  # (removed again after the test)
         F.register_factor(f, replace=True)
     srv = ThreadedServer(Settings(store=tmp_path / "store", default_operators=())).start()
@@ -80,6 +81,13 @@ def served(tmp_path, monkeypatch):
                                               "source": {"kind": "oracle", "n": 40, "distribution": R}})
             assert r.status_code == 202, r.text
             assert wait_job(c, r.headers["location"])["status"] == "succeeded"
+        c.jobs = {}
+        for name, threshold in (("uf_nan", -3.0), ("uf_low", -30.0)):  # (-30: below any floor here)
+            r = c.post("/v1/operators", json={"name": name, "factor": "uf_nan", "to": "x", "n_inner": 20, "n_outer": 40,
+                                              "threshold": threshold,
+                                              "source": {"kind": "oracle", "n": 40, "distribution": R}})
+            assert r.status_code == 202, r.text
+            c.jobs[name] = wait_job(c, r.headers["location"])
         yield c
     finally:
         c.close()
@@ -111,3 +119,63 @@ def test_a_served_user_sampler_that_raises_is_a_422_naming_the_factor_and_rows_a
     after = c.get(f"/v1/operators/{name}").json()
     assert after["version"] == before["version"] and after["n_train"] == before["n_train"]
     assert after["counters"] == before["counters"]
+
+
+def test_a_training_job_says_why_its_oracle_failed_on_the_pairs_it_dropped(served):
+    """Found by an audit: a job whose user sampler returned NaN "succeeded" with n_train 5 of 50 and
+    n_failed 45, and nothing said why.  Its result now carries `failures`: per cause the count, the
+    first message and its error."""
+    job = served.jobs["uf_nan"]
+    assert job["status"] == "succeeded", job
+    res = job["result"]
+    assert res["n_failed"] > 0
+    rec = res["failures"]["sampler returned NaN"]
+    assert rec["count"] == res["n_failed"] and "factor 'uf_nan': its sampler returned" in rec["first_error"]
+
+
+def test_a_threshold_below_the_noise_floor_is_said_where_the_user_looks(served):
+    """Found by an audit: with calibration failing, the generic fallback −8.5 lay 5–9 nats below the
+    operators' noise floors, so mode=jit consulted every row — and neither the job's result nor the
+    operator's detail said so (threshold_note null).  Both now say it, with what to do."""
+    c = served
+    res = c.jobs["uf_low"]["result"]
+    assert res["threshold"] == -30.0 and res["threshold_floor"] > -30.0
+    for note in (res["threshold_note"], c.get("/v1/operators/uf_low").json()["threshold_note"]):
+        assert "below this operator's noise floor" in note and "every message will be consulted" in note
+        assert "more pairs" in note and "n_inner" in note
+    d = c.get("/v1/operators/uf_low").json()
+    assert d["threshold_floor"] == pytest.approx(res["threshold_floor"])
+    # and it is true: every message is consulted
+    g = lambda m: {"family": "gaussian", "mean": m, "var": [0.05] * len(m)}  # noqa: E731
+    r = c.post("/v1/operators/uf_low/messages", params={"mode": "jit"},
+               json={"to": "x", "incoming": {"x": g([-0.5, -0.8, -1.0]), "z": g([-0.5, -0.7, -1.0])}})
+    assert r.status_code == 200 and r.json()["n_consulted"] == 3, r.text
+    # an operator whose threshold is above its floor has no such note
+    ok = c.get("/v1/operators/uf_nan").json()
+    if ok["threshold"] >= ok["threshold_floor"]:
+        assert ok["threshold_note"] is None and "threshold_note" not in c.jobs["uf_nan"]["result"]
+
+
+def test_a_failed_calibration_falls_back_below_the_floor_and_says_so(monkeypatch):
+    """The path the audit met: pairs too few for calibration to meet its KL target, a user factor
+    without a default threshold: the generic fallback (−8.5) is kept — not raised to the floor, which
+    would serve answers calibration found inaccurate as confident — and the result says the threshold
+    is below the floor and every message will be consulted."""
+    from kjit.training import make_training_set
+    from service.training import FALLBACK_THRESHOLD, TrainSpec, train_operator
+
+    f = F.SampledFactor("uf_tanh", inputs={"x": Gaussian, "y": Gaussian}, output=("z", Gaussian),
+                        sampler=lambda v, rng: np.tanh(v["x"]) + v["y"])
+    monkeypatch.setitem(F._REGISTRY, f.name, None)
+    F.register_factor(f, replace=True)
+    rng = np.random.default_rng(0)
+    n = 60
+    g = lambda lo, hi: Gaussian(rng.uniform(lo, hi, n), np.exp(rng.uniform(np.log(0.01), np.log(2), n)))  # noqa: E731
+    inc = {"x": g(-2, 2), "y": g(-2, 2), "z": g(-2, 2)}
+    ts = make_training_set(f, "x", inc, MessageImportanceSampler(f, target_se=0.05, random_state=0), random_state=0)
+    jit, _, info = train_operator(TrainSpec(factor=f.name, to="x", n_inner=10, n_outer=20, pairs=ts, oracle="client"))
+    assert info["threshold"] == FALLBACK_THRESHOLD and "generic fallback" in info["threshold_source"]
+    assert info["threshold_floor"] > FALLBACK_THRESHOLD
+    assert "every message will be consulted" in info["threshold_note"] and "generic fallback" in info["threshold_note"]
+    assert jit.threshold_note() is not None
+
