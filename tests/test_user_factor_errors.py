@@ -179,3 +179,18 @@ def test_a_failed_calibration_falls_back_below_the_floor_and_says_so(monkeypatch
     assert "every message will be consulted" in info["threshold_note"] and "generic fallback" in info["threshold_note"]
     assert jit.threshold_note() is not None
 
+
+def test_a_client_without_the_users_factor_module_is_told_to_import_it(served, monkeypatch):
+    """Found by an audit: RemoteOperator.belief in a process that had not imported the factor's module
+    raised "unknown factor 'audit_exp'; registered: …" with no hint.  It now says the client must
+    import/register the module (the one KJIT_FACTORS names), and still lists what is registered."""
+    from kjit.client import RemoteOperator
+
+    url = str(served.base_url).rstrip("/")
+    monkeypatch.delitem(F._REGISTRY, "uf_nan")  # (this "client process" never imported the module)
+    op = RemoteOperator(url, "uf_nan")
+    with pytest.raises(F.UnknownFactorError) as e:
+        op.belief({"x": Gaussian(-0.5, 0.05), "z": Gaussian(-0.5, 0.05)}, "x")
+    msg = str(e.value)
+    assert "factor 'uf_nan'" in msg and "not registered in this client process" in msg
+    assert "import the module that registers it" in msg and "KJIT_FACTORS" in msg and "registered:" in msg
