@@ -350,7 +350,8 @@ class OperatorDetail(OperatorSummary):
                           "seconds; null when the audit is off); `count` is 0 and the KL statistics and shares "
                           "are null before the first audit")
     threshold_note: str | None = Field(
-        None, description="when the threshold lies below `threshold_floor`: that every message will be consulted, "
+        None, description="when the threshold lies below `threshold_floor` − log 2 (the least log variance an "
+                          "answer has): that every message will be consulted, "
                           "and what to do (train on more pairs or larger features, or give a threshold); else why "
                           "the audit last lowered this operator's threshold (the `reason` of the last of "
                           "`audit.threshold_changes`); null if neither")

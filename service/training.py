@@ -24,8 +24,8 @@ Unless a request gives one, the just-in-time threshold is calibrated with
 training pairs, at least 200, drawn from the same distribution): the largest log predictive
 variance at which the confident predictions still have a mean KL[q ‖ q̂] ≤ 1e-3.  If no
 threshold meets that target, the factor's ``default_threshold`` is used (the paper's value:
-−8.95 logistic, −6 compound gamma), else −8.5.  A threshold below the operator's noise floor
-(:meth:`kjit.operators.JITOperator.threshold_floor`) makes every message consulted: the job's result
+−8.95 logistic, −6 compound gamma), else −8.5.  A threshold more than log 2 below the operator's
+noise floor (:meth:`kjit.operators.JITOperator.threshold_floor`) makes every message consulted: the job's result
 and the operator's detail then say so in ``threshold_note`` (:func:`below_floor_note`, which says
 why the fallback is not raised to the floor).
 """
