@@ -60,6 +60,7 @@ import numpy as np
 from .certificates import Certificates, above_threshold, last_certificates, outgoing_proper
 from .errors import ConfigurationError, rows_of_batch
 from .factors import Factor, get_factor
+from .factors.base import UnknownFactorError
 from .families import Family, family_name
 from .reductions import all_finite
 from .transport import HttpxSession, ResponseTooLarge, Session, TransportError
@@ -409,7 +410,17 @@ class RemoteOperator:
     def factor(self) -> Factor:
         if self._factor is None:
             i = self.info()
-            self._factor = get_factor(i["factor"], **i.get("factor_params", {}))
+            try:
+                self._factor = get_factor(i["factor"], **i.get("factor_params", {}))
+            except UnknownFactorError as exc:
+                # (found by an audit: a client process that had not imported the user's factor module got
+                # only "unknown factor 'audit_exp'; registered: …", with no hint of what to do)
+                raise UnknownFactorError(exc.name, (
+                    f"operator {self.name!r} at {self.url} is for factor {exc.name!r}, which is not registered in "
+                    f"this client process: RemoteOperator checks and flattens the incoming messages with the "
+                    f"factor's variables and families, so import the module that registers it here too (the "
+                    f"same module the server loads with KJIT_FACTORS / --factors, or an installed package with "
+                    f"a `kjit.factors` entry point) before calling belief/message. {exc}")) from None
             if self.local_oracle is not None:
                 mine = self.local_oracle.factor
                 theirs = {v: family_name(f) for v, f in self._factor.families.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["OracleError", "LowESSError", "ConfigurationError", "gaussian_or_error", "rows_of_batch", "rows_within",
+__all__ = ["OracleError", "LowESSError", "SamplerOutputError", "ConfigurationError", "gaussian_or_error", "rows_of_batch", "rows_within",
            "quoted", "QUOTE_LIMIT"]
 
 #: most characters of a caller's text an error message quotes
@@ -30,12 +30,18 @@ class ConfigurationError(ValueError):
 
 class OracleError(RuntimeError):
     """An oracle could not produce a trustworthy message.  ``rows``: the failing positions of
-    the batch when known (the EP engine then skips exactly those and asks again for the rest)."""
+    the batch when known (the EP engine then skips exactly those and asks again for the rest).
+    ``cause``: a short name of what went wrong (a training set counts its dropped rows by it)."""
 
-    def __init__(self, message: str = "", rows=None):
+    #: what went wrong, in a few words (see :func:`kjit.training.make_training_set`'s ``failures``)
+    cause = "oracle failed"
+
+    def __init__(self, message: str = "", rows=None, cause: str | None = None):
         super().__init__(message)
         if rows is not None:
             self.rows = np.asarray(rows, dtype=int).ravel()
+        if cause is not None:
+            self.cause = cause
 
 
 def rows_of_batch(exc: BaseException, rows) -> BaseException:
@@ -88,6 +94,8 @@ def gaussian_or_error(mean, var, what: str):
 class LowESSError(OracleError):
     """Importance sampling produced too small an effective sample size for some rows."""
 
+    cause = "low effective sample size"
+
     def __init__(self, rows, ess, min_ess):
         self.rows = np.asarray(rows)
         self.ess = np.asarray(ess)
@@ -97,3 +105,22 @@ class LowESSError(OracleError):
             f"{float(np.min(self.ess)):.3g} < min_ess={min_ess} (rows {self.rows[:10].tolist()}"
             f"{'…' if self.rows.size > 10 else ''}); use a better proposal or more samples"
         )
+
+
+class SamplerOutputError(OracleError):
+    """A factor's sampler returned output values that are no value of its output's family: NaN (the
+    factor is not defined at those inputs) or values outside the closure of the family's support (a
+    negative draw for a Gamma output; ±inf is the end of an unbounded support, where an overflow
+    rounds, and weighs 0).  ``factor``, ``variable``: the factor's and its output's names; ``rows``:
+    the messages whose draws met them; ``cause``: "sampler returned NaN" or "sampler returned values
+    outside the support" (the first named in the message).
+
+    A value outside the support is an error of the sampler, not of the messages: the factor
+    declares its output a variable of that family, and a message of that family gives such a value
+    no density (found by an audit: the per-message sampler answered them — and NaN — with "effective
+    sample size 0 … use a better proposal or more samples", for every row that met one)."""
+
+    def __init__(self, message: str, rows, cause: str, factor: str, variable: str):
+        super().__init__(message, rows=rows, cause=cause)
+        self.factor = factor
+        self.variable = variable

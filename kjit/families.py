@@ -126,6 +126,8 @@ class Family:
     # index of the regression coordinate that is log(spread) (Gaussian: log variance), where a
     # log-concave factor bounds the belief by the incoming message; None: no such coordinate
     spread_coord: ClassVar[int | None] = None
+    #: the values a variable of the family takes (:meth:`in_closed_support`), for error messages
+    closed_support: ClassVar[str] = "[-inf, inf]"
 
     # ------------------------------------------------------------------ construction
     def __init__(self, *params, validate: bool = True):
@@ -499,6 +501,14 @@ class Family:
         a draw of an extreme message can round onto its boundary (Gamma(1e-3) gives exact zeros
         47 % of the time), where a factor's sampler may be undefined."""
         return np.isfinite(np.asarray(x, dtype=float))
+
+    @classmethod
+    def in_closed_support(cls, x) -> np.ndarray:
+        """Whether the values ``x`` are values a variable of this family may take: in the closure of its
+        support in the extended reals (a factor's sampler may round onto the boundary — a logistic
+        σ(x) = 1, an e^x = 0 or inf — but a NaN or a value outside, such as a negative draw for a
+        Gamma variable, is none of its values: :class:`kjit.errors.SamplerOutputError`)."""
+        return ~np.isnan(np.asarray(x, dtype=float))
 
     def kl(self, other) -> np.ndarray:
         """KL[self ‖ other], closed form, elementwise over the batch."""
@@ -1027,6 +1037,8 @@ def _scaled_trigamma_diff(x, y):
 class Beta(Family):
     """Beta(x; alpha, beta) on (0, 1); natural parameters (alpha-1, beta-1) on (log x, log(1-x))."""
 
+    closed_support = "[0, 1]"
+
     param_names = ("alpha", "beta")
     coord_names = ("log_alpha", "log_beta")
 
@@ -1192,6 +1204,11 @@ class Beta(Family):
     def in_support(x):
         x = np.asarray(x, dtype=float)
         return (x > 0.0) & (x < 1.0)
+
+    @classmethod
+    def in_closed_support(cls, x):
+        x = np.asarray(x, dtype=float)
+        return (x >= 0.0) & (x <= 1.0)
 
     def unbounded_density(self):
         return (self._alpha < 1.0) | (self._beta < 1.0)
@@ -1389,6 +1406,8 @@ def _pow_minus_one_plus(t, lt, n: int):
 class Gamma(Family):
     """Gamma(x; shape, rate) on (0, ∞); natural parameters (-rate, shape-1) on (x, log x)."""
 
+    closed_support = "[0, inf]"
+
     param_names = ("shape", "rate")
     coord_names = ("log_shape", "log_rate")
 
@@ -1526,6 +1545,11 @@ class Gamma(Family):
         x = np.asarray(x, dtype=float)
         return (x > 0.0) & np.isfinite(x)
 
+    @classmethod
+    def in_closed_support(cls, x):
+        x = np.asarray(x, dtype=float)
+        return x >= 0.0
+
     def unbounded_density(self):
         return self._shape < 1.0
 
@@ -1656,6 +1680,8 @@ class Bernoulli(Family):
     ``is_proper`` False — and refused by what they refuse (densities, the expected statistics,
     ``to_coords``, KL, sampling), naming how many rows and the first.
     """
+
+    closed_support = "{-1, +1}"
 
     param_names = ("p",)
     n_stats = 1

@@ -2704,6 +2704,25 @@ class JITOperator(Operator):
         op = self.operator
         return float(np.max(np.log(2.0 * op.noise_var_ * np.asarray(op.y_scale_, float) ** 2)))
 
+    def threshold_note(self) -> str | None:
+        """None, or — when the threshold lies below :meth:`threshold_floor` − log 2, the least log
+        variance an answer has — a sentence saying so: no answer is confident there, so every message
+        is consulted (the oracle answers all of them, and
+        EP through the operator runs at the oracle's pace).  Found by an audit: a served operator of a
+        user's factor whose calibration failed took the generic fallback −8.5, 5–9 nats below floors of
+        −3.5 … +0.6, and consulted every row with nothing saying why."""
+        floor = self.threshold_floor()
+        # an answer's decision log variance is at least max_k log(sd_k² σ_y²) = floor − log 2 (weights ≥ 1,
+        # ψᵀΣψ ≥ 0): below that nothing is confident; between it and the floor a calibrated threshold may
+        # lie (the default logistic-x of the tests: −15.89 against a floor of −15.42), and rows are
+        # confident there
+        least = floor - np.log(2.0)
+        if not (np.isfinite(floor) and self.threshold < least):
+            return None
+        return (f"the threshold {self.threshold:.4g} is below this operator's noise floor {floor:.4g}, and below "
+                f"{least:.4g}, the least log predictive variance any answer has however much is learned: no answer "
+                "is confident, so every message will be consulted")
+
     def _decision_logvar(self, var):
         """log of the variance the threshold is applied to (see ``uncertainty``)."""
         if self.uncertainty == "predictive":

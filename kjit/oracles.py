@@ -25,8 +25,8 @@ from typing import Mapping
 import numpy as np
 
 from .certificates import Certificates, projection_convention
-from .errors import LowESSError, OracleError
-from .factors.base import PASSED_THROUGH, Factor, factor_code_error
+from .errors import LowESSError, OracleError, SamplerOutputError
+from .factors.base import PASSED_THROUGH, Factor, FactorCodeError, factor_code_error
 from .families import Family, kernel_limits
 from .oracle_kinds import ORACLE_KINDS
 from .protocols import Operator
@@ -72,7 +72,7 @@ def _raise_heavy_tails(factor, khat) -> None:
             f"importance sampling cannot answer rows {heavy[:10].tolist()}{'…' if heavy.size > 10 else ''} of factor "
             f"{factor.name!r}: their weights are heavy-tailed (Pareto k̂ up to {float(np.max(khat[heavy])):.2f} > "
             f"{PARETO_K_MAX}: a message's density is unbounded where the particles fall), so the estimate's error "
-            "is not what its effective sample size says", rows=heavy)
+            "is not what its effective sample size says", rows=heavy, cause="heavy-tailed weights")
 
 
 class Oracle(Operator):
@@ -553,7 +553,9 @@ class MessageImportanceSampler(Oracle):
         self.random_state = random_state
         self._rng = np.random.default_rng(random_state)
         self._unsampleable: set[int] = set()
+        self._bad_output: dict[int, dict] = {}
         self.last_unsampleable_ = np.zeros(0, dtype=int)
+        self.last_bad_output_ = np.zeros(0, dtype=int)
         self.last_khat_ = None
 
     def __repr__(self):
@@ -579,34 +581,112 @@ class MessageImportanceSampler(Oracle):
                 self._unsampleable.update(rows[bad].tolist())
                 d = np.where(inside, d, np.broadcast_to(np.asarray(flat[v][rows].mean(), float), d.shape))
             draws[v] = d.reshape(-1)
-        x_out = np.asarray(sample_output(f, draws, n * R, self._rng), dtype=float).reshape(n * R)
+        x_out = np.asarray(self._sample_output(draws, rows, n), dtype=float).reshape(n * R)
+        # draws that are no value of the output's family (NaN, outside its support) leave their rows
+        # without an answer, named (see _note_bad_output); the others are weighted as usual
+        valid = self.factor.families[f.output].in_closed_support(x_out).reshape(n, R)
         draws[f.output] = x_out
         m_out = flat[f.output][rows]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             lw = m_out.log_pdf(x_out.reshape(n, R))
             u = f.suff_stats(to, draws).reshape(n, R, -1)
-            off = ~np.isfinite(lw) & ~np.isnan(x_out.reshape(n, R))
+            # ±inf, the end of an unbounded support an overflow rounds onto (e^x for x > 709.8, a user's
+            # x³): a proper message's density vanishes there, so the weight is 0, the limit — exact
+            # (found by an audit: a Gaussian's, recomputed from the statistics, was inf − inf: no weight
+            # for the row, "effective sample size 0 … use a better proposal or more samples")
+            at_inf = np.isinf(x_out.reshape(n, R)) & valid
+            lw[at_inf] = -np.inf
+            off = ~np.isfinite(lw) & valid & ~at_inf
             if off.any():
                 # the output's message at values where it is not finite, by the factor's own statistics
                 # of the output (exact where the value rounded onto the support's boundary: a logistic
-                # z = σ(x) at 1 for x > 36.7, an exp y = e^x at 0 for x < −745 — those particles were
-                # dropped: N(34.8, 1.8) for N(36, 4) at ESS 4e4, found by an audit); +inf (an
-                # unbounded density at the boundary) leaves the row without weight: no answer
+                # z = σ(x) at 1 for x > 36.7, an exp y = e^x at 0 for x < −745 or at inf for x > 709.8 —
+                # those particles were dropped: N(34.8, 1.8) for N(36, 4) at ESS 4e4, found by an
+                # audit); +inf (an unbounded density at the boundary) leaves the row without weight
                 i, j = np.nonzero(off)
                 flat_idx = i * R + j
                 sub = {v: np.asarray(d)[flat_idx] for v, d in draws.items()}
                 lw[i, j] = m_out[j].log_pdf_stats(f.suff_stats(f.output, sub))
+        invalid_rows = ~valid.all(axis=0)
         lw = np.where(np.isnan(lw) | (lw == np.inf), np.inf, lw)  # (propagates to no weight in _round)
         # a row where the factor's sampler returned NaN is outside where the sampler is defined:
         # dropping those particles would bias the answer while its ESS looked healthy (found in
         # review: a sampler undefined for x < 0 gave KL 20 answers with ESS 13 000) — the row gets
-        # no weight, so it fails as low ESS
-        nan_rows = np.isnan(x_out.reshape(n, R)).any(axis=0)
-        if nan_rows.any():
-            lw[:, nan_rows] = -np.inf
+        # no weight and no answer, and SamplerOutputError names it (so does one whose draws left the
+        # output's support)
+        if invalid_rows.any():
+            self._note_bad_output(rows, n, x_out.reshape(n, R), valid)
+            lw[:, invalid_rows] = -np.inf
         if not np.isfinite(u).all():  # statistics of ``to`` at particles without weight count as 0
             u = np.where(np.isneginf(lw)[..., None], np.where(np.isfinite(u), u, 0.0), u)
         return u, lw
+
+    def _sample_output(self, draws, rows, n):
+        """The factor's output for the input ``draws`` of ``rows`` (n each, row fastest).  A user
+        sampler's exception is a FactorCodeError naming the rows whose draws raise it alone (each row
+        sampled again by itself to find them; all of them if none does)."""
+        f, R = self.factor, rows.size
+        try:
+            return sample_output(f, draws, n * R, self._rng)
+        except FactorCodeError as exc:
+            if exc.rows is not None:
+                raise
+            failing = []
+            for j in range(R if R > 1 else 0):
+                one = {v: np.asarray(d).reshape(n, R)[:, j] for v, d in draws.items()}
+                try:
+                    sample_output(f, one, n, self._rng)
+                except FactorCodeError:
+                    failing.append(int(rows[j]))
+                except (ValueError, ArithmeticError, OracleError):
+                    pass
+            raise exc.with_rows(failing or rows) from exc.__cause__
+
+    def _note_bad_output(self, rows, n, x_out, valid) -> None:
+        """Record the rows of a round whose output draws (``x_out`` (n, R)) are no value of the output's
+        family (``valid`` False): per row, the count of NaN / outside draws and the first outside one
+        (:meth:`_raise_bad_output`)."""
+        nan = np.isnan(x_out)
+        out = ~valid & ~nan
+        for j in np.flatnonzero(~valid.all(axis=0)):
+            row = int(rows[j])
+            rec = self._bad_output.setdefault(row, {"nan": 0, "outside": 0, "n": 0, "example": None})
+            rec["nan"] += int(nan[:, j].sum())
+            rec["outside"] += int(out[:, j].sum())
+            rec["n"] += n
+            if rec["example"] is None and out[:, j].any():
+                rec["example"] = float(x_out[np.argmax(out[:, j]), j])
+
+    def _raise_bad_output(self) -> None:
+        """A :class:`SamplerOutputError` naming the factor, its output, what its sampler returned and
+        the rows, if any row met such a draw (see :meth:`_note_bad_output`)."""
+        if not self._bad_output:
+            return
+        f = self.factor
+        fam = f.families[f.output]
+        rows = np.array(sorted(self._bad_output), dtype=int)
+        parts, causes = [], []
+        for kind, what, cause in (
+                ("nan", "NaN (where the factor is not defined)", "sampler returned NaN"),
+                ("outside", f"values outside the {fam.__name__} support {fam.closed_support}",
+                 "sampler returned values outside the support")):
+            hit = [int(r) for r in rows if self._bad_output[r][kind]]
+            if not hit:
+                continue
+            share = [self._bad_output[r][kind] / self._bad_output[r]["n"] for r in hit]
+            example = next((self._bad_output[r]["example"] for r in hit if self._bad_output[r]["example"] is not None),
+                           None)
+            amount = (f"{share[0]:.2%} of its draws" if len(hit) == 1 else
+                      f"{min(share):.2%} to {max(share):.2%} of a row's draws")
+            parts.append(f"{what} on the draws of rows {hit[:10]}{'…' if len(hit) > 10 else ''} ({amount}"
+                         f"{'' if example is None else f'; e.g. {example:.6g}'})")
+            causes.append(cause)
+        raise SamplerOutputError(
+            f"factor {f.name!r}: its sampler returned, for its output {f.output!r} (declared a {fam.__name__} "
+            f"variable), " + "; and ".join(parts) + ": these messages have no answer (the draws are the sampler's "
+            "own, given draws from the rows' input messages — more particles or another proposal cannot help: fix "
+            "the sampler, or send messages where it is defined)",
+            rows=rows, cause=causes[0], factor=f.name, variable=f.output)
 
     def _round(self, flat, rows, n, to):
         """Estimates for ``rows`` with n fresh particles each: (ess stats (R, k), covariance of
@@ -719,6 +799,7 @@ class MessageImportanceSampler(Oracle):
         n_used = np.zeros(B, dtype=np.int64)
         log_z = np.full(B, -np.inf)
         self._unsampleable = set()
+        self._bad_output = {}
         khat = np.full(B, np.nan)
         # A pilot round of n_initial particles sets each row's size for a fresh answering round,
         # which answers with what it finds (its standard errors reported): accepting a round because
@@ -761,6 +842,8 @@ class MessageImportanceSampler(Oracle):
                 hopeless = ~np.all(np.isfinite(mu), axis=1) | (kh > PARETO_K_MAX)
                 if self._unsampleable:
                     hopeless |= np.isin(grp, np.fromiter(self._unsampleable, dtype=int))
+                if self._bad_output:  # (no weight, whatever the particles: no further rounds)
+                    hopeless |= np.isin(grp, np.fromiter(self._bad_output, dtype=int))
                 final = hopeless | (piloted[grp] & good & ~misjudged) | (n >= self.max_samples)
                 rest = grp[~final]
                 piloted[rest] = True
@@ -771,6 +854,10 @@ class MessageImportanceSampler(Oracle):
         if self.last_unsampleable_.size:
             stats[self.last_unsampleable_], ess[self.last_unsampleable_] = np.nan, 0.0
             log_z[self.last_unsampleable_] = np.nan
+        self.last_bad_output_ = np.array(sorted(self._bad_output), dtype=int)
+        if self.last_bad_output_.size:
+            stats[self.last_bad_output_], ess[self.last_bad_output_] = np.nan, 0.0
+            log_z[self.last_bad_output_] = np.nan
         self.last_khat_ = khat
         heavy = khat > PARETO_K_MAX
         ess[heavy], log_z[heavy] = 0.0, np.nan  # (no answer: estimate() reports them failed)
@@ -782,12 +869,14 @@ class MessageImportanceSampler(Oracle):
 
     def _certified_flat(self, flat, to):
         stats, ess, se, _, _ = self._estimate_flat(flat, to)
+        self._raise_bad_output()
         bad = self.last_unsampleable_
         if bad.size:
             raise OracleError(
                 f"per-message importance sampling: the input messages of rows {bad[:10].tolist()}"
                 f"{'…' if bad.size > 10 else ''} give draws on the boundary of their support (underflow of an "
-                f"extreme message), where factor {self.factor.name!r} cannot be sampled", rows=bad)
+                f"extreme message), where factor {self.factor.name!r} cannot be sampled", rows=bad,
+                cause="input draws on the support's boundary")
         _raise_heavy_tails(self.factor, self.last_khat_)
         low = np.flatnonzero(~(ess >= self.min_ess))
         if low.size:

@@ -23,7 +23,7 @@ from joblib import Parallel, delayed
 from . import __version__
 from .factors import Factor, get_factor, param_mismatch, registered_factors
 from .families import Family, family_by_name, family_name
-from .oracles import ImportanceSamplingOracle, OracleError
+from .oracles import ImportanceSamplingOracle, LowESSError, OracleError
 
 __all__ = ["TrainingSet", "make_training_set", "FORMAT_VERSION", "DEFAULT_DISTRIBUTIONS", "default_incoming"]
 
@@ -167,7 +167,13 @@ def _joined_meta(sets) -> dict:
     out = {}
     for key, value in sets[0].meta.items():
         values = [s.meta.get(key, _MISSING) for s in sets]
-        if key.startswith("n_") and all(type(x) is int for x in values):
+        if key == "failures":  # per cause: counts summed, the first failure kept (numbered in the joined set)
+            offset, parts = 0, []
+            for s in sets:
+                parts.append((s.meta.get("failures") or {}, offset))
+                offset += int(s.meta.get("n_requested", len(s)))
+            out[key] = _merged_failures(parts)
+        elif key.startswith("n_") and all(type(x) is int for x in values):
             out[key] = sum(values)
         elif all(x == value for x in values):
             out[key] = value
@@ -177,19 +183,68 @@ def _joined_meta(sets) -> dict:
 _MISSING = object()
 
 
+def _merged_failures(parts) -> dict:
+    """``failures`` of several chunks or sets as one: ``parts`` = [(failures, offset of its first
+    message)]; per cause the counts summed and the first failure (message number shifted) kept."""
+    out: dict = {}
+    for failures, offset in parts:
+        for cause, rec in failures.items():
+            if cause not in out:
+                out[cause] = {**rec, "first_message": int(rec["first_message"]) + int(offset)}
+            else:
+                out[cause]["count"] += int(rec["count"])
+    return out
+
+
+def failures_text(failures: Mapping | None, limit: int = 3) -> str:
+    """``failures`` (a training set's ``meta["failures"]``) in a sentence: the count per cause and, for
+    the commonest, its first message's error."""
+    if not failures:
+        return ""
+    ranked = sorted(failures.items(), key=lambda kv: -kv[1]["count"])
+    counts = ", ".join(f"{rec['count']} × {cause}" for cause, rec in ranked[:limit])
+    if len(ranked) > limit:
+        counts += f", {sum(r['count'] for _, r in ranked[limit:])} × other causes"
+    cause, rec = ranked[0]
+    return f"{counts}; the first ({cause}), message {rec['first_message']}: {rec['first_error']}"
+
+
+def _note_failure(failures: dict, exc: BaseException, row: int) -> None:
+    cause = getattr(exc, "cause", None) or type(exc).__name__
+    rec = failures.setdefault(cause, {"count": 0, "first_message": int(row), "first_error": str(exc)[:1000]})
+    rec["count"] += 1
+
+
 def _oracle_chunk(oracle, incoming: Mapping[str, Family], to: str, drop_failures: bool):
-    """Beliefs for one chunk and a mask of the rows the oracle could answer."""
+    """Beliefs for one chunk, a mask of the rows the oracle could answer, and why the others failed:
+    ``{cause: {"count", "first_message" (its row in the chunk), "first_error"}}`` (an OracleError's
+    ``cause``; found by an audit: a job whose user sampler returned NaN "succeeded" with 45 of 50
+    pairs dropped, and one whose sampler left its output's support failed with "the oracle failed
+    on every message" — neither said why)."""
     n = len(next(iter(incoming.values())))
     fam = oracle.factor.families[to]
+    failures: dict = {}
     if isinstance(oracle, ImportanceSamplingOracle):
         stats, ess = oracle.estimate(incoming, to)
         ok = ess >= oracle.min_ess
         ok &= fam.estimate_ok(stats)
         if not drop_failures and not ok.all():
             raise OracleError(f"importance sampling failed on {int((~ok).sum())} message(s) (low ESS)")
-        return fam.from_estimate(stats[ok]), ok
+        undefined = oracle.last_undefined_ if oracle.last_undefined_ is not None else np.zeros(0, dtype=int)
+        for i in np.flatnonzero(~ok):
+            if i in undefined:
+                exc = OracleError("more than 1e-06 of its mass lies where the factor's sampler returned NaN or a "
+                                  "value on the boundary of a variable's support", cause="sampler returned NaN or "
+                                  "a value on a support's boundary")
+            elif ess[i] < oracle.min_ess:
+                exc = LowESSError([i], [ess[i]], oracle.min_ess)
+            else:
+                exc = OracleError(f"the estimate is not a {fam.__name__} message's statistics",
+                                  cause="estimate not a message")
+            _note_failure(failures, exc, i)
+        return fam.from_estimate(stats[ok]), ok, failures
     try:
-        return oracle.belief(incoming, to), np.ones(n, dtype=bool)
+        return oracle.belief(incoming, to), np.ones(n, dtype=bool), failures
     except OracleError:
         if not drop_failures:
             raise
@@ -199,11 +254,11 @@ def _oracle_chunk(oracle, incoming: Mapping[str, Family], to: str, drop_failures
         try:
             parts.append(oracle.belief({v: m[i:i + 1] for v, m in incoming.items()}, to))
             ok[i] = True
-        except OracleError:
-            pass
+        except OracleError as exc:
+            _note_failure(failures, exc, i)
     if not parts:
-        return None, ok
-    return fam.concatenate(parts), ok
+        return None, ok, failures
+    return fam.concatenate(parts), ok, failures
 
 
 def _chunk_job(oracle, part: Mapping[str, Family], to: str, seed, drop_failures: bool):
@@ -252,7 +307,9 @@ def make_training_set(
     random_state : seeds the incoming sampler and each chunk's importance sampler.
     progress : show a tqdm progress bar.
     drop_failures : drop messages the oracle cannot answer (low ESS) and count them in
-        ``meta["n_failed"]``; otherwise raise :class:`~kjit.oracles.OracleError`.
+        ``meta["n_failed"]``, and per cause in ``meta["failures"]`` (``{cause: {"count",
+        "first_message", "first_error"}}``, the cause an OracleError's ``cause``); otherwise raise
+        :class:`~kjit.oracles.OracleError`.  When every message fails, the OracleError says why.
     """
     if isinstance(factor, str):
         factor = get_factor(factor)
@@ -295,18 +352,21 @@ def make_training_set(
         from tqdm.auto import tqdm
 
         results = tqdm(results, total=len(starts), desc=f"oracle {factor.name}→{to}", unit="chunk")
-    beliefs, oks = [], []
-    for b, ok in results:
+    beliefs, oks, failures = [], [], []
+    for i, (b, ok, why) in enumerate(results):
         oks.append(ok)
+        failures.append((why, starts[i]))
         if b is not None:
             beliefs.append(b)
     ok = np.concatenate(oks)
+    failures = _merged_failures(failures)
     if not beliefs:
-        raise OracleError("the oracle failed on every message")
+        raise OracleError(f"the oracle failed on every message: {failures_text(failures)}",
+                          cause=next(iter(failures), None))
     fam = factor.families[to]
     meta = {
         "n_requested": int(total), "n_failed": int((~ok).sum()), "oracle": repr(oracle),
-        "chunk_size": int(chunk_size),
+        "chunk_size": int(chunk_size), "failures": failures,
     }
     keep = np.flatnonzero(ok)
     return TrainingSet(

@@ -351,8 +351,15 @@ class OperatorDetail(OperatorSummary):
                           "seconds; null when the audit is off); `count` is 0 and the KL statistics and shares "
                           "are null before the first audit")
     threshold_note: str | None = Field(
-        None, description="why the audit last lowered this operator's threshold (the `reason` of the last of "
-                          "`audit.threshold_changes`); null if it never did")
+        None, description="when the threshold lies below `threshold_floor` − log 2 (the least log variance an "
+                          "answer has): that every message will be consulted, "
+                          "and what to do (train on more pairs or larger features, or give a threshold); else why "
+                          "the audit last lowered this operator's threshold (the `reason` of the last of "
+                          "`audit.threshold_changes`); null if neither")
+    threshold_floor: float | None = Field(
+        None, description="the operator's noise floor (kjit.operators.JITOperator.threshold_floor): the least log "
+                          "predictive variance of an answer however much is learned — below it every message is "
+                          "consulted; null for an operator without one (epistemic uncertainty)")
     decision_weighting: Literal["range+density", "range", "none"] | None = Field(
         None, description="what the just-in-time rule weighs the log variances against (kjit/curvature.py): "
                           "`range+density` — an answer more concentrated than the beliefs learned, or between "

@@ -24,7 +24,10 @@ Unless a request gives one, the just-in-time threshold is calibrated with
 training pairs, at least 200, drawn from the same distribution): the largest log predictive
 variance at which the confident predictions still have a mean KL[q ‖ q̂] ≤ 1e-3.  If no
 threshold meets that target, the factor's ``default_threshold`` is used (the paper's value:
-−8.95 logistic, −6 compound gamma), else −8.5.
+−8.95 logistic, −6 compound gamma), else −8.5.  A threshold more than log 2 below the operator's
+noise floor (:meth:`kjit.operators.JITOperator.threshold_floor`) makes every message consulted: the job's result
+and the operator's detail then say so in ``threshold_note`` (:func:`below_floor_note`, which says
+why the fallback is not raised to the floor).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ __all__ = [
     "sampler_from_ranges",
     "train_operator",
     "FALLBACK_THRESHOLD",
+    "below_floor_note",
 ]
 
 TARGET_KL = 1e-3
@@ -244,6 +248,8 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
                         inner_factors=spec.inner_factors, width_factors=spec.width_factors,
                         random_state=spec.random_state).fit(ts)
     info = {"n_train": len(ts), "n_failed": int(ts.meta.get("n_failed", 0)) if ts.meta else 0}
+    if ts.meta and ts.meta.get("failures"):  # why the oracle failed on the dropped pairs (count and first, per cause)
+        info["failures"] = ts.meta["failures"]
     if spec.threshold is not None:
         threshold, how = float(spec.threshold), "given"
     else:
@@ -251,6 +257,8 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
         if held_out is not None:
             threshold = calibrate_threshold(op, held_out, TARGET_KL)
             info["n_held_out"] = len(held_out)
+            if held_out.meta and held_out.meta.get("failures"):
+                info["held_out_failures"] = held_out.meta["failures"]
             q_hat = op.belief(held_out.incoming)
             info["held_out_mean_kl"] = float(np.mean(held_out.beliefs.kl(q_hat)))
         how = f"calibrated: mean KL <= {TARGET_KL:g} on held-out pairs"
@@ -262,11 +270,35 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
                 threshold = FALLBACK_THRESHOLD
                 how = "generic fallback (no threshold met the calibration target)"
     jit = JITOperator(op, oracle, threshold=threshold, initial_batch=spec.initial_batch)
+    floor = jit.threshold_floor()
+    if np.isfinite(floor):
+        info["threshold_floor"] = float(floor)
+    note = below_floor_note(jit, how)
+    if note is not None:
+        info["threshold_note"] = note
     info.update({"threshold": float(threshold), "threshold_source": how,
                  "train_seconds": time.perf_counter() - t0, "hyperparameters": _jsonable(op.hyperparameters())})
     if progress:
         progress("fit", 1, 1)
     return jit, ts, info
+
+
+def below_floor_note(jit, how: str | None = None) -> str | None:
+    """What a user should know when an operator's threshold lies below its noise floor
+    (:meth:`kjit.operators.JITOperator.threshold_note`), with what to do; None otherwise.
+
+    The fallback is not raised to the floor: calibration failing means that even the held-out
+    pairs with the least predictive variance missed the KL target, so a threshold at the floor would
+    serve as confident answers that calibration found inaccurate.  Consulting every message is slow
+    but right; the user is told why and what to do."""
+    note = jit.threshold_note()
+    if note is None:
+        return None
+    why = f" ({how})" if how else ""
+    return (f"{note}{why}: mode=jit asks the oracle for each message, and EP through this operator runs at the "
+            "oracle's pace. To have confident answers, train it on more pairs (source.n) or with larger features "
+            "(n_inner, n_outer) until calibration finds a threshold, or give a threshold at or above the floor if "
+            "the held-out KL (held_out_mean_kl) is acceptable for your use")
 
 
 def _jsonable(d):

@@ -8,7 +8,7 @@ import pytest
 
 from kjit.factors import CompoundGamma, Logistic, SampledFactor
 from kjit.families import Beta, Gamma, Gaussian
-from kjit.oracles import ImportanceSamplingOracle, LowESSError, MessageImportanceSampler, QuadratureOracle
+from kjit.oracles import ImportanceSamplingOracle, LowESSError, MessageImportanceSampler, OracleError, QuadratureOracle
 
 
 def _logistic_batch(n, seed):
@@ -123,9 +123,10 @@ def test_target_ess_mode_and_validation():
 def test_a_row_where_the_sampler_returns_nan_is_refused_not_answered_biased():
     """A user's sampler undefined on part of the input range (NaN for x < 0, say a log of a negative):
     dropping those particles answered a biased belief (KL up to 20 nats) with a healthy ESS (found in
-    review); the rows whose particles hit NaN now fail by name (no weight: LowESSError), the others
-    are answered as before — checked against the exact belief of z = x + N(0, 0.3²)."""
-    from kjit.errors import LowESSError
+    review); the rows whose particles hit NaN now fail by name (SamplerOutputError, an OracleError
+    naming the rows — before, a LowESSError "effective sample size 0", which blamed the proposal), the
+    others are answered as before — checked against the exact belief of z = x + N(0, 0.3²)."""
+    from kjit.errors import SamplerOutputError
     from kjit.factors import SampledFactor
     from kjit.families import Gaussian
     from kjit.oracles import MessageImportanceSampler
@@ -137,7 +138,7 @@ def test_a_row_where_the_sampler_returns_nan_is_refused_not_answered_biased():
     f = SampledFactor("nan_below_zero", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=sampler)
     xm, xv = np.array([-1.5, 40.0, -0.5, 30.0]), np.ones(4)  # rows 1 and 3: no draw below 0 (40 and 30 sd)
     inc = {"x": Gaussian(xm, xv), "z": Gaussian(xm + 0.2, np.ones(4))}
-    with pytest.raises(LowESSError) as err:
+    with pytest.raises(SamplerOutputError) as err:
         MessageImportanceSampler(f, random_state=0).belief(inc, "x")
     np.testing.assert_array_equal(err.value.rows, [0, 2])
     ok = {v: m[[1, 3]] for v, m in inc.items()}
@@ -239,3 +240,99 @@ def test_the_adaptive_particle_count_does_not_bias_the_answer():
         err.append(Gamma.project(st).to_coords() - exact)
     err = np.array(err).reshape(300, -1)
     assert np.all(np.abs(err.mean(0)) < 3 * err.std(0, ddof=1) / np.sqrt(300))
+
+
+# ---------------------------------------------------------------- a user sampler's bad output, named
+def _bad_output_factor(kind):
+    """A user factor whose sampler returns, for x > 1, NaN / +inf / (Gamma output) negative values."""
+    if kind == "neg":
+        return SampledFactor("neg_for_gamma", inputs={"x": Gaussian}, output=("y", Gamma),
+                             sampler=lambda v, rng: np.exp(v["x"]) * np.where(v["x"] > 1.0, -1.0, 1.0))
+    bad = {"nan": np.nan, "inf": np.inf}[kind]
+    return SampledFactor(f"{kind}_above_one", inputs={"x": Gaussian}, output=("z", Gaussian),
+                         sampler=lambda v, rng: np.where(v["x"] > 1.0, bad, v["x"]))
+
+
+@pytest.mark.parametrize("kind, cause, words", [
+    ("nan", "sampler returned NaN", "NaN (where the factor is not defined)"),
+    ("neg", "sampler returned values outside the support", "values outside the Gamma support [0, inf]"),
+])
+@pytest.mark.parametrize("to", ["x", "out"])
+def test_a_sampler_returning_no_value_of_its_output_family_is_named_not_blamed_on_the_proposal(kind, cause, words, to):
+    """Found by an audit: NaN draws, and negative draws for a Gamma output, were "LowESSError: … effective
+    sample size 0 … use a better proposal or more samples" for every row that met one — even a row with
+    ~4e-4 of its draws there.  Now a SamplerOutputError (an OracleError: EP skips the rows, a training
+    set drops and counts them) naming the factor, the output, what was returned and exactly the rows whose
+    draws met it; the other rows are answered."""
+    from kjit.errors import SamplerOutputError
+
+    f = _bad_output_factor(kind)
+    out = f.output
+    to = out if to == "out" else to
+    # rows 0 and 2 reach x > 1 (row 0 with ~5e-3 of its mass: ~10 of 2 000 pilot draws), rows 1 and 3 never
+    xm, xv = np.array([-1.0, -3.0, 2.0, -4.0]), np.array([0.6, 0.25, 0.5, 0.25])
+    m_out = Gamma(np.full(4, 2.0), np.full(4, 1.0)) if kind == "neg" else Gaussian(xm, np.full(4, 4.0))
+    inc = {"x": Gaussian(xm, xv), out: m_out}
+    with pytest.raises(SamplerOutputError) as err:
+        MessageImportanceSampler(f, random_state=0).belief(inc, to)
+    e = err.value
+    np.testing.assert_array_equal(e.rows, [0, 2])
+    assert (e.factor, e.variable, e.cause) == (f.name, out, cause)
+    msg = str(e)
+    assert f"factor {f.name!r}" in msg and f"output {out!r}" in msg and words in msg and "rows [0, 2]" in msg
+    assert "effective sample size" not in msg and "proposal or more samples" not in msg.replace("another proposal", "")
+    if kind == "neg":
+        assert "e.g. -" in msg  # (a value it returned)
+    # the rows whose draws stay where the sampler is defined are answered
+    ok = {v: m[[1, 3]] for v, m in inc.items()}
+    q = MessageImportanceSampler(f, random_state=0).belief(ok, to)
+    assert np.all(np.isfinite(q.to_coords()))
+
+
+def test_an_infinite_draw_of_an_unbounded_output_weighs_its_limit_zero():
+    """Found by an audit: a user's z = inf for x > 1 (Gaussian z) was "effective sample size 0 … use a
+    better proposal or more samples" — the weight at inf, recomputed from the statistics, was inf − inf.
+    ±inf is the end of an unbounded support (an overflow rounds onto it) and a proper message's density
+    vanishes there: weight 0, the limit, exact — the answer is the tilted distribution of the factor as
+    declared, here N(2, 1/3) truncated to x ≤ 1."""
+    from scipy import stats
+
+    f = _bad_output_factor("inf")
+    inc = {"x": Gaussian([2.0], [0.5]), "z": Gaussian([2.0], [1.0])}
+    q = MessageImportanceSampler(f, random_state=0).belief(inc, "x")
+    t = stats.truncnorm(-np.inf, (1.0 - 2.0) / np.sqrt(1 / 3), loc=2.0, scale=np.sqrt(1 / 3))
+    assert float(Gaussian([t.mean()], [t.var()]).kl(q)[0]) < 2e-3
+
+
+def test_an_overflow_to_inf_of_a_builtin_factor_is_still_weighted_not_refused():
+    """±inf is the end of an unbounded support a value can round onto (e^x = inf for x > 709.8): where
+    the factor's own statistics weigh it (exp's (e^x, x)), the row is answered as before — only an
+    infinite draw whose weight cannot be told is refused."""
+    from kjit.factors import get_factor
+
+    f = get_factor("exp")
+    inc = {"x": Gaussian([708.0], [4.0]), "y": Gamma([2.0], [1e-307])}
+    exact = QuadratureOracle(f).belief(inc, "x")
+    q = MessageImportanceSampler(f, random_state=0).belief(inc, "x")
+    assert float(exact.kl(q)[0]) < 1e-3
+
+
+def test_a_training_set_counts_its_dropped_pairs_by_cause_and_keeps_the_first_error():
+    """Found by an audit: a training run whose sampler returned NaN on most messages "succeeded" with
+    n_failed 45 of 50 and no cause; one where every message failed said only "the oracle failed on every
+    message".  meta["failures"] = {cause: {count, first_message, first_error}}, joined across sets."""
+    from kjit.training import TrainingSet, make_training_set
+
+    f = _bad_output_factor("nan")
+    xm = np.array([-1.0, -3.0, 2.0, -4.0, 3.0, -2.5])
+    inc = {"x": Gaussian(xm, np.array([0.6, 0.25, 0.5, 0.25, 0.5, 0.2])), "z": Gaussian(xm, np.full(6, 4.0))}
+    ts = make_training_set(f, "x", inc, MessageImportanceSampler(f, random_state=0), random_state=0, chunk_size=4)
+    assert len(ts) == 3 and ts.meta["n_failed"] == 3
+    rec = ts.meta["failures"]["sampler returned NaN"]
+    assert rec["count"] == 3 and rec["first_message"] == 0 and "NaN" in rec["first_error"]
+    both = TrainingSet.concatenate([ts, ts])
+    rec2 = both.meta["failures"]["sampler returned NaN"]
+    assert rec2["count"] == 6 and rec2["first_message"] == 0
+    with pytest.raises(OracleError, match=r"failed on every message: 2 × sampler returned NaN; .*factor 'nan_above_one'"):
+        make_training_set(f, "x", {v: m[[2, 4]] for v, m in inc.items()}, MessageImportanceSampler(f, random_state=0),
+                          random_state=0)

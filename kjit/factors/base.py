@@ -87,18 +87,32 @@ class UnknownFactorError(ValueError):
 
 
 class FactorCodeError(ValueError):
-    """A factor's own code (a user's sampler or approximation) raised something other than a
-    ``ValueError`` / ``ArithmeticError`` / :class:`~kjit.errors.OracleError`: named, as a
-    ``ValueError`` (a 4xx in the service), instead of a bare exception from inside it (found by an
-    audit: a sampler's RuntimeError or KeyError was a 500, even in ``mode=predict`` for an
-    approximation's)."""
+    """A factor's own code raised: named, as a ``ValueError`` (a 422 in the service), instead of a bare
+    exception from inside it (found by an audit: a sampler's RuntimeError or KeyError was a 500, even
+    in ``mode=predict`` for an approximation's).  A user's sampler (:class:`SampledFactor`) is named
+    whatever it raises but an :class:`~kjit.errors.OracleError` — a MemoryError included (a later
+    audit: HTTP 500; an allocation too large for these inputs fails again on a retry, so it is the
+    request's 422, not a 503), and a ValueError / ArithmeticError, which reached the client as the
+    sampler's bare words; other factor code is named for what :data:`PASSED_THROUGH` lets by.
+    ``rows``: the messages whose draws raise it, when known (the per-message sampler finds them)."""
 
-    def __init__(self, name: str, message: str):
+    rows = None
+
+    def __init__(self, name: str, message: str, rows=None):
         self.name = name
         super().__init__(message)
+        if rows is not None:
+            self.rows = np.asarray(rows, dtype=int).ravel()
+
+    def with_rows(self, rows) -> "FactorCodeError":
+        """This error for the messages ``rows`` of the batch, named in its text."""
+        rows = np.asarray(rows, dtype=int).ravel()
+        return FactorCodeError(self.name, f"{self.args[0]} (on the draws of rows {rows[:10].tolist()}"
+                                          f"{'…' if rows.size > 10 else ''})", rows)
 
 
-#: what a factor's own code may raise as it is (the callers name and map these)
+#: what a factor's own code may raise as it is (the callers name and map these); a user's sampler's
+#: are all named (:meth:`SampledFactor.sample`)
 PASSED_THROUGH = (ValueError, ArithmeticError, OracleError, MemoryError)
 
 
@@ -633,9 +647,9 @@ class SampledFactor(Factor):
     def sample(self, inputs, size, rng):
         try:
             raw = np.asarray(self._sampler({k: inputs[k] for k in self.inputs}, rng))
-        except PASSED_THROUGH:
+        except OracleError:  # (an oracle's own signal, with its rows)
             raise
-        except Exception as exc:  # the user's sampler's own bug, named
+        except Exception as exc:  # the user's sampler's own error, whatever it is, named (FactorCodeError)
             raise factor_code_error(self, "sampler", exc) from exc
         if raw.dtype.kind not in NUMERIC_KINDS:  # (a complex output lost its imaginary part)
             raise ValueError(f"sampler of factor {self.name!r} returned {raw.dtype} values, not real numbers")

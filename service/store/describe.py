@@ -7,6 +7,8 @@ import json
 from kjit.families import family_name
 from kjit.oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler
 
+from ..training import below_floor_note
+
 __all__ = ["summary", "detail", "oracle_kind"]
 
 
@@ -19,6 +21,10 @@ def oracle_kind(oracle) -> str:
     if isinstance(oracle, ImportanceSamplingOracle):
         return "importance_sampling"
     return "quadrature"
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and float(x) == float(x) and abs(float(x)) != float("inf") else None
 
 
 def summary(entry) -> dict:
@@ -50,8 +56,9 @@ def detail(entry) -> dict:
                       "audited_pairs": entry.audited_pairs,
                       **entry.audit_stats.summary(audit.kl_target if audit is not None else None),
                       "server": audit.summary() if audit is not None else None},
-            "threshold_note": (entry.audit_stats.threshold_changes[-1]["reason"]
-                               if entry.audit_stats.threshold_changes else None),
+            "threshold_floor": _finite(jit.threshold_floor()),
+            "threshold_note": below_floor_note(jit) or (entry.audit_stats.threshold_changes[-1]["reason"]
+                                                        if entry.audit_stats.threshold_changes else None),
             "counters": jit.counters(),
             "updates": {"version": entry.version, "observed_pairs": entry.observed_pairs,
                         "learned_pairs": entry.learned_pairs, "audited_pairs": entry.audited_pairs,
