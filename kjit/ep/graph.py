@@ -28,7 +28,11 @@ an exception with ``rows`` skips only those rows), the belief is improper or non
 (``invalid``), or it would make a variable's posterior improper (``improper``; in a parallel
 iteration every update of that variable in the iteration is rejected).  Convergence: the largest
 change of any variable's posterior in its family's coordinates — location in posterior standard
-deviations, log spread, log parameters — is below ``tol`` with nothing skipped.  Divergence: a
+deviations, log spread, log parameters — is below ``tol`` with nothing skipped; the change is the
+undamped one, the iteration's change divided by ``1 − damping`` (a damped step is that fraction of
+the step to the proposals, to first order in the coordinates), so ``converged`` means within ``tol``
+of the fixed point whatever the damping (found by an audit: the damped change stopped a probit
+graph at damping 0.999 as "converged" 2.7e-3 posterior sd from the fixed point, tol 1e-6).  Divergence: a
 non-finite site or posterior stops the run with the last finite state and ``outcome="diverged"``.
 """
 
@@ -187,7 +191,7 @@ class FactorGraph:
 @dataclass
 class GraphIteration:
     iteration: int
-    max_change: float
+    max_change: float  # largest change of a posterior in its coordinates, undamped: divided by 1 − damping
     seconds: float
     n_updated: int
     n_skipped: int
@@ -268,7 +272,7 @@ class GraphEP:
         ``QuadratureOracle(factor)`` (the factor's exact rule).  An operator answers
         ``belief(incoming, to)`` for a batch.
     damping : fraction of the old site kept, in [0, 1).
-    max_iter, tol : iteration cap and convergence tolerance (module docstring).
+    max_iter, tol : iteration cap and convergence tolerance on the undamped change (module docstring).
     schedule : ``"parallel"`` (default) or ``"sequential"``.
     compute_evidence : after the run, the EP log evidence (``GraphResult.log_evidence``) where every
         operator has a ``log_partition`` (EP only, not power EP).
@@ -485,7 +489,8 @@ class GraphEP:
                 sites, post = prev
                 break
             beliefs = self._beliefs(post)
-            rec.max_change = max(_change(beliefs_old[v], beliefs[v]) for v in names)
+            # the undamped change (module docstring, "Convergence")
+            rec.max_change = max(_change(beliefs_old[v], beliefs[v]) for v in names) / (1.0 - self.damping)
             rec.n_skipped = int(sum(rec.skipped.values()))
             if rec.n_skipped == 0 and rec.max_change < self.tol:
                 converged = True
