@@ -147,6 +147,8 @@ paper's ``R = ‖α_t − α_{t−1}‖ < 1e-3`` on the GP representer weights
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -158,7 +160,7 @@ from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
-from ..errors import ConfigurationError, rows_of_batch
+from ..errors import ConfigurationError, quoted, rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
 __all__ = [
@@ -170,6 +172,7 @@ __all__ = [
     "ON_UNCERTAIN",
     "UncertainAnswerError",
     "UncertainAnswerWarning",
+    "check_number",
 ]
 
 SKIP_REASONS = ("cavity", "operator_error", "invalid", "negative", "not_pd")
@@ -208,6 +211,41 @@ class UncertainAnswerError(RuntimeError):
     def __init__(self, message, rows=None):
         super().__init__(message)
         self.uncertain_rows = rows
+
+
+def check_number(name: str, value, low=None, high=None, *, low_open: bool = False, high_open: bool = False,
+                 integer: bool = False):
+    """The EP engines' one check of a numeric option: ``value`` as a float (an int with ``integer``), or a
+    ValueError naming ``name`` unless it is a real number (of integral value with ``integer``) — not text, not
+    None, not a bool (``True`` is not 1 here), not an array (a 0-d one is its number) — finite and within
+    ``[low, high]`` (``low_open`` / ``high_open``: that end excluded; ``None``: unbounded).
+
+    Found by an audit: ``power="0.5"`` passed ``float()`` and crashed in the cavity with numpy's
+    UFuncTypeError, ``damping=None`` / ``"0.5"`` with "ufunc 'isfinite' not supported", an array damping
+    with "truth value … is ambiguous", and ``power=True`` ran as power 1."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+        value = value.item()
+    kind = "an integer" if integer else "a finite real number"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"`{name}` must be {kind}, got {quoted(value)} ({type(value).__name__})")
+    num = float(value)
+    if integer:
+        if not (math.isfinite(num) and num == int(num)):
+            raise ValueError(f"`{name}` must be {kind}, got {value!r}")
+        num = int(num)
+    lo_ok = low is None or (num > low if low_open else num >= low)
+    hi_ok = high is None or (num < high if high_open else num <= high)
+    if not (integer or math.isfinite(num)) or not (lo_ok and hi_ok):
+        if low is not None and high is not None:
+            where = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        elif low is not None:
+            where = f"{'>' if low_open else '>='} {low:g}"
+        elif high is not None:
+            where = f"{'<' if high_open else '<='} {high:g}"
+        else:
+            where = "finite"
+        raise ValueError(f"`{name}` must be {kind} {where}, got {value!r}")
+    return num
 
 
 def check_on_uncertain(policy) -> str:
@@ -656,20 +694,15 @@ class LinearEP:
             raise ValueError(f"`prior_var` must be a scalar or a length-{d} array, got shape {pv.shape}")
         if not np.all(np.isfinite(pv) & (pv > 0)):
             raise ValueError("`prior_var` must be finite and > 0")
-        if not (np.isfinite(self.damping) and 0.0 <= self.damping < 1.0):
-            raise ValueError(f"`damping` must lie in [0, 1), got {self.damping!r}")
-        if int(self.max_iter) != self.max_iter or self.max_iter < 1:
-            raise ValueError(f"`max_iter` must be a positive integer, got {self.max_iter!r}")
-        if not (np.isfinite(self.tol) and self.tol >= 0):
-            raise ValueError(f"`tol` must be finite and >= 0, got {self.tol!r}")
+        # every numeric option through one check, whichever variant runs (an option the run does not use
+        # is still refused when invalid: found by an audit, relax_reading="bogus" and relax_grid=-4 ran
+        # silently without relax_c)
+        check_number("damping", self.damping, 0.0, 1.0, high_open=True)
+        check_number("max_iter", self.max_iter, 1, integer=True)
+        check_number("tol", self.tol, 0.0)
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"`schedule` must be one of {_SCHEDULES}, got {self.schedule!r}")
-        try:
-            u = float(self.power)
-        except (TypeError, ValueError):
-            raise ValueError(f"`power` must be a finite number > 0, got {self.power!r}") from None
-        if not (np.isfinite(u) and u > 0):
-            raise ValueError(f"`power` must be a finite number > 0, got {self.power!r}")
+        u = check_number("power", self.power, 0.0, low_open=True)
         if u != 1.0 and not supports_power(self.operator):
             raise ValueError(
                 f"power EP (power={u:g}) needs an operator for the factor to the power u: "
@@ -677,43 +710,37 @@ class LinearEP:
                 f"({type(self.operator).__name__} has none). Use kjit.ep.operators."
                 "ProbitNoiseOperator / LogisticOperator / LaplaceOperator, or an operator trained on f^u"
             )
+        check_number("relax_grid", self.relax_grid, 3, integer=True)
+        if not isinstance(self.relax_reading, str) or self.relax_reading not in RELAX_READINGS:
+            raise ValueError(f"`relax_reading` must be one of {RELAX_READINGS}, got {self.relax_reading!r}")
         if self.relax_c is not None:
-            c = self.relax_c
-            if not (isinstance(c, (int, float, np.floating, np.integer)) and np.isfinite(c) and c > 0):
-                raise ValueError(f"`relax_c` must be None or a finite number > 0, got {c!r}")
+            check_number("relax_c", self.relax_c, 0.0, low_open=True)
             if not has_projection_kl(self.operator):
                 raise ValueError(
                     "relaxed EP needs operator.projection_kl(incoming, to) = KL(tilted ‖ proj tilted) "
                     f"for its line search; {type(self.operator).__name__} has none "
                     "(kjit.ep.operators.ProbitNoiseOperator and LogisticOperator have it)"
                 )
-            if int(self.relax_grid) != self.relax_grid or self.relax_grid < 3:
-                raise ValueError(f"`relax_grid` must be an integer >= 3, got {self.relax_grid!r}")
-            if self.relax_reading not in RELAX_READINGS:
-                raise ValueError(f"`relax_reading` must be one of {RELAX_READINGS}, got {self.relax_reading!r}")
             if self.relax_reading.startswith("appendix"):
                 if not callable(getattr(self.operator, "appendix_relaxed_q", None)):
                     raise ValueError(
                         f"relax_reading={self.relax_reading!r} needs operator.appendix_relaxed_q (the paper's "
                         f"eq. 22 for the noisy probit; kjit.ep.operators.ProbitNoiseOperator); "
                         f"{type(self.operator).__name__} has none")
-                if self.power != 1.0:
+                if u != 1.0:
                     raise ValueError(f"relax_reading={self.relax_reading!r} is defined for power = 1 only")
         if self.stop_rule is not None and not callable(self.stop_rule):
             raise ValueError("`stop_rule` must be None or a callable (record, mean, cov) -> bool")
         check_on_uncertain(self.on_uncertain)
-        thr = self.uncertainty_threshold
-        if thr is not None and not (isinstance(thr, (int, float, np.floating, np.integer)) and np.isfinite(thr)):
-            raise ValueError(f"`uncertainty_threshold` must be None or a finite number, got {thr!r}")
+        if self.uncertainty_threshold is not None:
+            check_number("uncertainty_threshold", self.uncertainty_threshold)
         if self.on_uncertain == "oracle" and self._oracle() is None:
             raise ValueError(
                 'on_uncertain="oracle" needs an oracle: pass `oracle=` (e.g. a QuadratureOracle) or use an '
                 f"operator that carries one (JITOperator, RemoteOperator); {type(self.operator).__name__} has none"
             )
         for name in ("divergence_limit", "answer_rtol", "sign_z"):
-            val = getattr(self, name)
-            if not (isinstance(val, (int, float, np.floating, np.integer)) and np.isfinite(val) and val > 0):
-                raise ValueError(f"`{name}` must be a finite number > 0, got {val!r}")
+            check_number(name, getattr(self, name), 0.0, low_open=True)
         return np.broadcast_to(1.0 / pv, (d,)).astype(float)
 
     # ------------------------------------------------------------------ operator call

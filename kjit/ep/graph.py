@@ -48,8 +48,8 @@ import numpy as np
 
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError
-from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
-                     count_failing, operator_failure, oracle_rows, uncertain_rows)
+from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_number,
+                     check_on_uncertain, count_failing, operator_failure, oracle_rows, uncertain_rows)
 from ..factors import Factor, get_factor
 from ..families import Family, Gaussian
 from ..protocols import reports_uncertainty
@@ -307,25 +307,18 @@ class GraphEP:
                  oracles: Mapping | None = None):
         if not isinstance(graph, FactorGraph):
             raise ValueError("`graph` must be a FactorGraph")
-        if not (0.0 <= damping < 1.0):
-            raise ValueError(f"`damping` must lie in [0, 1), got {damping!r}")
         if schedule not in ("parallel", "sequential"):
             raise ValueError(f"`schedule` must be 'parallel' or 'sequential', got {schedule!r}")
-        if int(max_iter) < 1 or not (tol >= 0):
-            raise ValueError("`max_iter` must be >= 1 and `tol` >= 0")
         self.graph = graph
         self.operators = dict(operators or {})
-        self.damping = float(damping)
-        self.max_iter = int(max_iter)
-        self.tol = float(tol)
+        # (one check for every numeric option: kjit.ep.engine.check_number)
+        self.damping = check_number("damping", damping, 0.0, 1.0, high_open=True)
+        self.max_iter = check_number("max_iter", max_iter, 1, integer=True)
+        self.tol = check_number("tol", tol, 0.0)
         self.schedule = schedule
         self.compute_evidence = bool(compute_evidence)
-        if not (isinstance(power, (int, float, np.floating, np.integer)) and np.isfinite(power) and power > 0):
-            raise ValueError(f"`power` must be a finite number > 0, got {power!r}")
-        self.power = float(power)
-        if not (np.isfinite(divergence_limit) and divergence_limit > 0):
-            raise ValueError(f"`divergence_limit` must be a positive number, got {divergence_limit!r}")
-        self.divergence_limit = float(divergence_limit)
+        self.power = check_number("power", power, 0.0, low_open=True)
+        self.divergence_limit = check_number("divergence_limit", divergence_limit, 0.0, low_open=True)
         self.on_uncertain = check_on_uncertain(on_uncertain)
         self.oracles = dict(oracles or {})
         self._default_ops: dict = {}
