@@ -1,12 +1,15 @@
 """The EP engines' options (LinearEP, GraphEP, GPClassifier): every numeric option through one check
-(kjit.ep.engine.check_number), every option checked whichever variant uses it."""
+(kjit.ep.engine.check_number), every option checked whichever variant uses it, and relaxed EP that
+cannot run refused before the run — or, failing at run time, reported, never a silent plain EP."""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pytest
 
-from kjit.ep import GPClassifier, LinearEP, ProbitNoiseOperator
+from kjit.ep import GPClassifier, LinearEP, ProbitClassifier, ProbitNoiseOperator
 from kjit.ep.engine import check_number
 from kjit.ep.graph import FactorGraph, GraphEP
 from kjit.families import Bernoulli, Gaussian
@@ -92,3 +95,60 @@ def test_options_a_run_does_not_use_are_still_checked():
     with pytest.raises(ValueError, match="`power` must be"):
         _gp(method="rep", power=0.0)
     assert _gp(method="ep").converged_  # (the defaults pass)
+
+
+# ------------------------------------------------------------------------ relaxed EP that cannot run
+@pytest.mark.parametrize("reading", ["appendix_q", "appendix_site"])
+def test_appendix_readings_are_refused_before_the_run_where_their_objective_is_undefined(reading):
+    """The appendix's eq. 22 needs ε > 0 (ε log ε) and hard labels.  Found by an audit: with ε = 0 the
+    operator raised in every line search, the engine fell back to plain EP each time, and the run returned
+    EP's answer, n_relaxed 0, "converged", no warning.  Now the run is refused at the start, naming the
+    option and why."""
+    Xs, ys = X5[:4], Y5[:4]  # separable: ε = 0 is a proper model
+    calls = []
+
+    class Op(ProbitNoiseOperator):
+        def belief(self, incoming, to, power=1.0):
+            calls.append(1)
+            return super().belief(incoming, to, power)
+
+    with pytest.raises(ValueError, match=rf"relax_reading='{reading}' cannot be used.*eps > 0"):
+        ProbitClassifier(Op(0.0), relax_c=0.01, relax_reading=reading, max_iter=200).fit(Xs, ys)
+    assert calls == []  # refused before any update
+    with pytest.raises(ValueError, match=rf"relax_reading='{reading}' cannot be used.*hard labels"):
+        LinearEP(ProbitNoiseOperator(0.2), site_var="f", relax_c=0.01, relax_reading=reading).run(
+            X5, {"y": Bernoulli(np.array([1.0, 0.7, 0.0, 0.0, 0.0]))})
+    with pytest.raises(ValueError, match=rf"relax_reading='{reading}' cannot be used"):
+        GPClassifier(eps=0.0, method="rep", relax_c=0.01, relax_reading=reading, max_iter=50).fit(Xs, ys)
+    # where it is defined it runs and relaxes
+    ok = ProbitClassifier(ProbitNoiseOperator(0.2), relax_c=1e-3, relax_reading=reading, max_iter=20).fit(X5, Y5)
+    assert sum(r.n_relaxed for r in ok.result_.history) > 0
+
+
+def test_a_line_search_that_fails_at_run_time_is_reported_not_silent():
+    """A relaxation objective that fails during the run still gives the plain EP update, but counted
+    (``n_relax_failed``), in the status, and warned — before, only an entry of ``history[i].errors``."""
+
+    class Flaky(ProbitNoiseOperator):
+        n = 0
+
+        def projection_kl(self, incoming, to, power=1.0):
+            Flaky.n += 1
+            if Flaky.n == 3:
+                raise RuntimeError("the line search's operator is down")
+            return super().projection_kl(incoming, to, power)
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        res = LinearEP(Flaky(0.2), site_var="f", relax_c=1e-3, max_iter=30, schedule="parallel",
+                       allow_negative_sites=True).run(X5, {"y": Bernoulli(Y5.astype(float))})
+    failed = [r.n_relax_failed for r in res.history]
+    assert sorted(failed)[-2:] == [0, 5] and sum(failed) == 5  # one iteration's batch of five fell back
+    assert res.history[failed.index(5)].as_dict()["n_relax_failed"] == 5
+    assert "5 relaxed-EP update(s) fell back to the plain EP update" in res.status
+    assert "the line search's operator is down" in res.status
+    assert any(issubclass(x.category, RuntimeWarning) and "fell back" in str(x.message) for x in w)
+    # no failure: nothing said
+    clean = LinearEP(ProbitNoiseOperator(0.2), site_var="f", relax_c=1e-3, max_iter=30,
+                     allow_negative_sites=True).run(X5, {"y": Bernoulli(Y5.astype(float))})
+    assert all(r.n_relax_failed == 0 for r in clean.history) and "fell back" not in clean.status

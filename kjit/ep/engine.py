@@ -99,7 +99,10 @@ operator calls per update.  The operator must provide
 ``projection_kl(incoming, to)`` (``ProbitNoiseOperator`` and ``LogisticOperator`` do).  When the
 KL's slope at ``b = 0`` is above ``−c`` (always, for a large ``c``) the search returns exactly
 ``b = 0`` and the update is EP's, bit for bit.  Per iteration the record holds ``n_relaxed``
-(sites with ``b > 0``) and ``mean_relaxation`` (mean of ``b · v_¬`` over relaxed sites).  The
+(sites with ``b > 0``) and ``mean_relaxation`` (mean of ``b · v_¬`` over relaxed sites).  A line
+search that fails (the objective raises, or is not finite even at ``b = 0``) gives those sites the
+plain EP update: counted per iteration in ``n_relax_failed``, said in ``status`` and warned at the
+end of the run (RuntimeWarning) — never silent.  The
 evidence of a REP run is the EP formula at the final sites (relaxation factors not included).
 Notes on the paper: (i) its appendix eq. 22, written out term by term, is exactly
 ``E_p[log f] − log Z_b − KL(q̃ ‖ r q^{\\i}) + c|b|`` — the objective used here; (ii) its GP
@@ -338,6 +341,7 @@ class IterationRecord:
     n_zeroed: int = 0          # negative message precisions within the answer's error of 0, used as 0
     n_relaxed: int = 0         # relaxed EP: sites updated with a relaxation b > 0
     mean_relaxation: float = 0.0  # relaxed EP: mean of b · v_cavity over the relaxed sites
+    n_relax_failed: int = 0    # relaxed EP: sites given the plain EP update because the line search failed
     # answers received by source and quality (kjit.certificates.Certificates.counts: rule, oracle,
     # learned, learned_confident, learned_uncertain, learned_unrated, improper)
     answers: dict[str, int] = field(default_factory=dict)
@@ -361,6 +365,7 @@ class IterationRecord:
             "n_zeroed": self.n_zeroed,
             "n_relaxed": self.n_relaxed,
             "mean_relaxation": self.mean_relaxation,
+            "n_relax_failed": self.n_relax_failed,
             "answers": dict(self.answers),
         }
 
@@ -743,6 +748,21 @@ class LinearEP:
             check_number(name, getattr(self, name), 0.0, low_open=True)
         return np.broadcast_to(1.0 / pv, (d,)).astype(float)
 
+    def _check_appendix(self, observed, n):
+        """Before the run: the appendix readings' objective (``operator.appendix_relaxed_q``) must accept
+        this model's messages — the noisy probit's needs ε > 0 and hard labels.  Otherwise every line search
+        would fail and each update fall back to plain EP: found by an audit, ``relax_reading="appendix_q"``
+        with ε = 0 returned EP's answer, ``n_relaxed`` 0, "converged", with no warning."""
+        incoming = {self.site_var: Gaussian._unchecked(np.zeros(n), np.ones(n)), **observed}
+        try:
+            with np.errstate(all="ignore"):
+                self.operator.appendix_relaxed_q(incoming, np.zeros(n), np.zeros(n), np.zeros(n), np.ones(n))
+        except Exception as exc:
+            raise ValueError(
+                f"relax_reading={self.relax_reading!r} cannot be used on this model: the operator's "
+                f"appendix_relaxed_q refuses its messages ({type(exc).__name__}: {exc}), so relaxed EP would be "
+                "plain EP at every update; use relax_reading='projection_kl' or 'scaled_message'") from exc
+
     # ------------------------------------------------------------------ operator call
     def _oracle(self):
         return self.oracle if self.oracle is not None else getattr(self.operator, "oracle", None)
@@ -929,7 +949,8 @@ class LinearEP:
         ``cm, cv, h, lam, v`` (cavity, old site, posterior marginal variance) are already
         indexed by ``idx``.  Returns ``(mr, vr, r_h, r_λ)``; ``r = 0`` (no relaxation) gives
         back the cavity bit for bit.  If the objective fails the sites are not relaxed (plain
-        EP update) and the error is recorded.
+        EP update), counted in ``rec.n_relax_failed`` and the error recorded (the run's status and a
+        warning say so).
         """
         k = len(idx)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -984,9 +1005,10 @@ class LinearEP:
                 best = np.where((curv > 0) & np.isfinite(vertex), np.clip(vertex, lo, hi), mid)
                 ok = np.isfinite(fm) & np.isfinite(f1) & np.isfinite(f2)
                 s_best[ref] = np.where(ok, np.exp(best), s_best[ref])
-        except Exception as exc:  # relaxation failed: fall back to the EP update
+        except Exception as exc:  # relaxation failed: fall back to the EP update, counted and reported
             if len(rec.errors) < 5:
                 rec.errors.append(f"relaxation line search: {type(exc).__name__}: {exc}")
+            rec.n_relax_failed += k
             s_best = np.zeros(k)
         rh, rl, _ = self._relaxation(s_best, cv, ms, h, lam)
         mr, vr, _ = _relaxed_cavity(cm, cv, rh, rl)
@@ -1056,6 +1078,8 @@ class LinearEP:
         observed = _as_messages(observed, n)
         if self.site_var in observed:
             raise ValueError(f"`observed` must not contain the site variable {self.site_var!r}")
+        if self.relax_c is not None and self.relax_reading.startswith("appendix"):
+            self._check_appendix(observed, n)
         if init_sites is None:
             h = np.zeros(n)
             lam = np.zeros(n)
@@ -1120,6 +1144,13 @@ class LinearEP:
                 f"(last max site change {last.max_change:.3g}, tol {self.tol:g}, "
                 f"{last.n_skipped} update(s) skipped in the last iteration)"
             )
+        n_fell = int(sum(r.n_relax_failed for r in history))
+        if n_fell:
+            first = next((e for r in history for e in r.errors if e.startswith("relaxation line search")), "")
+            msg = (f"{n_fell} relaxed-EP update(s) fell back to the plain EP update: the relaxation's line "
+                   f"search failed ({first})")
+            status += f"; {msg}"
+            warnings.warn(f"EP with {type(self.operator).__name__}: {msg}", RuntimeWarning, stacklevel=3)
         n_unc = int(sum(r.n_uncertain for r in history))
         if n_unc:
             msg = (f"{n_unc} answer(s) above the operator's uncertainty threshold "
