@@ -637,9 +637,9 @@ class LinearEP:
         its predictor, or any site or the posterior non-finite, is divergent: the run stops with
         the last finite state and ``outcome="diverged"`` (status says the iteration and cause).
     answer_rtol, sign_z:
-        A belief wider than the cavity by a relative ``≤ sign_z · sd + answer_rtol`` (``sd``: the
-        answer's predictive standard deviation of log v, when reported) is used as a message of
-        precision 0 instead of being skipped as negative (see ``_propose``).
+        A belief wider than the cavity by a relative ``≤ sign_z · sd + answer_rtol · min(1, power)``
+        (``sd``: the answer's predictive standard deviation of log v, when reported) is used as a
+        message of precision 0 instead of being skipped as negative (see ``_propose``).
     """
 
     def __init__(
@@ -1029,10 +1029,19 @@ class LinearEP:
         ``answer_rtol`` for answers that report none (oracles: their relative accuracy) — is
         a message whose precision is indistinguishable from 0: it is used with precision 0
         (``v_q = v_cav``, the shift kept) instead of being skipped as negative every iteration.
+
+        Power EP scales ``answer_rtol`` by ``min(1, u)``: the answer ``proj[q^{\\u} f^u]`` moves
+        ``log v`` from the u-cavity's by ``d = log(v_q / v_cav) ≈ −u λ v_cav`` (λ the site precision
+        it implies, ``(1/v_q − 1/v_cav) / u``), an O(u) move that the rules compute to a relative
+        accuracy (closed form, quadrature of ``f^u``), so their error in ``d`` is ``answer_rtol · u``
+        for u < 1, not ``answer_rtol``.  Unscaled, every site with ``u |λ| v_cav ≤ answer_rtol`` —
+        all of them as u → 0 — was taken for precision 0: found by an audit, u = 1e-8 zeroed the
+        genuinely negative site (λ = −0.16) of a mislabelled point, posterior mean 3.4e-2 off the
+        reference power EP, reported converged.
         """
         sd = np.full(qv.shape, np.nan) if sd is None else sd
         with np.errstate(all="ignore"):
-            tol = self.sign_z * np.where(np.isfinite(sd), sd, 0.0) + self.answer_rtol
+            tol = self.sign_z * np.where(np.isfinite(sd), sd, 0.0) + self.answer_rtol * min(1.0, float(self.power))
             d = np.log(qv) - np.log(cv)
             zero = ok & (d > 0) & (d <= tol)
         if zero.any():
