@@ -82,6 +82,14 @@ Operators that do support it (:mod:`kjit.ep.operators`): ``ProbitNoiseOperator``
 ``LogisticOperator`` (``σ^u`` is the logistic factor with the label message raised to the power
 u: quadrature) and ``LaplaceOperator`` (``u·log f``).  The evidence is Minka's power-EP estimate:
 site normalisers with ``∫ q^{\\u} (s_i t̃_i)^u = Z_i(u)``.
+A limitation of u > 1: the u-cavity is a distribution only where
+``u λ_i v_i < 1``, i.e. where site i carries less than 1/u of its predictor's posterior precision.
+A site that carries more — typically a conjugate Gaussian factor that dominates its predictor —
+has an improper u-cavity at every iteration, its update is skipped (``cavity``) and the run never
+reports convergence, though ``q^{\\u} f^u`` is still normalisable there (``f^u`` has Gaussian
+tails) and the posterior may already be exact (found by an audit: Gaussian regression, 5 rows × 3
+weights, u = 1.5–3: posterior mean exact to 4e-16, outcome "max_iter", evidence not computed).
+Use u ≤ 1 for such factors.
 
 **Relaxed EP** (``relax_c=c``).  Before the projection, the cavity is multiplied by a
 relaxation factor ``r_i(x) ∝ exp(−b_i (x − m̃_i)² / 2)`` of precision ``b_i ≥ 0`` centred at the

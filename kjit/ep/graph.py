@@ -286,7 +286,9 @@ class GraphEP:
     power : power EP's u > 0 (1 = EP): the cavity removes the fraction u of each site, the operator
         answers for f^u (``belief(incoming, to, power=u)``; operators must have ``supports_power``:
         the exact rules of logistic, probit_noise, gaussian, gamma_rate do, product and exp refuse
-        with the reason), and the new site is (q / cavity)^(1/u).
+        with the reason), and the new site is (q / cavity)^(1/u).  With u > 1 a site that carries more than
+        1/u of its variable's posterior precision has an improper u-cavity and is skipped at every iteration,
+        so such a run never reports convergence (as :class:`~kjit.ep.LinearEP`'s: see its module docstring).
     on_uncertain : what to do with a learned answer its certificates rate uncertain (above its
         operator's threshold in some coordinate, or flagged by the operator's just-in-time rule — a
         ``JITOperator``, a ``RemoteOperator`` in ``mode="predict"``; a bare ``KernelOperator``'s answers
