@@ -191,6 +191,29 @@ def test_power_ep_matches_independent_reference(u):
     assert model.log_evidence_ is not None and "power-EP" in model.result_.log_evidence_note
 
 
+def test_power_ep_with_a_tiny_power_keeps_a_negative_site():
+    """At u = 1e-8 the answer moves log v from the u-cavity's by only d ≈ −u λ v_cav (≈ 1e-9 here), so
+    the engine's "precision indistinguishable from 0" tolerance on d is answer_rtol · min(1, u), not
+    answer_rtol = 1e-8.  Found by an audit: the five-point probit with a mislabelled point (ε = 0.2,
+    its site precision λ = −0.16) had that site zeroed every iteration — posterior mean 3.4e-2 off the
+    reference power EP (covariance 0.20 off), reported converged.  Compared with the independent
+    reference at 1e-6: the run stops within about tol = 1e-7 of its fixed point (measured 1e-7 at most),
+    and both compute the site (1/v_q − 1/v_cav)/u from beliefs within O(u) of the cavity, so round-off
+    of ~1e-16 in v becomes ~1e-8 in the site: a 10× margin."""
+    eps, u = 0.2, 1e-8
+    X = np.array([[1.0, 0.3], [0.8, 1.2], [-1.0, -0.2], [-0.6, -1.1], [2.0, 0.5]])
+    y = np.array([1, 1, 0, 0, 0])
+    m_ref, V_ref = _pep_reference(X, y, eps, u)
+    for schedule, damping in (("sequential", 0.0), ("parallel", 0.5)):
+        model = ProbitClassifier(ProbitNoiseOperator(eps), power=u, tol=1e-7, max_iter=300, damping=damping,
+                                 schedule=schedule).fit(X, y)
+        assert model.converged_, model.result_.status
+        assert model.result_.site_precision[4] < -0.1  # the mislabelled point's site, not zeroed
+        assert sum(r.n_zeroed for r in model.result_.history) == 0
+        np.testing.assert_allclose(model.coef_, m_ref, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(model.posterior_.cov, V_ref, rtol=1e-6, atol=1e-6)
+
+
 def test_power_ep_evidence_is_continuous_in_u():
     X, y = _probit_problem(15, 2, seed=5, eps=0.1)
     op = ProbitNoiseOperator(0.1)
