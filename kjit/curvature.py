@@ -106,8 +106,7 @@ def gap_edges(hist) -> np.ndarray:
     c = np.cumsum(np.pad(h, [(0, 0)] * (h.ndim - 1) + [(w + 1, w)]), axis=-1)
     covered = (c[..., 2 * w + 1:] - c[..., :B]) >= CURVATURE_SUPPORT  # window sums over [b − w, b + w]
     idx = np.where(covered, np.arange(B), -1)
-    below = np.maximum.accumulate(idx, axis=-1)  # the highest covered bin ≤ b
-    below = np.concatenate([np.full(h.shape[:-1] + (1,), -1), below[..., :-1]], axis=-1)  # … < b
+    below = np.maximum.accumulate(idx, axis=-1)  # the highest covered bin ≤ b: < b where b is not covered
     edge = CURVATURE_EDGES[np.maximum(below, 0)]
     return np.where(covered | (below < 0), np.inf, edge)
 
