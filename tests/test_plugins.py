@@ -329,6 +329,16 @@ def test_a_user_sampler_or_approximation_that_raises_is_named(monkeypatch):
         assert isinstance(e.value.__cause__, KeyError)
     with pytest.raises(F.FactorCodeError, match="its approximation raised KeyError"):
         f.reference_belief(inc, "x")
+    # a MemoryError, a ValueError of a user's approximation: named too (a later audit: the MemoryError was a 500)
+    for exc in (MemoryError("too big"), ValueError("domain"), FloatingPointError("overflow")):
+        def approx(inc, to, exc=exc):
+            raise exc
+        h = F.SampledFactor("raising_approx", inputs={"x": Gaussian}, output=("y", Gaussian),
+                            sampler=lambda v, rng: v["x"], approximate=approx)
+        with pytest.raises(F.FactorCodeError, match=f"factor 'raising_approx': its approximation raised "
+                                                    f"{type(exc).__name__}") as e:
+            h.reference_belief(inc, "x")
+        assert e.value.__cause__ is exc
     # a complex output lost its imaginary part: refused
     g = F.SampledFactor("complex_sampler", inputs={"x": Gaussian}, output=("y", Gaussian),
                         sampler=lambda v, rng: v["x"] + 1j)

@@ -640,9 +640,19 @@ class SampledFactor(Factor):
         return super().mismatch(other, theirs, mine)
 
     def approximate_belief(self, incoming, to):
-        """The ``approximate`` callable's answer (see :meth:`Factor.approximate_belief`), or None."""
+        """The ``approximate`` callable's answer (see :meth:`Factor.approximate_belief`), or None.  Whatever the
+        callable raises but an :class:`~kjit.errors.OracleError` is named (:class:`FactorCodeError`), as the
+        sampler's is (found by an audit: a MemoryError of a user's approximation was an HTTP 500 in
+        ``mode=predict``)."""
         to = self.check_to(to)
-        return None if self._approximate is None else self._approximate(incoming, to)
+        if self._approximate is None:
+            return None
+        try:
+            return self._approximate(incoming, to)
+        except OracleError:
+            raise
+        except Exception as exc:  # the user's approximation's own error, whatever it is, named
+            raise factor_code_error(self, "approximation", exc) from exc
 
     def sample(self, inputs, size, rng):
         try:
