@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
-__all__ = ["OracleError", "LowESSError", "SamplerOutputError", "ConfigurationError", "gaussian_or_error", "rows_of_batch", "rows_within",
-           "quoted", "QUOTE_LIMIT"]
+__all__ = ["OracleError", "LowESSError", "SamplerOutputError", "ConfigurationError", "gaussian_or_error", "rows_of_batch",
+           "rows_within", "quoted", "QUOTE_LIMIT", "check_number"]
 
 #: most characters of a caller's text an error message quotes
 QUOTE_LIMIT = 100
@@ -124,3 +127,38 @@ class SamplerOutputError(OracleError):
         super().__init__(message, rows=rows, cause=cause)
         self.factor = factor
         self.variable = variable
+
+
+def check_number(name: str, value, low=None, high=None, *, low_open: bool = False, high_open: bool = False,
+                 integer: bool = False):
+    """One check of a numeric option (the EP engines' every option): ``value`` as a float (an int with ``integer``), or a
+    ValueError naming ``name`` unless it is a real number (of integral value with ``integer``) — not text, not
+    None, not a bool (``True`` is not 1 here), not an array (a 0-d one is its number) — finite and within
+    ``[low, high]`` (``low_open`` / ``high_open``: that end excluded; ``None``: unbounded).
+
+    Found by an audit: ``power="0.5"`` passed ``float()`` and crashed in the cavity with numpy's
+    UFuncTypeError, ``damping=None`` / ``"0.5"`` with "ufunc 'isfinite' not supported", an array damping
+    with "truth value … is ambiguous", and ``power=True`` ran as power 1."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+        value = value.item()
+    kind = "an integer" if integer else "a finite real number"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"`{name}` must be {kind}, got {quoted(value)} ({type(value).__name__})")
+    num = float(value)
+    if integer:
+        if not (math.isfinite(num) and num == int(num)):
+            raise ValueError(f"`{name}` must be {kind}, got {value!r}")
+        num = int(num)
+    lo_ok = low is None or (num > low if low_open else num >= low)
+    hi_ok = high is None or (num < high if high_open else num <= high)
+    if not (integer or math.isfinite(num)) or not (lo_ok and hi_ok):
+        if low is not None and high is not None:
+            where = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        elif low is not None:
+            where = f"{'>' if low_open else '>='} {low:g}"
+        elif high is not None:
+            where = f"{'<' if high_open else '<='} {high:g}"
+        else:
+            where = "finite"
+        raise ValueError(f"`{name}` must be {kind} {where}, got {value!r}")
+    return num

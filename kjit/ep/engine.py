@@ -158,8 +158,6 @@ paper's ``R = ‖α_t − α_{t−1}‖ < 1e-3`` on the GP representer weights
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -171,7 +169,7 @@ from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
-from ..errors import ConfigurationError, quoted, rows_of_batch
+from ..errors import ConfigurationError, check_number, rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
 
 __all__ = [
@@ -222,41 +220,6 @@ class UncertainAnswerError(RuntimeError):
     def __init__(self, message, rows=None):
         super().__init__(message)
         self.uncertain_rows = rows
-
-
-def check_number(name: str, value, low=None, high=None, *, low_open: bool = False, high_open: bool = False,
-                 integer: bool = False):
-    """The EP engines' one check of a numeric option: ``value`` as a float (an int with ``integer``), or a
-    ValueError naming ``name`` unless it is a real number (of integral value with ``integer``) — not text, not
-    None, not a bool (``True`` is not 1 here), not an array (a 0-d one is its number) — finite and within
-    ``[low, high]`` (``low_open`` / ``high_open``: that end excluded; ``None``: unbounded).
-
-    Found by an audit: ``power="0.5"`` passed ``float()`` and crashed in the cavity with numpy's
-    UFuncTypeError, ``damping=None`` / ``"0.5"`` with "ufunc 'isfinite' not supported", an array damping
-    with "truth value … is ambiguous", and ``power=True`` ran as power 1."""
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
-        value = value.item()
-    kind = "an integer" if integer else "a finite real number"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"`{name}` must be {kind}, got {quoted(value)} ({type(value).__name__})")
-    num = float(value)
-    if integer:
-        if not (math.isfinite(num) and num == int(num)):
-            raise ValueError(f"`{name}` must be {kind}, got {value!r}")
-        num = int(num)
-    lo_ok = low is None or (num > low if low_open else num >= low)
-    hi_ok = high is None or (num < high if high_open else num <= high)
-    if not (integer or math.isfinite(num)) or not (lo_ok and hi_ok):
-        if low is not None and high is not None:
-            where = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        elif low is not None:
-            where = f"{'>' if low_open else '>='} {low:g}"
-        elif high is not None:
-            where = f"{'<' if high_open else '<='} {high:g}"
-        else:
-            where = "finite"
-        raise ValueError(f"`{name}` must be {kind} {where}, got {value!r}")
-    return num
 
 
 def check_on_uncertain(policy) -> str:

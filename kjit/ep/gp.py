@@ -38,7 +38,8 @@ from typing import Sequence
 import numpy as np
 from scipy import linalg, special
 
-from .engine import RELAX_READINGS, EPResult, LinearEP, check_number
+from ..errors import check_number
+from .engine import RELAX_READINGS, EPResult, LinearEP
 from .operators import ProbitNoiseOperator
 
 __all__ = ["GPClassifier", "rbf_kernel", "linear_kernel", "kernel_factor"]

@@ -47,9 +47,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..certificates import certified, count_answers
-from ..errors import ConfigurationError
-from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_number,
-                     check_on_uncertain, count_failing, operator_failure, oracle_rows, uncertain_rows)
+from ..errors import ConfigurationError, check_number
+from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
+                     count_failing, operator_failure, oracle_rows, uncertain_rows)
 from ..factors import Factor, get_factor
 from ..families import Family, Gaussian
 from ..protocols import reports_uncertainty
@@ -313,7 +313,7 @@ class GraphEP:
             raise ValueError(f"`schedule` must be 'parallel' or 'sequential', got {schedule!r}")
         self.graph = graph
         self.operators = dict(operators or {})
-        # (one check for every numeric option: kjit.ep.engine.check_number)
+        # (one check for every numeric option: kjit.errors.check_number)
         self.damping = check_number("damping", damping, 0.0, 1.0, high_open=True)
         self.max_iter = check_number("max_iter", max_iter, 1, integer=True)
         self.tol = check_number("tol", tol, 0.0)
