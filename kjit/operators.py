@@ -37,7 +37,7 @@ from .blr import MAX_CONDITION, BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
 from .curvature import (CURVATURE_BINS, CURVATURE_SUPPORT, LearnedCurvature, curvature_hist, curvature_top, gap_edges,
                         log_weights)
-from .errors import ConfigurationError, rows_of_batch
+from .errors import ConfigurationError, check_number, rows_of_batch
 from .factors import Factor, get_factor
 from .families import Family, family_name
 from .features import TwoStageFeatures, check_random_state, component_moments
@@ -1056,6 +1056,37 @@ class KernelOperator(Operator):
         q = self._to_belief(coords, flat, shape)
         self._certify(q, None, flat)
         return q
+
+    def draws(self, n: int, random_state=None, mean: bool = False) -> list:
+        """``n`` draws of this operator from its regression's posterior (:class:`~kjit.draws.OperatorDraw`):
+        weights ``coef_ + R Z`` with ``R Rᵀ = Σ`` and ``Z`` standard normal, per regressed coordinate —
+        operators whose answers' errors are drawn jointly, with the covariance ``ψ₁ᵀΣψ₂`` the regression
+        gives two messages (see :mod:`kjit.draws`; what EP's posterior makes of them:
+        :mod:`kjit.ep.error_bars`).  ``mean``: the posterior mean first (weights ``coef_``: this operator's
+        own beliefs), then the ``n`` draws."""
+        from .blr import _sqrt_factor
+        from .draws import OperatorDraw
+
+        n = check_number("n", n, 1, integer=True)
+        self._check_fitted()
+        rng = np.random.default_rng(check_random_state(random_state))
+        blr = self.blr_
+        blr._sync_posterior()
+        coef = np.asarray(blr.coef_, np.float64).reshape(blr.n_features_in_, -1)
+        R = _sqrt_factor(blr.Sigma_)
+        out = [OperatorDraw(self, coef.copy())] if mean else []
+        return out + [OperatorDraw(self, coef + R @ rng.standard_normal((R.shape[1], coef.shape[1]))) for _ in range(n)]
+
+    def _belief_with_weights(self, incoming, to, weights):
+        """The belief this operator answers with the regression's weights ``weights`` (D_out, k) in place of
+        their posterior mean (:class:`~kjit.draws.OperatorDraw`)."""
+        self._check_to(to)
+        self._check_fitted()
+        messages, shape, inc = self._messages(incoming)
+        flat = {v: m.ravel() for v, m in inc.items()}
+        psi = np.asarray(self.features_.transform(messages), np.float64)
+        coords = self._finish_coords(psi @ weights, None, psi, flat, inc, shape, False)
+        return self._to_belief(coords, flat, shape)
 
     def _certify(self, q, logvar, flat, threshold=None, version=None, flagged=None):
         """The certificates of a prediction (kept in ``last_certificates_``): learned, with their
@@ -2855,6 +2886,13 @@ class JITOperator(Operator):
     def _recipient(self, to):
         self._check_to(to)
         return self.to
+
+    def draws(self, n: int, random_state=None, mean: bool = False) -> list:
+        """:meth:`KernelOperator.draws` of the operator as it is now (a copy: what it learns later does not
+        change them); a ValueError before the operator is fitted (the initial batch's answers are the oracle's)."""
+        if self.operator is None:
+            raise ValueError("no operator yet: the initial batch goes to the oracle, and there is nothing to draw")
+        return self.operator.draws(n, random_state, mean=mean)
 
     # ------------------------------------------------------------------ state
     def oracle_state(self) -> dict | None:

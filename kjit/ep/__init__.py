@@ -11,6 +11,7 @@
 """
 
 from .engine import SKIP_REASONS, EPResult, GaussianPosterior, IterationRecord, LinearEP
+from .error_bars import ErrorBars, PosteriorErrorWarning, graph_error_bars, linear_error_bars
 from .models import (
     BayesianLogisticRegression,
     CompoundGammaPrecision,
@@ -30,6 +31,10 @@ from .operators import (
 from .recording import Call, RecordingOperator
 
 __all__ = [
+    "ErrorBars",
+    "PosteriorErrorWarning",
+    "graph_error_bars",
+    "linear_error_bars",
     "LinearEP",
     "EPResult",
     "IterationRecord",

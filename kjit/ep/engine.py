@@ -171,6 +171,7 @@ from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
 from ..errors import ConfigurationError, check_number, rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
+from .error_bars import attach, linear_error_bars
 
 __all__ = [
     "GaussianPosterior",
@@ -363,6 +364,9 @@ class EPResult:
     schedule: str
     outcome: str = "converged"   # "converged", "max_iter", "diverged" or "operator_failed" (status says more)
     diverged_at: int | None = None  # the iteration whose update was refused as divergent
+    #: with ``LinearEP(error_bars=n)``: the posterior's error bars from the operator's draws
+    #: (:mod:`kjit.ep.error_bars`); None without
+    error_bars: Any = None
 
     @property
     def n_uncertain(self) -> int:
@@ -412,6 +416,7 @@ class EPResult:
             "operator_calls": self.operator_calls,
             "n_skipped": self.n_skipped,
             "log_evidence": self.log_evidence,
+            "error_bars": None if self.error_bars is None else self.error_bars.summary(),
             "schedule": self.schedule,
             "history": [r.as_dict() for r in self.history],
         }
@@ -611,6 +616,14 @@ class LinearEP:
         A belief wider than the cavity by a relative ``≤ sign_z · sd + answer_rtol · min(1, power)``
         (``sd``: the answer's predictive standard deviation of log v, when reported) is used as a
         message of precision 0 instead of being skipped as negative (see ``_propose``).
+    error_bars:
+        After a converged run, the posterior's error bars from this many draws of the operator, if it is a
+        learned one that can be drawn (:mod:`kjit.ep.error_bars`; costs 1 + ``error_bars`` runs from the
+        fixed point), on ``EPResult.error_bars``, summarised in the status; 0 (default): none.  The errors
+        of the n answers the weights receive add up, and no per-message rule sees their sum.
+    error_tol:
+        With ``error_bars``, a :class:`~kjit.ep.error_bars.PosteriorErrorWarning` (and a status sentence)
+        when an error bar on a weight's posterior mean exceeds this many posterior standard deviations.
     """
 
     def __init__(
@@ -636,6 +649,8 @@ class LinearEP:
         divergence_limit: float = 1e12,
         answer_rtol: float = 1e-8,
         sign_z: float = 2.0,
+        error_bars: int = 0,
+        error_tol: float = 0.1,
     ):
         self.operator = operator
         self.on_uncertain = on_uncertain
@@ -658,6 +673,8 @@ class LinearEP:
         self.relax_grid = relax_grid
         self.relax_reading = relax_reading
         self.stop_rule = stop_rule
+        self.error_bars = error_bars
+        self.error_tol = error_tol
 
     # ------------------------------------------------------------------ validation
     def _check_options(self, d):
@@ -676,6 +693,11 @@ class LinearEP:
         check_number("damping", self.damping, 0.0, 1.0, high_open=True)
         check_number("max_iter", self.max_iter, 1, integer=True)
         check_number("tol", self.tol, 0.0)
+        check_number("error_bars", self.error_bars, 0, integer=True)
+        check_number("error_tol", self.error_tol, 0.0, low_open=True)
+        if self.error_bars and (self.power != 1.0 or self.relax_c is not None):
+            raise ValueError("`error_bars` needs EP, not power EP or relaxed EP (power / relax_c): a draw answers for "
+                             "the factor and has no projection_kl")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"`schedule` must be one of {_SCHEDULES}, got {self.schedule!r}")
         u = check_number("power", self.power, 0.0, low_open=True)
@@ -1149,7 +1171,7 @@ class LinearEP:
             note += "; EP did not converge, so this is the estimate at the last iterate"
         outcome = ("diverged" if diverged is not None else "converged" if converged
                    else "operator_failed" if failed else "max_iter")
-        return EPResult(
+        result = EPResult(
             posterior=GaussianPosterior(state.mean, state.cov),
             site_shift=h,
             site_precision=lam,
@@ -1165,6 +1187,10 @@ class LinearEP:
             outcome=outcome,
             diverged_at=None if diverged is None else diverged[0],
         )
+        attach(self, result, lambda n_draws: linear_error_bars(self, A, observed, result, n_draws),
+               f"EP with {type(self.operator).__name__}")
+        result.seconds = time.perf_counter() - t_start
+        return result
 
     # ------------------------------------------------------------------ schedules
     def _new_record(self):

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError, check_number
+from .error_bars import ErrorBars, attach, graph_error_bars
 from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
                      count_failing, operator_failure, oracle_rows, uncertain_rows)
 from ..factors import Factor, get_factor
@@ -219,6 +220,9 @@ class GraphResult:
     #: the final site messages, ``(factor index, factor variable) -> natural parameters``: what
     #: :meth:`GraphEP.run` (``init=``) continues from
     sites: dict | None = field(default=None, compare=False, repr=False)
+    #: with ``GraphEP(error_bars=n)``: the posterior's error bars from its learned operators' draws
+    #: (:mod:`kjit.ep.error_bars`); None without
+    error_bars: ErrorBars | None = field(default=None, compare=False, repr=False)
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -301,12 +305,19 @@ class GraphEP:
         operator's own ``oracle`` (JITOperator; a RemoteOperator's is the server's ``mode=oracle``),
         else the factor's exact rule where it has one for the recipient.  A (factor, recipient) whose
         operator reports uncertainty and has none of these is a ValueError when the run starts.
+    error_bars : after a converged run, the posterior's error bars from this many draws of its learned
+        operators (:mod:`kjit.ep.error_bars`: EP re-run from the fixed point with each draw; costs 1 +
+        ``error_bars`` runs from a fixed point), kept on ``GraphResult.error_bars`` and summarised in the
+        status.  0 (default): none.  The errors of the messages one variable receives from one learned
+        operator add up, and no per-message rule sees their sum (``on_uncertain`` judges one message).
+    error_tol : with ``error_bars``, a :class:`~kjit.ep.error_bars.PosteriorErrorWarning` (and a status
+        sentence) when an error bar on a posterior mean exceeds this many posterior standard deviations.
     """
 
     def __init__(self, graph: FactorGraph, operators: Mapping | None = None, damping: float = 0.0,
                  max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
                  power: float = 1.0, divergence_limit: float = 1e12, on_uncertain: str = "warn",
-                 oracles: Mapping | None = None):
+                 oracles: Mapping | None = None, error_bars: int = 0, error_tol: float = 0.1):
         if not isinstance(graph, FactorGraph):
             raise ValueError("`graph` must be a FactorGraph")
         if schedule not in ("parallel", "sequential"):
@@ -323,6 +334,11 @@ class GraphEP:
         self.divergence_limit = check_number("divergence_limit", divergence_limit, 0.0, low_open=True)
         self.on_uncertain = check_on_uncertain(on_uncertain)
         self.oracles = dict(oracles or {})
+        self.error_bars = check_number("error_bars", error_bars, 0, integer=True)
+        self.error_tol = check_number("error_tol", error_tol, 0.0, low_open=True)
+        if self.error_bars and self.power != 1.0:
+            raise ValueError(f"`error_bars` needs EP (power 1), not power EP (power={self.power:g}): a draw answers for "
+                             "the factor, not for f^u")
         self._default_ops: dict = {}
 
     # ------------------------------------------------------------------ operators and groups
@@ -520,8 +536,11 @@ class GraphEP:
             log_z, note = self._log_evidence(prior_nat, sites, post)
         if log_z is not None and not converged:
             note += "; EP did not converge, so this is the estimate at the last iterate"
-        return GraphResult(self._beliefs(post), converged, outcome, n, status, history,
-                           time.perf_counter() - t_start, calls, log_z, note, {k: s.copy() for k, s in sites.items()})
+        result = GraphResult(self._beliefs(post), converged, outcome, n, status, history,
+                             time.perf_counter() - t_start, calls, log_z, note, {k: s.copy() for k, s in sites.items()})
+        attach(self, result, lambda n_draws: graph_error_bars(self, result, n_draws), "graph EP")
+        result.seconds = time.perf_counter() - t_start
+        return result
 
     def _log_evidence(self, prior_nat, sites, post):
         """The EP estimate of log ∫ Π priors Π factors (messages normalised), Minka's formula for a

@@ -1,0 +1,232 @@
+"""Operator draws (kjit.draws) and EP error bars from them (kjit.ep.error_bars)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from kjit.ep import LinearEP
+from kjit.ep.error_bars import SPREAD_QUANTILE, _spread, graph_error_bars, linear_error_bars
+from kjit.ep.graph import FactorGraph, GraphEP
+from kjit.factors import get_factor, logistic_incoming
+from kjit.families import Beta, Gamma, Gaussian
+from kjit.operators import JITOperator, KernelOperator
+from kjit.oracles import QuadratureOracle
+from kjit.training import make_training_set
+
+
+@pytest.fixture(scope="module")
+def logistic_op():
+    f = get_factor("logistic")
+    ts = make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=300, random_state=0)
+    return KernelOperator(f, "x", n_inner=60, n_outer=120, random_state=0).fit(ts)
+
+
+def _exp_inputs(n, rng):
+    return {"x": Gaussian(rng.uniform(-3, 3, n), np.exp(rng.uniform(np.log(0.01), np.log(4), n))),
+            "y": Gamma(np.exp(rng.uniform(0, np.log(30), n)), np.ones(n))}
+
+
+@pytest.fixture(scope="module")
+def exp_op():
+    f = get_factor("exp")
+    ts = make_training_set(f, "x", _exp_inputs, QuadratureOracle(f), n=500, random_state=0)
+    return KernelOperator(f, "x", n_inner=60, n_outer=150, random_state=0).fit(ts)
+
+
+def _relative(op, q, incoming):
+    """A belief's regressed coordinates (relative to the operator's reference)."""
+    flat, _ = op.factor.flat_incoming(incoming, op.to)
+    inc, _ = op.factor.check_incoming(flat, op.to)
+    return op.family.to_relative(q.to_coords(), op._reference(inc))
+
+
+def test_the_mean_draw_is_the_operator_and_draws_are_reproducible(logistic_op):
+    inc = logistic_incoming(40, np.random.default_rng(1))
+    d = logistic_op.draws(2, random_state=5, mean=True)
+    assert len(d) == 3
+    q, q0 = logistic_op.belief(inc), d[0].belief(inc)
+    assert np.array_equal(q.mean(), q0.mean()) and np.array_equal(q.var(), q0.var())
+    again = logistic_op.draws(2, random_state=5)
+    assert np.array_equal(again[0].belief(inc).mean(), d[1].belief(inc).mean())
+    assert not np.array_equal(d[1].belief(inc).mean(), d[2].belief(inc).mean())
+    with pytest.raises(ValueError, match="`n`"):
+        logistic_op.draws(0)
+
+
+def test_draws_have_the_regressions_joint_epistemic_covariance(logistic_op):
+    """Over many draws the regressed coordinates of a few messages scatter with covariance ψᵢᵀΣψⱼ · y_scale²
+    (computed here from the regression's Σ and the features directly).  With 3 000 draws a sample variance is
+    within 2.6 % (one sd, √(2/3000)) of the true one and a correlation within 0.018: the bounds are ≥ 5 sd."""
+    op = logistic_op
+    # four messages whose answer lies ≥ 6 sd inside the factor's bound on its spread (a belief no wider than
+    # the incoming message, where the operator clips: there the draws' spread is clipped too)
+    inc = logistic_incoming(200, np.random.default_rng(2))
+    msgs, _, _ = op._messages(inc)
+    psi = np.asarray(op.features_.transform(msgs), float)
+    cov = psi @ op.blr_.Sigma_ @ psi.T
+    room = (np.log(inc["x"].var()) - np.log(op.belief(inc).var())) / (np.sqrt(np.diag(cov)) * op.y_scale_[1])
+    rows = np.flatnonzero(room > 6)[:4]
+    assert rows.size == 4
+    inc = {v: m[rows] for v, m in inc.items()}
+    psi, cov = psi[rows], cov[np.ix_(rows, rows)]
+    draws = op.draws(3000, random_state=0)
+    base = _relative(op, op.belief(inc), inc)
+    rel = np.stack([_relative(op, d.belief(inc), inc) - base for d in draws])  # (draws, rows, k)
+    for k in range(rel.shape[-1]):
+        emp = np.cov(rel[:, :, k].T)
+        exact = cov * op.y_scale_[k] ** 2
+        assert np.allclose(np.diag(emp) / np.diag(exact), 1.0, atol=0.15)
+        sd = np.sqrt(np.diag(exact))
+        assert np.allclose(emp / np.outer(sd, sd), exact / np.outer(sd, sd), atol=0.1)
+    # the mean of the draws is the operator's answer (to 5 sd of the sample mean)
+    assert np.all(np.abs(rel.mean(axis=0)) <= 5 * np.sqrt(np.diag(cov))[:, None] * op.y_scale_ / np.sqrt(3000))
+
+
+def test_a_draw_keeps_its_weights_when_the_operator_learns(logistic_op):
+    import copy
+
+    op = copy.deepcopy(logistic_op)
+    inc = logistic_incoming(20, np.random.default_rng(3))
+    d0, d1 = op.draws(1, random_state=0, mean=True)
+    before0, before1 = d0.belief(inc).mean(), d1.belief(inc).mean()
+    f = op.factor
+    op.partial_fit(make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=50, random_state=9))
+    assert np.array_equal(d0.belief(inc).mean(), before0) and np.array_equal(d1.belief(inc).mean(), before1)
+    assert not np.array_equal(op.belief(inc).mean(), before0)  # (the operator itself did learn)
+
+
+def test_a_jit_draws_its_current_operator(logistic_op):
+    f = get_factor("logistic")
+    jit = JITOperator(logistic_op, QuadratureOracle(f), threshold=-8.0)
+    inc = logistic_incoming(5, np.random.default_rng(4))
+    assert np.array_equal(jit.draws(1, 0, mean=True)[0].belief(inc).mean(), logistic_op.belief(inc).mean())
+    with pytest.raises(ValueError, match="nothing to draw"):
+        JITOperator(None, QuadratureOracle(f), to="x").draws(1)
+
+
+def test_spread_is_the_quantile_and_counts_failures_as_largest():
+    d = np.abs(np.random.default_rng(0).standard_normal(200_000)) * 0.3
+    assert _spread(d) == pytest.approx(0.3, rel=0.01)  # (the quantile of |N(0, 0.09)|; sd of the estimate 0.3 %)
+    n = 16
+    ok = int(np.floor((1 - SPREAD_QUANTILE) * n))  # failures that still leave a finite bar
+    assert np.isfinite(_spread([0.1] * (n - ok) + [np.inf] * ok))
+    assert _spread([0.1] * (n - ok - 1) + [np.inf] * (ok + 1)) == np.inf
+
+
+def _exp_graph(n, seed=0):
+    k = np.random.default_rng(100 + seed).poisson(5.0, n)
+    g = FactorGraph()
+    g.add_variable("x", Gaussian(0.0, 4.0))
+    for kk in k:
+        g.add_factor("exp", {"x": "x", "y": Gamma(float(kk) + 1.0, 1.0)})
+    return g
+
+
+def test_exact_rules_have_no_error_bars():
+    g = _exp_graph(5)
+    ep = GraphEP(g, schedule="sequential")
+    eb = graph_error_bars(ep, ep.run(), n_draws=4)
+    assert eb.mean_sd == {"x": 0.0} and eb.log_var_sd == {"x": 0.0} and eb.drawn == []
+    assert "no operator drawn: no learned operator" in eb.status
+
+
+def test_graph_error_bars_refuse_what_they_cannot_measure(exp_op):
+    g = _exp_graph(5)
+    ep = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential")
+    res = ep.run()
+    assert res.converged
+    with pytest.raises(ValueError, match="n_draws"):
+        graph_error_bars(ep, res, n_draws=0)
+    short = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential", max_iter=1)
+    with pytest.raises(ValueError, match="did not converge"):
+        graph_error_bars(short, short.run())
+    powered = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential", power=0.5)
+    with pytest.raises(ValueError, match="power EP"):
+        graph_error_bars(powered, res)
+
+
+class _Learned:
+    """A learned operator that cannot be drawn (a served one's weights stay on its server)."""
+
+    certificate_source = "learned"
+
+    def __init__(self, op):
+        self.op = op
+
+    def belief(self, incoming, to=None):
+        return self.op.belief(incoming, to)
+
+
+def test_operators_that_cannot_be_drawn_are_named(exp_op):
+    ep = GraphEP(_exp_graph(5), {("exp", "x"): _Learned(exp_op)}, schedule="sequential")
+    eb = graph_error_bars(ep, ep.run(), n_draws=2)
+    assert eb.drawn == [] and "cannot be drawn" in eb.not_drawn[("exp", "x")]
+    assert eb.status.startswith("no operator drawn") and "cannot be drawn" in eb.status
+    res = GraphEP(_exp_graph(5), {("exp", "x"): _Learned(exp_op)}, schedule="sequential", error_bars=2).run()
+    assert "error bars: no operator drawn" in res.status and res.error_bars.drawn == []
+
+
+def test_a_posterior_from_a_learned_operator_is_within_its_error_bars(exp_op):
+    """The posterior of exact-rule EP lies within a few error bars of the learned operator's: N = 6 and 20
+    Poisson counts on one variable (the deviation over the bar, z, is of order 1 where the bars are calibrated;
+    4 bars allow for the bar's own ±25 % error and a heavy tail)."""
+    for n in (6, 20):
+        g = _exp_graph(n)
+        exact = GraphEP(g, schedule="sequential").run()
+        ep = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = ep.run()
+            eb = graph_error_bars(ep, res, n_draws=16, random_state=0)
+        assert res.converged and eb.n_failed == 0 and eb.drawn == [("exp", "x")]
+        m, v = eb.reference["x"]
+        gap = abs(m - float(exact.beliefs["x"].mean())) / np.sqrt(v)
+        assert 0 < eb.mean_sd["x"] < np.inf and gap <= 4 * eb.mean_sd["x"], (n, gap, eb.mean_sd)
+        lgap = abs(np.log(v / float(exact.beliefs["x"].var())))
+        assert lgap <= 4 * eb.log_var_sd["x"], (n, lgap, eb.log_var_sd)
+
+
+def test_linear_ep_error_bars(logistic_op):
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((60, 3))
+    y = (A @ np.array([1.0, -1.0, 0.5]) + rng.logistic(size=60)) > 0
+    observed = {"z": Beta(np.where(y, 2.0, 1.0), np.where(y, 1.0, 2.0))}
+    ep = LinearEP(logistic_op, schedule="parallel", damping=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = ep.run(A, observed)
+        eb = linear_error_bars(ep, A, observed, res, n_draws=8)
+    assert res.converged and set(eb.mean_sd) == {"w[0]", "w[1]", "w[2]"} and eb.drawn == ["operator"]
+    assert all(0 < eb.mean_sd[k] < np.inf for k in eb.mean_sd)
+    exact = LinearEP(QuadratureOracle(get_factor("logistic")), schedule="parallel", damping=0.3).run(A, observed)
+    for i in range(3):
+        m, v = eb.reference[f"w[{i}]"]
+        assert abs(m - exact.mean[i]) / np.sqrt(v) <= 4 * eb.mean_sd[f"w[{i}]"]
+
+
+def test_engines_compute_error_bars_on_request_and_warn_above_tolerance(exp_op):
+    from kjit.ep import PosteriorErrorWarning
+
+    g = _exp_graph(20)
+    quiet = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential")
+    plain = quiet.run()
+    assert plain.error_bars is None and "error bar" not in plain.status
+    ep = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential", error_bars=8, error_tol=1e-6)
+    with pytest.warns(PosteriorErrorWarning, match="error bar on the mean of 'x'"):
+        res = ep.run()
+    assert res.error_bars is not None and res.error_bars.n_draws == 8 and "above error_tol" in res.status
+    # the run itself is the one without error bars (they are computed after it)
+    assert res.beliefs["x"].mean() == plain.beliefs["x"].mean() and res.iterations == plain.iterations
+    loose = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential", error_bars=8, error_tol=100.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorErrorWarning)
+        res = loose.run()
+    assert "error bar on the mean of 'x'" in res.status and "above" not in res.status
+    for bad in ({"error_bars": -1}, {"error_bars": 1.5}, {"error_tol": 0.0}, {"error_bars": 4, "power": 0.5}):
+        with pytest.raises(ValueError, match="error_"):
+            GraphEP(g, {("exp", "x"): exp_op}, **bad)
+    with pytest.raises(ValueError, match="error_"):
+        LinearEP(exp_op, error_bars=2, power=0.5).run(np.ones((2, 1)), {"y": Gamma(np.ones(2), np.ones(2))})
