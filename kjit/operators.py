@@ -420,6 +420,7 @@ class KernelOperator(Operator):
         # review; the range's cache had it before the gap table)
         self._range_cache = None
         self._gaps_cache = None
+        self._draw_cache = None  # (likewise: the square-root factor of draws, :meth:`draw`)
         self.last_certificates_ = None  # (likewise: each prediction's certificates)
 
     def __repr__(self):
@@ -1062,20 +1063,44 @@ class KernelOperator(Operator):
         weights ``coef_ + R Z`` with ``R Rᵀ = Σ`` and ``Z`` standard normal, per regressed coordinate —
         operators whose answers' errors are drawn jointly, with the covariance ``ψ₁ᵀΣψ₂`` the regression
         gives two messages (see :mod:`kjit.draws`; what EP's posterior makes of them:
-        :mod:`kjit.ep.error_bars`).  ``mean``: the posterior mean first (weights ``coef_``: this operator's
-        own beliefs), then the ``n`` draws."""
-        from .blr import _sqrt_factor
-        from .draws import OperatorDraw
-
+        :mod:`kjit.ep.error_bars`).  Draw i is :meth:`draw` of the i-th seed ``random_state`` generates.
+        ``mean``: the posterior mean first (weights ``coef_``: this operator's own beliefs), then the ``n``
+        draws."""
         n = check_number("n", n, 1, integer=True)
         self._check_fitted()
         rng = np.random.default_rng(check_random_state(random_state))
+        seeds = rng.integers(0, 2**63 - 1, size=n)
+        return ([self.draw(None)] if mean else []) + [self.draw(int(s)) for s in seeds]
+
+    def draw(self, seed: int | None):
+        """The draw of this operator's weights from its regression's posterior that ``seed`` (a non-negative
+        int) names: ``coef_ + R Z``, ``Z`` from ``numpy.random.default_rng(seed)`` — the same weights for the
+        same seed and the same learned pairs (what a served operator's ``mode=predict&draw=`` answers with);
+        None: the posterior mean (``coef_``).  A copy: learning afterwards does not change it."""
+        from .draws import OperatorDraw
+
+        self._check_fitted()
         blr = self.blr_
         blr._sync_posterior()
         coef = np.asarray(blr.coef_, np.float64).reshape(blr.n_features_in_, -1)
-        R = _sqrt_factor(blr.Sigma_)
-        out = [OperatorDraw(self, coef.copy())] if mean else []
-        return out + [OperatorDraw(self, coef + R @ rng.standard_normal((R.shape[1], coef.shape[1]))) for _ in range(n)]
+        if seed is None:
+            return OperatorDraw(self, coef.copy())
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"`seed` must be None or a non-negative int, got {seed!r}")
+        return OperatorDraw(self, coef + self._draw_factor() @ np.random.default_rng(int(seed)).standard_normal(coef.shape))
+
+    def _draw_factor(self) -> np.ndarray:
+        """R with R Rᵀ = Σ (the regression's posterior covariance), kept while Σ is the same array (held here, so
+        that its identity is not reused) with the same pairs learned and hyperparameters (an update replaces Σ or
+        changes it in place, and the count with it)."""
+        from .blr import _sqrt_factor
+
+        blr = self.blr_
+        key = (int(blr.n_), blr._posterior_hyper)
+        cached = self._draw_cache
+        if cached is None or cached[0] is not blr.Sigma_ or cached[1] != key:
+            cached = self._draw_cache = (blr.Sigma_, key, _sqrt_factor(blr.Sigma_))
+        return cached[2]
 
     def _belief_with_weights(self, incoming, to, weights):
         """The belief this operator answers with the regression's weights ``weights`` (D_out, k) in place of

@@ -230,3 +230,22 @@ def test_engines_compute_error_bars_on_request_and_warn_above_tolerance(exp_op):
             GraphEP(g, {("exp", "x"): exp_op}, **bad)
     with pytest.raises(ValueError, match="error_"):
         LinearEP(exp_op, error_bars=2, power=0.5).run(np.ones((2, 1)), {"y": Gamma(np.ones(2), np.ones(2))})
+
+
+def test_a_seed_names_one_draw_until_the_operator_learns(logistic_op):
+    import copy
+
+    op = copy.deepcopy(logistic_op)
+    inc = logistic_incoming(10, np.random.default_rng(6))
+    a, b = op.draw(7).belief(inc).mean(), op.draw(7).belief(inc).mean()
+    assert np.array_equal(a, b) and not np.array_equal(a, op.draw(8).belief(inc).mean())
+    assert np.array_equal(op.draw(None).belief(inc).mean(), op.belief(inc).mean())
+    f = op.factor
+    op.partial_fit(make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=30, random_state=4))
+    fresh = copy.deepcopy(op)
+    fresh._draw_cache = None
+    # (the cached factor follows the update: the same as a cold operator's)
+    assert np.array_equal(op.draw(7).belief(inc).mean(), fresh.draw(7).belief(inc).mean())
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError, match="seed"):
+            op.draw(bad)
