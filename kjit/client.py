@@ -519,9 +519,11 @@ class RemoteOperator:
             yield s, m, content
             s += m
 
-    def _call(self, incoming, mode, natural: bool = True, logvar: bool = True, _refreshed: bool = False):
+    def _call(self, incoming, mode, natural: bool = True, logvar: bool = True, _refreshed: bool = False,
+              draw: int | None = None):
         """The server's answer to ``incoming`` in ``mode``: ``(beliefs, natural, logvar, consulted,
-        shape, flat)``; ``natural`` / ``logvar`` False: those columns are not decoded (None)."""
+        shape, flat)``; ``natural`` / ``logvar`` False: those columns are not decoded (None); ``draw``: the
+        seed of a draw of the served operator (``POST …/draws/{seed}/messages``, :meth:`draws`; ``mode`` "predict")."""
         flat, shape = self._flat(incoming)
         n = math.prod(shape) if shape else 1
         step = self._step()
@@ -537,8 +539,12 @@ class RemoteOperator:
 
         for s, m, content in self._bodies(n, step, body):
             try:
-                parts.append(self._request("POST", f"{self._base}/messages", content=content,
-                                           params={"mode": mode}, retry=retry))
+                if draw is None:
+                    parts.append(self._request("POST", f"{self._base}/messages", content=content,
+                                               params={"mode": mode}, retry=retry))
+                else:  # (read-only, as mode=predict)
+                    parts.append(self._request("POST", f"{self._base}/draws/{int(draw)}/messages", content=content,
+                                               retry=retry))
                 sizes.append(m)
             except RemoteValidationError as exc:
                 if not parts and not _refreshed and (_types(exc.detail) == {"too_long"} or exc.status == 413):
@@ -546,7 +552,7 @@ class RemoteOperator:
                     # them and split again — nothing was done yet (found in review: every later call failed)
                     self.info(refresh=True)
                     self._row_cap = None
-                    return self._call(incoming, mode, natural, logvar, _refreshed=True)
+                    return self._call(incoming, mode, natural, logvar, _refreshed=True, draw=draw)
                 if exc.rows is not None:
                     exc.rows = exc.rows + s  # the part's rows as the batch's
                 raise
@@ -736,6 +742,21 @@ class RemoteOperator:
             q, _, _, _, shape, _ = self._answer(incoming, natural=False, logvar=False)
             return self._keep(q.reshape(shape))
 
+    def draws(self, n: int, random_state=None, mean: bool = False) -> list:
+        """``n`` draws of the served operator from its regression's posterior, answered by the server
+        (``POST /v1/operators/{name}/draws/{seed}/messages``; :meth:`KernelOperator.draws` — the same seeds from the same
+        ``random_state``, so the same draws as the operator's in process); ``mean``: the operator's own
+        answers first (``mode=predict``).  Each draw checks that every answer comes from one version of the
+        served operator: a draw of an operator that learned meanwhile is another operator (a
+        :class:`RemoteOperatorError`, which EP counts as a failed update).  What :mod:`kjit.ep.error_bars` re-runs
+        EP with; the weights stay on the server."""
+        from .errors import check_number
+        from .features import check_random_state
+
+        n = check_number("n", n, 1, integer=True)
+        seeds = np.random.default_rng(check_random_state(random_state)).integers(0, 2**63 - 1, size=n)
+        return ([RemoteDraw(self, None)] if mean else []) + [RemoteDraw(self, int(s)) for s in seeds]
+
     def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         """Outgoing messages q / incoming[to], rebuilt from the server's natural parameters (exact;
         may be improper: check ``is_proper``)."""
@@ -877,3 +898,33 @@ class RemoteOperator:
                 keep = np.setdiff1d(np.arange(exc.applied_rows, len(bel)), refused)
                 if keep.size:
                     self.observe({v: m[keep] for v, m in inc.items()}, bel[keep])
+
+
+class RemoteDraw:
+    """One draw of a served operator (:meth:`RemoteOperator.draws`): ``belief(incoming, to)`` answered by the
+    server's ``POST …/draws/{seed}/messages`` (``seed`` None: plain ``mode=predict``, the operator's own answers), every
+    answer from the version of the first (else a :class:`RemoteOperatorError`)."""
+
+    certificate_source = "learned"
+
+    def __init__(self, remote: RemoteOperator, seed: int | None):
+        self.remote, self.seed = remote, seed
+        self.factor, self.to = remote.factor, remote.to
+        self.version = None
+
+    def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+        r = self.remote
+        r._check_to(to)
+        with r._lock:
+            q, _, _, _, shape, _ = r._call(incoming, "predict", natural=False, logvar=False, draw=self.seed)
+            version = r.last_version_
+        if self.version is None:
+            self.version = version
+        elif version != self.version:
+            raise RemoteOperatorError(
+                f"operator {r.name!r} changed (version {self.version} → {version}) while its draw "
+                f"{'mean' if self.seed is None else self.seed} was in use: a draw is of one version of the operator")
+        return q.reshape(shape)
+
+    def __repr__(self):
+        return f"RemoteDraw({self.remote.name!r}, seed={self.seed})"

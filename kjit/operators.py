@@ -1075,7 +1075,7 @@ class KernelOperator(Operator):
     def draw(self, seed: int | None):
         """The draw of this operator's weights from its regression's posterior that ``seed`` (a non-negative
         int) names: ``coef_ + R Z``, ``Z`` from ``numpy.random.default_rng(seed)`` — the same weights for the
-        same seed and the same learned pairs (what a served operator's ``mode=predict&draw=`` answers with);
+        same seed and the same learned pairs (what a served operator's ``POST …/draws/{seed}/messages`` answers with);
         None: the posterior mean (``coef_``).  A copy: learning afterwards does not change it."""
         from .draws import OperatorDraw
 

@@ -175,7 +175,8 @@ class MessagesResponse(BaseModel):
         None, description="mode=predict: per row, whether the operator's just-in-time rule would consult the oracle "
                           "(log variance above the threshold, or an outgoing message whose precision's sign the "
                           "prediction leaves undetermined) — the rows a client whose oracle runs on its side answers; "
-                          "null in the other modes")
+                          "null in the other modes and for a draw")
+    draw: int | None = Field(None, description="the seed of the operator's draw that answered (`draw=`), else null")
 
 
 class ObservationsResponse(BaseModel):

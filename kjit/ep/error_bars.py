@@ -77,8 +77,11 @@ class ErrorBars:
         return max(self.log_var_sd.values(), default=0.0)
 
     def summary(self) -> dict:
-        """JSON-ready summary."""
-        return {"worst_mean_sd": self.worst_mean_sd, "worst_log_var_sd": self.worst_log_var_sd,
+        """JSON-ready summary (an infinite bar — too many draws made EP fail — as None)."""
+        def fin(x):
+            return x if np.isfinite(x) else None
+
+        return {"worst_mean_sd": fin(self.worst_mean_sd), "worst_log_var_sd": fin(self.worst_log_var_sd),
                 "n_draws": self.n_draws, "n_failed": self.n_failed, "drawn": [list(k) if isinstance(k, tuple) else k
                                                                                 for k in self.drawn],
                 "not_drawn": {str(k): v for k, v in self.not_drawn.items()}, "status": self.status}

@@ -6,7 +6,7 @@ from functools import partial
 from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from kjit.errors import quoted, rows_within
@@ -61,10 +61,42 @@ async def messages(
     return await answer(entry, settings, store, metrics, oracle_slot, req, mode, audit=trusted(request.scope))
 
 
+#: the largest seed of a draw (numpy's seeds are non-negative ints; a signed 64-bit bound keeps clients simple)
+DRAW_MAX = 2**63 - 1
+
+
+@router.post(
+    "/v1/operators/{name}/draws/{seed}/messages", response_model=None,
+    responses=answers(schemas.MessagesResponse, body=True),
+    openapi_extra=request_body(schemas.MessagesRequest),
+    summary="beliefs and outgoing messages of one draw of the operator from its regression's posterior",
+    description=(
+        "The answers of the operator whose weights are one draw from its regression's posterior (coef + R Z, with "
+        "R R^T the weights' posterior covariance and Z standard normal from `seed`): the same draw for the same "
+        "seed and `version`, so an EP run can be repeated with it — what a client's EP error bars re-run EP with "
+        "(kjit.ep.error_bars, `RemoteOperator.draws`). Read-only, like `mode=predict`: no log variance, nothing "
+        "learned, no token needed."),
+)
+async def draw_messages(
+    entry: EntryDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    metrics: MetricsDep,
+    oracle_slot: OracleSlotDep,
+    req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
+    seed: Annotated[int, Path(ge=0, le=DRAW_MAX, description="the draw's seed (a non-negative integer)")],
+):
+    return await answer(entry, settings, store, metrics, oracle_slot, req, "predict", draw=seed)
+
+
 async def answer(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
-                 req: schemas.MessagesRequest, mode: str, audit: bool = True) -> Response:
+                 req: schemas.MessagesRequest, mode: str, audit: bool = True, draw: int | None = None) -> Response:
     """The messages route's answer (also :mod:`service.fastpath`'s, which calls it without FastAPI);
-    ``audit``: whether the continuous audit may take its rows (:func:`trusted`)."""
+    ``audit``: whether the continuous audit may take its rows (:func:`trusted`); ``draw``: the seed of a
+    draw of the operator (mode=predict)."""
+    if draw is not None:  # (in the thread pool: a version's first draw factors the covariance)
+        return await run_in_threadpool(partial(_messages, entry, settings, store, metrics, oracle_slot, req, mode,
+                                               draw=draw))
     # A small read-only batch is answered on the event loop (two small matrix-vector products:
     # less than the thread hops it would otherwise cost), unless an update holds or waits for
     # the operator's lock — then, and for everything else, in the thread pool.
@@ -97,7 +129,8 @@ def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
 
 
 def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
-              req: schemas.MessagesRequest, mode: str, wait: bool = True, audit: bool = True) -> Response:
+              req: schemas.MessagesRequest, mode: str, wait: bool = True, audit: bool = True,
+              draw: int | None = None) -> Response:
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
         raise ApiError(422, ["query", "mode"], f"operator {entry.name!r} has no oracle on the server (its clients run "
                                                f"it): use mode=predict and send the oracle's answers to "
@@ -113,7 +146,10 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
                        f"batch of {n_rows} messages exceeds the limit of {settings.max_oracle_batch} per "
                        f"mode={mode} request (KJIT_MAX_ORACLE_BATCH); split it", "too_long")
     try:
-        if mode == "oracle":
+        if draw is not None:
+            q, version, cert = entry.draw_belief(inc, draw)
+            logvar, consulted, n_learned, uncertain = None, np.zeros(n_rows, dtype=bool), 0, None
+        elif mode == "oracle":
             with oracle_slot():
                 q, logvar, consulted, version, n_learned, cert, uncertain = entry.predict_certified(inc, mode,
                                                                                                      audit=audit)
@@ -165,6 +201,7 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
         "consulted": np.asarray(consulted).tolist(),
         "certificates": cert.to_json(),  # per row: source, quality, propriety (kjit.certificates)
         "uncertain": None if uncertain is None else np.asarray(uncertain).tolist(),
+        "draw": draw,
     }
     return json_response(payload)
 

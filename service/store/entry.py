@@ -338,6 +338,23 @@ class Entry:
                 raise Unprocessable.of(exc) from None
         return q, cert.log_var, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
 
+    def draw_belief(self, incoming: dict[str, Family], seed: int):
+        """``POST …/draws/{seed}/messages``: the beliefs of the operator's draw ``seed`` from its regression's posterior
+        (:meth:`KernelOperator.draw`: the same weights for the same seed and version — what a client's
+        :meth:`RemoteOperator.draws` asks for, every EP iteration of one draw), under the shared lock:
+        ``(belief, version, certificates)``; nothing learned, nothing audited."""
+        with self.lock.read():
+            version = self.version  # (fixed while the read lock is held)
+            op = self.jit.operator
+            if op is None:
+                raise Unprocessable("the operator is not fitted yet: there is nothing to draw")
+            try:
+                q = op.draw(seed).belief(incoming, self.jit.to)
+            except NUMERIC_ERRORS as exc:
+                raise Unprocessable.of(exc) from None
+        cert = op._certify(q, None, incoming, version=version)
+        return q, version, cert
+
     def _predict(self, incoming: dict[str, Family], mode: str):
         """mode=oracle or mode=jit: ``(belief, log_var or None, consulted, version, n_learned, certificates)``."""
         if mode != "oracle":
