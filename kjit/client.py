@@ -754,6 +754,9 @@ class RemoteOperator:
         from .features import check_random_state
 
         n = check_number("n", n, 1, integer=True)
+        if self.mode == "oracle":
+            raise ValueError("this RemoteOperator answers with the server's oracle (mode='oracle'): there is no learned "
+                             "answer to draw")
         seeds = np.random.default_rng(check_random_state(random_state)).integers(0, 2**63 - 1, size=n)
         return ([RemoteDraw(self, None)] if mean else []) + [RemoteDraw(self, int(s)) for s in seeds]
 

@@ -249,3 +249,20 @@ def test_a_seed_names_one_draw_until_the_operator_learns(logistic_op):
     for bad in (-1, 1.5, "3", True):
         with pytest.raises(ValueError, match="seed"):
             op.draw(bad)
+
+
+def test_without_error_bars_the_status_says_shared_errors_add_up(exp_op):
+    g = _exp_graph(6)
+    res = GraphEP(g, {("exp", "x"): exp_op}, schedule="sequential").run()
+    assert "up to 6 messages to one variable come from one learned operator" in res.status
+    exact = GraphEP(g, schedule="sequential").run()
+    assert "learned operator" not in exact.status
+
+
+def test_an_operator_that_cannot_draw_now_is_named_and_the_run_stands():
+    f = get_factor("exp")
+    jit = JITOperator(None, QuadratureOracle(f), to="x", initial_batch=10_000)  # (answers from its oracle)
+    ep = GraphEP(_exp_graph(5), {("exp", "x"): jit}, schedule="sequential", error_bars=4)
+    res = ep.run()
+    assert res.converged and res.error_bars.drawn == []
+    assert "nothing to draw" in res.error_bars.not_drawn[("exp", "x")] and "error bars: no operator drawn" in res.status

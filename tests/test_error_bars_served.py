@@ -86,3 +86,5 @@ def test_a_draw_of_an_operator_that_learned_meanwhile_is_refused(live):
             d.belief(inc)
     with pytest.raises(ValueError, match="`n`"):
         RemoteOperator(live.url, "logistic-x", mode="predict").draws(0)
+    with pytest.raises(ValueError, match="mode='oracle'"):
+        RemoteOperator(live.url, "logistic-x", mode="oracle").draws(1)

@@ -171,7 +171,7 @@ from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
 from ..errors import ConfigurationError, check_number, rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
-from .error_bars import attach, linear_error_bars
+from .error_bars import attach, learned_share, linear_error_bars
 
 __all__ = [
     "GaussianPosterior",
@@ -1188,7 +1188,7 @@ class LinearEP:
             diverged_at=None if diverged is None else diverged[0],
         )
         attach(self, result, lambda n_draws: linear_error_bars(self, A, observed, result, n_draws),
-               f"EP with {type(self.operator).__name__}")
+               f"EP with {type(self.operator).__name__}", learned_share({"op": self.operator}, {"op": n}))
         result.seconds = time.perf_counter() - t_start
         return result
 

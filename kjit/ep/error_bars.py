@@ -37,6 +37,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..errors import check_number
+from ..protocols import reports_uncertainty
 
 __all__ = ["ErrorBars", "PosteriorErrorWarning", "graph_error_bars", "linear_error_bars"]
 
@@ -128,7 +129,11 @@ def _error_bars(operators: Mapping, rerun: Callable, n_draws, random_state, conv
         if not callable(fn):
             not_drawn[key] = _why_not(op)
             continue
-        drawn[key] = fn(n_draws, rng, mean=True)
+        try:
+            drawn[key] = fn(n_draws, rng, mean=True)
+        except Exception as exc:  # noqa: BLE001 - the run stands; its bars name what they leave out
+            # (a JIT before its first fit, a served operator in oracle mode or out of reach)
+            not_drawn[key] = f"cannot be drawn: {type(exc).__name__}: {exc}"
     outcome, ref = _quiet(rerun, {k: d[0] for k, d in drawn.items()})
     if not drawn:
         zero = dict.fromkeys(ref, 0.0)
@@ -201,13 +206,18 @@ def linear_error_bars(ep, A, observed, result, n_draws: int = 16, random_state=0
     return _error_bars({"operator": ep.operator}, rerun, n_draws, random_state, bool(result.converged))
 
 
-def attach(ep, result, compute: Callable, who: str) -> None:
+def attach(ep, result, compute: Callable, who: str, shared: int = 0) -> None:
     """After an engine's run: with ``ep.error_bars`` draws, compute the run's error bars (``compute(n_draws)``),
     keep them on ``result.error_bars``, add a sentence to its status and warn :class:`PosteriorErrorWarning`
     when the largest error bar on a mean exceeds ``ep.error_tol`` (an infinite one — too many draws made EP
-    fail — included).  A run that did not converge has none (its status says so)."""
+    fail — included).  A run that did not converge has none (its status says so).  Without error bars, where
+    one variable receives ``shared`` ≥ 2 messages from one learned operator, the status says that their errors
+    add up and how to measure the sum."""
     n = ep.error_bars
     if not n:
+        if shared >= 2:
+            result.status += (f"; up to {shared} messages to one variable come from one learned operator: their errors "
+                              "add up, which no per-message rule sees (error_bars=16 measures the posterior's)")
         return
     if not result.converged:
         result.status += "; error bars not computed: the run did not converge"
@@ -232,3 +242,11 @@ def attach(ep, result, compute: Callable, who: str) -> None:
                       "operators' uncertainty (see result.error_bars)", PosteriorErrorWarning, stacklevel=3)
     else:
         result.status += f"; {msg}"
+
+
+def learned_share(operators, counts) -> int:
+    """The most messages one variable receives from one learned operator: ``counts`` (key -> that count) over the
+    ``operators`` (key -> operator) whose answers may be learned — one that can be drawn, or that reports an
+    uncertainty (a just-in-time or served operator)."""
+    return max((counts.get(k, 0) for k, op in operators.items()
+                if callable(getattr(op, "draws", None)) or reports_uncertainty(op)), default=0)

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError, check_number
-from .error_bars import ErrorBars, attach, graph_error_bars
+from .error_bars import ErrorBars, attach, graph_error_bars, learned_share
 from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
                      count_failing, operator_failure, oracle_rows, uncertain_rows)
 from ..factors import Factor, get_factor
@@ -538,7 +538,8 @@ class GraphEP:
             note += "; EP did not converge, so this is the estimate at the last iterate"
         result = GraphResult(self._beliefs(post), converged, outcome, n, status, history,
                              time.perf_counter() - t_start, calls, log_z, note, {k: s.copy() for k, s in sites.items()})
-        attach(self, result, lambda n_draws: graph_error_bars(self, result, n_draws), "graph EP")
+        shared = learned_share(self.operators, {k: g.multiplicity(*k) for k in self.operators})
+        attach(self, result, lambda n_draws: graph_error_bars(self, result, n_draws), "graph EP", shared)
         result.seconds = time.perf_counter() - t_start
         return result
 
