@@ -13,6 +13,10 @@ posterior (``graph_error_bars`` / ``linear_error_bars``, ``random_state`` = the 
   logU(0.01, 4)), rate ~ Gamma(logU(1, 30), 1); one operator per seed (``--seeds``; training set, sampler and
   random features all seeded by it).  GraphEP, sequential schedule, damping 0, then 0.5, then 0.8 until a run
   converges (≤ 300 iterations); a (seed, N) whose learned EP converges at none is reported as such.
+* ``exp_counts_jit``: the same counts through the user's path — a JITOperator of the seed-0 operator (threshold
+  calibrated to a per-message KL of 1e-3 on 600 held-out sampler pairs, the per-message sampler as its oracle) in
+  ``GraphEP(..., error_bars=--draws)``: the gap of its posterior, its bars, and whether it warned
+  (``PosteriorErrorWarning``, default ``error_tol`` 0.1 sd).
 * ``logistic_uci``: Bayesian logistic regression (LinearEP, prior N(0, I), parallel, damping 0.3) on the
   paper's UCI splits (``--datasets``, seed 0) with a logistic → x operator (D 300/500) fitted on 2 000
   quadrature pairs from the factor's default incoming distribution — a near-exact operator: are its bars
@@ -125,6 +129,47 @@ def exp_counts(seeds, counts, draws):
     return rows
 
 
+def exp_counts_jit(counts, draws):
+    """The user's path: a JITOperator (the seed-0 operator, threshold calibrated to a per-message KL of 1e-3 on 600
+    held-out sampler pairs, the per-message sampler as its oracle at a target standard error 0.01) in GraphEP with
+    ``error_bars`` — one row per N: the gap, the bars, whether a PosteriorErrorWarning was raised."""
+    import copy
+
+    from kjit.ep import PosteriorErrorWarning
+    from kjit.operators import JITOperator, calibrate_threshold
+
+    f = get_factor("exp")
+    ts = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=0), n=2500, random_state=0)
+    held = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=1), n=600, random_state=1)
+    op = KernelOperator(f, "x", n_inner=200, n_outer=400, random_state=0).fit(ts)
+    threshold = calibrate_threshold(op, held, 1e-3)
+    rows = []
+    for n in counts:
+        g = _counts_graph(f, n)
+        exact = GraphEP(g, schedule="sequential", max_iter=500).run()
+        jit = JITOperator(copy.deepcopy(op), MessageImportanceSampler(f, random_state=7, target_se=1e-2),
+                          threshold=threshold)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = time.perf_counter()
+            res = GraphEP(g, {("exp", "x"): jit}, schedule="sequential", max_iter=300, error_bars=draws).run()
+            seconds = time.perf_counter() - t
+        row = {"bench": "error_bars", "model": "exp_counts_jit", "n_counts": n, "converged": bool(res.converged),
+               "threshold": round(float(threshold), 3), "consulted": int(jit.raw_counters()["consultations"])}
+        if res.converged and res.error_bars is not None:
+            m, v = float(res.beliefs["x"].mean()), float(res.beliefs["x"].var())
+            em, ev = float(exact.beliefs["x"].mean()), float(exact.beliefs["x"].var())
+            eb = res.error_bars
+            row.update({"gap_mean_sd": _r((m - em) / np.sqrt(v), 5), "bar_mean_sd": _r(eb.mean_sd["x"], 5),
+                        "gap_log_var": _r(np.log(v / ev), 5), "bar_log_var": _r(eb.log_var_sd["x"], 5),
+                        "n_failed": eb.n_failed,
+                        "warned": any(issubclass(w.category, PosteriorErrorWarning) for w in caught),
+                        "seconds_with_bars": round(seconds, 3)})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def logistic_uci(datasets, draws):
     f = get_factor("logistic")
     ts = make_training_set(f, "x", logistic_incoming, QuadratureOracle(f), n=2000, random_state=0)
@@ -180,11 +225,12 @@ def main(argv=None):
     seeds = a.seeds or ([0, 1] if a.quick else list(range(8)))
     counts = a.counts or ([6, 20] if a.quick else [6, 20, 60])
     datasets = a.datasets or (["banknote"] if a.quick else ["banknote", "blood_transfusion", "fertility", "ionosphere"])
-    rows = exp_counts(seeds, counts, a.draws) + logistic_uci(datasets, a.draws)
+    rows = exp_counts(seeds, counts, a.draws) + exp_counts_jit(counts, a.draws) + logistic_uci(datasets, a.draws)
     done = [r for r in rows if r["converged"]]
     summary = {"bench": "error_bars_summary", "draws": a.draws, "n_rows": len(rows),
                "n_not_converged": len(rows) - len(done)}
-    summary["n_infinite_bars"] = sum(1 for r in done if r["z_mean"] is None)
+    summary["n_infinite_bars"] = sum(1 for r in done if r.get("z_mean", 0) is None)
+    summary["jit_warned"] = {str(r["n_counts"]): r.get("warned") for r in rows if r["model"] == "exp_counts_jit"}
     for model in ("exp_counts", "logistic_uci"):
         zs = [r for r in done if r["model"] == model]
         for key in ("z_mean", "z_log_var"):
