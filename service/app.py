@@ -108,7 +108,7 @@ def _security(spec: dict, settings: Settings) -> None:
             if settings.token is None:  # no token: nothing is ever refused with a 401
                 op.pop("security", None)
                 op.get("responses", {}).pop("401", None)
-            elif path.endswith("/messages"):
+            elif path == "/v1/operators/{name}/messages":  # (not a draw's messages: read-only, no token)
                 # the token is needed for mode=jit (the default) and mode=oracle, not for mode=predict
                 op["security"] = [{}, {_BEARER: []}]
             elif is_mutating(method.upper(), concrete, b""):
