@@ -542,9 +542,12 @@ class RemoteOperator:
                 if draw is None:
                     parts.append(self._request("POST", f"{self._base}/messages", content=content,
                                                params={"mode": mode}, retry=retry))
-                else:  # (read-only, as mode=predict)
-                    parts.append(self._request("POST", f"{self._base}/draws/{int(draw)}/messages", content=content,
+                else:  # (read-only, as mode=predict; never audited)
+                    parts.append(self._request("POST", f"{self._base}/draws/{draw}/messages", content=content,
                                                retry=retry))
+                    if parts[-1].get("draw") != draw:
+                        raise self._malformed(f"{self._base}/draws/{draw}/messages",
+                                              f"it answered draw {parts[-1].get('draw')!r}, not {draw!r}")
                 sizes.append(m)
             except RemoteValidationError as exc:
                 if not parts and not _refreshed and (_types(exc.detail) == {"too_long"} or exc.status == 413):
@@ -573,6 +576,10 @@ class RemoteOperator:
         # a server that does not say)
         uncertain = (joined(lambda p: np.asarray(p["uncertain"], dtype=bool))
                      if all(p.get("uncertain") is not None for p in parts) else None)
+        versions = {p["version"] for p in parts}
+        if draw is not None and len(versions) > 1:  # (a split batch: every part of a draw from one operator)
+            raise RemoteOperatorError(f"operator {self.name!r} changed (versions {sorted(versions)}) during one request "
+                                      f"of its draw {draw}: a draw is of one version of the operator")
         self.last_version_ = parts[-1]["version"]
         self.last_consulted_ = int(np.count_nonzero(consulted))
         self._cert = self._certificates(parts, beliefs, flat, consulted)
@@ -758,7 +765,8 @@ class RemoteOperator:
             raise ValueError("this RemoteOperator answers with the server's oracle (mode='oracle'): there is no learned "
                              "answer to draw")
         seeds = np.random.default_rng(check_random_state(random_state)).integers(0, 2**63 - 1, size=n)
-        return ([RemoteDraw(self, None)] if mean else []) + [RemoteDraw(self, int(s)) for s in seeds]
+        pin: dict = {}  # (one version for all the draws of this call: they are compared with each other)
+        return ([RemoteDraw(self, "mean", pin)] if mean else []) + [RemoteDraw(self, int(s), pin) for s in seeds]
 
     def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         """Outgoing messages q / incoming[to], rebuilt from the server's natural parameters (exact;
@@ -905,15 +913,20 @@ class RemoteOperator:
 
 class RemoteDraw:
     """One draw of a served operator (:meth:`RemoteOperator.draws`): ``belief(incoming, to)`` answered by the
-    server's ``POST …/draws/{seed}/messages`` (``seed`` None: plain ``mode=predict``, the operator's own answers), every
-    answer from the version of the first (else a :class:`RemoteOperatorError`)."""
+    server's ``POST …/draws/{seed}/messages`` (``seed`` "mean": ``…/draws/mean/messages``, the operator's own
+    answers), every answer of every draw sharing ``pin`` from one version of the operator (else a
+    :class:`RemoteOperatorError`: draws of two versions are not draws of one operator)."""
 
     certificate_source = "learned"
 
-    def __init__(self, remote: RemoteOperator, seed: int | None):
+    def __init__(self, remote: RemoteOperator, seed: int | str, pin: dict | None = None):
         self.remote, self.seed = remote, seed
         self.factor, self.to = remote.factor, remote.to
-        self.version = None
+        self.pin = {} if pin is None else pin
+
+    @property
+    def version(self) -> int | None:
+        return self.pin.get("version")
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         r = self.remote
@@ -921,12 +934,11 @@ class RemoteDraw:
         with r._lock:
             q, _, _, _, shape, _ = r._call(incoming, "predict", natural=False, logvar=False, draw=self.seed)
             version = r.last_version_
-        if self.version is None:
-            self.version = version
-        elif version != self.version:
+        first = self.pin.setdefault("version", version)
+        if version != first:
             raise RemoteOperatorError(
-                f"operator {r.name!r} changed (version {self.version} → {version}) while its draw "
-                f"{'mean' if self.seed is None else self.seed} was in use: a draw is of one version of the operator")
+                f"operator {r.name!r} changed (version {first} → {version}) while its draws were in use (draw "
+                f"{self.seed}): draws are of one version of the operator")
         return q.reshape(shape)
 
     def __repr__(self):

@@ -15,8 +15,9 @@ every message with it draws all their errors jointly.  :mod:`kjit.ep.error_bars`
 fixed point with a few draws and reports how far the posterior moves.
 
 What a draw leaves out: the regression's noise variance (the scatter of the targets it learned —
-an oracle's Monte Carlo error — not of its answers), a learned error model's extra variance and the
-range floor's prior variance (terms the rule adds to the variance of rows the regression does not
+an oracle's Monte Carlo error — not of its answers), a learned error model's extra variance, the
+reference's own error (``Factor.reference_error``, added where the reference is the factor's approximation)
+and the range floor's prior variance (terms the rule adds to the variance of rows the regression does not
 know: those rows are flagged by the rule, and the EP engines count them as uncertain answers).
 """
 
@@ -29,24 +30,43 @@ import numpy as np
 from .families import Family
 from .protocols import Operator
 
-__all__ = ["OperatorDraw"]
+__all__ = ["OperatorDraw", "Transient"]
+
+
+class Transient:
+    """A cache slot (``value``) that a deep copy or a pickle does not carry: the copy starts empty (a square-root
+    factor of D² numbers is rebuilt on demand, not copied along with an operator that is about to change)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return Transient()
+
+    def __reduce__(self):
+        return (Transient, ())
 
 
 class OperatorDraw(Operator):
     """One draw of a fitted :class:`~kjit.operators.KernelOperator`'s weights from its regression's
     posterior, answering ``belief(incoming, to)`` with them (build with
     :meth:`KernelOperator.draws`).  The weights are a copy: learning after the draw (a JIT's) does
-    not change it.  ``weights``: (D_out, k), standardised units."""
+    not change it.  ``weights``: (D_out, k), standardised units; None: the posterior mean — the operator's
+    own answers (its ``belief``, in its own precision), as it is when asked."""
 
     certificate_source = "learned"
 
-    def __init__(self, operator, weights: np.ndarray):
+    def __init__(self, operator, weights: np.ndarray | None):
         self.operator = operator
         self.factor = operator.factor
         self.to = operator.to
-        self.weights = np.asarray(weights, dtype=np.float64)
+        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
 
     def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+        if self.weights is None:
+            return self.operator.belief(incoming, to)
         return self.operator._belief_with_weights(incoming, to, self.weights)
 
     def _recipient(self, to):

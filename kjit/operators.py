@@ -35,6 +35,7 @@ import numpy as np
 from . import _nogil
 from .blr import MAX_CONDITION, BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
+from .draws import Transient
 from .curvature import (CURVATURE_BINS, CURVATURE_SUPPORT, LearnedCurvature, curvature_hist, curvature_top, gap_edges,
                         log_weights)
 from .errors import ConfigurationError, check_number, rows_of_batch
@@ -420,7 +421,7 @@ class KernelOperator(Operator):
         # review; the range's cache had it before the gap table)
         self._range_cache = None
         self._gaps_cache = None
-        self._draw_cache = None  # (likewise: the square-root factor of draws, :meth:`draw`)
+        self._draw_cache = Transient()  # (likewise: the square-root factor of draws, :meth:`draw`)
         self.last_certificates_ = None  # (likewise: each prediction's certificates)
 
     def __repr__(self):
@@ -1076,30 +1077,35 @@ class KernelOperator(Operator):
         """The draw of this operator's weights from its regression's posterior that ``seed`` (a non-negative
         int) names: ``coef_ + R Z``, ``Z`` from ``numpy.random.default_rng(seed)`` — the same weights for the
         same seed and the same learned pairs (what a served operator's ``POST …/draws/{seed}/messages`` answers with);
-        None: the posterior mean (``coef_``).  A copy: learning afterwards does not change it."""
+        None: the posterior mean — this operator's own answers (its :meth:`belief`, whatever it learns later).  A
+        seeded draw is a copy: learning afterwards does not change it."""
         from .draws import OperatorDraw
 
         self._check_fitted()
+        if seed is None:
+            return OperatorDraw(self, None)
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"`seed` must be None or a non-negative int, got {seed!r}")
         blr = self.blr_
         blr._sync_posterior()
         coef = np.asarray(blr.coef_, np.float64).reshape(blr.n_features_in_, -1)
-        if seed is None:
-            return OperatorDraw(self, coef.copy())
-        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise ValueError(f"`seed` must be None or a non-negative int, got {seed!r}")
         return OperatorDraw(self, coef + self._draw_factor() @ np.random.default_rng(int(seed)).standard_normal(coef.shape))
 
     def _draw_factor(self) -> np.ndarray:
-        """R with R Rᵀ = Σ (the regression's posterior covariance), kept while Σ is the same array (held here, so
-        that its identity is not reused) with the same pairs learned and hyperparameters (an update replaces Σ or
-        changes it in place, and the count with it)."""
+        """R with R Rᵀ = Σ (the regression's posterior covariance), kept while Σ is the same array (a weak
+        reference: a freed Σ's identity is not mistaken for a new one's, and none is kept alive) with the same
+        pairs learned and hyperparameters (an update replaces Σ or changes it in place, and the count with it).
+        Kept in a :class:`~kjit.draws.Transient`: a deep copy of the operator (the service's update aside) starts
+        without it."""
+        import weakref
+
         from .blr import _sqrt_factor
 
         blr = self.blr_
         key = (int(blr.n_), blr._posterior_hyper)
-        cached = self._draw_cache
-        if cached is None or cached[0] is not blr.Sigma_ or cached[1] != key:
-            cached = self._draw_cache = (blr.Sigma_, key, _sqrt_factor(blr.Sigma_))
+        cached = self._draw_cache.value
+        if cached is None or cached[0]() is not blr.Sigma_ or cached[1] != key:
+            cached = self._draw_cache.value = (weakref.ref(blr.Sigma_), key, _sqrt_factor(blr.Sigma_))
         return cached[2]
 
     def _belief_with_weights(self, incoming, to, weights):

@@ -176,7 +176,9 @@ class MessagesResponse(BaseModel):
                           "(log variance above the threshold, or an outgoing message whose precision's sign the "
                           "prediction leaves undetermined) — the rows a client whose oracle runs on its side answers; "
                           "null in the other modes and for a draw")
-    draw: int | None = Field(None, description="the seed of the operator's draw that answered (`draw=`), else null")
+    draw: int | Literal["mean"] | None = Field(
+        None, description="the draws' path: the seed of the operator's draw that answered, or `mean` (its posterior "
+                          "mean); null on the messages path")
 
 
 class ObservationsResponse(BaseModel):

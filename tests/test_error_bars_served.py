@@ -79,11 +79,15 @@ def test_a_draw_with_a_bad_seed_is_refused_and_a_draw_changes_nothing(live):
 def test_a_draw_of_an_operator_that_learned_meanwhile_is_refused(live):
     inc = probe("logistic", 5)
     with RemoteOperator(live.url, "logistic-x", mode="predict", token=TOKEN) as op:
-        d = op.draws(1, random_state=0)[0]
+        mean, d, e = op.draws(2, random_state=0, mean=True)
         d.belief(inc)
         op.observe(inc, op.belief(inc))  # (a new version)
         with pytest.raises(RemoteOperatorError, match="changed"):
             d.belief(inc)
+        with pytest.raises(RemoteOperatorError, match="changed"):  # (one version for every draw of one call)
+            e.belief(inc)
+        with pytest.raises(RemoteOperatorError, match="changed"):
+            mean.belief(inc)
     with pytest.raises(ValueError, match="`n`"):
         RemoteOperator(live.url, "logistic-x", mode="predict").draws(0)
     with pytest.raises(ValueError, match="mode='oracle'"):

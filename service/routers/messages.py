@@ -66,6 +66,31 @@ DRAW_MAX = 2**63 - 1
 
 
 @router.post(
+    "/v1/operators/{name}/draws/mean/messages", response_model=None,
+    responses=answers(schemas.MessagesResponse, body=True),
+    openapi_extra=request_body(schemas.MessagesRequest),
+    summary="beliefs and outgoing messages of the operator's posterior mean, as its draws are answered",
+    description=(
+        "The operator's own answers (the posterior mean of its weights; `mode=predict`'s beliefs) through the "
+        "draws' path: read-only, never offered to the continuous audit, no log variance — the reference of a "
+        "client's EP error bars (kjit.ep.error_bars, `RemoteOperator.draws`). No token needed."),
+)
+async def mean_messages(
+    entry: EntryDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    metrics: MetricsDep,
+    oracle_slot: OracleSlotDep,
+    req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
+):
+    return await answer(entry, settings, store, metrics, oracle_slot, req, "predict", draw=MEAN)
+
+
+#: ``draw`` of :func:`answer` for the posterior mean (the draws' path without a seed)
+MEAN = "mean"
+
+
+@router.post(
     "/v1/operators/{name}/draws/{seed}/messages", response_model=None,
     responses=answers(schemas.MessagesResponse, body=True),
     openapi_extra=request_body(schemas.MessagesRequest),
@@ -90,7 +115,7 @@ async def draw_messages(
 
 
 async def answer(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
-                 req: schemas.MessagesRequest, mode: str, audit: bool = True, draw: int | None = None) -> Response:
+                 req: schemas.MessagesRequest, mode: str, audit: bool = True, draw: int | str | None = None) -> Response:
     """The messages route's answer (also :mod:`service.fastpath`'s, which calls it without FastAPI);
     ``audit``: whether the continuous audit may take its rows (:func:`trusted`); ``draw``: the seed of a
     draw of the operator (mode=predict)."""
@@ -130,7 +155,7 @@ def _check_to(entry: Entry, store: OperatorStore, to: str) -> None:
 
 def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: Metrics, oracle_slot,
               req: schemas.MessagesRequest, mode: str, wait: bool = True, audit: bool = True,
-              draw: int | None = None) -> Response:
+              draw: int | str | None = None) -> Response:
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
         raise ApiError(422, ["query", "mode"], f"operator {entry.name!r} has no oracle on the server (its clients run "
                                                f"it): use mode=predict and send the oracle's answers to "
@@ -147,7 +172,7 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
                        f"mode={mode} request (KJIT_MAX_ORACLE_BATCH); split it", "too_long")
     try:
         if draw is not None:
-            q, version, cert = entry.draw_belief(inc, draw)
+            q, version, cert = entry.draw_belief(inc, None if draw == MEAN else draw)
             logvar, consulted, n_learned, uncertain = None, np.zeros(n_rows, dtype=bool), 0, None
         elif mode == "oracle":
             with oracle_slot():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kjit.certificates import certified
+from kjit.certificates import Certificates, certified, projection_convention
 from kjit.families import Family
 from kjit.operators import JITOperator, KernelOperator
 from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, OracleError, QuadratureOracle
@@ -338,21 +338,26 @@ class Entry:
                 raise Unprocessable.of(exc) from None
         return q, cert.log_var, np.zeros(n, dtype=bool), version, 0, cert, np.asarray(uncertain).reshape(-1)
 
-    def draw_belief(self, incoming: dict[str, Family], seed: int):
+    def draw_belief(self, incoming: dict[str, Family], seed: int | None):
         """``POST …/draws/{seed}/messages``: the beliefs of the operator's draw ``seed`` from its regression's posterior
         (:meth:`KernelOperator.draw`: the same weights for the same seed and version — what a client's
         :meth:`RemoteOperator.draws` asks for, every EP iteration of one draw), under the shared lock:
-        ``(belief, version, certificates)``; nothing learned, nothing audited."""
+        ``(belief, version, certificates)``; nothing learned, nothing audited, the operator's last certificates
+        untouched (``seed`` None: the posterior mean — the operator's own answers, as ``mode=predict``'s beliefs)."""
         with self.lock.read():
             version = self.version  # (fixed while the read lock is held)
             op = self.jit.operator
             if op is None:
                 raise Unprocessable("the operator is not fitted yet: there is nothing to draw")
             try:
-                q = op.draw(seed).belief(incoming, self.jit.to)
+                if seed is None:  # (KernelOperator.belief without its certificates)
+                    q = op._to_belief(*op._predict_coords(incoming, return_var=False, return_features=False))
+                else:
+                    q = op.draw(seed).belief(incoming, self.jit.to)
             except NUMERIC_ERRORS as exc:
                 raise Unprocessable.of(exc) from None
-        cert = op._certify(q, None, incoming, version=version)
+        cert = Certificates.uniform("learned", q, incoming[self.jit.to], version=version,
+                                    projection=projection_convention(op.factor))
         return q, version, cert
 
     def _predict(self, incoming: dict[str, Family], mode: str):
