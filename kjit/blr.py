@@ -88,6 +88,7 @@ import numpy as np
 from scipy.linalg import blas, lapack
 
 from . import _nogil
+from .errors import check_number
 from .state import StateReader
 
 __all__ = ["BayesianLinearRegression", "NotFittedError", "MAX_CONDITION"]
@@ -112,13 +113,8 @@ class NotFittedError(ValueError, AttributeError):
 
 
 def _check_positive_scalar(name: str, value: Any) -> float:
-    """Return ``value`` as a float; ValueError naming ``name`` unless finite and > 0."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a positive finite real number, got {value!r}")
-    value = float(value)
-    if not np.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be a positive finite real number, got {value!r}")
-    return value
+    """Return ``value`` as a float; ValueError naming ``name`` unless finite and > 0 (:func:`kjit.errors.check_number`)."""
+    return check_number(name, value, 0.0, low_open=True)
 
 
 def _sym_quad(S: np.ndarray, x: np.ndarray) -> float:

@@ -64,6 +64,7 @@ import numpy as np
 
 from .charfun import beta_characteristic_function, beta_chebyshev_moments  # noqa: F401  (re-exported)
 from .families import FAMILIES, Family, family_by_name, family_name
+from .errors import check_number
 from .reductions import all_
 from .state import StateReader
 
@@ -150,18 +151,13 @@ def _check_families(families: Any) -> tuple[type[Family], ...]:
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-    return int(value)
+    return check_number(name, value, 1, integer=True)
 
 
 def _check_positive(name: str, value: Any) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}")
-    value = float(value)
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}")
-    return value
+    return check_number(name, value, 0.0, low_open=True)
 
 
 def _check_inner_widths(value: Any, c: int) -> np.ndarray | None:

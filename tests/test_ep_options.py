@@ -152,3 +152,14 @@ def test_a_line_search_that_fails_at_run_time_is_reported_not_silent():
     clean = LinearEP(ProbitNoiseOperator(0.2), site_var="f", relax_c=1e-3, max_iter=30,
                      allow_negative_sites=True).run(X5, {"y": Bernoulli(Y5.astype(float))})
     assert all(r.n_relax_failed == 0 for r in clean.history) and "fell back" not in clean.status
+
+
+@pytest.mark.parametrize("bad", ["0.5", True, 0.0, -1.0, float("nan"), float("inf")])
+def test_a_factors_power_is_checked_as_the_engines_check_it(bad):
+    """``kjit.factors.base.check_power`` (a factor's exact rule for f^u) refuses what the engines refuse: text passed
+    its ``float()`` before (one home: kjit.errors.check_number)."""
+    from kjit.factors.base import check_power
+
+    with pytest.raises(ValueError, match="`power`"):
+        check_power(bad)
+    assert check_power(0.5) == 0.5

@@ -44,7 +44,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import numpy as np
 
-from ..errors import ConfigurationError, OracleError, quoted
+from ..errors import ConfigurationError, OracleError, check_number, quoted
 from ..families import FAMILIES, NUMERIC_KINDS, Family, Gamma, Gaussian
 from ..reductions import all_
 
@@ -873,11 +873,9 @@ def _exported(module) -> dict[str, Any]:
 
 # ============================================================================ helpers for rule code
 def check_power(power) -> float:
-    """``power`` as a float, or ``ValueError`` unless it is finite and > 0."""
-    u = float(power)
-    if not (np.isfinite(u) and u > 0):
-        raise ValueError(f"`power` must be a finite number > 0, got {power!r}")
-    return u
+    """``power`` as a float, or ``ValueError`` unless it is a finite real number > 0 (not text: ``"0.5"`` passed
+    ``float()`` here while the engines refused it — :func:`kjit.errors.check_number`, the one check)."""
+    return check_number("power", power, 0.0, low_open=True)
 
 
 def broadcast_messages(incoming: Mapping[str, Family], names) -> tuple[tuple[int, ...], list[Family]]:
