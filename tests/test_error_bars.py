@@ -395,3 +395,16 @@ def test_a_draw_that_fails_for_another_reason_stops_the_bars_instead_of_counting
     assert res.converged and res.error_bars is None
     assert "error bars not computed" in res.status and "ConnectionError" in res.status
     assert not any("above error_tol" in str(w.message) for w in caught)
+
+
+def test_the_linear_models_pass_error_bars_through(logistic_op):
+    from kjit.ep import BayesianLogisticRegression
+
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((50, 2))
+    y = (X @ np.array([1.0, -1.0]) + rng.logistic(size=50) > 0).astype(int)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = BayesianLogisticRegression(logistic_op, damping=0.3, error_bars=4).fit(X, y)
+    assert model.converged_ and model.error_bars_ is not None and set(model.error_bars_.mean_sd) == {"w[0]", "w[1]"}
+    assert BayesianLogisticRegression(logistic_op).fit(X, y).error_bars_ is None

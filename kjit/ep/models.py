@@ -128,8 +128,12 @@ class _LinearEPModel:
         on_uncertain: str = "warn",
         oracle=None,
         uncertainty_threshold: float | None = None,
+        error_bars: int = 0,
+        error_tol: float = 0.1,
     ):
         self.operator = operator
+        self.error_bars = error_bars
+        self.error_tol = error_tol
         self.on_uncertain = on_uncertain
         self.oracle = oracle
         self.uncertainty_threshold = uncertainty_threshold
@@ -161,6 +165,8 @@ class _LinearEPModel:
             on_uncertain=self.on_uncertain,
             oracle=self.oracle,
             uncertainty_threshold=self.uncertainty_threshold,
+            error_bars=self.error_bars,
+            error_tol=self.error_tol,
         )
 
     def _observed(self, y):  # pragma: no cover - overridden
@@ -183,6 +189,7 @@ class _LinearEPModel:
         self.n_features_in_ = X.shape[1]
         self.converged_ = result.converged
         self.n_iter_ = result.iterations
+        self.error_bars_ = result.error_bars  # (with ``error_bars=n``: kjit.ep.error_bars; else None)
         self.log_evidence_ = (
             None if result.log_evidence is None else result.log_evidence + self._log_evidence_correction(y)
         )
@@ -225,7 +232,9 @@ class BayesianLogisticRegression(_LinearEPModel):
     Attributes after ``fit``: ``posterior_`` (``GaussianPosterior(mean, cov)``), ``coef_``
     (posterior mean), ``result_`` (:class:`~kjit.ep.EPResult`), ``converged_``, ``n_iter_``,
     ``log_evidence_`` (EP estimate of log p(y | X) with the Bernoulli likelihood, i.e. the
-    factor-graph value minus n log 2; ``None`` if the operator has no ``log_partition``).
+    factor-graph value minus n log 2; ``None`` if the operator has no ``log_partition``),
+    ``error_bars_`` (with ``error_bars=n``: the posterior's error bars from the operator's draws,
+    :mod:`kjit.ep.error_bars`; else None).
     """
 
     _site_var = "x"
@@ -234,11 +243,13 @@ class BayesianLogisticRegression(_LinearEPModel):
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = False,
                  compute_evidence: bool = True, n_quad: int = 64, power: float = 1.0,
                  relax_c: float | None = None, on_uncertain: str = "warn", oracle=None,
-                 uncertainty_threshold: float | None = None, relax_reading: str = "projection_kl"):
+                 uncertainty_threshold: float | None = None, relax_reading: str = "projection_kl",
+                 error_bars: int = 0, error_tol: float = 0.1):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
                          compute_evidence=compute_evidence, power=power, relax_c=relax_c,
-                         relax_reading=relax_reading, on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
+                         relax_reading=relax_reading, on_uncertain=on_uncertain, oracle=oracle,
+                         uncertainty_threshold=uncertainty_threshold, error_bars=error_bars, error_tol=error_tol)
         self.n_quad = n_quad
 
     def _observed(self, y):
@@ -283,12 +294,13 @@ class ProbitClassifier(_LinearEPModel):
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = True,
                  compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None,
                  on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None,
-                 relax_reading: str = "projection_kl"):
+                 relax_reading: str = "projection_kl", error_bars: int = 0, error_tol: float = 0.1):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
                          compute_evidence=compute_evidence, power=power, relax_c=relax_c,
                          relax_reading=relax_reading,
-                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
+                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold,
+                         error_bars=error_bars, error_tol=error_tol)
         self.eps = eps
 
     def _resolve_eps(self) -> float:
@@ -472,10 +484,12 @@ class PoissonRegression(_LinearEPModel):
 
     def __init__(self, operator=None, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
-                 on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None):
+                 on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None,
+                 error_bars: int = 0, error_tol: float = 0.1):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=False, compute_evidence=compute_evidence,
-                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold)
+                         on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold,
+                         error_bars=error_bars, error_tol=error_tol)
 
     def _engine(self) -> LinearEP:
         if self.operator is None:
