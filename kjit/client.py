@@ -576,8 +576,8 @@ class RemoteOperator:
         # a server that does not say)
         uncertain = (joined(lambda p: np.asarray(p["uncertain"], dtype=bool))
                      if all(p.get("uncertain") is not None for p in parts) else None)
-        versions = {p["version"] for p in parts}
-        if draw is not None and len(versions) > 1:  # (a split batch: every part of a draw from one operator)
+        versions = {p["version"] for p in parts} if draw is not None else ()
+        if len(versions) > 1:  # (a split batch: every part of a draw from one operator)
             raise RemoteOperatorError(f"operator {self.name!r} changed (versions {sorted(versions)}) during one request "
                                       f"of its draw {draw}: a draw is of one version of the operator")
         self.last_version_ = parts[-1]["version"]
@@ -751,22 +751,20 @@ class RemoteOperator:
 
     def draws(self, n: int, random_state=None, mean: bool = False) -> list:
         """``n`` draws of the served operator from its regression's posterior, answered by the server
-        (``POST /v1/operators/{name}/draws/{seed}/messages``; :meth:`KernelOperator.draws` — the same seeds from the same
-        ``random_state``, so the same draws as the operator's in process); ``mean``: the operator's own
-        answers first (``mode=predict``).  Each draw checks that every answer comes from one version of the
-        served operator: a draw of an operator that learned meanwhile is another operator (a
-        :class:`RemoteOperatorError`, which EP counts as a failed update).  What :mod:`kjit.ep.error_bars` re-runs
-        EP with; the weights stay on the server."""
-        from .errors import check_number
-        from .features import check_random_state
+        (``POST /v1/operators/{name}/draws/{seed}/messages``; the seeds of :func:`~kjit.draws.draw_seeds`, as
+        :meth:`KernelOperator.draws`'s, so the same draws as the operator's in process); ``mean``: the operator's
+        own answers first (``…/draws/mean/messages``: as ``mode=predict``'s, never audited).  Every answer of the
+        draws of one call must come from one version of the served operator: draws of an operator that learned
+        meanwhile are of another operator (a :class:`RemoteOperatorError`, which stops EP's error bars).  What
+        :mod:`kjit.ep.error_bars` re-runs EP with; the weights stay on the server."""
+        from .draws import draw_seeds
 
-        n = check_number("n", n, 1, integer=True)
+        seeds = draw_seeds(n, random_state)
         if self.mode == "oracle":
             raise ValueError("this RemoteOperator answers with the server's oracle (mode='oracle'): there is no learned "
                              "answer to draw")
-        seeds = np.random.default_rng(check_random_state(random_state)).integers(0, 2**63 - 1, size=n)
         pin: dict = {}  # (one version for all the draws of this call: they are compared with each other)
-        return ([RemoteDraw(self, "mean", pin)] if mean else []) + [RemoteDraw(self, int(s), pin) for s in seeds]
+        return ([RemoteDraw(self, "mean", pin)] if mean else []) + [RemoteDraw(self, s, pin) for s in seeds]
 
     def message(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
         """Outgoing messages q / incoming[to], rebuilt from the server's natural parameters (exact;

@@ -30,7 +30,21 @@ import numpy as np
 from .families import Family
 from .protocols import Operator
 
-__all__ = ["OperatorDraw", "Transient"]
+__all__ = ["OperatorDraw", "Transient", "SEED_MAX", "draw_seeds"]
+
+#: the largest seed of a draw (numpy's seeds are non-negative ints; a signed 64-bit bound keeps clients simple)
+SEED_MAX = 2**63 - 1
+
+
+def draw_seeds(n: int, random_state=None) -> list[int]:
+    """The seeds of ``n`` draws from ``random_state`` — one rule for an operator in process
+    (:meth:`KernelOperator.draws`) and a served one (:meth:`RemoteOperator.draws`), so that both give the same
+    draws from the same ``random_state``."""
+    from .errors import check_number
+    from .features import check_random_state
+
+    n = check_number("n", n, 1, integer=True)
+    return [int(s) for s in np.random.default_rng(check_random_state(random_state)).integers(0, SEED_MAX, size=n)]
 
 
 class Transient:

@@ -35,7 +35,7 @@ import numpy as np
 from . import _nogil
 from .blr import MAX_CONDITION, BayesianLinearRegression, _posterior_from_stats
 from .certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
-from .draws import Transient
+from .draws import SEED_MAX, Transient
 from .curvature import (CURVATURE_BINS, CURVATURE_SUPPORT, LearnedCurvature, curvature_hist, curvature_top, gap_edges,
                         log_weights)
 from .errors import ConfigurationError, check_number, rows_of_batch
@@ -1064,14 +1064,14 @@ class KernelOperator(Operator):
         weights ``coef_ + R Z`` with ``R Rᵀ = Σ`` and ``Z`` standard normal, per regressed coordinate —
         operators whose answers' errors are drawn jointly, with the covariance ``ψ₁ᵀΣψ₂`` the regression
         gives two messages (see :mod:`kjit.draws`; what EP's posterior makes of them:
-        :mod:`kjit.ep.error_bars`).  Draw i is :meth:`draw` of the i-th seed ``random_state`` generates.
-        ``mean``: the posterior mean first (weights ``coef_``: this operator's own beliefs), then the ``n``
+        :mod:`kjit.ep.error_bars`).  Draw i is :meth:`draw` of the i-th seed of :func:`~kjit.draws.draw_seeds`.
+        ``mean``: the posterior mean first (:meth:`draw` of None: this operator's own beliefs), then the ``n``
         draws."""
-        n = check_number("n", n, 1, integer=True)
+        from .draws import draw_seeds
+
+        seeds = draw_seeds(n, random_state)
         self._check_fitted()
-        rng = np.random.default_rng(check_random_state(random_state))
-        seeds = rng.integers(0, 2**63 - 1, size=n)
-        return ([self.draw(None)] if mean else []) + [self.draw(int(s)) for s in seeds]
+        return ([self.draw(None)] if mean else []) + [self.draw(s) for s in seeds]
 
     def draw(self, seed: int | None):
         """The draw of this operator's weights from its regression's posterior that ``seed`` (a non-negative
@@ -1084,8 +1084,8 @@ class KernelOperator(Operator):
         self._check_fitted()
         if seed is None:
             return OperatorDraw(self, None)
-        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise ValueError(f"`seed` must be None or a non-negative int, got {seed!r}")
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
+            raise ValueError(f"`seed` must be None or an int in [0, {SEED_MAX}], got {seed!r}")
         blr = self.blr_
         blr._sync_posterior()
         coef = np.asarray(blr.coef_, np.float64).reshape(blr.n_features_in_, -1)
@@ -2919,8 +2919,9 @@ class JITOperator(Operator):
         return self.to
 
     def draws(self, n: int, random_state=None, mean: bool = False) -> list:
-        """:meth:`KernelOperator.draws` of the operator as it is now (a copy: what it learns later does not
-        change them); a ValueError before the operator is fitted (the initial batch's answers are the oracle's)."""
+        """:meth:`KernelOperator.draws` of the operator as it is now (its seeded draws are copies: what it learns
+        later does not change them); a ValueError before the operator is fitted (the initial batch's answers are
+        the oracle's)."""
         if self.operator is None:
             raise ValueError("no operator yet: the initial batch goes to the oracle, and there is nothing to draw")
         return self.operator.draws(n, random_state, mean=mean)

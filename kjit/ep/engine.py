@@ -171,7 +171,7 @@ from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
 from ..errors import ConfigurationError, check_number, rows_of_batch
 from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
-from .error_bars import attach, learned_share, linear_error_bars
+from .error_bars import attach, learned_share, linear_error_bars, require_plain_ep
 
 __all__ = [
     "GaussianPosterior",
@@ -695,9 +695,8 @@ class LinearEP:
         check_number("tol", self.tol, 0.0)
         check_number("error_bars", self.error_bars, 0, integer=True)
         check_number("error_tol", self.error_tol, 0.0, low_open=True)
-        if self.error_bars and (self.power != 1.0 or self.relax_c is not None):
-            raise ValueError("`error_bars` needs EP, not power EP or relaxed EP (power / relax_c): a draw answers for "
-                             "the factor and has no projection_kl")
+        if self.error_bars:
+            require_plain_ep(self.power, self.relax_c, what="`error_bars`")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"`schedule` must be one of {_SCHEDULES}, got {self.schedule!r}")
         u = check_number("power", self.power, 0.0, low_open=True)

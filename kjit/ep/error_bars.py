@@ -229,12 +229,20 @@ def _error_bars(operators: Mapping, rerun: Callable, own: Callable, n_draws, ran
     return ErrorBars(mean_sd, log_var_sd, n_draws, failed, list(drawn), not_drawn, ref, status, runs)
 
 
+def require_plain_ep(power: float, relax_c=None, what: str = "error bars") -> None:
+    """A ValueError naming ``what`` unless the run is plain EP: a draw answers for the factor, not for f^u (power
+    EP), and has no projection_kl (relaxed EP)."""
+    if power != 1.0:
+        raise ValueError(f"{what} need EP (power 1), not power EP (power={power:g}): a draw answers for the factor, "
+                         "not for f^u")
+    if relax_c is not None:
+        raise ValueError(f"{what} need EP, not relaxed EP (relax_c): a draw has no projection_kl")
+
+
 def graph_error_bars(ep, result, n_draws: int = 16, random_state=0) -> ErrorBars:
     """Error bars of a :class:`~kjit.ep.GraphEP` run's posterior (``result``, a :class:`~kjit.ep.GraphResult`
     of ``ep`` on its graph): see the module docstring.  Variables by name; their family's mean and variance."""
-    if ep.power != 1.0:
-        raise ValueError(f"error bars need EP (power 1), not power EP (power={ep.power:g}): a draw answers for the "
-                         "factor, not for f^u")
+    require_plain_ep(ep.power)
 
     def rerun(replacements):
         other = copy.copy(ep)
@@ -253,11 +261,7 @@ def graph_error_bars(ep, result, n_draws: int = 16, random_state=0) -> ErrorBars
 def linear_error_bars(ep, A, observed, result, n_draws: int = 16, random_state=0) -> ErrorBars:
     """Error bars of a :class:`~kjit.ep.LinearEP` run's posterior (``result`` of ``ep.run(A, observed)``): see
     the module docstring.  Variables are the weights, ``"w[i]"``, with their marginal means and variances."""
-    if ep.power != 1.0:
-        raise ValueError(f"error bars need EP (power 1), not power EP (power={ep.power:g}): a draw answers for the "
-                         "factor, not for f^u")
-    if ep.relax_c is not None:
-        raise ValueError("error bars need EP, not relaxed EP (relax_c): a draw has no projection_kl")
+    require_plain_ep(ep.power, ep.relax_c)
     sites = (result.site_shift, result.site_precision)
 
     def rerun(replacements):

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError, check_number
-from .error_bars import ErrorBars, attach, graph_error_bars, learned_share
+from .error_bars import ErrorBars, attach, graph_error_bars, learned_share, require_plain_ep
 from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
                      count_failing, operator_failure, oracle_rows, uncertain_rows)
 from ..factors import Factor, get_factor
@@ -336,9 +336,8 @@ class GraphEP:
         self.oracles = dict(oracles or {})
         self.error_bars = check_number("error_bars", error_bars, 0, integer=True)
         self.error_tol = check_number("error_tol", error_tol, 0.0, low_open=True)
-        if self.error_bars and self.power != 1.0:
-            raise ValueError(f"`error_bars` needs EP (power 1), not power EP (power={self.power:g}): a draw answers for "
-                             "the factor, not for f^u")
+        if self.error_bars:
+            require_plain_ep(self.power, what="`error_bars`")
         self._default_ops: dict = {}
 
     # ------------------------------------------------------------------ operators and groups

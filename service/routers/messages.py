@@ -9,6 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from kjit.draws import SEED_MAX
 from kjit.errors import quoted, rows_within
 from kjit.oracles import ClientOracle
 
@@ -61,8 +62,6 @@ async def messages(
     return await answer(entry, settings, store, metrics, oracle_slot, req, mode, audit=trusted(request.scope))
 
 
-#: the largest seed of a draw (numpy's seeds are non-negative ints; a signed 64-bit bound keeps clients simple)
-DRAW_MAX = 2**63 - 1
 
 
 @router.post(
@@ -109,7 +108,7 @@ async def draw_messages(
     metrics: MetricsDep,
     oracle_slot: OracleSlotDep,
     req: Annotated[schemas.MessagesRequest, Depends(body_dependency(schemas.MessagesRequest))],
-    seed: Annotated[int, Path(ge=0, le=DRAW_MAX, description="the draw's seed (a non-negative integer)")],
+    seed: Annotated[int, Path(ge=0, le=SEED_MAX, description="the draw's seed (a non-negative integer)")],
 ):
     return await answer(entry, settings, store, metrics, oracle_slot, req, "predict", draw=seed)
 
