@@ -13,8 +13,9 @@ posterior (``graph_error_bars`` / ``linear_error_bars``, ``random_state`` = the 
   logU(0.01, 4)), rate ~ Gamma(logU(1, 30), 1); one operator per seed (``--seeds``; training set, sampler and
   random features all seeded by it).  GraphEP, sequential schedule, damping 0, then 0.5, then 0.8 until a run
   converges (≤ 300 iterations); a (seed, N) whose learned EP converges at none is reported as such.
-* ``exp_counts_jit``: the same counts through the user's path — a JITOperator of the seed-0 operator (threshold
-  calibrated to a per-message KL of 1e-3 on 600 held-out sampler pairs, the per-message sampler as its oracle) in
+* ``exp_counts_jit``: the same counts through the user's path — a JITOperator of the operator of each of
+  ``--jit-seeds`` (default 0; threshold calibrated to a per-message KL of 1e-3 on 600 held-out sampler pairs drawn
+  with seed + 1, the per-message sampler as its oracle) in
   ``GraphEP(..., error_bars=--draws)``: the gap of its posterior, its bars, and whether it warned
   (``PosteriorErrorWarning``, default ``error_tol`` 0.1 sd).
 * ``logistic_uci``: Bayesian logistic regression (LinearEP, prior N(0, I), parallel, damping 0.3) on the
@@ -32,7 +33,7 @@ bars are the errors' standard deviation), the share of |z| ≤ 2, the runs that 
 that are infinite (more than 31.7 % of the draws made EP fail: printed as null, with a null z).  Prints
 one JSON object per line.  ``--quick``: seeds 0–1, N = 6 and 20, banknote only.
 
-    python benchmarks/error_bars.py [--quick] [--seeds 0 1 2 3] [--draws 16]
+    python benchmarks/error_bars.py [--quick] [--seeds 0 1 2 3] [--draws 16] [--jit-seeds 0 1 2] [--models ...]
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def exp_counts(seeds, counts, draws):
     return rows
 
 
-def exp_counts_jit(counts, draws):
+def exp_counts_jit(seeds, counts, draws):
     """The user's path: a JITOperator (the seed-0 operator, threshold calibrated to a per-message KL of 1e-3 on 600
     held-out sampler pairs, the per-message sampler as its oracle at a target standard error 0.01) in GraphEP with
     ``error_bars`` — one row per N: the gap, the bars, whether a PosteriorErrorWarning was raised."""
@@ -139,12 +140,15 @@ def exp_counts_jit(counts, draws):
     from kjit.operators import JITOperator, calibrate_threshold
 
     f = get_factor("exp")
-    ts = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=0), n=2500, random_state=0)
-    held = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=1), n=600, random_state=1)
-    op = KernelOperator(f, "x", n_inner=200, n_outer=400, random_state=0).fit(ts)
-    threshold = calibrate_threshold(op, held, 1e-3)
     rows = []
-    for n in counts:
+    for seed, n in [(s, n) for s in seeds for n in counts]:
+        if n == counts[0]:  # (one operator per seed, as exp_counts': its held-out pairs from seed + 1)
+            ts = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=seed), n=2500,
+                                   random_state=seed)
+            held = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=seed + 1), n=600,
+                                     random_state=seed + 1)
+            op = KernelOperator(f, "x", n_inner=200, n_outer=400, random_state=seed).fit(ts)
+            threshold = calibrate_threshold(op, held, 1e-3)
         g = _counts_graph(f, n)
         exact = GraphEP(g, schedule="sequential", max_iter=500).run()
         jit = JITOperator(copy.deepcopy(op), MessageImportanceSampler(f, random_state=7, target_se=1e-2),
@@ -154,7 +158,8 @@ def exp_counts_jit(counts, draws):
             t = time.perf_counter()
             res = GraphEP(g, {("exp", "x"): jit}, schedule="sequential", max_iter=300, error_bars=draws).run()
             seconds = time.perf_counter() - t
-        row = {"bench": "error_bars", "model": "exp_counts_jit", "n_counts": n, "converged": bool(res.converged),
+        row = {"bench": "error_bars", "model": "exp_counts_jit", "seed": seed, "n_counts": n,
+               "converged": bool(res.converged),
                "threshold": round(float(threshold), 3), "consulted": int(jit.raw_counters()["consultations"])}
         if res.converged and res.error_bars is not None:
             m, v = float(res.beliefs["x"].mean()), float(res.beliefs["x"].var())
@@ -220,17 +225,24 @@ def main(argv=None):
     ap.add_argument("--counts", type=int, nargs="+", default=None, help="N of exp_counts (default 6 20 60)")
     ap.add_argument("--datasets", nargs="+", default=None, help="logistic_uci's sets (default the paper's four)")
     ap.add_argument("--draws", type=int, default=16)
+    ap.add_argument("--jit-seeds", type=int, nargs="+", default=[0], help="operators of exp_counts_jit (default 0)")
+    ap.add_argument("--models", nargs="+", default=["exp_counts", "exp_counts_jit", "logistic_uci"],
+                    choices=["exp_counts", "exp_counts_jit", "logistic_uci"], help="which models to run (default all)")
     ap.add_argument("--blas-threads", type=int, default=1, help="BLAS threads (read before numpy loads)")
     a = ap.parse_args(argv)
     seeds = a.seeds or ([0, 1] if a.quick else list(range(8)))
     counts = a.counts or ([6, 20] if a.quick else [6, 20, 60])
     datasets = a.datasets or (["banknote"] if a.quick else ["banknote", "blood_transfusion", "fertility", "ionosphere"])
-    rows = exp_counts(seeds, counts, a.draws) + exp_counts_jit(counts, a.draws) + logistic_uci(datasets, a.draws)
+    models = set(a.models)
+    rows = ((exp_counts(seeds, counts, a.draws) if "exp_counts" in models else [])
+            + (exp_counts_jit(a.jit_seeds, counts, a.draws) if "exp_counts_jit" in models else [])
+            + (logistic_uci(datasets, a.draws) if "logistic_uci" in models else []))
     done = [r for r in rows if r["converged"]]
     summary = {"bench": "error_bars_summary", "draws": a.draws, "n_rows": len(rows),
                "n_not_converged": len(rows) - len(done)}
     summary["n_infinite_bars"] = sum(1 for r in done if r.get("z_mean", 0) is None)
-    summary["jit_warned"] = {str(r["n_counts"]): r.get("warned") for r in rows if r["model"] == "exp_counts_jit"}
+    summary["jit_warned"] = {f'{r["seed"]}/{r["n_counts"]}': r.get("warned") for r in rows
+                             if r["model"] == "exp_counts_jit"}
     for model in ("exp_counts", "logistic_uci"):
         zs = [r for r in done if r["model"] == model]
         for key in ("z_mean", "z_log_var"):
