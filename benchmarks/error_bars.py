@@ -69,6 +69,13 @@ def _exp_inputs(n, rng):
             "y": Gamma(np.exp(rng.uniform(0, np.log(30), n)), np.ones(n))}
 
 
+def _exp_operator(f, seed):
+    """The x operator of seed ``seed``: 2 500 per-message-sampler pairs, D 200/400, all seeded by it."""
+    ts = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=seed), n=2500,
+                           random_state=seed)
+    return KernelOperator(f, "x", n_inner=200, n_outer=400, random_state=seed).fit(ts)
+
+
 def _counts_graph(factor, n):
     k = np.random.default_rng(100 + n).poisson(5.0, n)
     g = FactorGraph()
@@ -94,9 +101,7 @@ def exp_counts(seeds, counts, draws):
     f = get_factor("exp")
     rows = []
     for seed in seeds:
-        ts = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=seed), n=2500,
-                               random_state=seed)
-        op = KernelOperator(f, "x", n_inner=200, n_outer=400, random_state=seed).fit(ts)
+        op = _exp_operator(f, seed)
         for n in counts:
             g = _counts_graph(f, n)
             exact = GraphEP(g, schedule="sequential", max_iter=500).run()
@@ -143,11 +148,9 @@ def exp_counts_jit(seeds, counts, draws):
     rows = []
     for seed, n in [(s, n) for s in seeds for n in counts]:
         if n == counts[0]:  # (one operator per seed, as exp_counts': its held-out pairs from seed + 1)
-            ts = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=seed), n=2500,
-                                   random_state=seed)
+            op = _exp_operator(f, seed)
             held = make_training_set(f, "x", _exp_inputs, MessageImportanceSampler(f, random_state=seed + 1), n=600,
                                      random_state=seed + 1)
-            op = KernelOperator(f, "x", n_inner=200, n_outer=400, random_state=seed).fit(ts)
             threshold = calibrate_threshold(op, held, 1e-3)
         g = _counts_graph(f, n)
         exact = GraphEP(g, schedule="sequential", max_iter=500).run()
