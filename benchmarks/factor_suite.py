@@ -244,7 +244,7 @@ among rows the headline's threshold leaves unflagged) and a density guard (``*_g
 a row whose mean kernel value to the training rows, ψ(x)·ψ̄ (ψ̄ their mean outer features; one
 dot product a prediction: ``KernelOperator.density``), is below the pooled rows' 1 % quantile
 (``GUARD_SHARE``, fixed before any figure; a left-out training row's ψ̄ without its problem; since
-the seventeenth session the lower conformal quantile of ``kjit.operators.density_guard``, which the
+the seventeenth session the lower conformal quantile of ``kjit.learn.calibration.density_guard``, which the
 JIT's guard uses, instead of numpy's interpolated one) — ``guard_flagged_fraction``,
 ``flagged_fraction_at_*_guard``, ``worst1pct_flagged_at_*_guard``, ``max_kl_unflagged_at_*_guard``;
 summary ``n_met_at_{q90,budget90}_guard`` and the largest ``max_kl_unflagged_*``.  Measured, seeds
@@ -307,7 +307,7 @@ from kjit.factors import get_factor
 from kjit.families import Bernoulli, Gamma, Gaussian
 from kjit.operators import (KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold, density_guard,
                             flagged_share_needed)
-from kjit.operators import _pooled_budget_threshold  # budget_threshold's rules on given pooled scores
+from kjit.learn.calibration import _pooled_budget_threshold  # budget_threshold's rules on given pooled scores
 from kjit.oracles import QuadratureOracle
 from kjit.training import TrainingSet
 

@@ -145,7 +145,7 @@ def test_the_gap_table_follows_every_update_and_rollback(counts):
     jit = JITOperator(copy.deepcopy(op), _FailingOracle(exact, fail_on=2), threshold=-9.0, selection="greedy")
     jit.operator.learned_curvatures_  # (the table of the state before the request)
     batch = {"r": Gamma(np.full(3, 20.0), np.full(3, 10.0)), "x": Gamma(np.array([1e4, 1e5, 1e6]) + 1.0, np.ones(3))}
-    import kjit.operators as O
+    import kjit.learn.jit as O  # (where JITOperator looks greedy_consultations up)
 
     keep = O.greedy_consultations
     O.greedy_consultations = lambda psi, Sigma, noise_var, limit, rule="max": np.array(

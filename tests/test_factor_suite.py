@@ -83,12 +83,13 @@ def test_novelty_figures_match_a_direct_computation():
     """novelty_figures' distances against scipy's pairwise distances on the operator's inner
     features (a test row copied from the training rows is at distance 0, a shifted one is not),
     the ranking figures are flagged_share_needed of those, and the choice's score for u alone is
-    the library's pooled uncertainty's (kjit.operators._pooled: calibration rows, then the
+    the library's pooled uncertainty's (kjit.learn.calibration._pooled: calibration rows, then the
     training rows left out by group)."""
     import numpy as np
     from scipy.spatial.distance import cdist
 
-    from kjit.operators import _pooled, flagged_share_needed
+    from kjit.learn.calibration import _pooled
+    from kjit.operators import flagged_share_needed
 
     suite = _suite()
     f, op, data, cal, groups, cal_groups, test, u, kl, worst = _novelty_case()
@@ -171,7 +172,7 @@ def test_novelty_union_when_chosen(monkeypatch):
     import numpy as np
     from scipy.spatial.distance import cdist
 
-    from kjit.operators import _pooled
+    from kjit.learn.calibration import _pooled
 
     suite = _suite()
     f, op, data, cal, groups, cal_groups, test, u, kl, worst = _novelty_case()

@@ -578,7 +578,7 @@ def test_pending_varied_state_survives_save_and_reload(oracle, tmp_path):
 
 def test_dual_evidence_grid_equals_the_primal_one():
     from kjit.blr import BayesianLinearRegression
-    from kjit.operators import DEFAULT_PRIOR_VARS, _log_evidence_grid_dual
+    from kjit.learn.kernel_operator import DEFAULT_PRIOR_VARS, _log_evidence_grid_dual
 
     rng = np.random.default_rng(4)
     psi = 0.1 * rng.normal(size=(60, 200))
@@ -611,7 +611,7 @@ class _FailingOracle:
 def test_failed_second_round_leaves_the_operator_as_it_was(op, oracle, monkeypatch):
     """Greedy requests can call the oracle more than once; a failure in a later call undoes what
     the earlier ones taught, so the request is atomic (the service logs only what was returned)."""
-    from kjit import operators
+    from kjit.learn import jit as operators  # (where JITOperator looks greedy_consultations up)
     from kjit.oracles import OracleError
 
     real = operators.greedy_consultations
@@ -862,7 +862,7 @@ def test_an_epistemic_rule_is_calibrated_on_the_variance_it_thresholds(monkeypat
     calibrated that threshold on the predictive log variance (found by an audit).  Now on the epistemic
     one: calibrate_threshold's scalar "max_epistemic", KernelOperator.epistemic_log_variance (one home,
     the rule's too)."""
-    from kjit import operators as O
+    from kjit.learn import calibration, jit as O  # (O: where JITOperator looks calibrate_threshold up)
     from kjit.families import Beta
 
     seen = []
@@ -872,7 +872,7 @@ def test_an_epistemic_rule_is_calibrated_on_the_variance_it_thresholds(monkeypat
         seen.append(kw.get("scalar", "max"))
         t = real(op, held, target, **kw)
         # the threshold is the one its own scalar gives: recompute it from the epistemic variances
-        u, kl = O._pooled(op, held, None, None, labels=True, scalar=kw.get("scalar", "max"))
+        u, kl = calibration._pooled(op, held, None, None, labels=True, scalar=kw.get("scalar", "max"))
         q, lv = op.predict(held.incoming)
         w = op.decision_log_weights(held.incoming, q)  # (the rule's weights: Family.decision_weights)
         want = np.max(op.epistemic_log_variance(lv) + w, axis=-1) if kw.get("scalar") == "max_epistemic" \
@@ -1036,7 +1036,7 @@ def test_greedy_selection_weighs_its_limits_and_its_recheck(monkeypatch):
     # learning it raises the learned curvature to its own, and the more concentrated rows are still
     # uncertain once weighted — the recheck of the rest must weigh them and send them to the oracle in
     # the next rounds instead of answering them (unweighted, each is under the threshold)
-    import kjit.operators as O
+    import kjit.learn.jit as O  # (where JITOperator looks greedy_consultations up)
 
     monkeypatch.setattr(O, "greedy_consultations",
                         lambda psi, Sigma, noise_var, limit, rule="max": np.array(
@@ -1089,7 +1089,7 @@ def test_a_failed_round_restores_the_learned_curvature(monkeypatch):
     """The JIT's rollback of a request whose oracle fails in a later round restores ``curvature_top_``
     and ``curvature_hist_`` with the regression (a consulted concentrated belief raised it in the first round; kept, it would
     leave the rows between unweighted after a request that taught nothing)."""
-    import kjit.operators as O
+    import kjit.learn.jit as O  # (where JITOperator looks greedy_consultations up)
     from kjit.oracles import OracleError
 
     f, exact, op = _counts_operator()

@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 from kjit.blr import BayesianLinearRegression
+from kjit.curvature import CURVATURE_SUPPORT
 from kjit.factors import Logistic
 from kjit.families import Beta, Gaussian
 from kjit import operators
+from kjit.learn import calibration, ensemble, kernel_operator
 from kjit.operators import KernelOperator, calibrate_threshold
 from kjit.oracles import QuadratureOracle
 from kjit.training import TrainingSet, make_training_set
@@ -772,7 +774,7 @@ def test_spread_bounds_follow_the_messages():
     message, another recipient or another factor is answered afresh, and the kept mask is read-only."""
     from kjit.factors import get_factor
     from kjit.families import Beta, Gaussian
-    from kjit.operators import _spread_bounds
+    from kjit.learn.kernel_operator import _spread_bounds
 
     f = get_factor("logistic")
     inc = {"x": Gaussian(np.array([0.0, 1.0]), np.array([1.0, 2.0])), "z": Beta(np.array([2.0, 0.5]), np.array([1.0, 1.0]))}
@@ -993,7 +995,7 @@ def test_auto_error_model_ties_go_to_none_bit_identical(op, data, monkeypatch):
 
     tr, te = data["train"], data["test"]
     before = copy.deepcopy(op)
-    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: 0.25)
+    monkeypatch.setattr(kernel_operator, "flagged_share_needed", lambda u, kl: 0.25)
     mine = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto", held_out=te)
     assert mine.error_model_selection_["chosen"] == "none"
     assert getattr(mine, "error_model_", None) is None
@@ -1005,7 +1007,7 @@ def test_auto_error_model_ties_go_to_none_bit_identical(op, data, monkeypatch):
     assert dumps_state("KernelOperator", mine.state_dict()) == dumps_state("KernelOperator", before.state_dict())
     # "none" loses by any margin; additive and ratio tie: additive
     calls = iter([0.5, 0.25, 0.25])
-    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: next(calls))
+    monkeypatch.setattr(kernel_operator, "flagged_share_needed", lambda u, kl: next(calls))
     mine = copy.deepcopy(op).fit_error_model(tr, GROUPS, mode="auto")
     assert mine.error_model_selection_["chosen"] == "additive" and mine.error_model_["mode"] == "additive"
 
@@ -1112,7 +1114,7 @@ def test_auto_error_model_over_scalars_follows_the_criterion(factor, data):
 
 def test_auto_error_model_scalar_ties_go_in_the_order_given(op, data, monkeypatch):
     """Every candidate scoring alike: the first scalar of `scalars` and no error model."""
-    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: 0.25)
+    monkeypatch.setattr(kernel_operator, "flagged_share_needed", lambda u, kl: 0.25)
     for scalars in (("max", "kl"), ("kl", "max")):
         mine = copy.deepcopy(op).fit_error_model(data["train"], GROUPS, mode="auto", scalars=scalars)
         assert (mine.error_model_selection_["scalar"], mine.error_model_selection_["chosen"]) == (scalars[0], "none")
@@ -1322,8 +1324,8 @@ def test_choose_uncertainty_ties_go_in_the_order_given(op, data, monkeypatch):
     tr, cal = data["train"], data["test"]
     mine = copy.deepcopy(op)
     ens = operators.KernelEnsemble(mine, 2, seeds=[3]).fit(tr)
-    monkeypatch.setattr(operators, "flagged_share_needed", lambda u, kl: 0.25)
-    monkeypatch.setattr(operators, "_pooled_budget_threshold", lambda u, *a: np.inf)
+    monkeypatch.setattr(ensemble, "flagged_share_needed", lambda u, kl: 0.25)
+    monkeypatch.setattr(ensemble, "_pooled_budget_threshold", lambda u, *a: np.inf)
     ens.choose_uncertainty(tr, GROUPS, cal)
     assert (ens.uncertainty_selection_["uncertainty"], ens.uncertainty_selection_["error_model"]) == ("max", "none")
     assert not ens.add_variance and getattr(mine, "error_model_", None) is None
@@ -1369,7 +1371,7 @@ def test_choose_uncertainty_failure_leaves_the_operator_as_it_was(op, data, monk
     def boom(*a, **k):
         raise RuntimeError("scoring failed")
 
-    monkeypatch.setattr(operators, "_pooled_budget_threshold", boom)
+    monkeypatch.setattr(ensemble, "_pooled_budget_threshold", boom)
     with pytest.raises(RuntimeError, match="scoring failed"):
         ens.choose_uncertainty(tr, GROUPS, cal)
     assert base.error_model_ is em and base.error_model_selection_ is sel
@@ -1611,7 +1613,7 @@ def test_learned_curvature_is_the_fifth_largest_and_follows_updates(op, data, tm
 
     from kjit.persistence import load_operator, save_operator
 
-    assert operators.CURVATURE_SUPPORT == 5
+    assert CURVATURE_SUPPORT == 5
     tr, te = data["train"], data["test"]
     base = op._reference(op.factor.flat_incoming(tr.incoming, op.to)[0])
     curv = op.family.decision_weights(tr.beliefs.to_coords(), base)
@@ -1673,5 +1675,5 @@ def test_held_out_answers_are_weighted_by_the_curvatures_of_the_other_groups():
     w_full = op.decision_log_weights(ts.incoming, q)
     last = groups == 5
     assert np.mean(w_held[last].max(-1)) > 0.3 and np.mean(w_full[last].max(-1)) < 0.1 * np.mean(w_held[last].max(-1))
-    u, _ = operators._pooled(op, None, ts, groups, labels=False)
+    u, _ = calibration._pooled(op, None, ts, groups, labels=False)
     np.testing.assert_allclose(u, (lv + w_held).max(-1), rtol=1e-12)

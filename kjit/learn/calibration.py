@@ -1,0 +1,249 @@
+"""Thresholds for a learned operator's uncertainty (SPEC §6, issue 14 part 3): calibrated to a
+target KL (:func:`calibrate_threshold`), to a budget of flagged rows (:func:`budget_threshold`,
+:func:`tolerance_threshold`), the density guard (:func:`density_guard`), from held-out pairs
+and/or leave-one-group-out predictions of the fitted pairs pooled (:func:`_pooled`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..training import TrainingSet
+from .kernel_operator import KernelOperator, UNCERTAINTY_SCALARS, group_index
+
+__all__ = ["budget_threshold", "calibrate_threshold", "density_guard", "tolerance_threshold"]
+
+def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool, scalar: str = "max"):
+    """(uncertainty (n,), KL (n,) or None) of the held-out rows (the operator's predictions) and,
+    with ``fitted``/``groups``, of the fitted rows (leave-one-group-out predictions), pooled;
+    ``scalar``: :meth:`KernelOperator.row_uncertainty`'s."""
+    if scalar not in UNCERTAINTY_SCALARS + ("max_epistemic",):
+        raise ValueError(f"`scalar` must be one of {UNCERTAINTY_SCALARS + ('max_epistemic',)}, got {scalar!r}")
+
+    def unc(inc, q_hat, logvar, cm=None):  # (cm: the learned curvatures of held-out answers)
+        if scalar == "max_epistemic":  # (what a JIT with uncertainty="epistemic" thresholds: weighted too)
+            w = operator.decision_log_weights(inc, q_hat, cm)
+            return np.max(operator.epistemic_log_variance(logvar).reshape(w.shape) + w, axis=-1)
+        return operator.row_uncertainty(inc, q_hat, logvar, scalar, learned_curvature=cm).ravel()
+
+    if (fitted is None) != (groups is None):
+        raise ValueError("`fitted` and `groups` go together")
+    if held_out is None and fitted is None:
+        raise ValueError("give `held_out` pairs, or `fitted` pairs with their `groups`, or both")
+    us, kls = [], []
+    if held_out is not None:
+        inc = held_out.incoming if isinstance(held_out, TrainingSet) else held_out
+        if labels and not isinstance(held_out, TrainingSet):
+            raise ValueError("`held_out` must be a TrainingSet (the KL needs the exact beliefs)")
+        q_hat, logvar = operator.predict(inc)
+        us.append(unc(inc, q_hat, logvar))
+        if labels:
+            kls.append(held_out.beliefs.kl(q_hat))
+    if fitted is not None:
+        q_hat, logvar = operator.held_out_predict(fitted, groups)
+        us.append(unc(fitted.incoming, q_hat, logvar, operator.held_out_learned_curvature(fitted, groups)))
+        if labels:
+            kls.append(fitted.beliefs.kl(q_hat))
+    return np.concatenate(us), (np.concatenate(kls) if labels else None)
+
+
+def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet | None, target_kl: float,
+                        statistic: str = "mean", fitted: TrainingSet | None = None, groups=None,
+                        scalar: str = "max") -> float:
+    """Threshold on log predictive variance whose confident predictions meet ``target_kl``.
+
+    On held-out pairs (never used for fitting), sort by the operator's uncertainty (the
+    largest log predictive variance over output coordinates, weighted as the just-in-time rule
+    weighs it — :meth:`KernelOperator.row_uncertainty`) and take the largest threshold
+    t such that the pairs with uncertainty ≤ t have ``statistic`` (``"mean"`` or a quantile
+    such as ``"q90"``) of KL[q ‖ q̂] ≤ ``target_kl``.  Returns −inf when even the most
+    certain prediction misses the target.
+
+    ``fitted`` (the pairs the operator was fitted on) with ``groups`` (a label per pair, e.g.
+    the EP problem that sent it) adds those pairs as held-out pairs too, each predicted by
+    :meth:`KernelOperator.held_out_predict` (the operator refitted without its group): a
+    calibration pooled over every training problem, not only the few held out (``held_out``
+    may then be None).  ``scalar``: the row's uncertainty (:meth:`KernelOperator.row_uncertainty`;
+    "max", the default, is the just-in-time rule's; "max_epistemic" the largest
+    :meth:`KernelOperator.epistemic_log_variance`, the rule's with ``uncertainty="epistemic"``).
+    """
+    if not target_kl > 0:
+        raise ValueError("`target_kl` must be > 0")
+    u, kl = _pooled(operator, held_out, fitted, groups, labels=True, scalar=scalar)
+    order = np.argsort(u)
+    kl_sorted, u_sorted = kl[order], u[order]
+    if statistic == "mean":
+        stat = np.cumsum(kl_sorted) / np.arange(1, len(kl_sorted) + 1)
+    elif statistic.startswith("q"):
+        q = float(statistic[1:]) / 100.0
+        stat = np.array([np.quantile(kl_sorted[: i + 1], q) for i in range(len(kl_sorted))])
+    else:
+        raise ValueError("`statistic` must be 'mean' or 'qNN'")
+    # a cut is only possible between distinct uncertainties (ties are admitted together)
+    cut = np.append(u_sorted[:-1] < u_sorted[1:], True)
+    ok = np.flatnonzero((stat <= target_kl) & cut)
+    if ok.size == 0:
+        return -np.inf
+    last = ok[-1]
+    # place the threshold between the last admitted pair and the next one
+    if last + 1 < len(u_sorted):
+        return float(0.5 * (u_sorted[last] + u_sorted[last + 1]))
+    return float(u_sorted[last])
+
+
+def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.1,
+                     fitted: TrainingSet | None = None, groups=None, confidence: float | None = None,
+                     problems: int | None = None, held_out_groups=None, n_boot: int = 2000,
+                     random_state=0, predictive: bool = False, scalar: str = "max") -> float:
+    """Threshold on log predictive variance that flags (``u > t``) at most ``budget`` of
+    in-distribution messages: a consultation budget rather than an accuracy target.
+
+    ``u`` is the largest log predictive variance over output coordinates (weighted as the just-in-time
+    rule weighs it: :meth:`KernelOperator.row_uncertainty`), of ``held_out``
+    (a TrainingSet or a dict of incoming messages — no oracle answers needed) and, with
+    ``fitted``/``groups``, of the fitted pairs by leave-one-group-out
+    (:meth:`KernelOperator.held_out_predict`).  The threshold is the conformal quantile: the
+    k-th smallest of the n pooled values, k = ⌈(n + 1)(1 − budget)⌉, so that a new message
+    exchangeable with them is flagged with probability ≤ budget (+inf — flag nothing — when
+    n < 1/budget − 1 makes that impossible).  Messages come in problems: rows of one EP problem
+    are alike, and the flagged share of new problems varies around the budget by the spread
+    between problems — pooling the fitted problems (``groups``) is what narrows the estimate.
+
+    ``confidence`` (default None: the conformal quantile above) reads the budget as a guarantee
+    over a *batch of new problems* rather than an expectation per message: the threshold is then
+    :func:`tolerance_threshold` of the pooled uncertainties — the smallest pooled value t such
+    that, over ``n_boot`` resamples of ``problems`` problems drawn with replacement from the
+    pooled ones (``held_out_groups`` label the held-out rows' problems, ``groups`` the fitted
+    rows'; the two label sets are kept apart), the flagged share (rows above t over rows of the
+    resample) is ≤ ``budget`` in at least a ``confidence`` fraction of resamples.  ``problems``
+    defaults to the number of pooled problems.  ``predictive=True`` (opt-in) draws each batch from
+    a resample of the pooled problems (:func:`tolerance_threshold`): the guarantee then also
+    covers the pooled sample's own error.  ``scalar="kl"`` (opt-in) thresholds the log expected
+    KL instead of the largest log variance (:meth:`KernelOperator.row_uncertainty`).
+    """
+    if not 0.0 < budget < 1.0:
+        raise ValueError("`budget` must lie in (0, 1)")
+    u, _ = _pooled(operator, held_out, fitted, groups, labels=False, scalar=scalar)
+    return _pooled_budget_threshold(u, held_out is not None, fitted is not None, groups, held_out_groups, budget,
+                                    confidence, problems, n_boot, random_state, predictive)
+
+
+def density_guard(operator: KernelOperator, held_out=None, share: float = 0.01,
+                  fitted: TrainingSet | None = None, groups=None) -> float:
+    """Density (:meth:`KernelOperator.density`) below which a message counts as outside the
+    training data, so that at most ``share`` of in-distribution messages fall below it: the
+    lower conformal quantile — the k-th smallest of the n pooled densities, k = ⌊(n + 1) share⌋
+    (−inf, guard nothing, when k < 1) — of ``held_out`` messages (a TrainingSet or a dict of
+    incoming messages) and, with ``fitted``/``groups``, of the fitted pairs each without its group
+    (:meth:`KernelOperator.held_out_density`).  The guard ``density < t`` complements a threshold
+    on the predictive variance, which stays small far from the training rows
+    (:attr:`JITOperator.density_guard`).  The bound holds for messages exchangeable with the pooled
+    ones: left-out rows that keep near-duplicates of themselves (another sweep of their EP problem)
+    are denser than a new problem's, and the guard then flags more than ``share`` of those."""
+    if not 0.0 < share < 1.0:
+        raise ValueError("`share` must lie in (0, 1)")
+    if (fitted is None) != (groups is None):
+        raise ValueError("`fitted` and `groups` go together")
+    if held_out is None and fitted is None:
+        raise ValueError("give `held_out` messages, or `fitted` pairs with their `groups`, or both")
+    d = []
+    if held_out is not None:
+        inc = held_out.incoming if isinstance(held_out, TrainingSet) else held_out
+        d.append(np.ravel(operator.density(inc)))
+    if fitted is not None:
+        d.append(operator.held_out_density(fitted, groups))
+    d = np.concatenate(d)
+    k = int(np.floor((d.size + 1) * share))
+    return -np.inf if k < 1 else float(np.sort(d)[k - 1])
+
+
+def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_groups, budget, confidence, problems,
+                             n_boot, random_state, predictive):
+    """budget_threshold's answer from the pooled uncertainties ``u`` (:func:`_pooled`'s order: the
+    held-out rows, then the fitted rows)."""
+    if confidence is not None:
+        labels = []
+        if has_held_out:
+            if held_out_groups is None:
+                raise ValueError("`confidence` needs `held_out_groups` (the held-out rows' problems)")
+            labels.append(group_index(held_out_groups, "held_out_groups")[1])
+        if has_fitted:
+            g = group_index(groups)[1]
+            labels.append(g + (labels[0].max() + 1 if labels else 0))
+        lab = np.concatenate(labels)
+        if lab.size != u.size:
+            raise ValueError("group labels must match the pooled rows one to one")
+        return tolerance_threshold(u, lab, budget, confidence, problems, n_boot, random_state, predictive)
+    n = u.size
+    k = int(np.ceil((n + 1) * (1.0 - budget)))
+    if k > n:
+        return np.inf
+    return float(np.sort(u)[k - 1])
+
+
+def tolerance_threshold(u, groups, budget: float, confidence: float, problems: int | None = None,
+                        n_boot: int = 2000, random_state=0, predictive: bool = False) -> float:
+    """Smallest t among the values ``u`` such that a batch of ``problems`` problems, drawn with
+    replacement from the problems labelled by ``groups``, has at most ``budget`` of its rows
+    above t in at least a ``confidence`` fraction of ``n_boot`` bootstrap batches.
+
+    A batch's flagged share is Σ_g w_g c_g(t) / Σ_g w_g n_g (w_g: times problem g is drawn,
+    n_g its rows, c_g(t) its rows with u > t): the share of rows, as a test set of problems
+    counts it.  The batches are ``numpy.random.default_rng(random_state).integers(0, G,
+    (n_boot, problems))`` over the G distinct labels in sorted order (reproducible; fixed seed by
+    default).  The share is non-increasing in t for every batch, so the condition is monotone and
+    a bisection over the sorted distinct values finds t; t = max(u) flags nothing and always
+    qualifies.  ``problems`` defaults to G.
+
+    ``predictive=True`` (opt-in) draws every batch from a *resample of the G problems* instead of
+    from the G problems themselves — ``pool = rng.integers(0, G, (n_boot, G))`` then ``pick =
+    rng.integers(0, G, (n_boot, problems))``, batch b the problems ``pool[b, pick[b]]`` (same
+    generator, in that order): a double bootstrap, the predictive distribution of a new batch's
+    share given that the G problems are themselves a sample.  At a fixed t a batch's share then
+    varies by σ²(1/problems + 1/G) (σ²: the spread of the per-problem shares) instead of
+    σ²/problems — the threshold's own estimation error, which the plain bootstrap leaves out
+    and which is a third of the variance when a test set of 15 problems is judged from 45.
+
+    Why (issue 14, benchmarks/factor_suite.py, seeds 0–3, 56 directions, measured on pooled rows
+    only): splitting the pooled problems (calibration + training left out) 40 times per direction
+    into a pseudo-test set of as many problems as the test set and a pool of the rest, the plain
+    threshold kept the pseudo-test share ≤ 10 % on 81.3 % of splits, the predictive one on
+    85.6 % (the conformal quantile on 50.5 %); on the real test sets afterwards (factor_suite's
+    ``flagged_fraction_at_budget90`` / ``…_pred``) 43 → 46 of 56, both goals met 35 → 38.
+    Neither reaches the 90 % it aims at: the test shares spread 1.44 × the plain bootstrap's sd
+    (1.27 × the predictive one's) around the pooled share, with no shift (mean z 0.09).
+    """
+    if not 0.0 < budget < 1.0:
+        raise ValueError("`budget` must lie in (0, 1)")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError("`confidence` must lie in (0, 1)")
+    u = np.asarray(u, np.float64).ravel()
+    labels, gi = group_index(groups)
+    if gi.size != u.size:
+        raise ValueError("`groups` must give one label per value of `u`")
+    G = labels.size
+    m = G if problems is None else int(problems)
+    if m < 1:
+        raise ValueError("`problems` must be ≥ 1")
+    gen = np.random.default_rng(random_state)
+    if predictive:
+        pool = gen.integers(0, G, (n_boot, G))
+        draws = np.take_along_axis(pool, gen.integers(0, G, (n_boot, m)), axis=1)
+    else:
+        draws = gen.integers(0, G, (n_boot, m))
+    W = np.bincount((np.arange(n_boot)[:, None] * G + draws).ravel(), minlength=n_boot * G)
+    W = W.reshape(n_boot, G).astype(np.float64)  # times each problem is drawn, per batch
+    rows = W @ np.bincount(gi, minlength=G).astype(np.float64)
+    cand = np.unique(u)
+
+    def ok(t):
+        share = (W @ np.bincount(gi, weights=(u > t).astype(np.float64), minlength=G)) / rows
+        return np.count_nonzero(share <= budget) >= confidence * n_boot
+
+    lo, hi = 0, cand.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(cand[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(cand[lo])

@@ -1,0 +1,766 @@
+"""The just-in-time operator (SPEC §6): :class:`JITOperator` predicts when confident, else asks
+its oracle and learns the answer; and the registry of the learned operators' state kinds."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from typing import Mapping
+
+import numpy as np
+
+from ..certificates import Certificates, above_threshold, certified, outgoing_proper, projection_convention
+from ..errors import ConfigurationError, rows_of_batch
+from ..factors import get_factor
+from ..families import Family, family_name
+from ..protocols import Operator
+from ..reductions import any_
+from ..training import TrainingSet
+from .kernel_operator import (KernelOperator, TargetsNotFiniteError, _named_rows, _state_json,
+                              respect_factor_bounds, sign_undetermined)
+from .calibration import calibrate_threshold, density_guard
+from .consultation import greedy_consultations
+
+__all__ = ["INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS"]
+
+_MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
+INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
+
+
+class JITOperator(Operator):
+    """Just-in-time operator (SPEC §6): predict when confident, else ask the oracle and learn.
+
+    Parameters
+    ----------
+    operator : a fitted :class:`KernelOperator`, or None to start from nothing.
+    oracle : the fallback (QuadratureOracle or ImportanceSamplingOracle) for the same factor.
+    threshold : log predictive variance above which (in any output coordinate) a row is
+        uncertain; [paper] −8.5 synthetic, −8.95 UCI, −6 compound gamma.  Use
+        :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.  Each
+        coordinate's variance is weighted first by how many times the predicted belief's KL curvature
+        in it exceeds the learned one — beyond the fifth largest among the beliefs learned, or between
+        learned concentrations (:meth:`KernelOperator.decision_log_weights`, :mod:`kjit.curvature`): 1 where
+        learned (the paper's rule), more for a belief more concentrated than those learned, whose error
+        costs more — a Gamma's log parameters' error moves its mean by √shape·δ sd.  ``predict``, its
+        certificates and :meth:`screen` / :meth:`screen_certified` report the weighted log variance
+        (the one the threshold applies to).
+    initial_batch : with no operator, the first ``initial_batch`` messages go to the oracle;
+        then the operator (widths, hyperparameters) is fitted once on them and takes over —
+        provided the batch varies: at least ``initial_batch // 4`` of its rows must differ from
+        its first row in every coordinate of every incoming message, else more messages are
+        consulted until they do (at most ``INITIAL_BATCH_CAP`` × ``initial_batch`` in all).
+        EP's first sweep sends messages that share a coordinate (before any site is updated
+        every cavity mean is the prior's, 0); a width search on those has nothing to set the
+        kernel's width along it by and can pick a degenerate kernel whose finite random-feature
+        model is confident everywhere once it has seen more pairs than features — measured on
+        jit_synthetic.py (initial batch = EP's first sweep of 300 messages): confident
+        predictions with mean KL ≈ 78 on later problems and test-error gaps up to 0.07.  A
+        request that completes the initial batch is split: the rows after it are answered by
+        the freshly fitted operator.
+    target_kl : if given, the threshold is derived from a target accuracy when the operator is
+        first fitted from the initial batch: a quarter of the batch is held out of the fit, the
+        threshold is set by :func:`calibrate_threshold` so that held-out predictions under it
+        have mean KL[q ‖ q̂] ≤ target_kl (``threshold`` is kept if no value meets it), and the
+        held-out pairs are then learned online.
+    to : recipient variable (taken from ``operator`` when given).
+    operator_kwargs : constructor arguments for the KernelOperator built after the initial batch.
+    uncertainty : what the threshold is applied to.  "predictive" (default): the BLR's predictive
+        variance ψᵀΣψ + σ_y² (the paper's rule).  "epistemic": ψᵀΣψ alone, the part that learning
+        reduces — for a noisy oracle (importance sampling) the evidence sets σ_y² near the oracle's
+        own error, and a threshold below that floor would consult every row forever (measured on
+        the Poisson–Gamma JIT experiment of benchmarks/ep_models.py); a row then counts as known
+        once the operator has seen enough like it, and its answer is as good as the oracle's.
+        ``predict`` returns the log variance the rule used.
+    selection : which uncertain rows of a request go to the oracle.  "greedy" (default): a few,
+        picked by :func:`greedy_consultations` (most uncertain first) so that after learning
+        them every row of the request is under the
+        threshold — computable before the oracle is called, since the BLR posterior covariance
+        does not depend on the answers; the remaining rows are answered by the updated operator
+        and checked (up to 3 rounds, then every row still uncertain is consulted).  "all":
+        every row that is uncertain before the request (the rule without look-ahead).
+        Measured on jit_uci.py (seed 0): consultations after the first data set 218 → 91,
+        JIT seconds on the last three sets 2.55 → 1.65, the same test errors.
+    density_guard : also consult a row whose :meth:`KernelOperator.density` (mean kernel value to
+        the learned rows) is below this value, whatever its variance — a row far from every
+        training row can have a small predictive variance and an arbitrary prediction (see
+        :meth:`KernelOperator.density`).  The guard is held as a count: the value times the pairs
+        learned when it was set (``guard_rows_``), compared with the row's density times the pairs
+        learned now — so learning rows elsewhere does not, in expectation, make a row sparser (the
+        random features' kernel estimate between far rows scatters about 0, negative as often as
+        positive: many far rows learned can lower a row's count, and guard it — see
+        :meth:`KernelOperator.density`).  None (default): no guard.  :func:`density_guard` derives one from a share of
+        in-distribution messages.
+    guard_share : with no operator, set ``density_guard`` when the operator is fitted from the
+        initial batch: :func:`density_guard` with this share of the batch's rows, each left out
+        with its request's rows (a request of EP is a sweep, whose rows are distinct messages; the
+        batch's rows are learned too) — a share of the batch's messages, not of later traffic.
+        None (default): keep ``density_guard``.
+
+    Counters (``counters()``): calls, requests (messages), consultations (messages sent to the
+    oracle), seconds in prediction, in the oracle, in updates and in the initial fit.
+    """
+
+    def __init__(self, operator: KernelOperator | None, oracle, threshold: float = -8.5,
+                 initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
+                 target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive",
+                 density_guard: float | None = None, guard_share: float | None = None):
+        if uncertainty not in ("predictive", "epistemic"):
+            raise ValueError(f"`uncertainty` must be 'predictive' or 'epistemic', got {uncertainty!r}")
+        self.uncertainty = uncertainty
+        if selection not in ("greedy", "all"):
+            raise ValueError(f"`selection` must be 'greedy' or 'all', got {selection!r}")
+        self.selection = selection
+        if operator is None and to is None:
+            raise ValueError("`to` is required when starting without an operator")
+        if operator is not None and to is not None and to != operator.to:
+            raise ValueError(f"`to`={to!r} contradicts the operator's recipient {operator.to!r}")
+        self.factor = oracle.factor
+        self.to = self.factor.check_to(operator.to if operator is not None else to)
+        if operator is not None:
+            if operator.to != self.to:
+                raise ValueError("`operator` and `oracle` are for different factors or directions")
+            self.factor.check_same(operator.factor, "`operator`", "`oracle`")
+        if not np.isfinite(threshold):
+            raise ValueError("`threshold` must be finite")
+        if int(initial_batch) < 2:
+            raise ValueError("`initial_batch` must be >= 2")
+        if target_kl is not None and not (np.isfinite(target_kl) and target_kl > 0):
+            raise ValueError("`target_kl` must be a positive number")
+        self.target_kl = None if target_kl is None else float(target_kl)
+        if density_guard is not None and np.isnan(density_guard):
+            raise ValueError("`density_guard` must be a number or None")
+        self.density_guard = None if density_guard is None else float(density_guard)
+        if self.density_guard is not None and operator is not None and operator.blr_.x_sum_ is None:
+            raise ValueError("`density_guard` needs an operator whose regression keeps its column sums "
+                             "(this one was restored from a state saved before they were kept)")
+        self.guard_rows_ = operator.n_train_ if operator is not None else None
+        if guard_share is not None and not 0.0 < guard_share < 1.0:
+            raise ValueError("`guard_share` must lie in (0, 1)")
+        self.guard_share = None if guard_share is None else float(guard_share)
+        self.operator = operator
+        self.oracle = oracle
+        self.threshold = float(threshold)
+        self.initial_batch = int(initial_batch)
+        self.operator_kwargs = dict(operator_kwargs or {})
+        if "dtype" in self.operator_kwargs:  # keep the kwargs JSON-serialisable for state_dict
+            self.operator_kwargs["dtype"] = np.dtype(self.operator_kwargs["dtype"]).name
+        self.family = self.factor.families[self.to]
+        self._pending: list[tuple[dict, Family]] = []
+        self._n_pending = 0
+        self._undo = None
+        self._keep_undo = False
+        self._oracle_certs: list = []  # (rows of the request, certificates) of this request's oracle answers
+        self.last_learned_groups_: list = []  # rows each partial_fit of the last request learned
+        self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
+                        "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
+                        "seconds_initial_fit": 0.0}
+
+    def __repr__(self):
+        return f"JITOperator({self.factor.name}→{self.to}, threshold={self.threshold}, fitted={self.operator is not None})"
+
+    def raw_counters(self) -> dict:
+        """The stored counters (no derived values): what :meth:`set_counters` accepts."""
+        return dict(self._counts)
+
+    def set_counters(self, counts: Mapping) -> None:
+        """Restore counters (e.g. replayed from a log); unknown keys are a ValueError."""
+        unknown = set(counts) - set(self._counts)
+        if unknown:
+            raise ValueError(f"unknown counter(s) {sorted(unknown)}")
+        for k, v in counts.items():
+            self._counts[k] = type(self._counts[k])(v)
+
+    def counters(self) -> dict:
+        c = dict(self._counts)
+        c["consultation_rate"] = c["consultations"] / c["requests"] if c["requests"] else 0.0
+        c["n_train"] = self.operator.n_train_ if self.operator is not None else self._n_pending
+        return c
+
+    def _oracle_beliefs(self, incoming, positions):
+        """The oracle's beliefs for a sub-batch; ``positions``: its rows' places in the request,
+        so that a LowESSError names the failing rows of the *request* (the EP engine skips
+        exactly those and asks again for the rest)."""
+        from ..oracles import LowESSError
+
+        t = time.perf_counter()
+        try:
+            q, cert = certified(self.oracle, incoming, self.to, unknown_source="oracle")
+        except LowESSError as exc:
+            raise LowESSError(np.asarray(positions)[exc.rows], exc.ess, exc.min_ess) from exc
+        except Exception as exc:  # any other error naming rows (the exact rule's OracleError): the request's
+            if getattr(exc, "rows", None) is not None:
+                raise rows_of_batch(exc, positions)
+            raise
+        finally:
+            self._counts["seconds_oracle"] += time.perf_counter() - t
+        # a sampled (or round-off) answer on the wrong side of the factor's bound is moved onto
+        # it: strictly closer to the truth, and what is learned is what is returned
+        flat = {v: m.ravel() for v, m in incoming.items()}
+        self._oracle_certs.append((np.asarray(positions), cert))
+        return respect_factor_bounds(self.factor, self.to, flat, q.ravel())[0].reshape(q.shape)
+
+    def _certify(self, q, logvar, consulted, flat):
+        """The certificates of an answer: learned rows with their log predictive variance and the
+        threshold, consulted rows with their oracle's certificates (ESS, standard errors)."""
+        n = len(consulted)
+        lv = np.reshape(logvar, (n, -1))
+        source = np.full(n, "learned", dtype=object)
+        ess, se = np.full(n, np.nan), np.full(lv.shape, np.nan)
+        for pos, c in self._oracle_certs:
+            source[pos], ess[pos], se[pos] = c.source, c.ess, c.mc_se
+        qf = q.ravel()
+        cert = Certificates(source, self.family.coord_names, log_var=lv, threshold=self.threshold, ess=ess,
+                            mc_se=se, projection=projection_convention(self.factor),
+                            proper=outgoing_proper(qf, flat[self.to]),
+                            version=self.operator.n_train_ if self.operator is not None else self._n_pending)
+        cert.of = q
+        return cert
+
+    def _check_to(self, to):
+        if to is not None and to != self.to:
+            raise ConfigurationError(f"this operator sends messages to {self.to!r}, not `to`={to!r}")
+
+    def predict(self, incoming: Mapping[str, Family], to: str | None = None, revertible: bool = False):
+        """Belief, log predictive variance (n, k) and the mask of rows the oracle answered.
+
+        During the initial phase (no operator yet) every row is consulted and the log
+        variance is NaN (a request that completes the initial batch: its first rows); after
+        that it is the operator's value that decided the row — before the consultation for
+        consulted rows, after learning this request's consulted rows for the others that were
+        uncertain before (``selection="greedy"``).  A request is atomic: if an oracle call
+        raises, the exception propagates and the operator, its initial batch and the counters
+        are left as they were.
+
+        ``revertible=True`` keeps, in ``revert_last_``, a callable that undoes what this request learned and
+        counted — the service's replicas call it when another replica's update took the place
+        in the shared log this request's update was to have (and then ask again).
+        """
+        return self._predict_certified(incoming, to, revertible)[0]
+
+    def certified(self, incoming: Mapping[str, Family], to: str | None = None, revertible: bool = False):
+        """``(belief, Certificates)``: :meth:`predict`'s answer with its certificates (consulted rows:
+        the oracle's source, ESS and standard errors; the others: learned, with their log
+        predictive variance and the threshold).  Also kept in ``last_certificates_``."""
+        (q, _, _), cert = self._predict_certified(incoming, to, revertible)
+        return q, cert
+
+    def _predict_certified(self, incoming, to, revertible):
+        saved = dict(self._counts)
+        self._undo = None  # set before anything is learned that a later oracle call could void
+        self._keep_undo = bool(revertible)
+        self._oracle_certs = []
+        try:
+            out = self._predict(incoming, to)
+            cert = self._certify(out[0], out[1], np.asarray(out[2]).reshape(-1), {self.to: self._request_to})
+            self.last_certificates_ = cert
+            out = (out, cert)
+            if revertible:
+                undo = self._undo
+
+                def revert():
+                    if undo is not None:
+                        undo()
+                    self._counts.clear()
+                    self._counts.update(saved)
+
+                self.revert_last_ = revert
+            return out
+        except BaseException:
+            self._counts.clear()
+            self._counts.update(saved)
+            if self._undo is not None:
+                self._undo()
+            raise
+        finally:
+            self._undo = None
+            self._keep_undo = False
+            self._oracle_certs = []
+
+    def screen(self, incoming: Mapping[str, Family], to: str | None = None):
+        """The fitted operator's answer and the rows :meth:`predict` would send to the oracle, without
+        consulting or learning: ``(belief, log predictive variance (…, k) weighted as the rule weighs
+        it (see ``threshold``), uncertain mask)``.  The mask is this operator's rule — the threshold on
+        the variance its ``uncertainty`` names, an outgoing message whose precision's sign is undetermined, or a density below the guard — so a client whose oracle runs
+        elsewhere (a served operator's ``mode=predict``) consults exactly the rows ``predict`` with
+        ``selection="all"`` would."""
+        q, var, _, uncertain, _, logw = self._screen(incoming, to)
+        return q, np.log(var) + logw.reshape(var.shape), uncertain
+
+    def screen_certified(self, incoming: Mapping[str, Family], to: str | None = None, version: int | None = None):
+        """:meth:`screen` with the answer's certificates instead of the bare log variance:
+        ``(belief, Certificates (learned, with the threshold), uncertain mask)``; the certificates'
+        ``log_var`` is the one the threshold applies to (see ``uncertainty``), as in :meth:`certified`.
+        ``version``: the certificates' version (default: the pairs the operator has learned)."""
+        q, _, decision, uncertain, flat, _ = self._screen(incoming, to)
+        # rated on the variance the threshold applies to, as predict's certificates are (the
+        # epistemic part with uncertainty="epistemic": the predictive one never falls below the
+        # noise floor, though the rule stops consulting there); the rows the rule would consult
+        # for another reason (the outgoing precision's sign, the density guard) are flagged: never
+        # confident (found by an audit: guarded rows, KL up to 0.05, were certified confident)
+        flagged = np.asarray(uncertain, bool).reshape(-1) & ~above_threshold(decision, self.threshold)
+        cert = self.operator._certify(q, decision, flat, threshold=self.threshold, version=version, flagged=flagged)
+        return q, cert, uncertain
+
+    def _screen(self, incoming, to):
+        """``(belief, predictive variance, log of the variance the threshold applies to, weighted (n, k),
+        uncertain mask, flat incoming messages, the log weights (n, k))``."""
+        self._check_to(to)
+        if self.operator is None:
+            raise ValueError("no operator yet: the initial batch goes to the oracle")
+        op = self.operator
+        (coords, var, psi, logw), flat, shape = op._predict_coords(incoming, return_var=True, return_features=True,
+                                                                   return_weights=True)
+        q = op._to_belief(coords, flat, shape)
+        k = coords.shape[-1]
+        c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
+        decision = self._decision_logvar(v2)
+        uncertain = self._uncertain(flat, c2, decision, psi, logw)
+        return q, var, decision + logw, uncertain.reshape(shape), flat, logw
+
+    def _restore_initial(self, pending, n_pending, threshold, guard, guard_rows):
+        self.operator = None
+        self._pending, self._n_pending, self.threshold = pending, n_pending, threshold
+        self.density_guard, self.guard_rows_ = guard, guard_rows
+
+    def _predict(self, incoming, to):
+        self._check_to(to)
+        self.last_learned_groups_ = []
+        flat, shape = self.factor.flat_incoming(incoming, self.to)
+        self._request_to = flat[self.to]
+        n = next(iter(flat.values())).size
+        self._counts["calls"] += 1
+        self._counts["requests"] += n
+        if self.operator is None:
+            # initial phase: the oracle answers until the initial batch is complete; if the
+            # request is longer, the operator is fitted and answers the remaining rows
+            k = len(self.family.coord_names)
+            start = self._initial_rows(flat)
+            head = flat if start == n else {v: m[:start] for v, m in flat.items()}
+            q = self._oracle_beliefs(head, np.arange(start))
+            self._counts["consultations"] += start
+            state = (list(self._pending), self._n_pending, self.threshold, self.density_guard, self.guard_rows_)
+            self._undo = lambda: self._restore_initial(*state)
+            n_before = self._n_pending
+            try:
+                self._learn_initial(head, q)
+            except Exception as exc:
+                # the initial fit's rows are the pending pairs': earlier requests' first, then this one's
+                # head — named as this request's, or not at all where an earlier request's row is named
+                # (found in review: row 25 of the fit for the request's row 5)
+                r = getattr(exc, "rows", None)
+                if r is not None:
+                    try:
+                        r = np.asarray(r, dtype=int).ravel()
+                        exc.rows = r - n_before if r.size and r.min() >= n_before else None
+                    except (TypeError, ValueError, AttributeError):
+                        pass
+                raise
+            if start == n:
+                return q.reshape(shape), np.full(shape + (k,), np.nan), np.ones(shape, dtype=bool)
+            q_t, lv_t, c_t = self._answer({v: m[start:] for v, m in flat.items()}, offset=start)
+            q = self.family.concatenate([q, q_t])
+            lv = np.concatenate([np.full((start, k), np.nan), lv_t])
+            consulted = np.concatenate([np.ones(start, dtype=bool), c_t])
+            return q.reshape(shape), lv.reshape(shape + (k,)), consulted.reshape(shape)
+        q, lv, consulted = self._answer(flat)
+        return q.reshape(shape), lv.reshape(shape + lv.shape[-1:]), consulted.reshape(shape)
+
+    def _answer(self, flat, offset=0):
+        """The fitted operator's answer for flat incoming messages (see :meth:`predict`)."""
+        n = next(iter(flat.values())).size
+        t = time.perf_counter()
+        coords, var, psi, logw = _named_rows(offset + np.arange(n), self.operator.predict_coords, flat,
+                                             return_var=True, return_features=True, return_weights=True)
+        logvar = self._decision_logvar(var)
+        self._counts["seconds_predict"] += time.perf_counter() - t
+        uncertain = self._uncertain(flat, coords, logvar, psi, logw)
+        consulted = np.zeros(n, dtype=bool)
+        answers = []  # (row indices, oracle beliefs, the rows of them learned)
+        rounds = 0
+        while uncertain.any():
+            rows = np.flatnonzero(uncertain)
+            if self.selection == "greedy" and rounds < _MAX_ROUNDS:
+                op = self.operator
+                # per row, the latent-variance limit equivalent to the threshold on the largest
+                # weighted coordinate; 0.99: a margin for the float32 prediction path
+                with np.errstate(all="ignore"):
+                    limit = 0.99 * np.exp(self.threshold) / np.max(np.exp(logw[rows]) * op.y_scale_ ** 2, axis=-1)
+                limit = np.where(np.isnan(limit), -np.inf, limit)  # (no weights: consulted)
+                if self.uncertainty == "predictive":
+                    limit -= op.noise_var_
+                t = time.perf_counter()
+                pick = greedy_consultations(psi[rows], op.blr_.Sigma_, op.noise_var_, limit)
+                # learned in row order, like "all"
+                idx = np.sort(rows[pick]) if pick.size else rows
+                guarded = self._guarded(psi[rows])
+                if guarded is not None and guarded.any():  # whatever their variance
+                    idx = np.union1d(idx, rows[guarded])
+                self._counts["seconds_predict"] += time.perf_counter() - t
+            else:
+                idx = rows
+            sub = {v: m[idx] for v, m in flat.items()}
+            q_or = self._oracle_beliefs(sub, offset + idx)
+            self._counts["consultations"] += idx.size
+            consulted[idx] = True
+            # a pair far outside the learned range is answered by the oracle but not learned: it
+            # would move every prediction (LEARN_RANGE_FACTOR)
+            learn = ~self.operator.out_of_range_rows(sub, q_or)
+            answers.append((idx, q_or, idx[learn]))
+            if not learn.all():
+                sub, q_or = {v: m[learn] for v, m in sub.items()}, q_or[learn]
+            t = time.perf_counter()
+            if self._undo is None and (self.selection == "greedy" or self._keep_undo):
+                # a later round's oracle call may fail: keep what to restore (atomic request)
+                op, blr = self.operator, copy.deepcopy(self.operator.blr_)
+                rng_, curv_ = getattr(op, "target_range_", None), getattr(op, "curvature_top_", None)
+                hist_ = getattr(op, "curvature_hist_", None)
+                self._undo = lambda: (setattr(op, "blr_", blr), setattr(op, "target_range_", rng_),
+                                      setattr(op, "curvature_top_", curv_), setattr(op, "curvature_hist_", hist_))
+            try:
+                if learn.any():
+                    self.operator.partial_fit(sub, q_or)
+            except TargetsNotFiniteError as exc:  # rows of the learned sub-batch: name the request's
+                rows = (offset + idx[learn])[exc.rows]
+                raise TargetsNotFiniteError(f"the oracle's beliefs for rows {rows[:10].tolist()}"
+                                            f"{'…' if rows.size > 10 else ''} cannot be learned: their regression "
+                                            "targets are not finite (too far from their reference)", rows=rows) from None
+            self._counts["seconds_update"] += time.perf_counter() - t
+            self._counts["updates"] += int(learn.sum())
+            rest = np.flatnonzero(uncertain & ~consulted)
+            uncertain[:] = False
+            if rest.size:
+                # rows left uncertain before this round: answered by the updated operator, if
+                # it is now confident about them (checked, not assumed)
+                t = time.perf_counter()
+                c2, v2, p2, w2 = _named_rows(offset + rest, self.operator.predict_coords,
+                                             {v: m[rest] for v, m in flat.items()}, return_var=True,
+                                             return_features=True, return_weights=True)
+                self._counts["seconds_predict"] += time.perf_counter() - t
+                coords[rest], logvar[rest], psi[rest], logw[rest] = c2, self._decision_logvar(v2), p2, w2
+                uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest], p2, w2)
+            rounds += 1
+        # the rows learned by each partial_fit, in order: replaying the pairs group by group
+        # reproduces the operator bit for bit (the service's update log does)
+        self.last_learned_groups_ = [offset + learned for _, _, learned in answers if learned.size]
+        # (the consulted rows' learned coordinates are replaced below: they need not be a belief — found
+        # by an audit, a row whose prediction overflowed failed the request though the oracle answered it)
+        q_hat = _named_rows(offset + np.arange(n), self.operator._to_belief, np.where(consulted[:, None], 0.0, coords),
+                            flat, (n,))
+        if answers:
+            # return the oracle's own message for consulted rows (not a coordinate round trip)
+            params = [np.array(p) for p in q_hat.params]
+            for idx, q_or, _ in answers:
+                for p_all, p_or in zip(params, q_or.params):
+                    p_all[idx] = p_or
+            q_hat = self.family(*params)
+        return q_hat, logvar + logw, consulted
+
+    def threshold_floor(self) -> float:
+        """The lowest useful threshold: below it every answer is uncertain and the oracle answers
+        everything.  With ``uncertainty="predictive"`` the decision variance of coordinate k is
+        w_k sd_k²(ψᵀΣψ + σ_y²) ≥ sd_k² σ_y² however much is learned (w_k ≥ 1 the row's weight, see
+        ``threshold``: 1 where learned); the floor is where the learnable part ψᵀΣψ may still be
+        as large as the noise σ_y² in the largest coordinate of a row whose weights are 1:
+        max_k log(2 sd_k² σ_y²).  A belief more concentrated than any learned has a higher floor of its
+        own, until one like it is learned.  ``"epistemic"``: −inf."""
+        if self.operator is None or self.uncertainty != "predictive":
+            return -np.inf
+        op = self.operator
+        return float(np.max(np.log(2.0 * op.noise_var_ * np.asarray(op.y_scale_, float) ** 2)))
+
+    def threshold_note(self) -> str | None:
+        """None, or — when the threshold lies below :meth:`threshold_floor` − log 2, the least log
+        variance an answer has — a sentence saying so: no answer is confident there, so every message
+        is consulted (the oracle answers all of them, and
+        EP through the operator runs at the oracle's pace).  Found by an audit: a served operator of a
+        user's factor whose calibration failed took the generic fallback −8.5, 5–9 nats below floors of
+        −3.5 … +0.6, and consulted every row with nothing saying why."""
+        floor = self.threshold_floor()
+        # an answer's decision log variance is at least max_k log(sd_k² σ_y²) = floor − log 2 (weights ≥ 1,
+        # ψᵀΣψ ≥ 0): below that nothing is confident; between it and the floor a calibrated threshold may
+        # lie (the default logistic-x of the tests: −15.89 against a floor of −15.42), and rows are
+        # confident there
+        least = floor - np.log(2.0)
+        if not (np.isfinite(floor) and self.threshold < least):
+            return None
+        return (f"the threshold {self.threshold:.4g} is below this operator's noise floor {floor:.4g}, and below "
+                f"{least:.4g}, the least log predictive variance any answer has however much is learned: no answer "
+                "is confident, so every message will be consulted")
+
+    def _decision_logvar(self, var):
+        """log of the variance the threshold is applied to (see ``uncertainty``)."""
+        if self.uncertainty == "predictive":
+            return np.log(var)
+        return self.operator.epistemic_log_variance(np.log(var))
+
+    def _guarded(self, psi):
+        """Rows (features ``psi``) below the density guard; None without a guard (the constructor
+        refuses a guard on a regression without column sums)."""
+        if self.density_guard is None or psi is None:
+            return None
+        op = self.operator
+        # as counts of nearby rows (see density_guard): d n_now < guard n_then
+        return op._density(psi) * op.n_train_ < self.density_guard * self.guard_rows_
+
+    def _uncertain(self, flat, coords, logvar, psi=None, logw=None):
+        """Rows to consult: the belief's log predictive variance, weighted by ``logw``
+        (:meth:`KernelOperator.decision_log_weights`; none given: unweighted), exceeds the threshold
+        in some coordinate, or the outgoing message's precision has an undetermined sign
+        (:func:`sign_undetermined`: what EP consumes is the message, not the belief) while the
+        prediction's epistemic variance is above the oracle's noise (an oracle answer would
+        settle it), or the row's density is below the guard (features ``psi``; none given: no guard)."""
+        # the sign test uses the epistemic part of the variance: consulting cannot resolve the
+        # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
+        op = self.operator
+        noise = op.noise_var_ * np.asarray(op.y_scale_, float) ** 2  # σ_y² in each coordinate's units
+        epistemic = np.exp(logvar)
+        if self.uncertainty == "predictive":
+            epistemic = np.maximum(epistemic - noise, 0.0)
+        sign = sign_undetermined(self.factor, self.to, flat, coords, epistemic)
+        j = self.family.spread_coord
+        if j is not None and any_(sign):
+            # ... and only where an answer of the oracle would be surer than the prediction: where
+            # the epistemic variance is below the oracle's own noise (σ_y², in the coordinate's
+            # units) its answer is no better — a sampled message whose precision is truly ~0 has
+            # a sign as undetermined as the prediction's, and consulting it every call feeds EP a
+            # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
+            # beliefs moving by ~2e-2 and never converging)
+            sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
+        out = above_threshold(logvar if logw is None else logvar + logw, self.threshold) | sign
+        guarded = self._guarded(psi)
+        return out if guarded is None else out | guarded
+
+    def _differs(self, flat, ref):
+        """(n, c) booleans: does each row differ from the reference row in each coordinate of
+        each incoming message (``ref``: {variable: coords of one row})."""
+        cols = [flat[v].to_coords().reshape(flat[v].size, -1) != ref[v] for v in sorted(flat)]
+        return np.concatenate(cols, axis=1)
+
+    def _reference(self, flat):
+        first = self._pending[0][0] if self._pending else flat
+        return {v: first[v][:1].to_coords().reshape(1, -1) for v in first}
+
+    def _varied_counts(self, ref):
+        """Per coordinate: pending rows that differ from the reference row."""
+        if not self._pending:
+            return 0
+        return sum(self._differs(p[0], ref).sum(axis=0) for p in self._pending)
+
+    def _initial_rows(self, flat) -> int:
+        """How many leading rows of ``flat`` (a request with no operator yet) complete the
+        initial batch: ``initial_batch`` pairs, of which at least ``initial_batch // 4`` differ
+        from the first one in every coordinate of the incoming messages, or the cap.  Decided
+        from the incoming messages alone; all rows when the request does not complete it."""
+        n = next(iter(flat.values())).size
+        ref = self._reference(flat)
+        counts = self._varied_counts(ref) + np.cumsum(self._differs(flat, ref), axis=0)  # (n, c)
+        total = self._n_pending + np.arange(1, n + 1)
+        ok = (total >= self.initial_batch) & (counts.min(axis=1) >= self.initial_batch // 4)
+        ok |= total >= INITIAL_BATCH_CAP * self.initial_batch
+        return int(np.argmax(ok)) + 1 if ok.any() else n
+
+    def _ready_to_fit(self) -> bool:
+        if self._n_pending < self.initial_batch:
+            return False
+        if self._n_pending >= INITIAL_BATCH_CAP * self.initial_batch:
+            return True
+        counts = self._varied_counts(self._reference(None))
+        return int(np.min(counts)) >= self.initial_batch // 4
+
+    def _learn_initial(self, flat, q):
+        self._pending.append((flat, q))
+        self._n_pending += len(q)
+        if not self._ready_to_fit():
+            return
+        t = time.perf_counter()
+        incoming = {v: type(flat[v]).concatenate([p[0][v] for p in self._pending]) for v in flat}
+        beliefs = self.family.concatenate([p[1] for p in self._pending])
+        if self.target_kl is None:
+            self.operator = KernelOperator(self.factor, self.to, **self.operator_kwargs).fit(incoming, beliefs)
+        else:
+            # calibrate the threshold on a quarter of the initial batch held out from the fit,
+            # then learn those pairs too (online: the hyperparameters stay those of the fit)
+            data = TrainingSet(self.factor.name, self.to, incoming, beliefs, self.factor.params())
+            n_held = max(1, len(data) // 4)
+            fit_part, held = data.split(len(data) - n_held, random_state=0)
+            self.operator = KernelOperator(self.factor, self.to, **self.operator_kwargs).fit(fit_part)
+            # on the variance the rule thresholds (found by an audit: an epistemic rule was calibrated on
+            # the predictive variance, which is larger by the noise)
+            t_cal = calibrate_threshold(self.operator, held, self.target_kl,
+                                        scalar="max_epistemic" if self.uncertainty == "epistemic" else "max")
+            if np.isfinite(t_cal):
+                self.threshold = t_cal
+            # held-out rows far outside the fitted range are answered already but not learned
+            # (LEARN_RANGE_FACTOR); the fitted rows are inside it by construction
+            far = self.operator.out_of_range_rows(held)
+            if far.any() and self.guard_share is not None:  # the same, over every row, for the guard
+                unlearned = self.operator.out_of_range_rows(incoming, beliefs)  # (before learning widens it)
+            if not far.all():
+                self.operator.partial_fit(held.subset(np.flatnonzero(~far)) if far.any() else held)
+        if self.guard_share is not None:
+            # each learned row of the batch without its request's rows (a request of EP is a sweep: its
+            # rows are distinct messages, while later sweeps resend near-duplicates of them)
+            sizes = [len(p[1]) for p in self._pending]
+            groups = np.repeat(np.arange(len(sizes)), sizes) if len(sizes) > 1 else np.arange(sum(sizes))
+            if self.target_kl is not None and far.any():  # the rows learned, only (found in review)
+                keep = np.flatnonzero(~unlearned)
+                incoming, groups = {v: m[keep] for v, m in incoming.items()}, groups[keep]
+                if len(sizes) == 1:
+                    groups = np.arange(keep.size)
+            self.density_guard = density_guard(self.operator, share=self.guard_share, fitted=incoming, groups=groups)
+        self.guard_rows_ = self.operator.n_train_
+        self._pending = []
+        self._n_pending = 0
+        self._counts["seconds_initial_fit"] += time.perf_counter() - t
+
+    def belief(self, incoming: Mapping[str, Family], to: str | None = None) -> Family:
+        return self.predict(incoming, to)[0]
+
+    def _recipient(self, to):
+        self._check_to(to)
+        return self.to
+
+    def draws(self, n: int, random_state=None, mean: bool = False) -> list:
+        """:meth:`KernelOperator.draws` of the operator as it is now (its seeded draws are copies: what it learns
+        later does not change them); a ValueError before the operator is fitted (the initial batch's answers are
+        the oracle's)."""
+        if self.operator is None:
+            raise ValueError("no operator yet: the initial batch goes to the oracle, and there is nothing to draw")
+        return self.operator.draws(n, random_state, mean=mean)
+
+    # ------------------------------------------------------------------ state
+    def oracle_state(self) -> dict | None:
+        """The oracle's mutable state — its random generator (and a sampler's reused particle
+        draw) — as JSON-able values, or None for an oracle without one (quadrature, a client's).
+        :meth:`set_oracle_state` restores it: what a service's update record carries so that
+        replaying the record continues the oracle's stream exactly (state_dict holds it too)."""
+        from ..oracles import ImportanceSamplingOracle, MessageImportanceSampler
+
+        o = self.oracle
+        if isinstance(o, MessageImportanceSampler):
+            return {"rng_state": json.dumps(o._rng.bit_generator.state)}
+        if isinstance(o, ImportanceSamplingOracle):
+            return {"rng_state": json.dumps(o._rng.bit_generator.state), "pool": json.dumps(o.pool_state())}
+        return None
+
+    def set_oracle_state(self, state: Mapping) -> None:
+        """Restore :meth:`oracle_state`'s answer (on the same kind of oracle)."""
+        from ..oracles import ImportanceSamplingOracle, MessageImportanceSampler
+
+        o = self.oracle
+        if not isinstance(o, (ImportanceSamplingOracle, MessageImportanceSampler)):
+            raise ValueError(f"a {type(o).__name__} has no generator state to restore")
+        o._rng.bit_generator.state = json.loads(state["rng_state"])
+        if isinstance(o, ImportanceSamplingOracle) and "pool" in state:
+            o._pool = None
+            o.set_pool_state(json.loads(state["pool"]))
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly where this operator stopped: the learned
+        operator (or the pending initial batch), counters, threshold, and the oracle's
+        configuration including its random generator state."""
+        from ..oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+
+        if isinstance(self.oracle, ClientOracle):
+            oracle = {"kind": "client"}
+        elif isinstance(self.oracle, MessageImportanceSampler):
+            o = self.oracle
+            oracle = {"kind": "message_sampler", "target_se": o.target_se, "min_ess": o.min_ess,
+                      "target_ess": json.dumps(o.target_ess), "n_initial": o.n_initial,
+                      "max_samples": o.max_samples, "growth": o.growth, "chunk_elements": o.chunk_elements,
+                      **self.oracle_state()}
+        elif isinstance(self.oracle, ImportanceSamplingOracle):  # noqa: SIM114
+            o = self.oracle
+            oracle = {"kind": "importance_sampling", "n_samples": o.n_samples, "min_ess": o.min_ess,
+                      "chunk": o.chunk, "reuse": o.reuse, **self.oracle_state(),
+                      "proposal": json.dumps({v: [family_name(m), m.to_dict()] for v, m in o.proposal.items()})}
+        elif isinstance(self.oracle, QuadratureOracle):
+            oracle = {"kind": "quadrature"}
+        else:
+            raise ValueError(f"cannot save a JITOperator whose oracle is {type(self.oracle).__name__}")
+        state = {
+            "params": {"factor": self.factor.name, "factor_params": json.dumps(self.factor.params()),
+                       "to": self.to, "threshold": self.threshold, "initial_batch": self.initial_batch,
+                       "target_kl": self.target_kl, "selection": self.selection, "uncertainty": self.uncertainty,
+                       "density_guard": self.density_guard, "guard_share": self.guard_share,
+                       "guard_rows": self.guard_rows_,
+                       "operator_kwargs": json.dumps(self.operator_kwargs)},
+            "counters": dict(self._counts),
+            "oracle": oracle,
+        }
+        if self.operator is not None:
+            state["operator"] = self.operator.state_dict()
+        if self._pending:
+            inc = {v: type(m).concatenate([p[0][v] for p in self._pending]) for v, m in self._pending[0][0].items()}
+            bel = self.family.concatenate([p[1] for p in self._pending])
+            state["pending"] = {
+                "incoming": {v: {n: p for n, p in zip(m.param_names, m.params)} for v, m in inc.items()},
+                "beliefs": {n: p for n, p in zip(bel.param_names, bel.params)},
+                # the requests they came in: the density guard groups the initial batch by them (found
+                # by an audit: after a reload the guard, and the rows it routed, differed)
+                "sizes": np.array([len(p[1]) for p in self._pending], dtype=np.int64),
+            }
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping) -> "JITOperator":
+        from ..families import family_by_name
+        from ..oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
+
+        try:
+            p = state["params"]
+            factor = get_factor(p["factor"], **_state_json(p, "factor_params", "params/", dict))
+            o = state["oracle"]
+            if o["kind"] == "quadrature":
+                oracle = QuadratureOracle(factor)
+            elif o["kind"] == "importance_sampling":
+                proposal = {v: family_by_name(name).from_dict(params) for v, (name, params) in json.loads(o["proposal"]).items()}
+                oracle = ImportanceSamplingOracle(factor, n_samples=int(o["n_samples"]), proposal=proposal,
+                                                  min_ess=float(o["min_ess"]), chunk=int(o["chunk"]),
+                                                  reuse=int(o.get("reuse", 1)))
+            elif o["kind"] == "client":
+                oracle = ClientOracle(factor)
+            elif o["kind"] == "message_sampler":
+                oracle = MessageImportanceSampler(
+                    factor, target_se=float(o["target_se"]), min_ess=float(o["min_ess"]),
+                    target_ess=json.loads(o["target_ess"]), n_initial=int(o["n_initial"]),
+                    max_samples=int(o["max_samples"]), growth=int(o["growth"]),
+                    chunk_elements=int(o["chunk_elements"]))
+            else:
+                raise ValueError(f"unknown oracle kind {o['kind']!r}")
+            operator = KernelOperator.from_state_dict(state["operator"]) if "operator" in state else None
+            jit = cls(operator, oracle, threshold=float(p["threshold"]), initial_batch=int(p["initial_batch"]),
+                      to=p["to"], operator_kwargs=_state_json(p, "operator_kwargs", "params/", dict),
+                      target_kl=p.get("target_kl"),
+                      selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"),
+                      density_guard=p.get("density_guard"), guard_share=p.get("guard_share"))
+            if o["kind"] in ("importance_sampling", "message_sampler"):
+                # the generator (and, mid-way through a reused particle draw, the same particles again)
+                jit.set_oracle_state(o)
+            if p.get("guard_rows") is not None:
+                jit.guard_rows_ = int(p["guard_rows"])
+            for k, v in state["counters"].items():
+                jit._counts[k] = type(jit._counts.get(k, 0.0))(v)
+            if "pending" in state:
+                pend = state["pending"]
+                inc = {v: factor.families[v].from_dict(d) for v, d in pend["incoming"].items()}
+                bel = jit.family.from_dict(pend["beliefs"])
+                if set(inc) != set(factor.variables) or any(m.shape != bel.shape or m.ndim != 1 for m in inc.values()):
+                    raise ValueError(f"JIT operator state's pending pairs are inconsistent: incoming "
+                                     f"{ {v: m.shape for v, m in inc.items()} }, beliefs {bel.shape}")
+                sizes = np.asarray(pend.get("sizes", [len(bel)]), dtype=np.int64).reshape(-1)
+                if sizes.sum() != len(bel) or (sizes.size and sizes.min() < 1):
+                    raise ValueError(f"JIT operator state's pending request sizes {sizes.tolist()} do not add up to "
+                                     f"its {len(bel)} pending pairs")
+                ends = np.cumsum(sizes)
+                jit._pending = [({v: m[e - n:e] for v, m in inc.items()}, bel[e - n:e]) for n, e in zip(sizes, ends)]
+                jit._n_pending = len(bel)
+        except KeyError as exc:
+            raise ValueError(f"JIT operator state is missing {exc}") from None
+        except (TypeError, AttributeError) as exc:  # (a value of the wrong kind)
+            raise ValueError(f"JIT operator state is malformed: {exc}") from None
+        return jit
+
+
+OPERATOR_KINDS = {"KernelOperator": KernelOperator, "JITOperator": JITOperator}
