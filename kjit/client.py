@@ -714,7 +714,7 @@ class RemoteOperator:
             if not isinstance(q_or, fam) or q_or.shape != (rows.size,):
                 raise ValueError(f"the oracle must answer {rows.size} {fam.__name__} beliefs, got "
                                  f"{type(q_or).__name__} of shape {getattr(q_or, 'shape', None)}")
-            bad = ~(np.asarray(q_or.is_proper, bool) & np.all([np.isfinite(p) for p in q_or.params], axis=0))
+            bad = ~q_or.proper_and_finite()
             if bad.any():
                 raise ValueError(f"the oracle's beliefs are improper or not finite in row(s) "
                                  f"{rows[bad].tolist()} of the batch: nothing was sent")

@@ -387,6 +387,12 @@ class Family:
         """Boolean array: which messages are normalisable distributions."""
         raise NotImplementedError
 
+    def proper_and_finite(self) -> np.ndarray:
+        """Boolean array: which messages are normalisable distributions with finite parameters — what an
+        oracle's, a rule's or an operator's answer must be."""
+        with np.errstate(invalid="ignore"):
+            return np.asarray(self.is_proper, bool) & np.all([np.isfinite(p) for p in self.params], axis=0)
+
     @classmethod
     def natural_is_proper(cls, eta) -> np.ndarray:
         """``from_natural(eta).is_proper`` (families may answer without building the messages)."""

@@ -35,6 +35,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from kjit.errors import quoted
+from kjit.factors.base import FactorCodeError
 from kjit.families import Family
 from kjit.operators import LEARN_RANGE_FACTOR, TargetsNotFiniteError
 from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, QuadratureOracle
@@ -217,6 +218,8 @@ def bad_feature_rows(operator, incoming: dict[str, Family]) -> list[int]:
                 rows = np.flatnonzero(ok)
                 psi = operator.features_.transform(tuple(m[rows] for m in msgs))
                 bad[rows] = ~_row_finite(psi, rows.size)
+    except FactorCodeError:  # the factor's own code failed (its approximation): not the features — the
+        return []            # caller says the factor's words
     except NUMERIC_ERRORS:  # cannot tell the rows apart: none of them can be evaluated
         return list(range(n))
     return np.flatnonzero(bad).tolist()

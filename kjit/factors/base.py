@@ -115,6 +115,9 @@ class FactorCodeError(ValueError):
 #: are all named (:meth:`SampledFactor.sample`)
 PASSED_THROUGH = (ValueError, ArithmeticError, OracleError, MemoryError)
 
+#: reference_belief's marker of a revision the factor no longer has
+_NO_REVISION = object()
+
 
 def factor_code_error(factor, what: str, exc: BaseException) -> FactorCodeError:
     """The :class:`FactorCodeError` for ``exc``, raised by ``factor``'s ``what`` (call sites catch
@@ -371,6 +374,21 @@ class Factor:
     #: signature as :meth:`approximate_belief`)
     earlier_approximations: ClassVar[dict[int, str]] = {}
 
+    def checked_answer(self, q, incoming: Mapping[str, Family], to: str, what: str) -> Family:
+        """``q``, the belief on ``to`` that the factor's ``what`` (its approximation, an exact rule) gave for the
+        flat batch ``incoming``, if it is one: a message of ``to``'s family with one row per message, else a
+        :class:`FactorCodeError` naming what it returned (found by an audit of a user's factor, served: an
+        array was an HTTP 500, a Gamma for a Gaussian recipient was read as a Gaussian — learned, silently)."""
+        fam = self.families[to]
+        if not isinstance(q, fam):
+            raise FactorCodeError(self.name, f"factor {self.name!r}: its {what} returned {type(q).__name__}, not a "
+                                             f"{fam.__name__} belief on {to!r}")
+        shape = incoming[to].shape
+        if q.shape != shape:
+            raise FactorCodeError(self.name, f"factor {self.name!r}: its {what} returned a belief of shape {q.shape} "
+                                             f"for messages of shape {shape}")
+        return q
+
     def reference_belief(self, incoming: Mapping[str, Family], to: str, revision: int | None = None) -> Family | None:
         """:meth:`approximate_belief` as it was at ``revision`` (None: the current one), from
         :attr:`earlier_approximations`; asking for a revision the factor no longer has is an error
@@ -378,13 +396,17 @@ class Factor:
         method = None if revision is None else self.earlier_approximations.get(int(revision))
         try:
             if method is not None:
-                return getattr(self, method)(incoming, to)
-            if revision is None or int(revision) == self.approximation_revision:
-                return self.approximate_belief(incoming, to)
+                q = getattr(self, method)(incoming, to)
+            elif revision is None or int(revision) == self.approximation_revision:
+                q = self.approximate_belief(incoming, to)
+            else:
+                q = _NO_REVISION
         except PASSED_THROUGH:
             raise
         except Exception as exc:  # a user factor's own bug, named (FactorCodeError)
             raise factor_code_error(self, "approximation", exc) from exc
+        if q is not _NO_REVISION:
+            return None if q is None else self.checked_answer(q, incoming, to, "approximation")
         raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "
                          f"operator fitted relative to revision {revision} cannot be evaluated with it")
 
@@ -475,7 +497,19 @@ class Factor:
             raise ValueError(f"factor {self.name!r} has no exact rule for recipient {to!r} "
                              f"(it has: {', '.join(self.exact_recipients) or 'none'})")
         u = self._power(power, to, "belief")
-        q = getattr(self, r[0])(incoming, to, u)
+        try:
+            q = getattr(self, r[0])(incoming, to, u)
+        except PASSED_THROUGH:
+            raise
+        except Exception as exc:  # a user factor's own bug, named (FactorCodeError)
+            raise factor_code_error(self, f"exact rule for {to!r}", exc) from exc
+        q = self.checked_answer(q, incoming, to, f"exact rule for {to!r}")
+        ok = q.proper_and_finite()
+        if not ok.all():  # (the oracles' by-row signal: the service answers 422 naming them)
+            rows = np.flatnonzero(~np.broadcast_to(ok, q.shape).ravel())
+            raise OracleError(f"factor {self.name!r}: its exact rule for {to!r} answered no proper distribution with "
+                              f"finite parameters for rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''}",
+                              rows=rows)
         if isinstance(q, Gaussian) and isinstance(incoming.get(to), Gaussian):
             lc = self.log_concave(to, incoming)
             if lc is not None:
