@@ -20,7 +20,18 @@ from pathlib import Path
 import numpy as np
 
 
+def _check_options(args, **rules) -> None:
+    """Each option ``--name`` (attribute ``name``) in ``rules`` — ``(low, integer)``, ``low`` exclusive for a real —
+    checked before any work, named by its flag (found by an audit: sizes and targets were refused after the whole
+    oracle run and fit, under internal names such as `n_first must lie in (0, 500)`)."""
+    from .errors import check_number
+
+    for attr, (low, integer) in rules.items():
+        check_number("--" + attr.replace("_", "-"), getattr(args, attr), low, integer=integer, low_open=not integer)
+
+
 def _oracles(args) -> int:
+    _check_options(args, seed=(0, True), particles=(1, True))
     from .factors import Logistic
     from .families import Beta, Gaussian
     from .oracles import ImportanceSamplingOracle, QuadratureOracle
@@ -142,6 +153,8 @@ def _demo(args) -> int:
     from .factors import logistic_incoming
     from .training import make_training_set
 
+    _check_options(args, n_train=(2, True), d_in=(1, True), d_out=(1, True), target_kl=(0.0, False),
+                   max_iter=(1, True), show=(0, True), seed=(0, True))
     split = paper_split(args.dataset, random_state=args.seed, add_bias=True)
     factor = Logistic()
     quad = QuadratureOracle(factor)
@@ -217,6 +230,10 @@ def _train(args) -> int:
     from .persistence import save_operator
     from .training import TrainingSet, make_training_set
 
+    _check_options(args, d_in=(1, True), d_out=(1, True), target_kl=(0.0, False), seed=(0, True),
+                   **({} if args.pairs else {"n": (2, True)}))
+    if args.jobs == 0:  # (joblib's words were "n_jobs == 0 in Parallel has no meaning")
+        raise ValueError("--jobs 0: give a number of jobs >= 1, or -1 for one per core")
     if args.factors:  # your own factors' modules (they register them), as `kjit serve --factors`
         import_factor_modules(args.factors)
     try:
@@ -229,6 +246,8 @@ def _train(args) -> int:
                          n_samples=args.particles, target_se=args.target_se, random_state=args.seed)
     for flag, path in (("--out", args.out), ("--save-pairs", args.save_pairs)):
         # before the training run, not after it (found by an audit: an error naming a temporary file)
+        if path is not None and (not path.strip() or path.endswith(("/", os.sep)) or Path(path).expanduser().is_dir()):
+            raise ValueError(f"{flag} {path!r}: give a file name (not a directory)")
         parent = Path(path).expanduser().resolve().parent if path else None
         if parent is not None and not parent.is_dir():
             raise ValueError(f"{flag} {path}: the directory {parent} does not exist")
@@ -252,7 +271,7 @@ def _train(args) -> int:
                                    n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)
     held = None
     if n_held:
-        if len(ts) - n_held < 2:  # the oracle dropped pairs it could not answer (low ESS)
+        if len(ts) - n_held < 2:  # the oracle dropped pairs it could not answer (low ESS; --n >= 2 is checked)
             raise ValueError(f"the oracle answered {len(ts)} of the {args.n + n_held} pairs asked for (the others' "
                              f"effective sample size was too low): too few to fit and hold out {n_held} for --jit; "
                              f"use more --particles or a larger --n")

@@ -170,6 +170,11 @@ def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> in
 
     if train_defaults and settings.default_operators != ():
         ensure_defaults(settings)
+    else:  # the store opened (and closed) here, as ensure_defaults does: a file, an unwritable directory or a
+        # store in use is the command's one-line error, not a traceback from the app's startup (found by an audit)
+        store = OperatorStore(settings.store, merge_interval=0)
+        store.open()
+        store.close()
     raise_open_files_limit()  # (room for connections: see its docstring)
     app = create_app(settings)
     # a response's head and body in one write (service/protocol.py: one wake-up of the client, not two)

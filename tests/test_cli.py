@@ -248,3 +248,75 @@ def test_building_the_parser_imports_no_scipy():
 def test_oracles_command_prints_both_oracles():
     out = run("oracles", "--particles", "20000")
     assert out.returncode == 0 and "quadrature" in out.stdout and "importance sampling" in out.stdout
+
+
+@pytest.fixture
+def no_oracle_run(monkeypatch):
+    """Any oracle run or fit is a test failure: the options must be refused before any work."""
+    import kjit.training as T
+
+    def boom(*a, **k):
+        raise AssertionError("an oracle run began before the options were checked")
+
+    monkeypatch.setattr(T, "make_training_set", boom)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["train", "logistic", "--to", "x", "--d-in", "0"], "`--d-in`"),
+    (["train", "logistic", "--to", "x", "--d-out", "-5"], "`--d-out`"),
+    (["train", "logistic", "--to", "x", "--target-kl", "nan"], "`--target-kl`"),
+    (["train", "logistic", "--to", "x", "--jit", "--target-kl", "-1"], "`--target-kl`"),
+    (["train", "logistic", "--to", "x", "--n", "1", "--jit"], "`--n`"),
+    (["train", "logistic", "--to", "x", "--jobs", "0"], "--jobs 0"),
+    (["train", "logistic", "--to", "x", "--seed", "-1"], "`--seed`"),
+    (["demo", "--n-train", "0"], "`--n-train`"),
+    (["demo", "--max-iter", "0"], "`--max-iter`"),
+    (["demo", "--show", "-1"], "`--show`"),
+    (["demo", "--target-kl", "0"], "`--target-kl`"),
+    (["oracles", "--seed", "-1"], "`--seed`"),
+])
+def test_sizes_and_targets_are_refused_before_any_work_naming_the_flag(tmp_path, capsys, no_oracle_run, argv, flag):
+    """Found by an audit: they were refused after the oracle run and the fit, under internal names (`n_inner`,
+    `n_first must lie in (0, 500)`, joblib's `n_jobs == 0 in Parallel`), or not at all (`demo --show -1`
+    printed 4 of 5 weights, then "... (6 more)"), and `--n 1 --jit` blamed the sampler's effective sample size."""
+    if argv[0] == "train":
+        argv = argv + ["--out", str(tmp_path / "op.npz")]
+    rc = main(argv)
+    _one_line_error(capsys, rc, flag)
+
+
+@pytest.mark.parametrize("out", ["dir", "dir/", ""])
+def test_an_output_that_is_a_directory_or_empty_is_refused_before_training(tmp_path, capsys, no_oracle_run, out):
+    """It failed after the whole run, naming a temporary file (`[Errno 21] Is a directory: '.tmp-…' -> 'd'`)."""
+    (tmp_path / "dir").mkdir()
+    path = "" if out == "" else str(tmp_path / out)
+    for flag in ("--out", "--save-pairs"):
+        argv = ["train", "logistic", "--to", "x", "--out", str(tmp_path / "op.npz")]
+        argv[argv.index("--out") + 1 if flag == "--out" else len(argv):] = (
+            [path] if flag == "--out" else ["--save-pairs", path])
+        rc = main(argv)
+        _one_line_error(capsys, rc, flag, "not a directory")
+
+
+@pytest.mark.parametrize("store", ["file", "in_use"])
+def test_serve_without_defaults_on_a_store_it_cannot_open_is_a_one_line_error(tmp_path, store):
+    """`kjit serve --store FILE --no-defaults` ended in a traceback from the app's startup (uvicorn's
+    "Application startup failed", exit 3); with defaults to train, the same store was a one-line error."""
+    from service.store import OperatorStore
+
+    path = tmp_path / "store"
+    held = None
+    if store == "file":
+        path.write_text("not a store")
+    else:
+        held = OperatorStore(path)
+        held.open()
+    try:
+        out = subprocess.run([sys.executable, "-m", "kjit.cli", "serve", "--store", str(path), "--no-defaults",
+                              "--port", "0"], capture_output=True, text=True, timeout=120)
+    finally:
+        if held is not None:
+            held.close()
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, out.stderr
+    assert lines[0].startswith("kjit serve: error:"), lines[0]
