@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import threading
 import time
@@ -162,12 +163,30 @@ def raise_open_files_limit() -> tuple[int, int]:
     return (soft, soft)
 
 
+def check_listen(host: str, port: int) -> None:
+    """An OSError naming the address unless the server could listen on ``host``:``port`` now — an unknown
+    host or a port in use is the command's one-line error before any work (found by an audit: uvicorn's own
+    log line and exit status 3, after the first start's training).  (Another process may still take the
+    port before uvicorn binds it; uvicorn then says so as before.)"""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def serve(settings: Settings, train_defaults: bool = True, out=sys.stdout) -> int:
     """Train missing defaults (if asked), then run uvicorn until interrupted."""
     import uvicorn
 
     from .app import create_app
 
+    check_listen(settings.host, settings.port)  # (before the defaults' training, not after it)
     if train_defaults and settings.default_operators != ():
         ensure_defaults(settings)
     else:  # the store opened (and closed) here, as ensure_defaults does: a file, an unwritable directory or a

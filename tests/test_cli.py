@@ -320,3 +320,22 @@ def test_serve_without_defaults_on_a_store_it_cannot_open_is_a_one_line_error(tm
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, out.stderr
     assert lines[0].startswith("kjit serve: error:"), lines[0]
+
+
+def test_serve_on_an_address_it_cannot_listen_on_is_a_one_line_error_before_any_training(tmp_path):
+    """An unknown host or a port in use was uvicorn's log line and exit status 3 — after the first start's
+    training of the default operators; now the command's one-line error (exit 2), before any work."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for host, p in (("127.0.0.1", port), ("no-such-host.invalid", 8000)):
+            out = subprocess.run([sys.executable, "-m", "kjit.cli", "serve", "--store", str(tmp_path / "s"),
+                                  "--host", host, "--port", str(p), "--n-train", "100000"],
+                                 capture_output=True, text=True, timeout=120)
+            lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+            assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+            assert lines[0].startswith(f"kjit serve: error: cannot listen on {host}:{p}"), lines[0]
+            assert not (tmp_path / "s").exists()  # nothing trained, no store made
