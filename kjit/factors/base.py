@@ -115,9 +115,6 @@ class FactorCodeError(ValueError):
 #: are all named (:meth:`SampledFactor.sample`)
 PASSED_THROUGH = (ValueError, ArithmeticError, OracleError, MemoryError)
 
-#: reference_belief's marker of a revision the factor no longer has
-_NO_REVISION = object()
-
 
 def factor_code_error(factor, what: str, exc: BaseException) -> FactorCodeError:
     """The :class:`FactorCodeError` for ``exc``, raised by ``factor``'s ``what`` (call sites catch
@@ -394,21 +391,16 @@ class Factor:
         :attr:`earlier_approximations`; asking for a revision the factor no longer has is an error
         naming both."""
         method = None if revision is None else self.earlier_approximations.get(int(revision))
+        if method is None and revision is not None and int(revision) != self.approximation_revision:
+            raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "
+                             f"operator fitted relative to revision {revision} cannot be evaluated with it")
         try:
-            if method is not None:
-                q = getattr(self, method)(incoming, to)
-            elif revision is None or int(revision) == self.approximation_revision:
-                q = self.approximate_belief(incoming, to)
-            else:
-                q = _NO_REVISION
+            q = getattr(self, method)(incoming, to) if method is not None else self.approximate_belief(incoming, to)
         except PASSED_THROUGH:
             raise
         except Exception as exc:  # a user factor's own bug, named (FactorCodeError)
             raise factor_code_error(self, "approximation", exc) from exc
-        if q is not _NO_REVISION:
-            return None if q is None else self.checked_answer(q, incoming, to, "approximation")
-        raise ValueError(f"factor {self.name!r} has approximation revision {self.approximation_revision}; an "
-                         f"operator fitted relative to revision {revision} cannot be evaluated with it")
+        return None if q is None else self.checked_answer(q, incoming, to, "approximation")
 
     def reference_error(self, incoming: Mapping[str, Family], to: str, revision: int | None = None,
                         reference=None) -> np.ndarray | None:
