@@ -249,3 +249,44 @@ def test_a_broken_default_incoming_does_not_take_a_healthy_operator_down(shift, 
     op.y_mean_ = op.y_mean_ + np.nan  # an operator that cannot predict still fails the test
     with pytest.raises(ValueError, match="cannot predict ordinary messages"):
         self_test(jit)
+
+
+def test_refitting_a_restored_operator_feeds_the_features_in_the_order_they_are_drawn_for(monkeypatch):
+    """From review: fit() read the messages in the restored order, then recorded the factor's new one —
+    a refit operator answered up to 6.7 away from a fresh fit on the same pairs."""
+    from kjit.learn.kernel_operator import KernelOperator
+    from kjit.oracles import MessageImportanceSampler
+    from kjit.training import make_training_set
+
+    def incoming(n, rng):
+        return {v: Gaussian(rng.uniform(-2, 2, n), np.exp(rng.uniform(-3, -0.7, n))) for v in "xyz"}
+
+    monkeypatch.setitem(F._REGISTRY, "uf_lin", None)
+    f1 = _linear("xy")
+    F.register_factor(f1, replace=True)
+    data = make_training_set(f1, "z", incoming, MessageImportanceSampler(f1, random_state=0), n=200, random_state=0)
+    kw = dict(n_inner=30, n_outer=60, random_state=0, inner_factors=(0.25,), width_factors=(1.0,))
+    state = KernelOperator(f1, "z", **kw).fit(data).state_dict()
+    F.register_factor(_linear("yx"), replace=True)
+    restored = KernelOperator.from_state_dict(state).fit(data.incoming, data.beliefs)
+    fresh = KernelOperator(restored.factor, "z", **kw).fit(data.incoming, data.beliefs)
+    probe = incoming(20, np.random.default_rng(1))
+    np.testing.assert_allclose(restored.predict(probe)[0].mean(), fresh.predict(probe)[0].mean(), atol=1e-9)
+
+
+def test_a_broadcast_recipient_message_is_no_factor_code_error():
+    """From review: one message for the recipient against a batch on the others was blamed on the factor."""
+    from kjit.factors import get_factor
+
+    f = get_factor("product")
+    inc = {v: m.ravel() for v, m in f.default_incoming(6, np.random.default_rng(0)).items()}
+    inc["z"] = inc["z"][0].reshape(())
+    assert f.exact_belief(inc, "z").shape == (6,)
+
+
+def test_an_exact_rules_bad_rows_are_all_named(shift):
+    inc = {"x": Gaussian([0.0, 5.0, 1.0, 7.0], [0.5] * 4), "z": Gaussian([0.0] * 4, [0.5] * 4)}
+    MODE["v"] = "nan"
+    with pytest.raises(OracleError) as e:
+        shift.exact_belief(inc, "z")
+    assert e.value.rows.tolist() == [1, 3]

@@ -380,7 +380,7 @@ class Factor:
         if not isinstance(q, fam):
             raise FactorCodeError(self.name, f"factor {self.name!r}: its {what} returned {type(q).__name__}, not a "
                                              f"{fam.__name__} belief on {to!r}")
-        shape = incoming[to].shape
+        shape = np.broadcast_shapes(*(m.shape for m in incoming.values()))  # (a message may broadcast)
         if q.shape != shape:
             raise FactorCodeError(self.name, f"factor {self.name!r}: its {what} returned a belief of shape {q.shape} "
                                              f"for messages of shape {shape}")

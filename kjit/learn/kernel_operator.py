@@ -468,7 +468,8 @@ class KernelOperator(Operator):
         self.reference_ = self._choose_reference(probe)
         # the approximation's revision the targets are relative to (an upgraded factor keeps it)
         self.reference_revision_ = int(self.factor.approximation_revision)
-        messages = self.feature_inputs(inc)
+        self.variables_ = tuple(self.factor.variables)  # (the order the features are drawn for: before a
+        messages = self.feature_inputs(inc)              # refit of a restored operator reads them)
         if len(shape) != 1 or shape[0] < 2:
             raise ValueError("`incoming` must be 1-D batches of at least 2 messages")
         Y, curv = self._targets(beliefs, shape[0], incoming, curvature=True)
@@ -586,7 +587,6 @@ class KernelOperator(Operator):
         psi = feats.transform(messages)
         self.blr_ = BayesianLinearRegression(prior_var=best["prior_var"], noise_var=best["noise_var"]).fit(psi, Z)
         self.features_ = feats if self.dtype == np.float64 else _with_dtype(feats, self.dtype)
-        self.variables_ = tuple(self.factor.variables)  # (the order the features were drawn for)
         self.width_rule_ = best["width_rule"]
         self.inner_factor_ = best["inner_factor"]
         self.width_factor_ = best["width_factor"]
@@ -1460,7 +1460,8 @@ class KernelOperator(Operator):
             "search": json.dumps(self.search_), "canonical": int(self.canonical_),
             "width_rule": getattr(self, "width_rule_", "mean_variance"), "reference": self.reference_,
             "reference_revision": int(getattr(self, "reference_revision_", 1)),
-            "variables": json.dumps([[v, family_name(self.factor.families[v])] for v in self.variables_]),
+            "variables": json.dumps([[v, family_name(self.factor.families[v])]
+                                    for v in getattr(self, "variables_", None) or self.factor.variables]),
         }
         if getattr(self, "target_range_", None) is not None:
             fitted["target_range"] = np.asarray(self.target_range_, float)
