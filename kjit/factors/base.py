@@ -498,7 +498,7 @@ class Factor:
         q = self.checked_answer(q, incoming, to, f"exact rule for {to!r}")
         ok = q.proper_and_finite()
         if not ok.all():  # (the oracles' by-row signal: the service answers 422 naming them)
-            rows = np.flatnonzero(~np.broadcast_to(ok, q.shape).ravel())
+            rows = np.flatnonzero(~ok.ravel())  # (ok has the batch's shape: checked_answer)
             raise OracleError(f"factor {self.name!r}: its exact rule for {to!r} answered no proper distribution with "
                               f"finite parameters for rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''}",
                               rows=rows)
