@@ -3,7 +3,8 @@
 Each concept has one home in :mod:`kjit.learn`: the kernel operator and its uncertainty
 (:mod:`kjit.learn.kernel_operator`), the thresholds calibrated for it (:mod:`kjit.learn.calibration`),
 the opt-in ensemble spread (:mod:`kjit.learn.ensemble`), the greedy choice of the rows to consult
-(:mod:`kjit.learn.consultation`) and the just-in-time operator (:mod:`kjit.learn.jit`).  This module
+(:mod:`kjit.learn.consultation`), the opt-in learned model of a prediction's KL
+(:mod:`kjit.learn.kl_model`) and the just-in-time operator (:mod:`kjit.learn.jit`).  This module
 re-exports their public names, the path users import them by
 (``from kjit.operators import KernelOperator, JITOperator``).  To replace a function that the code calls
 (a test's monkeypatch), patch the module that calls it, not this one.
@@ -17,7 +18,9 @@ from .learn.kernel_operator import (ApproximationOverflowError, DEFAULT_NOISE_VA
                                     TargetsOutOfRangeError, UNCERTAINTY_CHOICES, UNCERTAINTY_SCALARS, WIDTH_RULES,
                                     fit_log_variance, flagged_share_needed, group_index, predict_log_variance,
                                     respect_factor_bounds, sign_undetermined)
-from .learn.calibration import budget_threshold, calibrate_threshold, density_guard, tolerance_threshold
+from .learn.calibration import (budget_threshold, calibrate_threshold, density_guard, kl_model_threshold,
+                                tolerance_threshold)
+from .learn.kl_model import KLModel
 from .learn.ensemble import ENSEMBLE_HYPERPARAMETERS, KernelEnsemble
 from .learn.consultation import greedy_consultations
 from .learn.jit import INITIAL_BATCH_CAP, JITOperator, OPERATOR_KINDS
@@ -28,5 +31,5 @@ __all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VA
            "SEARCH_SIZE", "SIGN_Z", "TARGET_RANGE_MARGIN", "TargetsNotFiniteError", "TargetsOutOfRangeError",
            "UNCERTAINTY_CHOICES", "UNCERTAINTY_SCALARS", "WIDTH_RULES", "fit_log_variance", "flagged_share_needed",
            "group_index", "predict_log_variance", "respect_factor_bounds", "sign_undetermined", "budget_threshold",
-           "calibrate_threshold", "density_guard", "tolerance_threshold", "ENSEMBLE_HYPERPARAMETERS",
-           "KernelEnsemble", "greedy_consultations", "INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS"]
+           "calibrate_threshold", "density_guard", "kl_model_threshold", "KLModel", "tolerance_threshold",
+           "ENSEMBLE_HYPERPARAMETERS", "KernelEnsemble", "greedy_consultations", "INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS"]

@@ -232,3 +232,32 @@ def _novelty_case():
     rng = np.random.default_rng(0)
     u, kl = rng.standard_normal(40), np.exp(rng.standard_normal(40))
     return f, op, data, cal, groups, cal_groups, test, u, kl, kl >= np.quantile(kl, 0.99)
+
+
+def test_kl_model_flag_adds_its_keys_and_changes_nothing_else(capsys):
+    """--kl-model adds the learned log KL's figures (suffix _klmodel: thresholds, flagged shares,
+    worst 1 % flagged, ranking) and the summary's counts; every other key and value as without it
+    (timings aside) — the KL model reads the operator, it does not change it."""
+    suite = _suite()
+    argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
+    suite.main(argv + ["--kl-model"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    rows = [r for r in lines if "direction" in r]
+    summary = lines[-1]
+    assert rows and summary["summary"]
+    for r in rows:
+        for at in ("q90", "budget90", "budget90_pred"):
+            assert 0.0 <= r[f"flagged_fraction_at_{at}_klmodel"] <= 1.0
+            assert 0.0 <= r[f"worst1pct_flagged_at_{at}_klmodel"] <= 1.0
+            assert isinstance(r[f"threshold_{at}_klmodel"], float)
+        assert 0.0 < r["flagged_fraction_needed_klmodel"] <= 1.0
+        assert -1.0 <= r["rank_corr_logvar_kl_klmodel"] <= 1.0
+    for key in ("n_met_at_q90_klmodel", "n_met_at_budget90_klmodel", "n_met_at_budget90_pred_klmodel",
+                "n_flagged_fraction_needed_le_006_klmodel"):
+        assert 0 <= summary[key] <= len(rows)
+    suite.main(argv)
+    plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    timing = ("oracle_us_per_msg", "predict_us_per_msg", "seconds", "kl_model_fit_seconds", "kl_model_us_per_msg")
+    for a, b in zip(plain, lines):
+        assert {k: v for k, v in a.items() if k not in timing} == \
+            {k: v for k, v in b.items() if k not in timing and "klmodel" not in k and not k.startswith("kl_model")}

@@ -10,7 +10,7 @@ import numpy as np
 from ..training import TrainingSet
 from .kernel_operator import KernelOperator, UNCERTAINTY_SCALARS, group_index
 
-__all__ = ["budget_threshold", "calibrate_threshold", "density_guard", "tolerance_threshold"]
+__all__ = ["budget_threshold", "calibrate_threshold", "density_guard", "kl_model_threshold", "tolerance_threshold"]
 
 def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool, scalar: str = "max"):
     """(uncertainty (n,), KL (n,) or None) of the held-out rows (the operator's predictions) and,
@@ -127,6 +127,26 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
                                     confidence, problems, n_boot, random_state, predictive)
 
 
+def kl_model_threshold(operator: KernelOperator, budget: float = 0.1, confidence: float | None = None,
+                       problems: int | None = None, n_boot: int = 2000, random_state=0,
+                       predictive: bool = False) -> float:
+    """Threshold on the learned log KL (``operator.row_uncertainty(..., "learned_kl")``, after
+    :meth:`KernelOperator.fit_kl_model`) flagging at most ``budget`` of in-distribution messages —
+    :func:`budget_threshold`'s rules (the conformal quantile; with ``confidence``, the guarantee
+    over batches of ``problems`` problems of :func:`tolerance_threshold`) on the KL model's
+    cross-fitted scores of the rows it learned (each scored by the model fitted without its fold
+    of problems: out of sample, as the pooled rows of :func:`budget_threshold` are)."""
+    if not 0.0 < budget < 1.0:
+        raise ValueError("`budget` must lie in (0, 1)")
+    km = getattr(operator, "kl_model_", None)
+    if km is None or km.pooled_scores_ is None:
+        raise ValueError("the operator has no KL model with its cross-fitted scores: call fit_kl_model first")
+    u = km.pooled_scores_
+    if confidence is not None:
+        return tolerance_threshold(u, km.pooled_groups_, budget, confidence, problems, n_boot, random_state, predictive)
+    return _conformal(u, budget)
+
+
 def density_guard(operator: KernelOperator, held_out=None, share: float = 0.01,
                   fitted: TrainingSet | None = None, groups=None) -> float:
     """Density (:meth:`KernelOperator.density`) below which a message counts as outside the
@@ -173,6 +193,12 @@ def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_group
         if lab.size != u.size:
             raise ValueError("group labels must match the pooled rows one to one")
         return tolerance_threshold(u, lab, budget, confidence, problems, n_boot, random_state, predictive)
+    return _conformal(u, budget)
+
+
+def _conformal(u, budget):
+    """The conformal quantile: the k-th smallest of the n values ``u``, k = ⌈(n + 1)(1 − budget)⌉
+    (+inf when k > n)."""
     n = u.size
     k = int(np.ceil((n + 1) * (1.0 - budget)))
     if k > n:

@@ -45,6 +45,7 @@ from ..features import TwoStageFeatures, check_random_state, component_moments
 from ..protocols import Operator
 from ..reductions import all_finite, any_
 from ..training import TrainingSet
+from .kl_model import KLModel
 
 __all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VARS", "ERROR_MODEL_CANDIDATES",
            "ERROR_MODEL_FOLDS", "ERROR_MODEL_MODES", "ERROR_MODEL_NOISE_VARS", "ERROR_MODEL_PRIOR_VARS",
@@ -1183,9 +1184,17 @@ class KernelOperator(Operator):
         every coordinate, the KL's: a mean error counts by the belief's precision.  Only the
         calibration and selection functions read it (``scalar=`` of :func:`budget_threshold`,
         :func:`calibrate_threshold`, :meth:`fit_error_model`); the just-in-time rule is "max".
+        ``"learned_kl"`` (after :meth:`fit_kl_model`): the KL model's predicted log KL; its
+        thresholds come from the model's own cross-fitted scores
+        (:func:`kjit.learn.calibration.kl_model_threshold`), not from the pooled functions above.
         """
+        if scalar == "learned_kl":
+            km = getattr(self, "kl_model_", None)
+            if km is None:
+                raise ValueError("`scalar`='learned_kl' needs a KL model: call fit_kl_model first")
+            return km.predict(self.kl_model_features(incoming, q, logvar, learned_curvature))
         if scalar not in UNCERTAINTY_SCALARS:
-            raise ValueError(f"`scalar` must be one of {UNCERTAINTY_SCALARS}, got {scalar!r}")
+            raise ValueError(f"`scalar` must be one of {UNCERTAINTY_SCALARS} or 'learned_kl', got {scalar!r}")
         k = len(self.y_mean_)
         lv = np.asarray(logvar, np.float64).reshape(-1, k)
         if scalar == "max":
@@ -1424,6 +1433,67 @@ class KernelOperator(Operator):
         self.__dict__.pop("error_model_", None)
         return self
 
+    def kl_model_features(self, incoming: Mapping[str, Family], q: Family, logvar,
+                          learned_curvature=None) -> np.ndarray:
+        """What :class:`~kjit.learn.kl_model.KLModel` reads of a prediction ``(q, logvar)`` for the
+        messages ``incoming`` (rows (n, p)): every parameter of every incoming message (in the order
+        the features were drawn for) and of the predicted belief, each as sign(p)·log(1 + |p|), the
+        per-coordinate log variances, and the just-in-time rule's scalar (:meth:`row_uncertainty`,
+        "max"; ``learned_curvature`` as there)."""
+        flat, _ = self.factor.flat_incoming(incoming, self.to)
+        order = getattr(self, "variables_", None) or self.factor.variables
+        n = flat[self.to].size
+        lv = np.asarray(logvar, np.float64).reshape(-1, len(self.y_mean_))
+        qf = q.ravel()
+        if not (lv.shape[0] == qf.size == n):
+            raise ValueError("`q`, `logvar` and `incoming` must have one row each per message")
+
+        def slog(m):
+            return [np.sign(p) * np.log1p(np.abs(p)) for p in (np.asarray(p, np.float64).reshape(n) for p in m.params)]
+
+        u = self.row_uncertainty(incoming, q, lv, "max", learned_curvature=learned_curvature)
+        with np.errstate(invalid="ignore"):
+            return np.column_stack([c for v in order for c in slog(flat[v])] + slog(qf) + [lv, u])
+
+    def fit_kl_model(self, data: TrainingSet, groups, held_out: TrainingSet | None = None,
+                     held_out_groups=None) -> "KernelOperator":
+        """Attach a learned model of this operator's log KL (opt-in; issue 14 part 3):
+        :class:`~kjit.learn.kl_model.KLModel` fitted on out-of-sample predictions — the pairs this
+        operator learned (``data``, exactly as :meth:`held_out_predict`: each predicted without its
+        group) and, optionally, ``held_out`` pairs it never learned with their problems
+        (``held_out_groups``) — their KL to the exact beliefs regressed on
+        :meth:`kl_model_features`.  Then ``row_uncertainty(..., "learned_kl")`` is a row's
+        predicted log KL, and :func:`kjit.learn.calibration.kl_model_threshold` a threshold on it
+        from the model's cross-fitted scores of those pooled rows.  Fit it after any error model
+        (its features include the operator's variances as they stand); later :meth:`partial_fit`
+        and :meth:`fit_error_model` calls leave it as it is.  Persisted with the operator's state.
+        Measured on benchmarks/factor_suite.py (``--kl-model``; see there).  The just-in-time
+        operator still compares the largest log variance."""
+        self._check_fitted()
+        if not isinstance(data, TrainingSet) or (held_out is not None and not isinstance(held_out, TrainingSet)):
+            raise ValueError("`data` and `held_out` must be TrainingSets (the KL needs the exact beliefs)")
+        if (held_out is None) != (held_out_groups is None):
+            raise ValueError("`held_out` and `held_out_groups` go together")
+        gi = group_index(groups, n=len(data))[1]
+        parts, kls, labels = [], [], []
+        if held_out is not None:
+            labels.append(group_index(held_out_groups, "held_out_groups", n=len(held_out))[1])
+            q, lv = self.predict(held_out.incoming)
+            parts.append(self.kl_model_features(held_out.incoming, q, lv))
+            kls.append(held_out.beliefs.kl(q))
+        q, lv = self.held_out_predict(data, groups)
+        parts.append(self.kl_model_features(data.incoming, q, lv, self.held_out_learned_curvature(data, groups)))
+        kls.append(data.beliefs.kl(q))
+        labels.append(gi + (labels[0].max() + 1 if labels else 0))
+        kl = np.concatenate([np.asarray(x, np.float64).ravel() for x in kls])
+        self.kl_model_ = KLModel.fit(np.concatenate(parts), kl, np.concatenate(labels))
+        return self
+
+    def remove_kl_model(self) -> "KernelOperator":
+        """Detach the model of :meth:`fit_kl_model`."""
+        self.__dict__.pop("kl_model_", None)
+        return self
+
     def _check_to(self, to):
         if to is not None and to != self.to:
             raise ConfigurationError(
@@ -1471,6 +1541,9 @@ class KernelOperator(Operator):
             fitted["curvature_hist"] = np.array(self.curvature_hist_, np.int64)
         state = {"params": params, "fitted": fitted, "features": self.features_.state_dict(),
                  "blr": self.blr_.state_dict()}
+        km = getattr(self, "kl_model_", None)
+        if km is not None:  # (only then: states without one are as before)
+            state["kl_model"] = km.state_dict()
         em = getattr(self, "error_model_", None)
         if em is not None:  # (only then: states without one are as before)
             state["error_model"] = {"mode": em["mode"], **{k: np.asarray(em[k]) for k in _ERROR_MODEL_ARRAYS},
@@ -1536,6 +1609,13 @@ class KernelOperator(Operator):
                                  "non-negative integer counts, with `curvature_top`")
             if op.curvature_hist_ is not None:
                 op.curvature_hist_ = op.curvature_hist_.astype(np.int64)
+            if "kl_model" in state:
+                op.kl_model_ = KLModel.from_state_dict(state["kl_model"])
+                n_feat = (sum(len(factor.families[v].param_names) for v in op.variables_)
+                          + len(factor.families[op.to].param_names) + op.y_mean_.size + 1)
+                if op.kl_model_.n_features != n_feat:
+                    raise ValueError(f"operator state: the KL model reads {op.kl_model_.n_features} features, "
+                                     f"this operator's predictions give {n_feat}")
             if "error_model" in state:
                 e = state["error_model"]
                 if str(e["mode"]) not in ERROR_MODEL_MODES:

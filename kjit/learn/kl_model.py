@@ -1,0 +1,191 @@
+"""A learned model of a prediction's error, in the KL's units (opt-in; issue 14 part 3).
+
+The regression's predictive variance measures how far a message lies from the training messages
+in feature space, not where the learned correction is wrong, and a threshold on it ranks the
+worst errors poorly on several directions (:func:`kjit.learn.kernel_operator.flagged_share_needed`
+up to 0.3–0.6).  :class:`KLModel` regresses the log KL of out-of-sample predictions on what is known
+at prediction time — the incoming messages, the predicted belief, its per-coordinate log
+variances and the just-in-time rule's scalar — with gradient-boosted trees (scikit-learn's
+``HistGradientBoostingRegressor``, hyperparameters fixed in :data:`KL_MODEL_TREES` before any
+figure was seen), cross-fitted by folds of problems so that the pooled rows it was fitted on carry
+out-of-sample scores for calibrating a threshold.  The trees are kept as plain arrays (persisted
+with the operator, no pickle) and evaluated here, vectorised over rows and trees.
+:meth:`kjit.learn.kernel_operator.KernelOperator.fit_kl_model` builds one from an operator's
+pooled held-out rows; :func:`kjit.learn.calibration.kl_model_threshold` calibrates a threshold on
+its cross-fitted scores.  Measured on benchmarks/factor_suite.py ``--kl-model`` (seeds 0–9, 140
+directions): both goals of issue 14 part 3 at budget90 on 101 (the largest log variance: 88), the
+worst 1 % ranked within 6 % of rows on 124 (98); scoring ~33 µs a message at batch 3 000.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["KLModel", "KL_MODEL_FOLDS", "KL_MODEL_LOG_KL_RANGE", "KL_MODEL_TREES"]
+
+#: the gradient-boosted trees' settings (fixed a priori; deterministic: no subsampling, no early stop)
+KL_MODEL_TREES = {"max_iter": 300, "learning_rate": 0.05, "max_leaf_nodes": 15, "min_samples_leaf": 20,
+                  "early_stopping": False, "random_state": 0}
+#: folds of problems for the cross-fitted scores of the rows the model learned
+KL_MODEL_FOLDS = 5
+#: the log KL regressed is clipped to this range: below 1e-40 rows differ by rounding only; a
+#: non-finite KL (a broken prediction) counts as the top
+KL_MODEL_LOG_KL_RANGE = (float(np.log(1e-40)), float(np.log(1e6)))
+_TREE_ARRAYS = ("feature", "threshold", "left", "right", "value", "leaf", "missing_left")
+
+
+def _log_kl_target(kl) -> np.ndarray:
+    lo, hi = KL_MODEL_LOG_KL_RANGE
+    kl = np.asarray(kl, np.float64).ravel()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.log(np.maximum(kl, np.exp(lo)))
+    return np.clip(np.where(np.isfinite(y), y, hi), lo, hi)
+
+
+class KLModel:
+    """Gradient-boosted trees predicting a row's log KL from its features (:meth:`predict`), kept as
+    arrays of shape (trees, nodes): ``feature``, ``threshold`` (a row goes left when its feature is
+    ≤ threshold; a NaN feature where ``missing_left`` says), ``left``, ``right``, ``value``, ``leaf``;
+    ``baseline``; ``n_features``.  :meth:`fit` also keeps ``pooled_scores_`` and ``pooled_groups_``:
+    the cross-fitted score of every row it learned (each by the model fitted without its fold of
+    problems) and the row's problem, which thresholds are calibrated on."""
+
+    def __init__(self, arrays: dict, baseline: float, n_features: int, pooled_scores=None, pooled_groups=None):
+        self.arrays = {k: np.asarray(arrays[k]) for k in _TREE_ARRAYS}
+        self.baseline = float(baseline)
+        self.n_features = int(n_features)
+        self.pooled_scores_ = None if pooled_scores is None else np.asarray(pooled_scores, np.float64)
+        self.pooled_groups_ = None if pooled_groups is None else np.asarray(pooled_groups, np.int64)
+        self._check()
+
+    def _check(self):
+        a = self.arrays
+        shape = a["feature"].shape
+        if len(shape) != 2 or shape[0] < 1 or shape[1] < 1 or any(a[k].shape != shape for k in _TREE_ARRAYS):
+            raise ValueError(f"KL model: the tree arrays must share one (trees, nodes) shape, got "
+                             f"{ {k: a[k].shape for k in _TREE_ARRAYS} }")
+        n_nodes = shape[1]
+        inner = ~a["leaf"].astype(bool)
+        for k in ("left", "right"):
+            if a[k].dtype.kind not in "iu" or np.any(inner & ((a[k] <= np.arange(n_nodes)) | (a[k] >= n_nodes))):
+                raise ValueError(f"KL model: `{k}` must index a later node of the same tree")
+        if a["feature"].dtype.kind not in "iu" or np.any(inner & ((a["feature"] < 0) | (a["feature"] >= self.n_features))):
+            raise ValueError(f"KL model: `feature` must lie in [0, {self.n_features})")
+        if not (np.all(np.isfinite(a["value"])) and np.isfinite(self.baseline)):
+            raise ValueError("KL model: leaf values and the baseline must be finite")
+        if (self.pooled_scores_ is None) != (self.pooled_groups_ is None) or (
+                self.pooled_scores_ is not None and self.pooled_scores_.shape != self.pooled_groups_.shape):
+            raise ValueError("KL model: `pooled_scores` and `pooled_groups` go together, one per row")
+        a["leaf"] = a["leaf"].astype(bool)
+        a["missing_left"] = a["missing_left"].astype(bool)
+        a["feature"] = a["feature"].astype(np.intp)
+        a["left"] = a["left"].astype(np.intp)
+        a["right"] = a["right"].astype(np.intp)
+        a["threshold"] = a["threshold"].astype(np.float64)
+        a["value"] = a["value"].astype(np.float64)
+        # flat views for prediction: node j of tree t at t·nodes + j; a leaf points to itself
+        T = shape[0]
+        own = np.arange(T * n_nodes).reshape(T, n_nodes)
+        offs = (np.arange(T) * n_nodes)[:, None]
+        leaf = a["leaf"]
+        self._flat = {"feature": np.where(leaf, 0, a["feature"]).ravel(), "threshold": a["threshold"].ravel(),
+                      "left": np.where(leaf, own, a["left"] + offs).ravel(),
+                      "right": np.where(leaf, own, a["right"] + offs).ravel(),
+                      "missing_left": a["missing_left"].ravel(), "value": a["value"].ravel(), "roots": offs.ravel()}
+        # the deepest leaf (children come after their parent), the steps a prediction takes
+        depth = np.zeros((T, n_nodes), np.intp)
+        rows = np.arange(T)
+        for j in range(n_nodes):
+            inner_j = ~leaf[:, j]
+            for k in ("left", "right"):
+                depth[rows[inner_j], a[k][inner_j, j]] = depth[inner_j, j] + 1
+        self._depth = int(depth.max())
+
+    @classmethod
+    def fit(cls, X, kl, groups, folds: int = KL_MODEL_FOLDS) -> "KLModel":
+        """Fit on rows ``X`` (n, p) with out-of-sample KLs ``kl`` (n,) of problems ``groups`` (n,
+        integer labels): the final model on every row; ``pooled_scores_`` from ``folds`` models each
+        fitted without one fold (problems dealt to folds in order of their label: the k-th smallest to
+        fold k mod folds).  A non-finite feature is missing (the trees learn where it goes)."""
+        from sklearn.ensemble import HistGradientBoostingRegressor
+
+        X = cls._rows(X)
+        y = _log_kl_target(kl)
+        g = np.asarray(groups).ravel()
+        if not (len(y) == len(g) == X.shape[0]):
+            raise ValueError(f"KL model: {X.shape[0]} rows, {len(y)} KLs and {len(g)} group labels must agree")
+        labels, gi = np.unique(g, return_inverse=True)
+        if labels.size < 2:
+            raise ValueError("KL model: the rows must come from at least two problems (cross-fitting)")
+        k = min(int(folds), labels.size)
+        if k < 2:
+            raise ValueError("`folds` must be ≥ 2")
+        fold = (np.arange(labels.size) % k)[gi]
+        scores = np.empty(len(y))
+        for i in range(k):
+            model = HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X[fold != i], y[fold != i])
+            scores[fold == i] = cls.from_hgb(model, X.shape[1]).predict(X[fold == i])
+        out = cls.from_hgb(HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X, y), X.shape[1])
+        out.pooled_scores_, out.pooled_groups_ = scores, gi.astype(np.int64)
+        return out
+
+    @classmethod
+    def from_hgb(cls, model, n_features: int) -> "KLModel":
+        """The arrays of a fitted ``HistGradientBoostingRegressor`` (numerical features only; read from
+        its fitted trees, ``_predictors`` — scikit-learn's private layout, stable over the range
+        pyproject.toml pins; tests/test_kl_model.py checks the arrays against its ``predict``)."""
+        trees = [p[0].nodes for p in model._predictors]
+        n = max(t.size for t in trees)
+        arrays = {k: np.zeros((len(trees), n), dt) for k, dt in (
+            ("feature", np.intp), ("threshold", np.float64), ("left", np.intp), ("right", np.intp),
+            ("value", np.float64), ("leaf", bool), ("missing_left", bool))}
+        arrays["leaf"][:] = True  # (padding: leaves of value 0, never reached)
+        for t, nodes in enumerate(trees):
+            if np.any(nodes["is_categorical"]):
+                raise ValueError("KL model: categorical splits are not supported")
+            s = slice(0, nodes.size)
+            arrays["feature"][t, s] = nodes["feature_idx"]
+            arrays["threshold"][t, s] = nodes["num_threshold"]
+            arrays["left"][t, s] = nodes["left"]
+            arrays["right"][t, s] = nodes["right"]
+            arrays["value"][t, s] = nodes["value"]
+            arrays["leaf"][t, s] = nodes["is_leaf"]
+            arrays["missing_left"][t, s] = nodes["missing_go_to_left"]
+        return cls(arrays, float(np.asarray(model._baseline_prediction).ravel()[0]), n_features)
+
+    @staticmethod
+    def _rows(X) -> np.ndarray:
+        X = np.array(X, np.float64, ndmin=2)
+        if X.ndim != 2:
+            raise ValueError(f"KL model: features must be (rows, features), got shape {X.shape}")
+        X[~np.isfinite(X)] = np.nan
+        return X
+
+    def predict(self, X) -> np.ndarray:
+        """Predicted log KL per row of ``X`` (n, n_features)."""
+        X = self._rows(X)
+        if X.shape[1] != self.n_features:
+            raise ValueError(f"KL model: rows of {self.n_features} features expected, got {X.shape[1]}")
+        f = self._flat
+        node = np.broadcast_to(f["roots"], (X.shape[0], f["roots"].size))
+        for _ in range(self._depth):
+            x = np.take_along_axis(X, f["feature"][node], axis=1)
+            with np.errstate(invalid="ignore"):
+                left = np.where(np.isnan(x), f["missing_left"][node], x <= f["threshold"][node])
+            node = np.where(left, f["left"][node], f["right"][node])
+        return self.baseline + f["value"][node].sum(axis=1)
+
+    def state_dict(self) -> dict:
+        state = {k: np.array(v) for k, v in self.arrays.items()}
+        state.update(baseline=self.baseline, n_features=self.n_features)
+        if self.pooled_scores_ is not None:
+            state.update(pooled_scores=np.array(self.pooled_scores_), pooled_groups=np.array(self.pooled_groups_))
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state) -> "KLModel":
+        try:
+            return cls({k: state[k] for k in _TREE_ARRAYS}, float(state["baseline"]), int(state["n_features"]),
+                       state.get("pooled_scores"), state.get("pooled_groups"))
+        except KeyError as exc:
+            raise ValueError(f"KL model state is missing {exc}") from None
