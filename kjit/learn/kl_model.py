@@ -108,6 +108,7 @@ class KLModel:
         fitted without one fold (problems dealt to folds in order of their label: the k-th smallest to
         fold k mod folds).  A non-finite feature is missing (the trees learn where it goes)."""
         from sklearn.ensemble import HistGradientBoostingRegressor
+        from threadpoolctl import threadpool_limits
 
         X = cls._rows(X)
         y = _log_kl_target(kl)
@@ -122,10 +123,13 @@ class KLModel:
             raise ValueError("`folds` must be ≥ 2")
         fold = (np.arange(labels.size) % k)[gi]
         scores = np.empty(len(y))
-        for i in range(k):
-            model = HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X[fold != i], y[fold != i])
-            scores[fold == i] = cls.from_hgb(model, X.shape[1]).predict(X[fold == i])
-        out = cls.from_hgb(HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X, y), X.shape[1])
+        # one OpenMP thread: measured, 6 000 rows × 12 features, 2 cores: 0.20 s a fit vs 0.26 s with
+        # scikit-learn's default threads, and 0.21 vs 1.02 s with two such fits in parallel processes
+        with threadpool_limits(limits=1, user_api="openmp"):
+            for i in range(k):
+                model = HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X[fold != i], y[fold != i])
+                scores[fold == i] = cls.from_hgb(model, X.shape[1]).predict(X[fold == i])
+            out = cls.from_hgb(HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X, y), X.shape[1])
         out.pooled_scores_, out.pooled_groups_ = scores, gi.astype(np.int64)
         return out
 
