@@ -296,8 +296,8 @@ misses, 12 leave some of the worst 1 % unflagged and every one of those has its 
 10 % of the test rows (0.103–0.175; headline 27) — the spread between problems described above.  The
 worst confident error at budget90 (``max_kl_unflagged_at_budget90_klmodel``) ≤ 5.1e-3 on every direction
 and seed (headline ≤ 5.9e-3).  Cost: the fit 1.2–2.3 s a direction (6 tree ensembles, one thread),
-the score ~33 µs a message at a batch of 3 000 (the trees' arrays evaluated in numpy; the prediction
-itself ~9 µs) and ~0.1 ms at batch 1.  Not in the JIT: its rule compares the largest log variance and
+the score ~17 µs a message at a batch of 3 000 (the trees' arrays evaluated in numpy; the prediction
+itself ~9 µs) and ~65 µs at batch 1.  Not in the JIT: its rule compares the largest log variance and
 learns online, while the KL model is a static model of the operator it was fitted on.
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
