@@ -543,6 +543,11 @@ def direction_rows(f, recs, args, rng):
             thr_b90p = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"],
                                         confidence=BUDGET_CONFIDENCE, problems=n_test_problems,
                                         held_out_groups=problem["cal"], predictive=True, scalar=scalar)
+            # the same at confidence 0.975 (chosen on seeds 0-7 of the twenty-eighth session's scripts, where
+            # budget90's batches kept <= 10 % on ~78 % of test sets, not 90 %; checked on fresh seeds 10-19)
+            thr_b975p = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=problem["train"],
+                                         confidence=BUDGET975P_CONFIDENCE, problems=n_test_problems,
+                                         held_out_groups=problem["cal"], predictive=True, scalar=scalar)
             # the target-KL threshold: the calibration set alone (pooling it too was measured and
             # dropped: see the docstring)
             thr = calibrate_threshold(op, data["cal"], args.target_kl, scalar=scalar)
@@ -575,6 +580,9 @@ def direction_rows(f, recs, args, rng):
                     "flagged_fraction_at_budget90_pred": float(np.mean(flagged_b90p)),
                     "worst1pct_flagged_at_budget90_pred": float(np.mean(flagged_b90p[worst])),
                     "threshold_budget90_pred": float(thr_b90p),
+                    "flagged_fraction_at_budget975p": float(np.mean(u > thr_b975p)),
+                    "worst1pct_flagged_at_budget975p": float(np.mean((u > thr_b975p)[worst])),
+                    "threshold_budget975p": float(thr_b975p),
                     "flagged_fraction_at_q90_calset": float(np.mean(u > thr10_calset)),
                     "worst1pct_flagged_at_q90_calset": float(np.mean((u > thr10_calset)[worst])),
                     "mean_log_kl_by_logvar_decile": by_decile,
@@ -618,7 +626,9 @@ def direction_rows(f, recs, args, rng):
             thr = {"q90": kl_model_threshold(op, 0.1),
                    "budget90": kl_model_threshold(op, 0.1, confidence=BUDGET_CONFIDENCE, problems=n_test_problems),
                    "budget90_pred": kl_model_threshold(op, 0.1, confidence=BUDGET_CONFIDENCE,
-                                                       problems=n_test_problems, predictive=True)}
+                                                       problems=n_test_problems, predictive=True),
+                   "budget975p": kl_model_threshold(op, 0.1, confidence=BUDGET975P_CONFIDENCE,
+                                                    problems=n_test_problems, predictive=True)}
             row.update({"flagged_fraction_needed_klmodel": flagged_share_needed(s_te, kl),
                         "rank_corr_logvar_kl_klmodel": float(_spearman(s_te, kl)),
                         "kl_model_fit_seconds": t_fit, "kl_model_us_per_msg": 1e6 * t_score / n})
@@ -800,6 +810,7 @@ def _density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thr
 
 
 BUDGET_CONFIDENCE = 0.9  # the budget90 threshold: <= 10 % flagged on 90 % of test-sized batches (a priori)
+BUDGET975P_CONFIDENCE = 0.975  # budget975p: the same read predictively at 0.975 (chosen on seeds 0-7, see above)
 FACTORS = ("logistic", "probit_noise", "compound_gamma", "product", "gaussian", "gamma_rate", "exp")
 PROBLEMS = {"logistic": 60, "probit_noise": 60, "compound_gamma": 60, "product": 80, "gaussian": 60,
             "gamma_rate": 60, "exp": 60}
@@ -861,7 +872,7 @@ def main(argv=None):
         "max_flagged_fraction_at_q90": max(r["flagged_fraction_at_q90"] for r in rows),
         "min_worst1pct_flagged_at_budget90": min(r["worst1pct_flagged_at_budget90"] for r in rows),
         "max_flagged_fraction_at_budget90": max(r["flagged_fraction_at_budget90"] for r in rows),
-        **{f"n_met_at_{at}": _n_met(rows, at) for at in ("q90", "budget90", "budget90_pred")},
+        **{f"n_met_at_{at}": _n_met(rows, at) for at in ("q90", "budget90", "budget90_pred", "budget975p")},
         "max_flagged_fraction_at_budget90_pred": max(r["flagged_fraction_at_budget90_pred"] for r in rows),
         "n_directions": len(rows),
         # the worst confident error over every direction (None in a row: everything flagged)
@@ -883,7 +894,8 @@ def main(argv=None):
         "error_models_kl": {c: sum(r["error_model_kl"] == c for r in rows) for c in ("none", "additive", "ratio")},
         **(_ensemble_summary(rows) if args.ensemble else {}),
         **(_choice_summary(rows) if args.choose_uncertainty else {}),
-        **({**{f"n_met_at_{at}_klmodel": _n_met(rows, at, "_klmodel") for at in ("q90", "budget90", "budget90_pred")},
+        **({**{f"n_met_at_{at}_klmodel": _n_met(rows, at, "_klmodel")
+               for at in ("q90", "budget90", "budget90_pred", "budget975p")},
             "n_flagged_fraction_needed_le_006_klmodel": sum(r["flagged_fraction_needed_klmodel"] <= 0.06 for r in rows),
             "max_flagged_fraction_at_budget90_klmodel": max(r["flagged_fraction_at_budget90_klmodel"] for r in rows),
             "min_worst1pct_flagged_at_budget90_klmodel": min(r["worst1pct_flagged_at_budget90_klmodel"] for r in rows)}

@@ -83,10 +83,10 @@ def test_trees_predict_as_scikit_learn():
     np.testing.assert_allclose(model.predict(Xt), hgb.predict(Xt), rtol=0, atol=1e-10)
     np.testing.assert_allclose(model.predict(Xt[:1]), hgb.predict(Xt[:1]), rtol=0, atol=1e-10)
     inf_row = Xt[:1].copy()
-    inf_row[0, 0] = np.inf  # non-finite is missing
-    nan_row = Xt[:1].copy()
-    nan_row[0, 0] = np.nan
-    np.testing.assert_allclose(model.predict(inf_row), hgb.predict(nan_row), rtol=0, atol=1e-10)
+    inf_row[0, 0] = np.inf  # the extreme value, not missing
+    big_row = Xt[:1].copy()
+    big_row[0, 0] = 1e300
+    np.testing.assert_allclose(model.predict(inf_row), hgb.predict(big_row), rtol=0, atol=1e-10)
     with pytest.raises(ValueError, match="5 features"):
         model.predict(Xt[:, :4])
 
@@ -202,3 +202,61 @@ def test_refusals(data, fitted):
                             feature=state["feature"])
     with pytest.raises(ValueError, match="KL model reads"):
         KernelOperator.from_state_dict(full)
+
+
+def test_infinite_features_are_extreme_values_not_missing():
+    """Found in review: an infinite feature (the log variance of a row whose reference error has no
+    finite estimate) was read as missing and scored like an ordinary row; it is the extreme value:
+    +inf scores as the largest finite values do, −inf as the smallest."""
+    rng = np.random.default_rng(4)
+    X = rng.uniform(0.0, 10.0, (2000, 1))
+    kl = np.exp(3.0 * X[:, 0] - 20.0)
+    model = KLModel.fit(X, kl, np.arange(2000) // 100)
+    s = model.predict(np.array([[np.inf], [1e300], [9.99], [5.0], [0.01], [-1e300], [-np.inf]]))
+    assert s[0] == s[1] == s[2] and s[6] == s[5] == s[4]
+    assert s[0] > s[3] + 10 > s[4] + 20  # (3 x − 20: 30 and 15 apart)
+    Xi = X.copy()
+    Xi[:5, 0] = np.inf  # fitted as 1e300: the top branch
+    assert np.all(np.isfinite(KLModel.fit(Xi, kl, np.arange(2000) // 100).pooled_scores_))
+
+
+def test_malformed_states_are_refused_with_value_errors(fitted):
+    _, op = fitted
+    state = op.kl_model_.state_dict()
+
+    def refused(match, **change):
+        with pytest.raises(ValueError, match=match):
+            KLModel.from_state_dict(dict(state, **change))
+
+    # a node with two parents (found in review: accepted, a prediction stopped at an inner node)
+    left, right, leaf = state["left"].copy(), state["right"].copy(), state["leaf"].copy()
+    inner = np.flatnonzero(~leaf[0])
+    left[0, inner[0]], right[0, inner[0]] = right[0, inner[0]], right[0, inner[0]]
+    refused("two parents", left=left, right=right)
+    refused("booleans", leaf=np.where(leaf, "True", "False"))
+    refused("numbers", value=state["value"].astype(str))
+    refused("malformed", baseline=None)
+    refused("malformed", n_features=None)
+    nan_thr = state["threshold"].copy()
+    nan_thr[0, inner[0]] = np.nan
+    refused("NaN", threshold=nan_thr)
+    scores, groups = state["pooled_scores"].copy(), state["pooled_groups"]
+    scores[3] = np.nan
+    refused("finite", pooled_scores=scores)  # (a NaN threshold would flag nothing)
+    refused("integer labels", pooled_groups=groups.astype(float) / 10)  # (cut to 0: problems merged)
+    refused("1-D", pooled_scores=state["pooled_scores"][None], pooled_groups=groups[None])
+    with pytest.raises(ValueError, match="mapping"):
+        KLModel.from_state_dict([1, 2])
+
+
+def test_a_refit_drops_the_models_of_the_previous_fit(data, fitted):
+    """Found in review: fit() kept the KL model (and an error model) of the previous fit, and its
+    thresholds then read the old fit's scores."""
+    f, d = data
+    _, op = fitted
+    mine = copy.deepcopy(op)
+    mine.fit_error_model(d["train"], TRAIN_GROUPS, mode="additive")
+    assert mine.kl_model_ is not None and mine.error_model_ is not None
+    mine.fit(d["cal"])
+    assert getattr(mine, "kl_model_", None) is None and getattr(mine, "error_model_", None) is None
+    assert "kl_model" not in mine.state_dict() and "error_model" not in mine.state_dict()

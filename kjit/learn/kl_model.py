@@ -28,9 +28,10 @@ KL_MODEL_TREES = {"max_iter": 300, "learning_rate": 0.05, "max_leaf_nodes": 15, 
                   "early_stopping": False, "random_state": 0}
 #: folds of problems for the cross-fitted scores of the rows the model learned
 KL_MODEL_FOLDS = 5
-#: the log KL regressed is clipped to this range: below 1e-40 rows differ by rounding only; a
-#: non-finite KL (a broken prediction) counts as the top
+#: the log KL regressed is clipped to this range: below 1e-40 rows differ by rounding only; a NaN
+#: or +inf KL (a broken prediction) counts as the top
 KL_MODEL_LOG_KL_RANGE = (float(np.log(1e-40)), float(np.log(1e6)))
+_HUGE = 1e300  # what an infinite feature is fitted as
 _TREE_ARRAYS = ("feature", "threshold", "left", "right", "value", "leaf", "missing_left")
 
 
@@ -39,7 +40,7 @@ def _log_kl_target(kl) -> np.ndarray:
     kl = np.asarray(kl, np.float64).ravel()
     with np.errstate(divide="ignore", invalid="ignore"):
         y = np.log(np.maximum(kl, np.exp(lo)))
-    return np.clip(np.where(np.isfinite(y), y, hi), lo, hi)
+    return np.clip(np.where(np.isnan(y), hi, y), lo, hi)
 
 
 class KLModel:
@@ -51,15 +52,24 @@ class KLModel:
     problems) and the row's problem, which thresholds are calibrated on."""
 
     def __init__(self, arrays: dict, baseline: float, n_features: int, pooled_scores=None, pooled_groups=None):
-        self.arrays = {k: np.asarray(arrays[k]) for k in _TREE_ARRAYS}
-        self.baseline = float(baseline)
-        self.n_features = int(n_features)
-        self.pooled_scores_ = None if pooled_scores is None else np.asarray(pooled_scores, np.float64)
-        self.pooled_groups_ = None if pooled_groups is None else np.asarray(pooled_groups, np.int64)
-        self._check()
+        try:
+            self.arrays = {k: np.asarray(arrays[k]) for k in _TREE_ARRAYS}
+            self.baseline = float(baseline)
+            self.n_features = int(n_features)
+            self.pooled_scores_ = None if pooled_scores is None else np.asarray(pooled_scores)
+            self.pooled_groups_ = None if pooled_groups is None else np.asarray(pooled_groups)
+            self._check()
+        except (TypeError, AttributeError) as exc:  # (a value of the wrong kind: a string, None, an array)
+            raise ValueError(f"KL model: malformed ({exc})") from None
 
     def _check(self):
         a = self.arrays
+        for k in ("leaf", "missing_left"):
+            if a[k].dtype.kind not in "biu":
+                raise ValueError(f"KL model: `{k}` must be booleans, got dtype {a[k].dtype}")
+        for k in ("threshold", "value"):
+            if a[k].dtype.kind not in "fiu":
+                raise ValueError(f"KL model: `{k}` must be numbers, got dtype {a[k].dtype}")
         shape = a["feature"].shape
         if len(shape) != 2 or shape[0] < 1 or shape[1] < 1 or any(a[k].shape != shape for k in _TREE_ARRAYS):
             raise ValueError(f"KL model: the tree arrays must share one (trees, nodes) shape, got "
@@ -69,13 +79,28 @@ class KLModel:
         for k in ("left", "right"):
             if a[k].dtype.kind not in "iu" or np.any(inner & ((a[k] <= np.arange(n_nodes)) | (a[k] >= n_nodes))):
                 raise ValueError(f"KL model: `{k}` must index a later node of the same tree")
+        # a tree: every node the child of at most one node (children come after their parent, so the
+        # root is no one's) — two parents would give a node two depths, and a shorter path's count
+        # would stop a prediction at an inner node
+        kids = np.concatenate([np.where(inner, a["left"], -1), np.where(inner, a["right"], -1)], axis=1)
+        kids = np.sort(kids, axis=1)
+        if np.any((kids[:, 1:] == kids[:, :-1]) & (kids[:, 1:] >= 0)):
+            raise ValueError("KL model: a node has two parents (the arrays are not trees)")
         if a["feature"].dtype.kind not in "iu" or np.any(inner & ((a["feature"] < 0) | (a["feature"] >= self.n_features))):
             raise ValueError(f"KL model: `feature` must lie in [0, {self.n_features})")
+        if np.any(inner & np.isnan(a["threshold"].astype(np.float64))):
+            raise ValueError("KL model: an inner node's threshold is NaN")
         if not (np.all(np.isfinite(a["value"])) and np.isfinite(self.baseline)):
             raise ValueError("KL model: leaf values and the baseline must be finite")
-        if (self.pooled_scores_ is None) != (self.pooled_groups_ is None) or (
-                self.pooled_scores_ is not None and self.pooled_scores_.shape != self.pooled_groups_.shape):
-            raise ValueError("KL model: `pooled_scores` and `pooled_groups` go together, one per row")
+        ps, pg = self.pooled_scores_, self.pooled_groups_
+        if (ps is None) != (pg is None) or (ps is not None and (ps.ndim != 1 or pg.shape != ps.shape)):
+            raise ValueError("KL model: `pooled_scores` and `pooled_groups` go together, 1-D, one per row")
+        if ps is not None:
+            if ps.dtype.kind not in "fiu" or not np.all(np.isfinite(ps)):
+                raise ValueError("KL model: `pooled_scores` must be finite numbers")
+            if pg.dtype.kind not in "iu":
+                raise ValueError(f"KL model: `pooled_groups` must be integer labels, got dtype {pg.dtype}")
+            self.pooled_scores_, self.pooled_groups_ = ps.astype(np.float64), pg.astype(np.int64)
         a["leaf"] = a["leaf"].astype(bool)
         a["missing_left"] = a["missing_left"].astype(bool)
         a["feature"] = a["feature"].astype(np.intp)
@@ -108,11 +133,14 @@ class KLModel:
         """Fit on rows ``X`` (n, p) with out-of-sample KLs ``kl`` (n,) of problems ``groups`` (n,
         integer labels): the final model on every row; ``pooled_scores_`` from ``folds`` models each
         fitted without one fold (problems dealt to folds in order of their label: the k-th smallest to
-        fold k mod folds).  A non-finite feature is missing (the trees learn where it goes)."""
+        fold k mod folds).  A NaN feature is missing (the trees learn where it goes); ±inf is fitted
+        as ±1e300.  A NaN or +inf KL (a broken prediction) is regressed as the top of
+        :data:`KL_MODEL_LOG_KL_RANGE`."""
         from sklearn.ensemble import HistGradientBoostingRegressor
         from threadpoolctl import threadpool_limits
 
-        X = cls._rows(X)
+        # (scikit-learn refuses ±inf: beyond every finite value, as a comparison with a threshold reads it)
+        X = np.clip(cls._rows(X), -_HUGE, _HUGE)
         y = _log_kl_target(kl)
         g = np.asarray(groups).ravel()
         if not (len(y) == len(g) == X.shape[0]):
@@ -161,10 +189,13 @@ class KLModel:
 
     @staticmethod
     def _rows(X) -> np.ndarray:
+        """Rows as a float array; NaN is a missing feature (the trees learned where it goes), ±inf
+        the extreme value it is (found in review: an infinite log variance — the reference's error
+        with no finite estimate — read as missing went wherever the trees send missing values, often
+        the low-KL side)."""
         X = np.array(X, np.float64, ndmin=2)
         if X.ndim != 2:
             raise ValueError(f"KL model: features must be (rows, features), got shape {X.shape}")
-        X[~np.isfinite(X)] = np.nan
         return X
 
     def predict(self, X) -> np.ndarray:
@@ -195,8 +226,10 @@ class KLModel:
 
     @classmethod
     def from_state_dict(cls, state) -> "KLModel":
+        if not hasattr(state, "get"):
+            raise ValueError(f"KL model state must be a mapping, got {type(state).__name__}")
         try:
-            return cls({k: state[k] for k in _TREE_ARRAYS}, float(state["baseline"]), int(state["n_features"]),
+            return cls({k: state[k] for k in _TREE_ARRAYS}, state["baseline"], state["n_features"],
                        state.get("pooled_scores"), state.get("pooled_groups"))
         except KeyError as exc:
             raise ValueError(f"KL model state is missing {exc}") from None
