@@ -295,7 +295,22 @@ misses, 12 leave some of the worst 1 % unflagged and every one of those has its 
 (``kl_p99``; the headline's 26 such misses include 10 above 1e-9, up to 3.0e-3); 31 flag more than
 10 % of the test rows (0.103–0.175; headline 27) — the spread between problems described above.  The
 worst confident error at budget90 (``max_kl_unflagged_at_budget90_klmodel``) ≤ 5.1e-3 on every direction
-and seed (headline ≤ 5.9e-3).  Cost: the fit 1.2–2.3 s a direction (6 tree ensembles, one thread),
+and seed (headline ≤ 5.9e-3).  Checked on fresh seeds 10–19 (the code unchanged but for the review's
+fixes): the ranking gain holds — ≤ 0.06 on 102 → 121 of 140, mean 0.053 → 0.037, median 0.031 → 0.021
+(lower on 81, higher on 51) — and fewer meaningful misses (worst 1 % unflagged with ``kl_p99`` above
+1e-9: headline 7, ``_klmodel`` 2, up to 2.3e-3), but both goals at budget90 did not gain: 99 → 98 (q90
+60 → 64, predictive 100 → 102), the KL model's threshold flagging more than 10 % of the test rows on
+28 directions (0.101–0.265) against the headline's 15.  Its shares run above what the pooled rows
+promise: on seeds 0–3 (scripts outside the repository) the test share exceeded the pooled batches'
+mean by 0.38–0.47 bootstrap sd on average (the largest log variance: 0.03–0.07), the test rows
+flagged 0.085 vs the training rows left out 0.076 and the calibration rows 0.074; scoring the test
+rows by the fold models instead of the final one kept the shift (0.43) — not explained.  Also
+measured and dropped (seeds 0–7, scripts): a cap of 10 % per test problem (the shares then hold, the
+worst 1 % is missed where it gathers in a few problems: 81 → 80 of 112).  ``*_at_budget975p``
+(all readings): the budget read predictively at confidence 0.975 (``BUDGET975P_CONFIDENCE``), chosen
+on seeds 0–7 of those scripts because budget90's guarantee held on ~78 % of test sets, not 90 %;
+checked on seeds 10–19: both goals 99 → 102 (headline), 98 → 103 (``_klmodel``); shares over 10 %
+15 → 4 and 28 → 16, worst 1 % missed 27 → 34 and 17 → 24.  Cost: the fit 1.2–2.3 s a direction (6 tree ensembles, one thread),
 the score ~17 µs a message at a batch of 3 000 (the trees' arrays evaluated in numpy; the prediction
 itself ~9 µs) and ~65 µs at batch 1.  Not in the JIT: its rule compares the largest log variance and
 learns online, while the KL model is a static model of the operator it was fitted on.
