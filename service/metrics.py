@@ -5,7 +5,7 @@ metric                                  type       labels / meaning
 ======================================  =========  ==============================================
 ``kjit_http_requests_total``            counter    method, route (template), status
 ``kjit_http_request_duration_seconds``  histogram  method, route: wall time in the server
-``kjit_messages_total``                 counter    operator, mode: messages (rows) answered
+``kjit_messages_total``                 counter    operator, mode (predict | oracle | jit | draw): rows answered
 ``kjit_consultations_total``            counter    operator: rows the oracle answered
 ``kjit_updates_total``                  counter    operator, source (jit | observations): pairs learned
 ``kjit_update_records_total``           counter    operator: durable update records written

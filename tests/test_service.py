@@ -308,6 +308,8 @@ def test_metrics_in_prometheus_format(live):
     with httpx.Client(base_url=live.url, headers=AUTH, timeout=60) as c:
         for mode in ("predict", "predict", "jit"):
             c.post(f"/v1/operators/logistic-x/messages?mode={mode}", json=body(inc, "x")).raise_for_status()
+        for path in ("draws/3", "draws/mean"):  # (counted as draws, not as mode=predict: found by an audit)
+            c.post(f"/v1/operators/logistic-x/{path}/messages", json=body(inc, "x")).raise_for_status()
         c.get("/v1/operators/nope")
         r = c.get("/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -318,6 +320,7 @@ def test_metrics_in_prometheus_format(live):
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
     assert samples[("kjit_messages_total", (("mode", "predict"), ("operator", "logistic-x")))] == 20
     assert samples[("kjit_messages_total", (("mode", "jit"), ("operator", "logistic-x")))] == 10
+    assert samples[("kjit_messages_total", (("mode", "draw"), ("operator", "logistic-x")))] == 20
     assert samples[("kjit_http_requests_total", (("method", "POST"), ("route", "/v1/operators/{name}/messages"),
                                                  ("status", "200")))] == 3
     assert samples[("kjit_http_requests_total", (("method", "GET"), ("route", "/v1/operators/{name}"),

@@ -209,7 +209,8 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
     msg = q / inc[entry.jit.to]
     n = len(q)
     n_cons = int(np.count_nonzero(consulted))
-    metrics.child(metrics.messages, entry.name, mode).inc(n)
+    # (a draw's rows under their own label: found by an audit, they were counted as mode=predict's)
+    metrics.child(metrics.messages, entry.name, "draw" if draw is not None else mode).inc(n)
     if n_cons:
         metrics.consultations.labels(entry.name).inc(n_cons)
     if n_learned:
