@@ -120,6 +120,9 @@ class Family:
     """
 
     param_names: ClassVar[tuple[str, ...]] = ()
+    #: whether :attr:`is_proper` already requires every parameter finite (the built-in families: then
+    #: :meth:`proper_and_finite` skips its own finiteness test, ~4 µs a call); False by default
+    proper_is_finite: ClassVar[bool] = False
     _proper = None  # is_proper, once computed (per message: see ``__init_subclass__``)
     n_stats: ClassVar[int] = 2
     coord_names: ClassVar[tuple[str, ...]] = ()
@@ -389,7 +392,10 @@ class Family:
 
     def proper_and_finite(self) -> np.ndarray:
         """Boolean array: which messages are normalisable distributions with finite parameters — what an
-        oracle's, a rule's or an operator's answer must be."""
+        oracle's, a rule's or an operator's answer must be (:attr:`proper_is_finite` families: their
+        propriety alone)."""
+        if type(self).proper_is_finite:
+            return np.asarray(self.is_proper, bool)
         with np.errstate(invalid="ignore"):
             return np.asarray(self.is_proper, bool) & np.all([np.isfinite(p) for p in self.params], axis=0)
 
@@ -678,6 +684,7 @@ class Gaussian(Family):
     """Univariate Gaussian N(x; mean, var); natural parameters (mean/var, -1/(2 var))."""
 
     param_names = ("mean", "var")
+    proper_is_finite = True  # (is_proper tests finiteness)
     coord_names = ("mean", "log_var")
     # the coordinate that is the log of the spread: a belief ÷ cavity message has a negative
     # precision exactly when this coordinate of the belief exceeds the cavity's
@@ -1046,6 +1053,7 @@ class Beta(Family):
     closed_support = "[0, 1]"
 
     param_names = ("alpha", "beta")
+    proper_is_finite = True  # (is_proper tests finiteness)
     coord_names = ("log_alpha", "log_beta")
 
     def _check(self, alpha, beta):
@@ -1415,6 +1423,7 @@ class Gamma(Family):
     closed_support = "[0, inf]"
 
     param_names = ("shape", "rate")
+    proper_is_finite = True  # (is_proper tests finiteness)
     coord_names = ("log_shape", "log_rate")
 
     def _check(self, shape, rate):
@@ -1690,6 +1699,7 @@ class Bernoulli(Family):
     closed_support = "{-1, +1}"
 
     param_names = ("p",)
+    proper_is_finite = True  # (is_proper tests finiteness)
     n_stats = 1
     coord_names = ("logit_p",)
 

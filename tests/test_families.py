@@ -1213,3 +1213,20 @@ def test_with_rows_replaces_rows_of_a_flat_batch():
         q.with_rows([0], Gaussian([0.0], [1.0]))
     with pytest.raises(ValueError, match="2 messages"):
         q.with_rows([0, 1], Gamma([1.0], [1.0]))
+
+
+@pytest.mark.parametrize("cls", [Gaussian, Beta, Gamma, Bernoulli])
+def test_proper_and_finite_of_the_built_in_families_is_their_propriety(cls):
+    """The built-in families declare proper_is_finite (their is_proper tests finiteness), so
+    proper_and_finite skips its own test: checked against the definition — proper and every
+    parameter finite — on parameters with NaN, ±inf, 0 and negatives, batched and one by one."""
+    vals = np.array([np.nan, np.inf, -np.inf, 0.0, -1.0, 0.3, 1.0, 2.5, 1e300])
+    grids = np.meshgrid(*[vals] * len(cls.param_names), indexing="ij")
+    params = [g.ravel() for g in grids]
+    m = cls(*params, validate=False)
+    expect = np.asarray(m.is_proper, bool) & np.all([np.isfinite(p) for p in params], axis=0)
+    assert cls.proper_is_finite
+    np.testing.assert_array_equal(m.proper_and_finite(), expect)
+    for i in range(0, params[0].size, 7):
+        one = cls(*[p[i:i + 1] for p in params], validate=False)
+        assert bool(one.proper_and_finite()[0]) == bool(expect[i])
