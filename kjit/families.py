@@ -121,7 +121,8 @@ class Family:
 
     param_names: ClassVar[tuple[str, ...]] = ()
     #: whether :attr:`is_proper` already requires every parameter finite (the built-in families: then
-    #: :meth:`proper_and_finite` skips its own finiteness test, ~4 µs a call); False by default
+    #: :meth:`proper_and_finite` skips its own finiteness test, ~4 µs a call); False by default, and
+    #: read only where the class itself sets it (a subclass may loosen is_proper)
     proper_is_finite: ClassVar[bool] = False
     _proper = None  # is_proper, once computed (per message: see ``__init_subclass__``)
     n_stats: ClassVar[int] = 2
@@ -394,8 +395,8 @@ class Family:
         """Boolean array: which messages are normalisable distributions with finite parameters — what an
         oracle's, a rule's or an operator's answer must be (:attr:`proper_is_finite` families: their
         propriety alone)."""
-        if type(self).proper_is_finite:
-            return np.asarray(self.is_proper, bool)
+        if vars(type(self)).get("proper_is_finite", False):  # (declared by the class itself: a subclass
+            return np.asarray(self.is_proper, bool)          # may loosen is_proper)
         with np.errstate(invalid="ignore"):
             return np.asarray(self.is_proper, bool) & np.all([np.isfinite(p) for p in self.params], axis=0)
 

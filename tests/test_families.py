@@ -1230,3 +1230,15 @@ def test_proper_and_finite_of_the_built_in_families_is_their_propriety(cls):
     for i in range(0, params[0].size, 7):
         one = cls(*[p[i:i + 1] for p in params], validate=False)
         assert bool(one.proper_and_finite()[0]) == bool(expect[i])
+
+
+def test_proper_and_finite_of_a_subclass_tests_finiteness_itself():
+    """proper_is_finite is the declaring class's: a subclass that loosens is_proper still gets the
+    finiteness test."""
+    class Loose(Gaussian):
+        @property
+        def is_proper(self):
+            return np.asarray(self.params[1]) > 0  # (a NaN mean passes)
+
+    m = Loose(np.array([np.nan, 0.0]), np.array([1.0, 1.0]), validate=False)
+    np.testing.assert_array_equal(m.proper_and_finite(), [False, True])
