@@ -128,6 +128,7 @@ def test_operator_features_are_the_parameters_variances_and_rule(data, fitted):
     expect = np.column_stack([sl(inc["x"].params[0]), sl(inc["x"].params[1]), sl(inc["z"].params[0]), sl(inc["z"].params[1]),
                               sl(q.params[0]), sl(q.params[1]), lv, op.row_uncertainty(inc, q, lv, "max")])
     np.testing.assert_array_equal(X, expect)
+    assert X.shape[1] == op._kl_model_n_features() == op.kl_model_.n_features  # (what a load checks)
     np.testing.assert_array_equal(op.row_uncertainty(inc, q, lv, "learned_kl"), op.kl_model_.predict(X))
 
 

@@ -1458,6 +1458,13 @@ class KernelOperator(Operator):
         with np.errstate(invalid="ignore"):
             return np.column_stack([c for v in order for c in slog(flat[v])] + slog(qf) + [lv, u])
 
+    def _kl_model_n_features(self) -> int:
+        """The columns :meth:`kl_model_features` gives this operator (its layout: every parameter of
+        the incoming messages and of the belief, the log variances, the scalar)."""
+        fam = self.factor.families
+        order = getattr(self, "variables_", None) or self.factor.variables
+        return sum(len(fam[v].param_names) for v in order) + len(fam[self.to].param_names) + len(self.y_mean_) + 1
+
     def fit_kl_model(self, data: TrainingSet, groups, held_out: TrainingSet | None = None,
                      held_out_groups=None) -> "KernelOperator":
         """Attach a learned model of this operator's log KL (opt-in; issue 14 part 3):
@@ -1617,8 +1624,7 @@ class KernelOperator(Operator):
                 op.curvature_hist_ = op.curvature_hist_.astype(np.int64)
             if "kl_model" in state:
                 op.kl_model_ = KLModel.from_state_dict(state["kl_model"])
-                n_feat = (sum(len(factor.families[v].param_names) for v in op.variables_)
-                          + len(factor.families[op.to].param_names) + op.y_mean_.size + 1)
+                n_feat = op._kl_model_n_features()
                 if op.kl_model_.n_features != n_feat:
                     raise ValueError(f"operator state: the KL model reads {op.kl_model_.n_features} features, "
                                      f"this operator's predictions give {n_feat}")
