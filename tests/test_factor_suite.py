@@ -15,13 +15,18 @@ def _suite():
     return mod
 
 
+def _lines(capsys) -> list:
+    """The JSON lines the suite printed since the last read."""
+    return [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+
+
 def test_ensemble_flag_adds_its_keys(capsys):
     """--ensemble K adds the ensemble's keys (suffixes _ens and _enssum) and summary counts, every
     existing key kept; a tiny run (one factor, --quick, few pairs)."""
     suite = _suite()
     argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
     suite.main(argv + ["--ensemble", "2"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    lines = _lines(capsys)
     rows = [r for r in lines if "direction" in r]
     summary = lines[-1]
     assert rows and summary["summary"]
@@ -40,7 +45,7 @@ def test_ensemble_flag_adds_its_keys(capsys):
         assert 0 <= summary[key] <= len(rows)
     # without the flag: none of them, the rest as before
     suite.main(argv)
-    plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    plain = _lines(capsys)
     assert not any("ens" in k for r in plain for k in r)
     assert set(plain[-1]) == {k for k in summary if "ens" not in k}
 
@@ -55,7 +60,7 @@ def test_choose_uncertainty_flag_adds_its_keys(capsys):
     argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
             "--ensemble", "2"]
     suite.main(argv + ["--choose-uncertainty"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    lines = _lines(capsys)
     rows = [r for r in lines if "direction" in r]
     summary = lines[-1]
     assert rows and summary["summary"]
@@ -70,7 +75,7 @@ def test_choose_uncertainty_flag_adds_its_keys(capsys):
     for key in ("n_met_at_q90_choice", "n_met_at_budget90_choice", "n_flagged_fraction_needed_le_006_choice"):
         assert 0 <= summary[key] <= len(rows)
     suite.main(argv)
-    plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    plain = _lines(capsys)
     timing = ("oracle_us_per_msg", "predict_us_per_msg", "ensemble_fit_seconds", "seconds")
     for a, b in zip(plain, lines):
         assert {k: v for k, v in a.items() if k not in timing} == \
@@ -134,9 +139,9 @@ def test_novelty_and_problems_scale_flags(capsys):
     suite = _suite()
     argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
     suite.main(argv)
-    plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    plain = _lines(capsys)
     suite.main(argv + ["--novelty"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    lines = _lines(capsys)
     timing = ("oracle_us_per_msg", "predict_us_per_msg", "seconds")
     assert len(plain) == len(lines)
     added = ("flagged_fraction_needed_novelty", "flagged_fraction_needed_union", "novelty_median", "novelty_p99",
@@ -160,7 +165,7 @@ def test_novelty_and_problems_scale_flags(capsys):
               "n_novelty_chosen"):
         assert 0 <= lines[-1][k] <= len(rows)
     suite.main(argv + ["--problems-scale", "2"])
-    scaled = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    scaled = _lines(capsys)
     n = [sum(r["n_problems"].values()) for r in (plain[0], scaled[0])]
     assert n == [21, 42]
 
@@ -241,7 +246,7 @@ def test_kl_model_flag_adds_its_keys_and_changes_nothing_else(capsys):
     suite = _suite()
     argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
     suite.main(argv + ["--kl-model"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    lines = _lines(capsys)
     rows = [r for r in lines if "direction" in r]
     summary = lines[-1]
     assert rows and summary["summary"]
@@ -256,7 +261,7 @@ def test_kl_model_flag_adds_its_keys_and_changes_nothing_else(capsys):
                 "n_flagged_fraction_needed_le_006_klmodel"):
         assert 0 <= summary[key] <= len(rows)
     suite.main(argv)
-    plain = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    plain = _lines(capsys)
     timing = ("oracle_us_per_msg", "predict_us_per_msg", "seconds", "kl_model_fit_seconds", "kl_model_us_per_msg")
     for a, b in zip(plain, lines):
         assert {k: v for k, v in a.items() if k not in timing} == \
