@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
+
 
 def _suite():
     spec = importlib.util.spec_from_file_location(
@@ -266,3 +268,22 @@ def test_kl_model_flag_adds_its_keys_and_changes_nothing_else(capsys):
     for a, b in zip(plain, lines):
         assert {k: v for k, v in a.items() if k not in timing} == \
             {k: v for k, v in b.items() if k not in timing and "klmodel" not in k and not k.startswith("kl_model")}
+
+
+def test_exact_kl_figures_rank_perfectly(capsys):
+    """Every row reports the threshold rules with each row's exact KL as its uncertainty (suffix
+    _exactkl; a ceiling) and the summary counts them.  A perfect ranking flags a top set of the KL, as
+    the worst 1 % is: either every worst row is flagged, or every flagged row is among the worst 1 % —
+    a score that is not the test rows' KL (the predicted variance, say) breaks this."""
+    suite = _suite()
+    suite.main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"])
+    lines = _lines(capsys)
+    rows = [r for r in lines if "direction" in r]
+    assert rows
+    for r in rows:
+        for at in ("q90", "budget90", "budget975p"):
+            ff, w = r[f"flagged_fraction_at_{at}_exactkl"], r[f"worst1pct_flagged_at_{at}_exactkl"]
+            assert 0.0 <= ff <= 1.0
+            assert w == 1.0 or ff * r["n_test"] <= np.ceil(0.01 * r["n_test"]) + 1e-9, (at, ff, w)
+    for at in ("q90", "budget90", "budget975p"):
+        assert 0 <= lines[-1][f"n_met_at_{at}_exactkl"] <= len(rows)
