@@ -17,21 +17,31 @@ def _suite():
     return mod
 
 
+#: a tiny run: one factor, --quick, few pairs
+TINY = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
+
+
 def _lines(capsys) -> list:
     """The JSON lines the suite printed since the last read."""
     return [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+
+
+def _rows(lines) -> tuple[list, dict]:
+    """(the direction rows, the summary line) of the suite's lines; both present."""
+    rows = [r for r in lines if "direction" in r]
+    summary = lines[-1]
+    assert rows and summary["summary"]
+    return rows, summary
 
 
 def test_ensemble_flag_adds_its_keys(capsys):
     """--ensemble K adds the ensemble's keys (suffixes _ens and _enssum) and summary counts, every
     existing key kept; a tiny run (one factor, --quick, few pairs)."""
     suite = _suite()
-    argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
+    argv = TINY
     suite.main(argv + ["--ensemble", "2"])
     lines = _lines(capsys)
-    rows = [r for r in lines if "direction" in r]
-    summary = lines[-1]
-    assert rows and summary["summary"]
+    rows, summary = _rows(lines)
     for r in rows:
         for key in ("mean_log_kl", "flagged_fraction_needed", "worst1pct_flagged_at_q90", "flagged_fraction_at_q90",
                     "worst1pct_flagged_at_budget90", "flagged_fraction_at_budget90", "flagged_fraction_needed_kl"):
@@ -59,13 +69,10 @@ def test_choose_uncertainty_flag_adds_its_keys(capsys):
     import pytest
 
     suite = _suite()
-    argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
-            "--ensemble", "2"]
+    argv = TINY + ["--ensemble", "2"]
     suite.main(argv + ["--choose-uncertainty"])
     lines = _lines(capsys)
-    rows = [r for r in lines if "direction" in r]
-    summary = lines[-1]
-    assert rows and summary["summary"]
+    rows, summary = _rows(lines)
     for r in rows:
         assert r["uncertainty_choice"] in ("max", "kl", "enssum")
         assert r["error_model_choice"] in ("none", "additive", "ratio")
@@ -139,7 +146,7 @@ def test_novelty_and_problems_scale_flags(capsys):
     """--novelty adds its keys (rows and summary) and changes no other; --problems-scale draws the
     same pair counts from S times the problems."""
     suite = _suite()
-    argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
+    argv = TINY
     suite.main(argv)
     plain = _lines(capsys)
     suite.main(argv + ["--novelty"])
@@ -246,12 +253,10 @@ def test_kl_model_flag_adds_its_keys_and_changes_nothing_else(capsys):
     worst 1 % flagged, ranking) and the summary's counts; every other key and value as without it
     (timings aside) — the KL model reads the operator, it does not change it."""
     suite = _suite()
-    argv = ["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"]
+    argv = TINY
     suite.main(argv + ["--kl-model"])
     lines = _lines(capsys)
-    rows = [r for r in lines if "direction" in r]
-    summary = lines[-1]
-    assert rows and summary["summary"]
+    rows, summary = _rows(lines)
     for r in rows:
         for at in ("q90", "budget90", "budget90_pred"):
             assert 0.0 <= r[f"flagged_fraction_at_{at}_klmodel"] <= 1.0
@@ -276,14 +281,13 @@ def test_exact_kl_figures_rank_perfectly(capsys):
     the worst 1 % is: either every worst row is flagged, or every flagged row is among the worst 1 % —
     a score that is not the test rows' KL (the predicted variance, say) breaks this."""
     suite = _suite()
-    suite.main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200"])
+    suite.main(TINY)
     lines = _lines(capsys)
-    rows = [r for r in lines if "direction" in r]
-    assert rows
+    rows, summary = _rows(lines)
     for r in rows:
         for at in ("q90", "budget90", "budget975p"):
             ff, w = r[f"flagged_fraction_at_{at}_exactkl"], r[f"worst1pct_flagged_at_{at}_exactkl"]
             assert 0.0 <= ff <= 1.0
             assert w == 1.0 or ff * r["n_test"] <= np.ceil(0.01 * r["n_test"]) + 1e-9, (at, ff, w)
     for at in ("q90", "budget90", "budget975p"):
-        assert 0 <= lines[-1][f"n_met_at_{at}_exactkl"] <= len(rows)
+        assert 0 <= summary[f"n_met_at_{at}_exactkl"] <= len(rows)
