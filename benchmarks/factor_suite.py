@@ -769,8 +769,9 @@ def exact_kl_figures(op, data, problem, kl, worst, n_test_problems) -> dict:
     as its score (what no operator knows; a ceiling, not a method) — the rules' thresholds (q90,
     budget90, budget975p) from the pooled rows' exact KL (the calibration set and the training
     problems each predicted without itself, as the headline's), applied to the test rows' exact KL.
-    Where a rule fails here, no uncertainty can pass it; where it passes, what fails with a real
-    uncertainty is the uncertainty's ranking and its transfer between problems."""
+    Where a rule fails here, the ranking is not what failed: the threshold did not carry from the
+    pooled problems to the test problems; where it passes, what fails with a real uncertainty is the
+    uncertainty's ranking and its own transfer between problems."""
     _, kl_pool = _pooled(op, data["cal"], data["train"], problem["train"], labels=True)
     pool = np.log(np.maximum(kl_pool, 1e-300))
     score = np.log(kl)
