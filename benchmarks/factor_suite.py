@@ -341,6 +341,29 @@ the asymmetry above) as a column — 101 → 100 / 109 → 116, then 107 → 108
 bootstrap batches in which both goals hold (the pooled rows' KL known) — 110 and 113 of 140 against
 budget975p's 109 and 114 (with the exact KL as the score it met 110 of 112 against budget90's 90, on
 the twenty-eighth session's dumps): no gain over budget975p.
+Thirtieth session: the KL model's trees predict the conditional 90 % quantile of the log KL
+(``KL_MODEL_QUANTILE``; the pinball loss) instead of its mean — a row scores high where its error is
+uncertain, not only where it is large on average, which is what a flag for the worst 1 % needs.  The one
+quantile tried, the trees' other settings unchanged.  Found by replaying the KL model on rows recorded
+from the suite's own runs (scripts outside the repository; seeds 0–9, then fresh seeds 10–19), then run
+here: seeds 0–9 (``--kl-model --seed S``, the suite's own runs reproduce the replay exactly), ``_klmodel``
+both goals at budget90 101 → 107, at budget975p 109 → 122 of 140 (shares over 10 % 13 → 12, worst 1 %
+missed 20 → 7); ``flagged_fraction_needed_klmodel`` ≤ 0.06 on 124 → 133, ≤ 0.10 on 133 → 137; the
+headline and the exact-KL ceiling unchanged (88 / 99 and 115 / 135).  Fresh seeds 10–19 (the replay
+there: 119 at budget975p): budget90 98 → 107, budget975p 103 → 119 (shares over 10 % 16 → 11, worst 1 %
+missed 24 → 10; the ceiling 126), ≤ 0.06 on 121 → 133, ≤ 0.10 on 132 → 136; headline 99 / 102.  Cost:
+the fit 1.6–3.0 s a direction (was 1.2–2.3 s; two runs sharing the 2 cores), the score 13–23 µs a
+message.  Replayed and not kept (seeds 0–9, budget90 / budget975p of 140, the mean-regression model's
+101 / 109): an indicator of the rows' kind (the calibration and test rows predicted by the operator
+itself, the training rows by the operator without their problem — the twenty-ninth session's
+suspected asymmetry) 97 / 110; no incoming parameters among the columns 99 / 108 (fewer shares over
+10 %, 13 → 4, but the worst 1 % missed 20 → 28), log variances and scalar only 84 / 92; leaves of ≥ 100
+rows 103 / 109, ≥ 300 rows 82 / 90, ≥ 100 rows and 7 leaves a tree 101 / 110, 100 trees 101 / 115; a
+classifier of the pooled top 5 % (its log odds as the score) 100 / 112; the mean of the models with
+and without incoming parameters 100 / 115.  The replay also shows why the shares run over 10 % more
+often than the exact KL's: above the pooled 90th percentile, the test rows' share has mean 0.110 and
+sd 0.033 over the 140 directions with the mean-regression score, 0.103 and 0.026 with the exact KL — the score
+spreads the problems' differences (gamma_rate → x at seed 8: 0.230 vs 0.173).
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
 q90 / budget90 and ranked within 6 % on 6 / 8 / 9 and 5 / 8 / 7 directions at seeds 0 / 1 (1 ×:
