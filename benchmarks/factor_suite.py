@@ -353,7 +353,7 @@ missed 20 → 7); ``flagged_fraction_needed_klmodel`` ≤ 0.06 on 124 → 133, �
 headline and the exact-KL ceiling unchanged (88 / 99 and 115 / 135).  Fresh seeds 10–19 (the replay
 there: 119 at budget975p): budget90 98 → 107, budget975p 103 → 119 (shares over 10 % 16 → 11, worst 1 %
 missed 24 → 10; the ceiling 126), ≤ 0.06 on 121 → 133, ≤ 0.10 on 132 → 136; headline 99 / 102.
-Fresh seeds 20–29: budget90 107 → 109, budget975p 114 → 123 (shares over 10 % 3, worst 1 % missed 14;
+Seeds 20–29 (not used to choose it; the twenty-ninth session's checks ran on them): budget90 107 → 109, budget975p 114 → 123 (shares over 10 % 3, worst 1 % missed 14;
 the ceiling 135), ≤ 0.06 on 123 → 134; headline 94 / 96.  Cost:
 the fit 1.6–3.0 s a direction (was 1.2–2.3 s; two runs sharing the 2 cores), the score 13–23 µs a
 message.  Replayed and not kept (seeds 0–9, budget90 / budget975p of 140, the mean-regression model's

@@ -1188,7 +1188,8 @@ class KernelOperator(Operator):
         calibration and selection functions read it (``scalar=`` of :func:`budget_threshold`,
         :func:`calibrate_threshold`, :meth:`fit_error_model`); the just-in-time rule is "max".
         ``"learned_kl"`` (after :meth:`fit_kl_model`): the KL model's predicted log KL (its
-        conditional 90 % quantile, :data:`~kjit.learn.kl_model.KL_MODEL_QUANTILE`); its
+        conditional ``kl_model_.quantile`` quantile: :data:`~kjit.learn.kl_model.KL_MODEL_QUANTILE`
+        for a model fitted now, the mean for one loaded from a state saved before it); its
         thresholds come from the model's own cross-fitted scores
         (:func:`kjit.learn.calibration.kl_model_threshold`), not from the pooled functions above.
         """
@@ -1473,8 +1474,9 @@ class KernelOperator(Operator):
         operator learned (``data``, exactly as :meth:`held_out_predict`: each predicted without its
         group) and, optionally, ``held_out`` pairs it never learned with their problems
         (``held_out_groups``) — their KL to the exact beliefs regressed on
-        :meth:`kl_model_features` (the conditional 90 % quantile of the log KL: an upper bound,
-        not a typical value).  Then ``row_uncertainty(..., "learned_kl")`` is a row's
+        :meth:`kl_model_features` (the log KL's conditional ``kl_model_.quantile`` quantile —
+        :data:`~kjit.learn.kl_model.KL_MODEL_QUANTILE`, 0.9, for a model fitted now; an estimate,
+        exceeded more often out of sample).  Then ``row_uncertainty(..., "learned_kl")`` is a row's
         predicted log KL, and :func:`kjit.learn.calibration.kl_model_threshold` a threshold on it
         from the model's cross-fitted scores of those pooled rows.  Fit it after any error model
         (its features include the operator's variances as they stand); later :meth:`partial_fit`
