@@ -119,8 +119,8 @@ def test_scores_are_the_conditional_90_percent_quantile():
     x0 + 1.2816·e^{x1}.  On the rows it was fitted on the final model leaves 10 % above (the pinball
     loss's defining property; measured 0.099); out of sample the trees are optimistic (measured:
     0.123 of 20 000 fresh rows above, 0.125 of the rows above their cross-fitted scores; RMSE 0.31
-    to the true quantile, against ~1.75 for the mean) — and the cross-fitted scores, which thresholds are calibrated on, cover
-    as new rows do (within 0.02: binomial sd 0.002–0.004 each).  The mean-regression trees leave
+    to the true quantile, against ~1.75 for the mean) — and the cross-fitted scores, which
+    thresholds are calibrated on, cover as new rows do (within 0.02: binomial sd 0.002–0.004 each).  The mean-regression trees leave
     about half above; the quantile is persisted, a state without it (fitted before it) reads as
     the mean, and a bad one is refused."""
     rng = np.random.default_rng(0)
@@ -141,7 +141,8 @@ def test_scores_are_the_conditional_90_percent_quantile():
     mean_trees = HistGradientBoostingRegressor(**dict(KL_MODEL_TREES, loss="squared_error")).fit(X, y)
     as_mean = KLModel.from_hgb(mean_trees, 3)
     assert as_mean.quantile is None and 0.4 < np.mean(yt > as_mean.predict(Xt)) < 0.6
-    np.testing.assert_allclose(as_mean.predict(Xt), mean_trees.predict(Xt), rtol=0, atol=1e-10)  # (older states' trees)
+    # (the trees of states saved before the quantile)
+    np.testing.assert_allclose(as_mean.predict(Xt), mean_trees.predict(Xt), rtol=0, atol=1e-10)
     state = model.state_dict()
     assert KLModel.from_state_dict(state).quantile == 0.9
     assert KLModel.from_state_dict({k: v for k, v in state.items() if k != "quantile"}).quantile is None
@@ -198,7 +199,8 @@ def test_kl_model_is_opt_in_persisted_and_leaves_predictions_alone(data, fitted)
 def test_learned_kl_ranks_the_errors_of_new_messages(data, fitted):
     """On messages neither model saw, the predicted log KL follows the actual one: Spearman > 0.5
     (measured 0.59 with these seeds when the trees predicted the mean, 0.64 with the 90 %
-    quantile, deterministic; the largest log variance 0.52) — a model fed misaligned features would not."""
+    quantile, deterministic; the largest log variance 0.52) — a model fed misaligned features
+    would not."""
     f, d = data
     _, op = fitted
     te = d["test"]
