@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import check_number
+
 __all__ = ["KLModel", "KL_MODEL_FOLDS", "KL_MODEL_LOG_KL_RANGE", "KL_MODEL_QUANTILE", "KL_MODEL_TREES"]
 
 #: the conditional quantile of the log KL the trees predict (the pinball loss): an estimate of the
@@ -75,13 +77,8 @@ class KLModel:
             self.arrays = {k: np.asarray(arrays[k]) for k in _TREE_ARRAYS}
             self.baseline = float(baseline)
             self.n_features = int(n_features)
-            q = quantile
-            if isinstance(q, np.ndarray) and q.ndim == 0:
-                q = q[()]
-            number = isinstance(q, (int, float, np.integer, np.floating)) and not isinstance(q, (bool, np.bool_))
-            if q is not None and not (number and 0.0 < q < 1.0):
-                raise ValueError(f"KL model: `quantile` must be a number in (0, 1), got {quantile!r}")
-            self.quantile = None if q is None else float(q)
+            self.quantile = None if quantile is None else check_number(
+                "quantile", quantile, 0.0, 1.0, low_open=True, high_open=True)
             self.pooled_scores_ = None if pooled_scores is None else np.asarray(pooled_scores)
             self.pooled_groups_ = None if pooled_groups is None else np.asarray(pooled_groups)
             self._check()
