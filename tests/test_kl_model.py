@@ -305,3 +305,106 @@ def test_a_refit_drops_the_models_of_the_previous_fit(data, fitted):
     mine.fit(d["cal"])
     assert getattr(mine, "kl_model_", None) is None and getattr(mine, "error_model_", None) is None
     assert "kl_model" not in mine.state_dict() and "error_model" not in mine.state_dict()
+
+
+# ----------------------------------------------------------------------------- the JIT's rule
+def _kl_jit(op, threshold, **kw):
+    from kjit.operators import JITOperator
+    return JITOperator(copy.deepcopy(op), QuadratureOracle(op.factor), threshold=threshold,
+                       uncertainty="learned_kl", selection="all", **kw)
+
+
+def test_jit_learned_kl_flags_the_rows_the_kl_model_scores_above_its_threshold(data, fitted):
+    """JITOperator(uncertainty="learned_kl") consults a row when the operator's KL model scores it above
+    the threshold (a log KL): its mask equals score > threshold or'd with the sign test; its
+    certificates carry the score in every coordinate; at the conformal 90 % threshold of the pooled
+    cross-fitted scores it flags about 10 % of new rows, and far more of the worst 1 % than of the rest
+    (measured: 9 % of the 600, all 6 of the worst 1 %)."""
+    from kjit.learn.kernel_operator import sign_undetermined
+    f, d = data
+    _, op = fitted
+    te = d["test"]
+    thr = kl_model_threshold(op, 0.1)
+    jit = _kl_jit(op, thr)
+    q, lv = op.predict(te.incoming)
+    score = op.row_uncertainty(te.incoming, q, lv, "learned_kl")
+    coords, var = op.predict_coords(te.incoming)
+    flat = {v: m.ravel() for v, m in te.incoming.items()}
+    epistemic = np.maximum(var - op.noise_var_ * op.y_scale_ ** 2, 0.0)
+    sign = sign_undetermined(f, "x", flat, coords, epistemic)
+    _, lv_screen, mask = jit.screen(te.incoming)
+    np.testing.assert_array_equal(mask, (score > thr) | sign)
+    # screen's log variance is still the weighted variance (as with the variance rules)
+    np.testing.assert_allclose(lv_screen, lv + op.decision_log_weights(te.incoming, q), rtol=1e-12)
+    q_c, cert, mask_c = jit.screen_certified(te.incoming)
+    np.testing.assert_array_equal(mask_c, mask)
+    np.testing.assert_array_equal(cert.log_var, np.repeat(score[:, None], 2, axis=1))
+    assert cert.threshold == thr
+    np.testing.assert_array_equal(cert.confident, ~mask)
+    kl = te.beliefs.kl(q)
+    worst = kl >= np.quantile(kl, 0.99)
+    assert 0.04 < mask.mean() < 0.2
+    assert mask[worst].mean() > 3 * mask[~worst].mean()
+
+
+def test_jit_learned_kl_consults_learns_and_stops_consulting_learned_messages(data, fitted):
+    """predict consults the flagged rows (selection "all": every one), returns the oracle's beliefs for
+    them and learns them; sent again, the same batch is answered by the operator within two more
+    calls (measured: 17 consulted, then 1, then none): the KL model — not refitted — reads the
+    operator's prediction and variances as they are after learning.  The learned answers are then the
+    oracle's up to a KL below 1e-6."""
+    f, d = data
+    _, op = fitted
+    te = d["test"]
+    jit = _kl_jit(op, kl_model_threshold(op, 0.1))
+    sub = te.subset(np.arange(200))
+    _, _, expect = jit.screen(sub.incoming)
+    q, lv, consulted = jit.predict(sub.incoming)
+    np.testing.assert_array_equal(consulted, expect)
+    assert 5 <= consulted.sum() < 60
+    np.testing.assert_array_equal(q[consulted].to_coords(), sub.beliefs[consulted].to_coords())
+    assert jit.counters()["updates"] == consulted.sum()
+    again = [int(jit.predict(sub.incoming)[2].sum()) for _ in range(2)]
+    q2, lv2, last = jit.predict(sub.incoming)
+    assert again[0] < consulted.sum() / 4 and not last.any(), again
+    assert np.max(sub.beliefs[consulted].kl(q2[consulted])) < 1e-6
+    np.testing.assert_array_equal(lv2[:, 0], lv2[:, 1])  # the score in both columns
+
+
+def test_jit_learned_kl_persists_and_refuses_what_it_cannot_use(data, fitted):
+    from kjit.operators import JITOperator
+    f, d = data
+    plain, op = fitted
+    jit = _kl_jit(op, -8.0)
+    inc = d["test"].subset(np.arange(100)).incoming
+    _, state = loads_state(dumps_state("JITOperator", jit.state_dict()))
+    back = JITOperator.from_state_dict(state)
+    assert back.uncertainty == "learned_kl"
+    for a, b in zip(jit.screen(inc), back.screen(inc)):
+        np.testing.assert_array_equal(np.asarray(getattr(a, "params", a)), np.asarray(getattr(b, "params", b)))
+    with pytest.raises(ValueError, match="KL model"):
+        JITOperator(copy.deepcopy(plain), QuadratureOracle(f), uncertainty="learned_kl", selection="all")
+    with pytest.raises(ValueError, match="KL model"):
+        JITOperator(None, QuadratureOracle(f), to="x", uncertainty="learned_kl", selection="all")
+    with pytest.raises(ValueError, match="selection"):
+        JITOperator(copy.deepcopy(op), QuadratureOracle(f), uncertainty="learned_kl")
+    with pytest.raises(ValueError, match="uncertainty"):
+        JITOperator(copy.deepcopy(op), QuadratureOracle(f), uncertainty="kl")
+
+
+def test_a_prediction_that_is_no_belief_scores_infinite(data, fitted):
+    """learned_log_kl on coordinates of which one row overflows (a log variance of 1e4): that row
+    scores +inf (never confident), the others as the KL model scores them."""
+    f, d = data
+    _, op = fitted
+    inc = d["test"].subset(np.arange(5)).incoming
+    flat = {v: m.ravel() for v, m in inc.items()}
+    coords, var = op.predict_coords(inc)
+    s = op.learned_log_kl(flat, coords, np.log(var))
+    q, lv = op.predict(inc)
+    np.testing.assert_array_equal(s, op.row_uncertainty(inc, q, lv, "learned_kl"))
+    broken = coords.copy()
+    broken[2, 1] = 1e4
+    s2 = op.learned_log_kl(flat, broken, np.log(var))
+    assert s2[2] == np.inf
+    np.testing.assert_array_equal(np.delete(s2, 2), np.delete(s, 2))

@@ -22,8 +22,10 @@ from .kernel_operator import (KernelOperator, TargetsNotFiniteError, _named_rows
 from .calibration import calibrate_threshold, density_guard
 from .consultation import greedy_consultations
 
-__all__ = ["INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS"]
+__all__ = ["INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS", "UNCERTAINTY_RULES"]
 
+#: what a JIT operator's threshold can apply to (``JITOperator(uncertainty=...)``)
+UNCERTAINTY_RULES = ("predictive", "epistemic", "learned_kl")
 _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
@@ -36,7 +38,8 @@ class JITOperator(Operator):
     operator : a fitted :class:`KernelOperator`, or None to start from nothing.
     oracle : the fallback (QuadratureOracle or ImportanceSamplingOracle) for the same factor.
     threshold : log predictive variance above which (in any output coordinate) a row is
-        uncertain; [paper] −8.5 synthetic, −8.95 UCI, −6 compound gamma.  Use
+        uncertain (with ``uncertainty="learned_kl"``: the predicted log KL above which it is);
+        [paper] −8.5 synthetic, −8.95 UCI, −6 compound gamma.  Use
         :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.  Each
         coordinate's variance is weighted first by how many times the predicted belief's KL curvature
         in it exceeds the learned one — beyond the fifth largest among the beliefs learned, or between
@@ -71,7 +74,20 @@ class JITOperator(Operator):
         own error, and a threshold below that floor would consult every row forever (measured on
         the Poisson–Gamma JIT experiment of benchmarks/ep_models.py); a row then counts as known
         once the operator has seen enough like it, and its answer is as good as the oracle's.
-        ``predict`` returns the log variance the rule used.
+        ``predict`` returns the log variance the rule used.  "learned_kl" (opt-in; issue 14 part 3):
+        the operator's KL model (:meth:`KernelOperator.fit_kl_model`; required) — the row's predicted
+        log KL (:meth:`KernelOperator.learned_log_kl`), thresholded at ``threshold`` in the KL's units
+        (:func:`~kjit.learn.calibration.kl_model_threshold` gives one).  The KL model is fitted once and
+        kept as the operator learns; it reads the operator's current prediction and variances, so a
+        learned row's score moves with them (tests/test_kl_model.py: 17 of 200 rows consulted, then 1,
+        then none), but a region the trees score high whatever is learned would be consulted each time
+        (answered by the oracle, at its pace; no gate on the epistemic variance: with more pairs than
+        features it is below the noise σ_y² on most fresh rows — every row of that test — and would
+        silence the rule).  ``predict``,
+        the certificates and :meth:`screen_certified` then report the predicted log KL in every
+        coordinate's column (``log_var``: the quantity the threshold applies to); :meth:`screen` still
+        the weighted log predictive variance.  Needs ``selection="all"`` (the greedy look-ahead
+        is on variances).
     selection : which uncertain rows of a request go to the oracle.  "greedy" (default): a few,
         picked by :func:`greedy_consultations` (most uncertain first) so that after learning
         them every row of the request is under the
@@ -105,12 +121,19 @@ class JITOperator(Operator):
                  initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
                  target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive",
                  density_guard: float | None = None, guard_share: float | None = None):
-        if uncertainty not in ("predictive", "epistemic"):
-            raise ValueError(f"`uncertainty` must be 'predictive' or 'epistemic', got {uncertainty!r}")
+        if uncertainty not in UNCERTAINTY_RULES:
+            raise ValueError(f"`uncertainty` must be one of {UNCERTAINTY_RULES}, got {uncertainty!r}")
         self.uncertainty = uncertainty
         if selection not in ("greedy", "all"):
             raise ValueError(f"`selection` must be 'greedy' or 'all', got {selection!r}")
         self.selection = selection
+        if uncertainty == "learned_kl":
+            if getattr(operator, "kl_model_", None) is None:
+                raise ValueError("`uncertainty`='learned_kl' needs an operator with a KL model "
+                                 "(KernelOperator.fit_kl_model)")
+            if selection != "all":
+                raise ValueError("`uncertainty`='learned_kl' needs `selection`='all' (the greedy look-ahead "
+                                 "is on the predictive variance)")
         if operator is None and to is None:
             raise ValueError("`to` is required when starting without an operator")
         if operator is not None and to is not None and to != operator.to:
@@ -314,9 +337,9 @@ class JITOperator(Operator):
         q = op._to_belief(coords, flat, shape)
         k = coords.shape[-1]
         c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
-        decision = self._decision_logvar(v2)
-        uncertain = self._uncertain(flat, c2, decision, psi, logw)
-        return q, var, decision + logw, uncertain.reshape(shape), flat, logw
+        decision = self._decision(flat, c2, v2, logw)
+        uncertain = self._uncertain(flat, c2, decision, psi, var=v2)
+        return q, var, decision, uncertain.reshape(shape), flat, logw
 
     def _restore_initial(self, pending, n_pending, threshold, guard, guard_rows):
         self.operator = None
@@ -372,9 +395,9 @@ class JITOperator(Operator):
         t = time.perf_counter()
         coords, var, psi, logw = _named_rows(offset + np.arange(n), self.operator.predict_coords, flat,
                                              return_var=True, return_features=True, return_weights=True)
-        logvar = self._decision_logvar(var)
+        logvar = self._decision(flat, coords, var, logw)
         self._counts["seconds_predict"] += time.perf_counter() - t
-        uncertain = self._uncertain(flat, coords, logvar, psi, logw)
+        uncertain = self._uncertain(flat, coords, logvar, psi, var=var)
         consulted = np.zeros(n, dtype=bool)
         answers = []  # (row indices, oracle beliefs, the rows of them learned)
         rounds = 0
@@ -433,12 +456,12 @@ class JITOperator(Operator):
                 # rows left uncertain before this round: answered by the updated operator, if
                 # it is now confident about them (checked, not assumed)
                 t = time.perf_counter()
-                c2, v2, p2, w2 = _named_rows(offset + rest, self.operator.predict_coords,
-                                             {v: m[rest] for v, m in flat.items()}, return_var=True,
+                flat_rest = {v: m[rest] for v, m in flat.items()}
+                c2, v2, p2, w2 = _named_rows(offset + rest, self.operator.predict_coords, flat_rest, return_var=True,
                                              return_features=True, return_weights=True)
                 self._counts["seconds_predict"] += time.perf_counter() - t
-                coords[rest], logvar[rest], psi[rest], logw[rest] = c2, self._decision_logvar(v2), p2, w2
-                uncertain[rest] = self._uncertain({v: m[rest] for v, m in flat.items()}, c2, logvar[rest], p2, w2)
+                coords[rest], logvar[rest], psi[rest], logw[rest] = c2, self._decision(flat_rest, c2, v2, w2), p2, w2
+                uncertain[rest] = self._uncertain(flat_rest, c2, logvar[rest], p2, var=v2)
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
@@ -454,7 +477,7 @@ class JITOperator(Operator):
                 for p_all, p_or in zip(params, q_or.params):
                     p_all[idx] = p_or
             q_hat = self.family(*params)
-        return q_hat, logvar + logw, consulted
+        return q_hat, logvar, consulted
 
     def threshold_floor(self) -> float:
         """The lowest useful threshold: below it every answer is uncertain and the oracle answers
@@ -489,10 +512,19 @@ class JITOperator(Operator):
                 "is confident, so every message will be consulted")
 
     def _decision_logvar(self, var):
-        """log of the variance the threshold is applied to (see ``uncertainty``)."""
+        """log of the variance a variance rule's threshold is applied to, unweighted (see ``uncertainty``)."""
         if self.uncertainty == "predictive":
             return np.log(var)
         return self.operator.epistemic_log_variance(np.log(var))
+
+    def _decision(self, flat, coords, var, logw):
+        """(n, k) what the threshold is applied to (see ``uncertainty``) for predicted coordinates
+        ``coords`` with variances ``var`` and log weights ``logw`` (n, k) for the flat messages ``flat``:
+        the variance rules' log variance weighted, or the predicted log KL in every column."""
+        if self.uncertainty == "learned_kl":
+            s = self.operator.learned_log_kl(flat, coords, np.log(var))
+            return np.repeat(s[:, None], np.shape(coords)[-1], axis=1)
+        return self._decision_logvar(var) + logw
 
     def _guarded(self, psi):
         """Rows (features ``psi``) below the density guard; None without a guard (the constructor
@@ -503,20 +535,26 @@ class JITOperator(Operator):
         # as counts of nearby rows (see density_guard): d n_now < guard n_then
         return op._density(psi) * op.n_train_ < self.density_guard * self.guard_rows_
 
-    def _uncertain(self, flat, coords, logvar, psi=None, logw=None):
-        """Rows to consult: the belief's log predictive variance, weighted by ``logw``
-        (:meth:`KernelOperator.decision_log_weights`; none given: unweighted), exceeds the threshold
-        in some coordinate, or the outgoing message's precision has an undetermined sign
-        (:func:`sign_undetermined`: what EP consumes is the message, not the belief) while the
-        prediction's epistemic variance is above the oracle's noise (an oracle answer would
-        settle it), or the row's density is below the guard (features ``psi``; none given: no guard)."""
+    def _uncertain(self, flat, coords, decision, psi=None, var=None):
+        """Rows to consult: ``decision`` (n, k) — :meth:`_decision`'s, what the threshold applies to —
+        exceeds the threshold in some coordinate, or the outgoing message's
+        precision has an undetermined sign (:func:`sign_undetermined`: what EP consumes is the
+        message, not the belief) while the prediction's epistemic variance is above the oracle's noise
+        (an oracle answer would settle it), or the row's density is below the guard (features
+        ``psi``; none given: no guard).  ``var``: the predictive variances (n, k); none given, a
+        variance rule's unweighted ``decision`` gives them."""
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         op = self.operator
         noise = op.noise_var_ * np.asarray(op.y_scale_, float) ** 2  # σ_y² in each coordinate's units
-        epistemic = np.exp(logvar)
-        if self.uncertainty == "predictive":
-            epistemic = np.maximum(epistemic - noise, 0.0)
+        if var is not None:
+            epistemic = np.maximum(np.asarray(var, float) - noise, 0.0)
+        elif self.uncertainty == "learned_kl":
+            raise ValueError("`var` is needed with uncertainty='learned_kl'")
+        else:
+            epistemic = np.exp(decision)
+            if self.uncertainty == "predictive":
+                epistemic = np.maximum(epistemic - noise, 0.0)
         sign = sign_undetermined(self.factor, self.to, flat, coords, epistemic)
         j = self.family.spread_coord
         if j is not None and any_(sign):
@@ -527,7 +565,7 @@ class JITOperator(Operator):
             # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
             # beliefs moving by ~2e-2 and never converging)
             sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
-        out = above_threshold(logvar if logw is None else logvar + logw, self.threshold) | sign
+        out = above_threshold(decision, self.threshold) | sign
         guarded = self._guarded(psi)
         return out if guarded is None else out | guarded
 

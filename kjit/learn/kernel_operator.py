@@ -1484,8 +1484,10 @@ class KernelOperator(Operator):
         error model).  The held-out rows' problems are counted apart from the training rows' even
         where their labels coincide (as :func:`~kjit.learn.calibration.budget_threshold` counts them),
         and are dealt to the cross-fitting folds first.  Persisted with the operator's state.
-        Measured on benchmarks/factor_suite.py (``--kl-model``; see there).  The just-in-time
-        operator still compares the largest log variance."""
+        Measured on benchmarks/factor_suite.py (``--kl-model``; see there).  A just-in-time operator
+        compares it with its threshold when built with ``uncertainty="learned_kl"``
+        (:meth:`learned_log_kl`; benchmarks/jit_kl_model.py runs EP through one); by default it compares
+        the largest log variance."""
         self._check_fitted()
         if not isinstance(data, TrainingSet) or (held_out is not None and not isinstance(held_out, TrainingSet)):
             raise ValueError("`data` and `held_out` must be TrainingSets (the KL needs the exact beliefs)")
@@ -1510,6 +1512,32 @@ class KernelOperator(Operator):
         """Detach the model of :meth:`fit_kl_model`."""
         self.__dict__.pop("kl_model_", None)
         return self
+
+    def learned_log_kl(self, flat: Mapping[str, Family], coords, logvar) -> np.ndarray:
+        """(n,) the KL model's score (``row_uncertainty(..., "learned_kl")``) of a prediction given by
+        its coordinates ``coords`` (n, k) and log predictive variances ``logvar`` (n, k) for the flat
+        incoming messages ``flat`` — what :class:`~kjit.learn.jit.JITOperator` with
+        ``uncertainty="learned_kl"`` compares with its threshold.  A row whose coordinates are no
+        belief (:class:`PredictionOverflowError`) scores +inf: never confident."""
+        km = getattr(self, "kl_model_", None)
+        if km is None:
+            raise ValueError("no KL model: call fit_kl_model first")
+        k = len(self.y_mean_)
+        coords = np.asarray(coords, np.float64).reshape(-1, k)
+        n = coords.shape[0]
+        bad = np.zeros(n, dtype=bool)
+        try:
+            with np.errstate(over="ignore"):  # (a row that overflows is named below)
+                q = self._to_belief(coords, flat, (n,))
+        except PredictionOverflowError as exc:
+            bad[exc.rows] = True
+            if bad.all():
+                return np.full(n, np.inf)
+            # score the others with a stand-in belief in the broken rows (the first good row's)
+            coords = np.where(bad[:, None], coords[np.argmin(bad)], coords)
+            q = self._to_belief(coords, flat, (n,))
+        s = km.predict(self.kl_model_features(flat, q, logvar))
+        return np.where(bad, np.inf, s)
 
     def _check_to(self, to):
         if to is not None and to != self.to:
