@@ -282,7 +282,12 @@ thresholds (``kl_model_threshold``: the conformal 90 % quantile, budget90, its p
 those rules on the cross-fitted scores, never a test row.  Keys with the suffix ``_klmodel``
 (``threshold_*``, ``flagged_fraction_at_*``, ``worst1pct_flagged_at_*``, ``max_kl_unflagged_at_*``,
 ``flagged_fraction_needed``, ``rank_corr_logvar_kl``, ``flagged_fraction_at_budget90_ci90``),
-``kl_model_fit_seconds``, ``kl_model_us_per_msg``; in the summary ``n_met_at_{q90,budget90,budget90_pred}_klmodel``,
+``kl_model_fit_seconds``, ``kl_model_us_per_msg``; since the thirty-first session also the just-in-time
+operator's own rule with the learned KL (``JITOperator(uncertainty="learned_kl")`` at budget975p, its
+``screen`` on the test rows: the threshold's flags or'd with the sign test of the outgoing precision)
+as ``flagged_fraction_at_budget975p_klmodel_jit``, ``worst1pct_flagged_at_budget975p_klmodel_jit``,
+``n_jit_differs_klmodel`` (test rows the sign test adds) and the summary's
+``n_met_at_budget975p_klmodel_jit`` (benchmarks/jit_kl_model.py runs that rule inside EP); in the summary ``n_met_at_{q90,budget90,budget90_pred}_klmodel``,
 ``n_flagged_fraction_needed_le_006_klmodel``, ``max_flagged_fraction_at_budget90_klmodel``,
 ``min_worst1pct_flagged_at_budget90_klmodel``.  Protocol: the model and its settings fixed, then seed 0
 looked at, then seeds 0–9 run unchanged (one variant tried on seeds 0–3 and dropped: a threshold that
@@ -312,8 +317,8 @@ on seeds 0–7 of those scripts because budget90's guarantee held on ~78 % of te
 checked on seeds 10–19: both goals 99 → 102 (headline), 98 → 103 (``_klmodel``); shares over 10 %
 15 → 4 and 28 → 16, worst 1 % missed 27 → 34 and 17 → 24.  Cost: the fit 1.2–2.3 s a direction (6 tree ensembles, one thread),
 the score ~17 µs a message at a batch of 3 000 (the trees' arrays evaluated in numpy; the prediction
-itself ~9 µs) and ~65 µs at batch 1.  Not in the JIT: its rule compares the largest log variance and
-learns online, while the KL model is a static model of the operator it was fitted on.
+itself ~9 µs) and ~65 µs at batch 1.  Not in the JIT then (its rule compared the largest log
+variance); since the thirty-first session ``JITOperator(uncertainty="learned_kl")`` (the keys ``*_klmodel_jit``).
 Twenty-ninth session: where the remaining loss lies.  Every row also reports the rules with a
 perfect uncertainty — each pooled and each test row's own exact log KL as its score (``exact_kl_figures``;
 keys ``flagged_fraction_at_{q90,budget90,budget975p}_exactkl``, ``worst1pct_flagged_at_…_exactkl``,
@@ -391,6 +396,7 @@ rows flagged.  Timings share the machine; the ratio oracle/predict is the compar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -404,34 +410,28 @@ from kjit.ep.graph import GraphEP
 from kjit.ep.models import normal_mean_precision, poisson_gamma, rank_one
 from kjit.factors import get_factor
 from kjit.families import Gamma, Gaussian
-from kjit.operators import (KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold, density_guard,
-                            flagged_share_needed, kl_model_threshold)
+from kjit.operators import (JITOperator, KernelEnsemble, KernelOperator, budget_threshold, calibrate_threshold,
+                            density_guard, flagged_share_needed, kl_model_threshold)
 from kjit.learn.calibration import _pooled, _pooled_budget_threshold  # budget_threshold's rules on given pooled rows
 from kjit.oracles import QuadratureOracle
 from kjit.training import TrainingSet
 
 
-def _linear(model_cls, factor, make, n_problems, rng):
-    out = []
-    for _ in range(n_problems):
-        rec = RecordingOperator(QuadratureOracle(factor))
-        X, y = make(rng)
+def _linear(model_cls, factor, make, to, n_problems, rng):
+    def run(X, y, ops, max_iter=30):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model_cls(rec, max_iter=30).fit(X, y)
-        out.append(rec)
-    return out
+            m = model_cls(ops[to], max_iter=max_iter).fit(X, y)
+        return [Gaussian(m.posterior_.mean, np.diag(m.posterior_.cov))], bool(m.converged_)
+    return [functools.partial(run, *make(rng)) for _ in range(n_problems)]
 
 
 def _graphs(factor, make_graph, n_problems, rng):
-    out = []
-    for _ in range(n_problems):
-        rec = RecordingOperator(QuadratureOracle(factor))
-        g = make_graph(rng)
+    def run(g, ops, max_iter=30):
         keys = [(factor.name, to) for to in factor.variables if (factor.name, to) in g.recipients()]
-        GraphEP(g, operators={k: rec for k in keys}, max_iter=30).run()
-        out.append(rec)
-    return out
+        res = GraphEP(g, operators={k: ops[k[1]] for k in keys}, max_iter=max_iter).run()
+        return list(res.beliefs.values()), bool(res.converged)
+    return [functools.partial(run, make_graph(rng)) for _ in range(n_problems)]
 
 
 def _logistic_problem(rng):
@@ -449,23 +449,27 @@ def poisson_problem(rng):
     return X, rng.poisson(np.exp(X @ w))
 
 
-def recordings(name, n_problems, rng):
+def problems(name, n_problems, rng):
+    """``(factor, runs)``: the factor's model on ``n_problems`` problems drawn from ``rng``, each a callable
+    ``run(operators, max_iter=30)`` — ``operators``: {recipient: operator} for the directions the model
+    asks; ``max_iter``: EP's sweeps at most (the suite records 30) — that runs EP on the problem and
+    returns ``(its posterior beliefs (a list of families), whether EP converged)``.  The problems are
+    drawn here, in order; EP draws nothing, so running them later gives what running them as they are
+    drawn would."""
     f = get_factor(name)
     if name == "logistic":
-        return f, _linear(BayesianLogisticRegression, f, _logistic_problem, n_problems, rng)
+        return f, _linear(BayesianLogisticRegression, f, _logistic_problem, "x", n_problems, rng)
     if name == "probit_noise":
         f = get_factor(name, eps=0.05)
-        return f, _linear(lambda op, max_iter: ProbitClassifier(op, max_iter=max_iter), f, _logistic_problem, n_problems, rng)
+        return f, _linear(lambda op, max_iter: ProbitClassifier(op, max_iter=max_iter), f, _logistic_problem, "f",
+                          n_problems, rng)
     if name == "exp":
-        return f, _linear(PoissonRegression, f, poisson_problem, n_problems, rng)
+        return f, _linear(PoissonRegression, f, poisson_problem, "x", n_problems, rng)
     if name == "compound_gamma":
-        out = []
-        for _ in range(n_problems):
-            rec = RecordingOperator(QuadratureOracle(f))
-            xs = [rng.normal(0, float(10 ** rng.uniform(-1, 1)), int(rng.integers(5, 51))) for _ in range(40)]
-            CompoundGammaPrecision(rec).fit_many(xs)
-            out.append(rec)
-        return f, out
+        def run(xs, ops, max_iter=None):
+            return [CompoundGammaPrecision(ops["tau"]).fit_many(xs).posterior_], True  # (one projection)
+        return f, [functools.partial(run, [rng.normal(0, float(10 ** rng.uniform(-1, 1)), int(rng.integers(5, 51)))
+                                           for _ in range(40)]) for _ in range(n_problems)]
     if name == "product":
         def make(rng):
             u, v = rng.normal(0, 1, 4), rng.normal(1, 1, 5)
@@ -487,6 +491,18 @@ def recordings(name, n_problems, rng):
             return poisson_gamma(k, shape=2.0, prior_rate=Gamma(2.0, 1.0))
         return f, _graphs(f, make, n_problems, rng)
     raise ValueError(f"no model for factor {name!r}")
+
+
+def recordings(name, n_problems, rng):
+    """``(factor, [RecordingOperator per problem])``: EP on each of :func:`problems`' problems with the
+    factor's exact rule, every call recorded."""
+    f, runs = problems(name, n_problems, rng)
+    out = []
+    for run in runs:
+        rec = RecordingOperator(QuadratureOracle(f))
+        run({to: rec for to in f.variables})
+        out.append(rec)
+    return f, out
 
 
 def _tuples(recs):
@@ -710,6 +726,14 @@ def direction_rows(f, recs, args, rng):
                             f"worst1pct_flagged_at_{at}_klmodel": float(np.mean(fl[worst])),
                             f"max_kl_unflagged_at_{at}_klmodel": float(kl[~fl].max()) if (~fl).any() else None})
             row["flagged_fraction_at_budget90_ci90_klmodel"] = test_boot(s_te > thr["budget90"])
+            # the just-in-time operator's own rule with the learned KL (JITOperator(uncertainty="learned_kl"))
+            # at budget975p: the rows it would consult among the test rows — the threshold's, or'd with
+            # the sign test of the outgoing precision (n_jit_differs_klmodel: the rows where they differ)
+            jit = JITOperator(op, exact, threshold=thr["budget975p"], uncertainty="learned_kl", selection="all")
+            fl = np.asarray(jit.screen(test.incoming)[2]).reshape(-1)
+            row.update({"flagged_fraction_at_budget975p_klmodel_jit": float(np.mean(fl)),
+                        "worst1pct_flagged_at_budget975p_klmodel_jit": float(np.mean(fl[worst])),
+                        "n_jit_differs_klmodel": int(np.sum(fl != (s_te > thr["budget975p"])))})
             op.remove_kl_model()
         if args.novelty:
             nov = novelty_figures(op, data["train"], problem["train"], data["cal"], problem["cal"], test.incoming,
@@ -993,6 +1017,7 @@ def main(argv=None):
         **(_choice_summary(rows) if args.choose_uncertainty else {}),
         **({**{f"n_met_at_{at}_klmodel": _n_met(rows, at, "_klmodel")
                for at in ("q90", "budget90", "budget90_pred", "budget975p")},
+            "n_met_at_budget975p_klmodel_jit": _n_met(rows, "budget975p", "_klmodel_jit"),
             "n_flagged_fraction_needed_le_006_klmodel": sum(r["flagged_fraction_needed_klmodel"] <= 0.06 for r in rows),
             "max_flagged_fraction_at_budget90_klmodel": max(r["flagged_fraction_at_budget90_klmodel"] for r in rows),
             "min_worst1pct_flagged_at_budget90_klmodel": min(r["worst1pct_flagged_at_budget90_klmodel"] for r in rows)}

@@ -264,8 +264,12 @@ def test_kl_model_flag_adds_its_keys_and_changes_nothing_else(capsys):
             assert isinstance(r[f"threshold_{at}_klmodel"], float)
         assert 0.0 < r["flagged_fraction_needed_klmodel"] <= 1.0
         assert -1.0 <= r["rank_corr_logvar_kl_klmodel"] <= 1.0
+        # the JIT's rule with the learned KL flags the threshold's rows and those of the sign test
+        jit, thr = r["flagged_fraction_at_budget975p_klmodel_jit"], r["flagged_fraction_at_budget975p_klmodel"]
+        assert jit >= thr and np.isclose((jit - thr) * r["n_test"], r["n_jit_differs_klmodel"])
+        assert r["worst1pct_flagged_at_budget975p_klmodel_jit"] >= r["worst1pct_flagged_at_budget975p_klmodel"]
     for key in ("n_met_at_q90_klmodel", "n_met_at_budget90_klmodel", "n_met_at_budget90_pred_klmodel",
-                "n_flagged_fraction_needed_le_006_klmodel"):
+                "n_met_at_budget975p_klmodel_jit", "n_flagged_fraction_needed_le_006_klmodel"):
         assert 0 <= summary[key] <= len(rows)
     suite.main(argv)
     plain = _lines(capsys)
