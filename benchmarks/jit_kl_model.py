@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""EP through just-in-time operators whose rule is the learned KL (issue 14 part 3, in the loop).
+
+``factor_suite.py --kl-model`` measures the rules on recorded test rows, each answered by an
+operator that learns nothing; here EP runs through :class:`kjit.operators.JITOperator` s, which
+consult their oracle on the rows their rule flags and learn the answers online, and the rule is
+judged on the messages EP actually sends.
+
+Protocol, per factor (the models, problems, split and pair counts of factor_suite.py, its seed
+``--seed``; the same operators as its rows): problems are drawn and solved by EP with the exact rule,
+every request recorded; the first 60 % give the training pairs, the next 15 % the calibration pairs,
+the last 25 % are the test problems.  Per direction the model's EP asks for, a ``KernelOperator``
+(the library's defaults) is fitted, its error model chosen (``fit_error_model``, "auto") and its KL
+model fitted (``fit_kl_model``) as factor_suite.py does, and two thresholds set without a test row,
+both by the budget975p rule (``BUDGET975P_CONFIDENCE``: flagged share ≤ 10 % in 97.5 % of predictive
+bootstrap batches of as many problems as the test set): the variance rule's (``budget_threshold``,
+the largest weighted log predictive variance — what ``uncertainty="predictive"`` thresholds) and
+the learned KL's (``kl_model_threshold``).  The test problems are then solved again, in order, by
+EP with the exact rule (the reference) and by EP with one ``JITOperator`` per direction for each rule — ``"predictive"`` and ``"learned_kl"`` —
+each starting from a copy of the fitted operator with the exact rule as its oracle, learning online
+through all the test problems (``selection="all"``: every flagged row is consulted, so the flags are
+the consultations).  Every request is first screened (``JITOperator.screen``: the prediction the rule
+judges and the rows it flags; ``n_screen_mismatch`` counts rows where the consultations differ) and
+answered by the exact rule too.  ``--density-guard``: both rules' JITs also consult a message whose
+density (``KernelOperator.density``) is below the pooled rows' 1 % least dense (``density_guard``, as
+factor_suite.py ``--novelty`` calibrates it).  On the test problems EP runs up to ``--max-iter`` sweeps, by default
+the suite's 30 (the messages the operators were trained on come from such runs); at 30 product's EP
+stops unconverged on 9 of 10 problems with the exact rule (on 1 of 10 at 300), and probit_noise's
+parallel, undamped EP oscillates on most problems at any count (max change 1–5 at sweep 300 with the
+exact rule): an unconverged posterior is wherever the last sweep left it, so the posteriors are
+compared only where both runs converged.
+
+Per (factor, rule) one JSON line: ``requests`` (rows EP asked), ``consultation_rate`` (rows consulted /
+rows asked: the rule's flagged share), ``worst1pct_flagged`` (of the run's worst 1 % of predictions by
+KL[exact ‖ predicted], the share consulted), ``max_kl_answered`` / ``mean_log_kl_answered`` (the answers
+EP received from the operator, not consulted), ``max_posterior_kl`` / ``median_posterior_kl`` /
+``n_posterior_kl_above_1e-3`` (KL[exact-rule EP ‖ JIT EP] per posterior variable of the test problems
+where both EP runs converged: ``n_converged_exact``, ``n_converged_both`` — an unconverged run's
+posterior is wherever its 30th sweep left it),
+``ep_errors``, ``seconds`` (EP through the JIT, screening and exact answers excluded), ``threshold``;
+then a summary line per rule.  The issue's goals read in the loop: worst 1 % consulted ≥ 0.95 with a
+consultation rate ≤ 0.10.  Timings share the machine.
+
+    python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
+                                      [--density-guard]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from factor_suite import (BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, _cat, _tuples,  # noqa: E402
+                          problems)
+
+from kjit.ep import RecordingOperator  # noqa: E402
+from kjit.operators import (JITOperator, KernelOperator, budget_threshold, density_guard,  # noqa: E402
+                            kl_model_threshold)
+from kjit.oracles import QuadratureOracle  # noqa: E402
+from kjit.training import TrainingSet  # noqa: E402
+
+RULES = ("predictive", "learned_kl")
+
+
+class Screened:
+    """A JIT operator as EP sees it; per request it keeps the prediction's KL to the exact belief (the
+    prediction the rule judged: :meth:`JITOperator.screen`, before the request is answered), the rows
+    flagged and consulted, and the answer's KL."""
+
+    def __init__(self, jit: JITOperator, exact):
+        self.jit, self.exact = jit, exact
+        self.kl_pred, self.kl_answer, self.flagged, self.consulted = [], [], [], []
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        if name == "jit":
+            raise AttributeError(name)
+        return getattr(self.jit, name)
+
+    def certified(self, incoming, to=None, **kw):
+        try:
+            q_pred, _, flags = self.jit.screen(incoming, to)
+        except ValueError:  # (a prediction that is no belief: the JIT consults it)
+            q_pred, flags = None, None
+        t = time.perf_counter()
+        q, cert = self.jit.certified(incoming, to)
+        self.seconds += time.perf_counter() - t
+        exact = self.exact.belief(incoming, self.jit.to).ravel()
+        consulted = cert.source != "learned"
+        with np.errstate(all="ignore"):
+            kl_ans = exact.kl(q.ravel())
+            kl_pred = exact.kl(q_pred.ravel()) if q_pred is not None else np.full(consulted.size, np.inf)
+        self.kl_pred.append(kl_pred)
+        self.kl_answer.append(kl_ans)
+        self.flagged.append(np.asarray(flags).reshape(-1) if flags is not None else np.ones(consulted.size, bool))
+        self.consulted.append(consulted)
+        return q, cert
+
+    def belief(self, incoming, to=None, **kw):
+        return self.certified(incoming, to)[0]
+
+
+def _posterior_kl(pairs) -> np.ndarray:
+    """KL[exact ‖ JIT] of every posterior variable, over ``pairs`` of (exact EP's, the JIT's) beliefs."""
+    out = []
+    for (exact_beliefs, _), (beliefs, _) in pairs:
+        for p, q in zip(exact_beliefs, beliefs):
+            with np.errstate(all="ignore"):
+                out.append(np.asarray(p.ravel().kl(q.ravel()), float).reshape(-1))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def factor_rows(name, args):
+    rng = np.random.default_rng([args.seed, FACTORS.index(name)])
+    f, runs = problems(name, max(8, round(PROBLEMS[name] * args.scale)), rng)
+    exact = QuadratureOracle(f)
+    recs = []
+    for run in runs:
+        rec = RecordingOperator(exact)
+        run({to: rec for to in f.variables})
+        recs.append(rec)
+    keep = [i for i, r in enumerate(recs) if r.calls]  # (factor_suite's _tuples skips the others)
+    parts = _tuples(recs)
+    k = len(parts)
+    a, b = int(0.6 * k), int(0.75 * k)
+    n_test_problems = k - b
+    train, g_train = _cat(parts[:a], rng, args.n_train)
+    cal, g_cal = _cat(parts[a:b], rng, args.n_cal, a)
+    _cat(parts[b:], rng, args.n_test, b)  # (the suite's test rows: drawn so the generator stays in step)
+    directions = sorted({c.to for r in recs for c in r.calls})
+    ops, thresholds, guards = {}, {}, {}
+    for to in directions:
+        data = {s: TrainingSet(f.name, to, inc, exact.belief(inc, to), factor_params=f.params())
+                for s, inc in (("train", train), ("cal", cal))}
+        op = KernelOperator(f, to, random_state=args.seed).fit(data["train"])
+        op.fit_error_model(data["train"], g_train, mode="auto", held_out=data["cal"])
+        thr_var = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=g_train,
+                                   confidence=BUDGET975P_CONFIDENCE, problems=n_test_problems,
+                                   held_out_groups=g_cal, predictive=True)
+        op.fit_kl_model(data["train"], g_train, held_out=data["cal"], held_out_groups=g_cal)
+        thr_kl = kl_model_threshold(op, 0.1, confidence=BUDGET975P_CONFIDENCE, problems=n_test_problems,
+                                    predictive=True)
+        ops[to], thresholds[to] = op, {"predictive": thr_var, "learned_kl": thr_kl}
+        if args.density_guard:  # the pooled rows' 1 % least dense, as factor_suite.py --novelty calibrates it
+            guards[to] = density_guard(op, data["cal"], GUARD_SHARE, fitted=data["train"], groups=g_train)
+    test = [keep[i] for i in range(b, k)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        posts = {i: runs[i]({to: exact for to in f.variables}, max_iter=args.max_iter) for i in test}
+    rows = []
+    for rule in RULES:
+        screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, threshold=thresholds[to][rule],
+                                             uncertainty=rule, selection="all", density_guard=guards.get(to)), exact)
+                    for to in directions}
+        jit_posts, errors = [], 0
+        for i in test:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    jit_posts.append((posts[i], runs[i](screened, max_iter=args.max_iter)))
+            except Exception:  # noqa: BLE001 - counted: EP through the JIT failed on this problem
+                errors += 1
+        # (only where both EP runs converged: probit_noise's exact EP stops unconverged on most problems,
+        # and there a relative change of 1e-6 in its answers moved the posterior by a KL up to 94)
+        both = [(p, q) for p, q in jit_posts if p[1] and q[1]]
+        pkl = _posterior_kl(both)
+        kl_pred = np.concatenate([x for s in screened.values() for x in s.kl_pred])
+        kl_ans = np.concatenate([x for s in screened.values() for x in s.kl_answer])
+        flagged = np.concatenate([x for s in screened.values() for x in s.flagged])
+        consulted = np.concatenate([x for s in screened.values() for x in s.consulted])
+        kl_pred = np.maximum(np.nan_to_num(kl_pred, nan=np.inf), 1e-300)
+        worst = kl_pred >= np.quantile(kl_pred, 0.99)
+        answered = np.maximum(kl_ans[~consulted], 1e-300)
+        row = {"factor": name, "rule": rule, "seed": args.seed, "directions": directions,
+               "test_problems": len(test), "requests": int(consulted.size),
+               "consultation_rate": float(np.mean(consulted)),
+               "worst1pct_flagged": float(np.mean(consulted[worst])),
+               "n_screen_mismatch": int(np.sum(flagged != consulted)),
+               "max_kl_answered": float(answered.max()) if answered.size else None,
+               "mean_log_kl_answered": float(np.mean(np.log(answered))) if answered.size else None,
+               "max_posterior_kl": float(np.max(pkl)) if pkl.size else None,
+               "median_posterior_kl": float(np.median(pkl)) if pkl.size else None,
+               "n_posterior_kl_above_1e-3": int(np.sum(pkl > 1e-3)),
+               "n_posterior_values": int(pkl.size), "ep_errors": errors,
+               "n_converged_exact": sum(bool(p[1]) for p, _ in jit_posts),
+               "n_converged_both": len(both),
+               "seconds": float(sum(s.seconds for s in screened.values())),
+               "threshold": {to: float(thresholds[to][rule]) for to in directions},
+               "density_guard": {to: guards[to] for to in directions} if guards else None}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="factor_suite.py's quick sizes")
+    ap.add_argument("--factors", nargs="*", default=list(FACTORS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-train", type=int, default=5000)
+    ap.add_argument("--n-cal", type=int, default=1000)
+    ap.add_argument("--n-test", type=int, default=3000)
+    ap.add_argument("--density-guard", action="store_true",
+                    help="both rules' JITs also consult a message below a density guard (JITOperator(density_guard=): "
+                         "the pooled rows' 1 %% least dense, as factor_suite.py --novelty); default off")
+    ap.add_argument("--max-iter", type=int, default=30,
+                    help="EP's sweeps at most on the test problems, exact and through the JITs (default 30: "
+                         "factor_suite.py's, at which the training problems are recorded)")
+    args = ap.parse_args(argv)
+    args.scale = 1.0
+    if args.quick:
+        args.n_train, args.n_cal, args.n_test, args.scale = 1000, 300, 600, 0.35
+    unknown = [n for n in args.factors if n not in FACTORS]
+    if unknown:
+        ap.error(f"unknown factor(s) {unknown}; choose from {list(FACTORS)}")
+    rows = []
+    for name in args.factors:
+        rows += factor_rows(name, args)
+    for rule in RULES:
+        rs = [r for r in rows if r["rule"] == rule]
+        print(json.dumps({"summary": True, "rule": rule, "n_factors": len(rs),
+                          "n_met": sum(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1 for r in rs),
+                          "max_consultation_rate": max(r["consultation_rate"] for r in rs),
+                          "min_worst1pct_flagged": min(r["worst1pct_flagged"] for r in rs),
+                          "max_kl_answered": max(r["max_kl_answered"] or 0.0 for r in rs),
+                          "max_posterior_kl": max(r["max_posterior_kl"] or 0.0 for r in rs),
+                          "ep_errors": sum(r["ep_errors"] for r in rs)}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
