@@ -10,6 +10,7 @@ remote (:class:`kjit.client.RemoteOperator`) or a user's own — answers batches
     supports_power: bool                                     # belief/log_partition take power=u, optional
     projection_kl(incoming, to[, power]) -> ndarray          # KL(tilted ‖ proj tilted), optional (relaxed EP)
     predict(incoming, to) -> (belief, log_var[, consulted])  # with its uncertainty, optional (see below)
+    log_var_is_variance: bool                                # predict's log_var is a log variance (default True)
     threshold: float                                         # the log variance above which it is uncertain, optional
     oracle                                                   # an operator to ask instead where uncertain, optional
     certified(incoming, to) -> (belief, Certificates)        # the answer with its certificates, optional
@@ -49,6 +50,7 @@ __all__ = [
     "supports_power",
     "has_log_partition",
     "has_projection_kl",
+    "log_var_is_variance",
     "reports_uncertainty",
 ]
 
@@ -121,6 +123,15 @@ def has_projection_kl(op) -> bool:
     if isinstance(flag, bool):
         return flag
     return callable(getattr(op, "projection_kl", None))
+
+
+def log_var_is_variance(op) -> bool:
+    """Is ``op.predict``'s ``log_var`` a log predictive variance (the default), which the engine may
+    read as the answer's spread (its precision-0 tolerance)?  False for an operator whose uncertainty is
+    in other units — a just-in-time operator whose rule is a learned KL puts the predicted log KL there,
+    compared with its threshold alike but no variance."""
+    flag = getattr(op, "log_var_is_variance", True)
+    return flag if isinstance(flag, bool) else True
 
 
 def reports_uncertainty(op) -> bool:

@@ -375,21 +375,55 @@ def test_jit_learned_kl_persists_and_refuses_what_it_cannot_use(data, fitted):
     from kjit.operators import JITOperator
     f, d = data
     plain, op = fitted
-    jit = _kl_jit(op, -8.0)
-    inc = d["test"].subset(np.arange(100)).incoming
+    jit = _kl_jit(op, kl_model_threshold(op, 0.1))
+    inc = d["test"].subset(np.arange(300)).incoming
     _, state = loads_state(dumps_state("JITOperator", jit.state_dict()))
     back = JITOperator.from_state_dict(state)
-    assert back.uncertainty == "learned_kl"
-    for a, b in zip(jit.screen(inc), back.screen(inc)):
-        np.testing.assert_array_equal(np.asarray(getattr(a, "params", a)), np.asarray(getattr(b, "params", b)))
+    assert back.uncertainty == "learned_kl" and back.threshold == jit.threshold
+    (q1, c1, m1), (q2, c2, m2) = jit.screen_certified(inc), back.screen_certified(inc)
+    assert 0 < m1.sum() < m1.size  # (the threshold splits these rows)
+    np.testing.assert_array_equal(m2, m1)
+    np.testing.assert_array_equal(c2.log_var, c1.log_var)  # the scores survive the round trip
+    np.testing.assert_array_equal(q2.to_coords(), q1.to_coords())
+    assert not jit.log_var_is_variance and JITOperator(copy.deepcopy(op), QuadratureOracle(f)).log_var_is_variance
+    with pytest.raises(ValueError, match="threshold"):  # no default in log-variance units for a log KL
+        JITOperator(copy.deepcopy(op), QuadratureOracle(f), uncertainty="learned_kl", selection="all")
     with pytest.raises(ValueError, match="KL model"):
-        JITOperator(copy.deepcopy(plain), QuadratureOracle(f), uncertainty="learned_kl", selection="all")
+        JITOperator(copy.deepcopy(plain), QuadratureOracle(f), -20.0, uncertainty="learned_kl", selection="all")
     with pytest.raises(ValueError, match="KL model"):
-        JITOperator(None, QuadratureOracle(f), to="x", uncertainty="learned_kl", selection="all")
+        JITOperator(None, QuadratureOracle(f), -20.0, to="x", uncertainty="learned_kl", selection="all")
     with pytest.raises(ValueError, match="selection"):
-        JITOperator(copy.deepcopy(op), QuadratureOracle(f), uncertainty="learned_kl")
+        JITOperator(copy.deepcopy(op), QuadratureOracle(f), -20.0, uncertainty="learned_kl")
     with pytest.raises(ValueError, match="uncertainty"):
         JITOperator(copy.deepcopy(op), QuadratureOracle(f), uncertainty="kl")
+
+
+def test_ep_takes_no_spread_from_a_learned_kl(data, fitted, monkeypatch):
+    """The linear EP engine reads predict's log variance of the spread coordinate as the answer's spread
+    (its precision-0 tolerance); a learned_kl JIT's column is a log KL (log_var_is_variance False), so
+    the engine takes none from it (NaN, as for an oracle's answer) — and still the variance from a
+    predictive JIT's."""
+    from kjit.datasets import synthetic_logistic
+    from kjit.ep import BayesianLogisticRegression
+    from kjit.ep import engine
+    from kjit.operators import JITOperator
+    f, d = data
+    _, op = fitted
+    X, y = synthetic_logistic(d=3, n=60, random_state=0)[:2]
+    seen = []
+    query = engine.LinearEP._query
+
+    def spy(self, incoming, rec):
+        out = query(self, incoming, rec)
+        seen.append(out[1])
+        return out
+    monkeypatch.setattr(engine.LinearEP, "_query", spy)
+    for jit, spread in ((_kl_jit(op, kl_model_threshold(op, 0.1)), False),
+                        (JITOperator(copy.deepcopy(op), QuadratureOracle(f), 50.0), True)):  # (nothing consulted)
+        seen.clear()
+        BayesianLogisticRegression(jit, max_iter=3).fit(X, y)
+        sp = np.concatenate(seen)
+        assert sp.size and (np.isfinite(sp).any() if spread else np.isnan(sp).all())
 
 
 def test_a_prediction_that_is_no_belief_scores_infinite(data, fitted):

@@ -170,7 +170,8 @@ from scipy.linalg.blas import dger as _dger
 from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
 from ..errors import ConfigurationError, check_number, rows_of_batch
-from ..protocols import has_log_partition, has_projection_kl, is_operator, reports_uncertainty, supports_power
+from ..protocols import (has_log_partition, has_projection_kl, is_operator, log_var_is_variance, reports_uncertainty,
+                         supports_power)
 from .error_bars import attach, learned_share, linear_error_bars, require_plain_ep
 
 __all__ = [
@@ -811,7 +812,8 @@ class LinearEP:
             _count(rec, cert, n)
             return q, logvar_spread
         j = Gaussian.spread_coord
-        logvar_spread = np.where(consulted, np.nan, logvar[:, j])
+        # (an uncertainty in other units — a learned KL — is no spread: the answer is taken as exact there)
+        logvar_spread = np.where(consulted | (not log_var_is_variance(self.operator)), np.nan, logvar[:, j])
         if thr is None:
             _count(rec, cert, n)
             return q, logvar_spread

@@ -24,6 +24,8 @@ from .consultation import greedy_consultations
 
 __all__ = ["INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS", "UNCERTAINTY_RULES"]
 
+#: the threshold of a variance rule when none is given (the paper's synthetic experiments')
+DEFAULT_THRESHOLD = -8.5
 #: what a JIT operator's threshold can apply to (``JITOperator(uncertainty=...)``)
 UNCERTAINTY_RULES = ("predictive", "epistemic", "learned_kl")
 _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
@@ -38,8 +40,8 @@ class JITOperator(Operator):
     operator : a fitted :class:`KernelOperator`, or None to start from nothing.
     oracle : the fallback (QuadratureOracle or ImportanceSamplingOracle) for the same factor.
     threshold : log predictive variance above which (in any output coordinate) a row is
-        uncertain (with ``uncertainty="learned_kl"``: the predicted log KL above which it is);
-        [paper] −8.5 synthetic, −8.95 UCI, −6 compound gamma.  Use
+        uncertain (with ``uncertainty="learned_kl"``: the predicted log KL above which it is — then
+        required); [paper] −8.5 synthetic (the default), −8.95 UCI, −6 compound gamma.  Use
         :func:`calibrate_threshold` to derive it from a target KL on held-out pairs.  Each
         coordinate's variance is weighted first by how many times the predicted belief's KL curvature
         in it exceeds the learned one — beyond the fifth largest among the beliefs learned, or between
@@ -82,11 +84,12 @@ class JITOperator(Operator):
         learned row's score moves with them (tests/test_kl_model.py: 17 of 200 rows consulted, then 1,
         then none), but a region the trees score high whatever is learned would be consulted each time
         (answered by the oracle, at its pace; no gate on the epistemic variance: with more pairs than
-        features it is below the noise σ_y² on most fresh rows — every row of that test — and would
-        silence the rule).  ``predict``,
+        features it is below the noise σ_y² on most fresh rows — 81 % in that test, where such a gate
+        dropped 17 of the 54 rows the rule flags).  ``predict``,
         the certificates and :meth:`screen_certified` then report the predicted log KL in every
-        coordinate's column (``log_var``: the quantity the threshold applies to); :meth:`screen` still
-        the weighted log predictive variance.  Needs ``selection="all"`` (the greedy look-ahead
+        coordinate's column (``log_var``: the quantity the threshold applies to; ``log_var_is_variance``
+        is False, so the EP engine reads no spread from it); :meth:`screen` still the weighted log
+        predictive variance.  Needs ``selection="all"`` (the greedy look-ahead
         is on variances).
     selection : which uncertain rows of a request go to the oracle.  "greedy" (default): a few,
         picked by :func:`greedy_consultations` (most uncertain first) so that after learning
@@ -117,7 +120,7 @@ class JITOperator(Operator):
     oracle), seconds in prediction, in the oracle, in updates and in the initial fit.
     """
 
-    def __init__(self, operator: KernelOperator | None, oracle, threshold: float = -8.5,
+    def __init__(self, operator: KernelOperator | None, oracle, threshold: float | None = None,
                  initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
                  target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive",
                  density_guard: float | None = None, guard_share: float | None = None):
@@ -144,6 +147,11 @@ class JITOperator(Operator):
             if operator.to != self.to:
                 raise ValueError("`operator` and `oracle` are for different factors or directions")
             self.factor.check_same(operator.factor, "`operator`", "`oracle`")
+        if threshold is None:  # the paper's synthetic value, in log-variance units
+            if uncertainty == "learned_kl":
+                raise ValueError("`threshold` is required with `uncertainty`='learned_kl' (a log KL: "
+                                 "kjit.operators.kl_model_threshold gives one)")
+            threshold = DEFAULT_THRESHOLD
         if not np.isfinite(threshold):
             raise ValueError("`threshold` must be finite")
         if int(initial_batch) < 2:
@@ -178,6 +186,13 @@ class JITOperator(Operator):
         self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
                         "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
                         "seconds_initial_fit": 0.0}
+
+    @property
+    def log_var_is_variance(self) -> bool:
+        """Whether :meth:`predict`'s log variance is one (:func:`kjit.protocols.log_var_is_variance`):
+        not with ``uncertainty="learned_kl"``, whose column holds the predicted log KL — the EP engine
+        then compares it with the threshold but takes no spread from it."""
+        return self.uncertainty != "learned_kl"
 
     def __repr__(self):
         return f"JITOperator({self.factor.name}→{self.to}, threshold={self.threshold}, fitted={self.operator is not None})"
@@ -486,7 +501,7 @@ class JITOperator(Operator):
         ``threshold``: 1 where learned); the floor is where the learnable part ψᵀΣψ may still be
         as large as the noise σ_y² in the largest coordinate of a row whose weights are 1:
         max_k log(2 sd_k² σ_y²).  A belief more concentrated than any learned has a higher floor of its
-        own, until one like it is learned.  ``"epistemic"``: −inf."""
+        own, until one like it is learned.  ``"epistemic"`` and ``"learned_kl"``: −inf."""
         if self.operator is None or self.uncertainty != "predictive":
             return -np.inf
         op = self.operator
@@ -541,8 +556,8 @@ class JITOperator(Operator):
         precision has an undetermined sign (:func:`sign_undetermined`: what EP consumes is the
         message, not the belief) while the prediction's epistemic variance is above the oracle's noise
         (an oracle answer would settle it), or the row's density is below the guard (features
-        ``psi``; none given: no guard).  ``var``: the predictive variances (n, k); none given, a
-        variance rule's unweighted ``decision`` gives them."""
+        ``psi``; none given: no guard).  ``var``: the predictive variances (n, k); none given (the
+        tests' shortcut), ``decision`` must be a variance rule's unweighted log variance, which gives them."""
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         op = self.operator
