@@ -374,6 +374,13 @@ and without incoming parameters 100 / 115.  The replay also shows why the shares
 often than the exact KL's: above the pooled 90th percentile, the test rows' share has mean 0.110 and
 sd 0.033 over the 140 directions with the mean-regression score, 0.103 and 0.026 with the exact KL — the score
 spreads the problems' differences (gamma_rate → x at seed 8: 0.230 vs 0.173).
+Thirty-first session: the KL model is a just-in-time rule (``JITOperator(uncertainty="learned_kl")``);
+the ``*_klmodel_jit`` keys read the rows that rule consults among the test rows at budget975p — the
+threshold's flags or'd with the JIT's sign test of the outgoing precision, which adds rows on product
+and gaussian (2–4 directions a seed).  Seeds 0–9 (these runs reproduce the thirtieth session's 99 /
+122 / 135 for the headline / ``_klmodel`` / ceiling exactly): both goals with the JIT's rule on 118 of
+140 (the sign test's rows push 4 directions' shares over 10 %).  In EP, with the rule consulting and
+learning online: benchmarks/jit_kl_model.py.
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
 q90 / budget90 and ranked within 6 % on 6 / 8 / 9 and 5 / 8 / 7 directions at seeds 0 / 1 (1 ×:

@@ -21,7 +21,10 @@ worst 1 % ranked within 6 % of rows on 124 (98); on fresh seeds 10–19 the rank
 ~17 µs a message at batch 3 000 (13–23 µs with the quantile trees).  The conditional 90 %
 quantile instead of the mean (thirtieth session, the trees' other settings unchanged): both goals
 at budget975p on 122 vs 109 of 140 at seeds 0–9, on 119 vs 103 at seeds 10–19 and on 123 vs 114
-at seeds 20–29 (not used to choose it; the exact KL as the score: 135, 126, 135).
+at seeds 20–29 (not used to choose it; the exact KL as the score: 135, 126, 135).  A just-in-time
+rule since the thirty-first session: ``JITOperator(uncertainty="learned_kl")`` consults a row whose score
+(:meth:`~kjit.learn.kernel_operator.KernelOperator.learned_log_kl`) exceeds its threshold;
+benchmarks/jit_kl_model.py runs EP through it.
 """
 
 from __future__ import annotations
