@@ -31,7 +31,7 @@ exact rule): an unconverged posterior is wherever the last sweep left it, so the
 compared only where both runs converged.
 
 Per (factor, rule) one JSON line, pooled over the factor's directions (unlike factor_suite.py's rows,
-one a direction): ``requests`` (rows EP asked), ``consultation_rate`` (rows consulted / rows asked: the
+one a direction; ``by_direction`` has the request figures per direction): ``requests`` (rows EP asked), ``consultation_rate`` (rows consulted / rows asked: the
 rule's flagged share), ``worst1pct_flagged`` (of the run's worst 1 % of predictions by KL[exact ‖
 predicted], the share consulted; ``n_without_exact``: rows the exact rule failed on, left out), ``max_kl_answered`` / ``mean_log_kl_answered`` (the answers
 EP received from the operator, not consulted), ``max_posterior_kl`` / ``median_posterior_kl`` /
@@ -164,6 +164,24 @@ class Screened:
         return self.certified(incoming, to, **kw)[0]
 
 
+def _answers(screens) -> dict:
+    """The figures of the requests ``screens`` (Screened operators) saw, pooled."""
+    kl_pred = np.concatenate([x for s in screens for x in s.kl_pred])
+    kl_ans = np.concatenate([x for s in screens for x in s.kl_answer])
+    flagged = np.concatenate([x for s in screens for x in s.flagged])
+    consulted = np.concatenate([x for s in screens for x in s.consulted])
+    known = ~np.isnan(kl_pred)  # (not where the exact rule failed)
+    kl_pred = np.maximum(kl_pred, 1e-300)
+    # the worst 1 %: at or above the 99th percentile's order statistic (a rank; infinite rows included)
+    worst = known & (kl_pred >= np.quantile(kl_pred[known], 0.99, method="higher"))
+    answered = np.maximum(kl_ans[~consulted & known], 1e-300)
+    return {"requests": int(consulted.size), "consultation_rate": float(np.mean(consulted)),
+            "worst1pct_flagged": float(np.mean(consulted[worst])),
+            "n_screen_mismatch": int(np.sum(flagged != consulted)), "n_without_exact": int(np.sum(~known)),
+            "max_kl_answered": float(answered.max()) if answered.size else None,
+            "mean_log_kl_answered": float(np.mean(np.log(answered))) if answered.size else None}
+
+
 def _posterior_kl(pairs) -> np.ndarray:
     """KL[exact ‖ JIT] of every posterior variable, over ``pairs`` of (exact EP's, the JIT's) beliefs."""
     out = []
@@ -228,23 +246,9 @@ def factor_rows(name, args):
         # and there a relative change of 1e-6 in its answers moved the posterior by a KL up to 94)
         both = [(p, q) for p, q in jit_posts if p[1] and q[1]]
         pkl = _posterior_kl(both)
-        kl_pred = np.concatenate([x for s in screened.values() for x in s.kl_pred])
-        kl_ans = np.concatenate([x for s in screened.values() for x in s.kl_answer])
-        flagged = np.concatenate([x for s in screened.values() for x in s.flagged])
-        consulted = np.concatenate([x for s in screened.values() for x in s.consulted])
-        known = ~np.isnan(kl_pred)  # (not where the exact rule failed)
-        kl_pred = np.maximum(kl_pred, 1e-300)
-        # the worst 1 %: at or above the 99th percentile's order statistic (a rank; infinite rows included)
-        worst = known & (kl_pred >= np.quantile(kl_pred[known], 0.99, method="higher"))
-        answered = np.maximum(kl_ans[~consulted & known], 1e-300)
         row = {"factor": name, "rule": rule, "seed": args.seed, "directions": directions,
-               "test_problems": len(test), "requests": int(consulted.size),
-               "consultation_rate": float(np.mean(consulted)),
-               "worst1pct_flagged": float(np.mean(consulted[worst])),
-               "n_screen_mismatch": int(np.sum(flagged != consulted)),
-               "n_without_exact": int(np.sum(~known)),
-               "max_kl_answered": float(answered.max()) if answered.size else None,
-               "mean_log_kl_answered": float(np.mean(np.log(answered))) if answered.size else None,
+               "test_problems": len(test), **_answers(list(screened.values())),
+               "by_direction": {to: _answers([screened[to]]) for to in directions},
                "max_posterior_kl": float(np.max(pkl)) if pkl.size else None,
                "median_posterior_kl": float(np.median(pkl)) if pkl.size else None,
                "n_posterior_kl_above_1e-3": int(np.sum(pkl > 1e-3)),

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
+
 
 def _bench():
     spec = importlib.util.spec_from_file_location(
@@ -36,6 +38,10 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         assert r["n_converged_both"] <= r["n_converged_exact"] <= r["test_problems"]
         assert (r["n_posterior_values"] > 0) == (r["n_converged_both"] > 0)
         assert r["n_without_exact"] == 0
-        assert set(r["threshold"]) == set(r["density_guard"]) == {"r", "x"}
+        assert set(r["threshold"]) == set(r["density_guard"]) == set(r["by_direction"]) == {"r", "x"}
+        by = r["by_direction"].values()
+        assert sum(d["requests"] for d in by) == r["requests"]
+        assert np.isclose(sum(d["consultation_rate"] * d["requests"] for d in by), r["consultation_rate"] * r["requests"])
+        assert all(d["n_screen_mismatch"] == 0 for d in by)
     for s, r in zip(summaries, rows):
         assert s["n_met"] == int(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1)
