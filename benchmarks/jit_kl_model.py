@@ -43,7 +43,8 @@ then a summary line per rule.  The issue's goals read in the loop: worst 1 % con
 consultation rate ≤ 0.10.  Timings share the machine.
 
 Measured (thirty-first session, seeds 0–4, one BLAS thread; 35 (factor, seed) pairs a rule), variance
-rule → learned KL: both goals on 8 → 17 pairs; the worst 1 % consulted, mean over the seeds, logistic
+rule → learned KL: both goals on 8 → 17 pairs (per direction, ``by_direction``: 17 → 27 of 50 — product
+x/y 2 → 3 and 2 → 3, gaussian m/τ 1 → 1 and 2 → 2, gamma_rate r/x 2 → 4 and 0 → 2); the worst 1 % consulted, mean over the seeds, logistic
 0.61 → 0.84, probit_noise 0.50 → 0.54, compound_gamma 0.97 → 1.00, product 0.87 → 0.95, gaussian
 0.67 → 0.72, gamma_rate 0.31 → 0.85, exp 0.89 → 1.00, at consultation rates of 1.3–7.1 % → 1.4–6.8 % (mean
 per factor; over 10 % on 0 → 1 pair, gamma_rate seed 1: 10.6 %); posteriors where both runs converged
