@@ -442,3 +442,33 @@ def test_a_prediction_that_is_no_belief_scores_infinite(data, fitted):
     s2 = op.learned_log_kl(flat, broken, np.log(var))
     assert s2[2] == np.inf
     np.testing.assert_array_equal(np.delete(s2, 2), np.delete(s, 2))
+
+
+def test_the_service_refuses_to_serve_a_learned_kl_rule(data, fitted, tmp_path):
+    """A served operator's threshold is read as a log variance (the audit's threshold changes, the
+    threshold floor, the clients' EP engines), so the store refuses a learned_kl JIT — at creation and
+    when its snapshot is dropped into a store — naming the rule, and installs nothing."""
+    from kjit.operators import JITOperator
+    from service.store import OperatorStore
+    _, op = fitted
+    jit = _kl_jit(op, kl_model_threshold(op, 0.1))
+    store = OperatorStore(tmp_path / "store")
+    store.open()
+    try:
+        with pytest.raises(ValueError, match="learned_kl"):
+            store.create("kl-x", jit, {})
+        assert not store.exists("kl-x")
+        store.create("plain-x", JITOperator(copy.deepcopy(op), QuadratureOracle(op.factor), -20.0), {})  # (served)
+    finally:
+        store.close()
+    snap = tmp_path / "store" / "operators" / "plain-x" / "snapshot-00000000.npz"
+    state = jit.state_dict()
+    state["service"] = {"version": 0, "observed_pairs": 0, "learned_pairs": 0, "idempotency": "[]"}
+    snap.write_bytes(dumps_state("JITOperator", state))
+    store = OperatorStore(tmp_path / "store")
+    store.open()
+    try:
+        store.load_all()
+        assert "plain-x" in store.failed and "learned_kl" in store.failed["plain-x"]
+    finally:
+        store.close()

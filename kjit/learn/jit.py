@@ -90,7 +90,8 @@ class JITOperator(Operator):
         coordinate's column (``log_var``: the quantity the threshold applies to; ``log_var_is_variance``
         is False, so the EP engine reads no spread from it); :meth:`screen` still the weighted log
         predictive variance.  Needs ``selection="all"`` (the greedy look-ahead
-        is on variances).
+        is on variances).  Not served: the service's audit, threshold floor and clients read a threshold
+        as a log variance, and its store refuses such an operator.
     selection : which uncertain rows of a request go to the oracle.  "greedy" (default): a few,
         picked by :func:`greedy_consultations` (most uncertain first) so that after learning
         them every row of the request is under the

@@ -442,6 +442,11 @@ def self_test(jit: JITOperator) -> None:
     """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
     failed; a training job that made one fails, installing nothing): predict a fixed batch from the
     factor's default distribution, if it has one — a ValueError saying what is wrong."""
+    if not jit.log_var_is_variance:
+        # (a just-in-time rule on a learned KL: the audit's threshold changes, the threshold floor and the
+        # clients' EP engines read the answers' log_var and the threshold as log variances)
+        raise ValueError(f"the service serves just-in-time operators whose threshold applies to a log variance; "
+                         f"this one's rule (uncertainty={jit.uncertainty!r}) compares a learned KL")
     sampler = jit.factor.default_incoming
     if sampler is None:
         return
