@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
+from benchmark_modules import load_benchmark
+
 
 def _suite():
-    spec = importlib.util.spec_from_file_location(
-        "factor_suite_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "factor_suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("factor_suite.py")
 
 
 #: a tiny run: one factor, --quick, few pairs

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
+from benchmark_modules import load_benchmark
+
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "jit_kl_model_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "jit_kl_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("jit_kl_model.py")
 
 
 def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):

@@ -235,14 +235,11 @@ def test_benchmark_summary_has_rep_readings():
 def test_combine_uses_each_runs_reading_grid(tmp_path, capsys):
     """--combine takes each reading's c values from the runs' config rows (their --reading-grid), not
     only --reading-c: a run with ``--reading-c 0.3 --reading-grid appendix_q=3`` is summarised at c = 3."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "rep_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "rep.py")
-    rep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rep)
+    from benchmark_modules import load_benchmark
+
+    rep = load_benchmark("rep.py")
 
     def res(err, div):
         return {"test_error": err, "diverged": div, "converged": not div, "iterations": 7, "relaxed_updates": 2}
