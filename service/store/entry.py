@@ -441,7 +441,8 @@ class Entry:
 def self_test(jit: JITOperator) -> None:
     """An operator that cannot answer ordinary messages is not served (``/ready`` lists it as
     failed; a training job that made one fails, installing nothing): predict a fixed batch from the
-    factor's default distribution, if it has one — a ValueError saying what is wrong."""
+    factor's default distribution, if it has one — a ValueError saying what is wrong.  Nor is one
+    whose answers' log_var is no log variance (``log_var_is_variance``: a learned-KL rule)."""
     if not jit.log_var_is_variance:
         # (a just-in-time rule on a learned KL: the audit's threshold changes, the threshold floor and the
         # clients' EP engines read the answers' log_var and the threshold as log variances)
