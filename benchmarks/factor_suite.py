@@ -504,12 +504,17 @@ def recordings(name, n_problems, rng):
     """``(factor, [RecordingOperator per problem])``: EP on each of :func:`problems`' problems with the
     factor's exact rule, every call recorded."""
     f, runs = problems(name, n_problems, rng)
+    return f, record(f, runs)
+
+
+def record(f, runs) -> list:
+    """A RecordingOperator around the exact rule per problem of ``runs``, after EP on it."""
     out = []
     for run in runs:
         rec = RecordingOperator(QuadratureOracle(f))
         run({to: rec for to in f.variables})
         out.append(rec)
-    return f, out
+    return out
 
 
 def _tuples(recs):
@@ -554,15 +559,23 @@ def _spearman(a, b):
     return np.corrcoef(ra, rb)[0, 1]
 
 
-def direction_rows(f, recs, args, rng):
+def split(recs, args, rng):
+    """The protocol's split of the recorded problems, in order: ``(sets, problem, n_test_problems,
+    first_test)`` — ``sets``: the incoming messages of at most ``--n-train`` / ``--n-cal`` / ``--n-test``
+    rows drawn from the first 60 %, the next 15 % and the rest of the problems that made calls (keys
+    "train", "cal", "test"); ``problem``: each row's problem (index among those); ``first_test``: the
+    index of the first test problem."""
     parts = _tuples(recs)
     k = len(parts)
     a, b = int(0.6 * k), int(0.75 * k)
-    n_test_problems = k - b  # the batch size of the budget90 guarantee: the design's, not the data's
     sets = {"train": _cat(parts[:a], rng, args.n_train), "cal": _cat(parts[a:b], rng, args.n_cal, a),
             "test": _cat(parts[b:], rng, args.n_test, b)}
-    problem = {s: g for s, (_, g) in sets.items()}
-    sets = {s: inc for s, (inc, _) in sets.items()}
+    # (k - b: the batch size of the budget90 guarantee — the design's, not the data's)
+    return {s: inc for s, (inc, _) in sets.items()}, {s: g for s, (_, g) in sets.items()}, k - b, b
+
+
+def direction_rows(f, recs, args, rng):
+    sets, problem, n_test_problems, _ = split(recs, args, rng)
     exact = QuadratureOracle(f)
     rows = []
     for to in f.variables:

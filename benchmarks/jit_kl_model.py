@@ -76,10 +76,8 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from factor_suite import (BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, _cat, _tuples,  # noqa: E402
-                          problems)
+from factor_suite import BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, problems, record, split  # noqa: E402
 
-from kjit.ep import RecordingOperator  # noqa: E402
 from kjit.operators import (JITOperator, KernelOperator, PredictionOverflowError, budget_threshold,  # noqa: E402
                             density_guard, kl_model_threshold)
 from kjit.oracles import QuadratureOracle  # noqa: E402
@@ -108,26 +106,27 @@ class Screened:
         return getattr(self.jit, name)
 
     def _screen(self, flat):
-        """(predicted beliefs' KL to ``exact``, flags) of the flat messages, row by row where a
-        prediction is no belief (PredictionOverflowError names its rows)."""
+        """``(predicted beliefs of the rows ``good`` (None if none), good, flags)`` of the flat messages:
+        the rows whose prediction is no belief (PredictionOverflowError names them) are left out of
+        ``good`` and flagged."""
         n = next(iter(flat.values())).size
         try:
             q_pred, _, flags = self.jit.screen(flat)
-            return q_pred.ravel(), np.asarray(flags).reshape(-1), np.zeros(n, bool)
+            return q_pred.ravel(), np.arange(n), np.asarray(flags).reshape(-1)
         except PredictionOverflowError as exc:
             bad = np.zeros(n, bool)
             bad[exc.rows] = True
-        good = np.flatnonzero(~bad)
-        q_good, flags_good, bad_good = self._screen({v: m[good] for v, m in flat.items()}) if good.size else (None,) * 3
         flags = np.ones(n, bool)
-        if good.size:
-            flags[good], bad[good] = flags_good, bad_good
-        return (q_good, good), flags, bad
+        good = np.flatnonzero(~bad)
+        if not good.size:
+            return None, good, flags
+        q_good, sub, flags[good] = self._screen({v: m[good] for v, m in flat.items()})
+        return q_good, good[sub], flags
 
     def _answer(self, incoming, to, call):
         flat, _ = self.jit.factor.flat_incoming(incoming, self.jit.to)
         n = next(iter(flat.values())).size
-        q_pred, flags, bad = self._screen(flat)
+        q_pred, good, flags = self._screen(flat)
         t = time.perf_counter()
         out = call()
         self.seconds += time.perf_counter() - t
@@ -141,12 +140,8 @@ class Screened:
         if exact is not None:
             with np.errstate(all="ignore"):
                 kl_ans = exact.kl(q)
-                if isinstance(q_pred, tuple):  # (rows whose prediction is no belief stay infinite)
-                    qg, good = q_pred
-                    if qg is not None:
-                        kl_pred[good] = np.where(bad[good], np.inf, exact[good].kl(qg))
-                else:
-                    kl_pred = exact.kl(q_pred)
+                if q_pred is not None:  # (rows whose prediction is no belief stay infinite)
+                    kl_pred[good] = exact[good].kl(q_pred)
         else:
             kl_pred = np.full(n, np.nan)
         self.kl_pred.append(kl_pred)
@@ -197,19 +192,11 @@ def factor_rows(name, args):
     rng = np.random.default_rng([args.seed, FACTORS.index(name)])
     f, runs = problems(name, max(8, round(PROBLEMS[name] * args.scale)), rng)
     exact = QuadratureOracle(f)
-    recs = []
-    for run in runs:
-        rec = RecordingOperator(exact)
-        run({to: rec for to in f.variables})
-        recs.append(rec)
-    keep = [i for i, r in enumerate(recs) if r.calls]  # (factor_suite's _tuples skips the others)
-    parts = _tuples(recs)
-    k = len(parts)
-    a, b = int(0.6 * k), int(0.75 * k)
-    n_test_problems = k - b
-    train, g_train = _cat(parts[:a], rng, args.n_train)
-    cal, g_cal = _cat(parts[a:b], rng, args.n_cal, a)
-    _cat(parts[b:], rng, args.n_test, b)  # (the suite's test rows: drawn so the generator stays in step)
+    recs = record(f, runs)
+    keep = [i for i, r in enumerate(recs) if r.calls]  # (the split skips the others)
+    # (the suite's test rows are drawn too, and dropped: the generator stays in step with the suite's)
+    sets, groups, n_test_problems, b = split(recs, args, rng)
+    (train, g_train), (cal, g_cal) = (sets["train"], groups["train"]), (sets["cal"], groups["cal"])
     directions = sorted({c.to for r in recs for c in r.calls})
     ops, thresholds, guards = {}, {}, {}
     for to in directions:
@@ -226,7 +213,7 @@ def factor_rows(name, args):
         ops[to], thresholds[to] = op, {"predictive": thr_var, "learned_kl": thr_kl}
         if args.density_guard:  # the pooled rows' 1 % least dense, as factor_suite.py --novelty calibrates it
             guards[to] = density_guard(op, data["cal"], GUARD_SHARE, fitted=data["train"], groups=g_train)
-    test = [keep[i] for i in range(b, k)]
+    test = keep[b:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         posts = {i: runs[i]({to: exact for to in f.variables}, max_iter=args.max_iter) for i in test}
