@@ -436,7 +436,7 @@ def _linear(model_cls, factor, make, to, n_problems, rng):
 def _graphs(factor, make_graph, n_problems, rng):
     def run(g, ops, max_iter=30):
         keys = [(factor.name, to) for to in factor.variables if (factor.name, to) in g.recipients()]
-        res = GraphEP(g, operators={k: ops[k[1]] for k in keys}, max_iter=max_iter).run()
+        res = GraphEP(g, operators={k: ops[k[1]] for k in keys}, max_iter=max_iter, warn_unconverged=False).run()
         return list(res.beliefs.values()), bool(res.converged)
     return [functools.partial(run, make_graph(rng)) for _ in range(n_problems)]
 

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from kjit.ep import SKIP_REASONS, BayesianLogisticRegression, LinearEP, ProbitNoiseOperator
+from kjit.ep import SKIP_REASONS, BayesianLogisticRegression, EPConvergenceWarning, LinearEP, ProbitNoiseOperator
 from kjit.families import Bernoulli, Beta, Gaussian
 
 from test_ep_helpers import (
@@ -174,6 +174,24 @@ def test_hitting_max_iter_is_reported(grid_op):
     assert rec.iteration == 2 and rec.seconds >= 0 and rec.n_skipped == 0 and rec.max_change > 0
     summary = res.summary()
     assert summary["converged"] is False and len(summary["history"]) == 2
+
+
+def test_an_unconverged_run_warns_with_its_status_and_a_converged_one_does_not(grid_op):
+    """EP that stops at max_iter is never silent: an EPConvergenceWarning carrying the status (the
+    sklearn-style models, whose users read ``coef_`` and not ``result_``, warn through it); a converged
+    run warns nothing; ``warn_unconverged=False`` (the error bars' draws) only reports."""
+    X, y = logistic_problem(30, 3, seed=2)
+    with pytest.warns(EPConvergenceWarning, match="max_iter=2 without convergence") as rec:
+        res = LinearEP(grid_op, max_iter=2, tol=1e-14).run(X, _labels(y))
+    assert res.outcome == "max_iter" and res.status in str(rec[0].message)
+    assert rec[0].filename == __file__  # (points at the caller of run)
+    with pytest.warns(EPConvergenceWarning, match="without convergence"):
+        model = BayesianLogisticRegression(grid_op, max_iter=2, tol=1e-14).fit(X, y)
+    assert model.converged_ is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert LinearEP(grid_op, max_iter=2, tol=1e-14, warn_unconverged=False).run(X, _labels(y)).outcome == "max_iter"
+        assert LinearEP(grid_op, tol=1e-8).run(X, _labels(y)).converged
 
 
 def test_converged_status_and_record(grid_op):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
-from kjit.ep import LinearEP
+from kjit.ep import EPConvergenceWarning, LinearEP
 from kjit.ep.graph import FactorGraph, GraphEP
 from kjit.factors import Logistic
 from kjit.families import Bernoulli, Beta, Gamma, Gaussian
@@ -33,6 +35,18 @@ def test_one_variable_graph_equals_linear_ep(schedule):
     assert res.converged and res.outcome == "converged"
     assert res.beliefs["w"].mean() == pytest.approx(ref.mean[0], rel=1e-9)
     assert res.beliefs["w"].var() == pytest.approx(ref.cov[0, 0], rel=1e-9)
+
+
+def test_an_unconverged_graph_run_warns_with_its_status():
+    """As LinearEP's: max_iter reached → EPConvergenceWarning with the status; converged → nothing."""
+    y = np.random.default_rng(0).integers(0, 2, 20)
+    with pytest.warns(EPConvergenceWarning, match="graph EP: stopped at max_iter=2") as rec:
+        res = GraphEP(_logistic_graph(y), max_iter=2, tol=0).run()
+    assert res.outcome == "max_iter" and res.status in str(rec[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GraphEP(_logistic_graph(y), max_iter=2, tol=0, warn_unconverged=False).run().outcome == "max_iter"
+        assert GraphEP(_logistic_graph(y), tol=1e-8).run().converged
 
 
 class _Counting:

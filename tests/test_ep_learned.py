@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-from kjit.ep import BayesianLogisticRegression, LinearEP
+from kjit.ep import BayesianLogisticRegression, EPConvergenceWarning, LinearEP
 from kjit.ep.engine import UncertainAnswerError, UncertainAnswerWarning, _posterior_from_sites
 from kjit.factors import Logistic, ProbitNoise
 from kjit.families import Bernoulli, Beta, Gaussian
@@ -240,7 +240,8 @@ class _ExplodingOperator:
 @pytest.mark.parametrize("schedule", ["parallel", "sequential"])
 def test_divergence_guard_keeps_the_last_finite_state(schedule):
     X, y = logistic_problem(10, 2, seed=0)
-    res = LinearEP(_ExplodingOperator(), max_iter=100, schedule=schedule).run(X, _labels(y))
+    with pytest.warns(EPConvergenceWarning, match="diverged at iteration"):
+        res = LinearEP(_ExplodingOperator(), max_iter=100, schedule=schedule).run(X, _labels(y))
     assert res.outcome == "diverged" and not res.converged
     assert res.status.startswith(f"diverged at iteration {res.diverged_at}")
     assert np.all(np.isfinite(res.mean)) and np.all(np.isfinite(res.cov))

@@ -10,7 +10,7 @@
 * :class:`GPClassifier` — GP classification with the noisy probit by EP / power EP / relaxed EP.
 """
 
-from .engine import SKIP_REASONS, EPResult, GaussianPosterior, IterationRecord, LinearEP
+from .engine import SKIP_REASONS, EPConvergenceWarning, EPResult, GaussianPosterior, IterationRecord, LinearEP
 from .error_bars import ErrorBars, PosteriorErrorWarning, graph_error_bars, linear_error_bars
 from .models import (
     BayesianLogisticRegression,
@@ -36,6 +36,7 @@ __all__ = [
     "graph_error_bars",
     "linear_error_bars",
     "LinearEP",
+    "EPConvergenceWarning",
     "EPResult",
     "IterationRecord",
     "GaussianPosterior",

@@ -216,6 +216,20 @@ class UncertainAnswerWarning(UserWarning):
     """EP used answers above the operator's uncertainty threshold (``on_uncertain="warn"``)."""
 
 
+class EPConvergenceWarning(UserWarning):
+    """An EP run ended without converging: it reached ``max_iter`` or diverged (its ``status`` says which,
+    with the last change; the posterior is the last state).  An operator that failed every update warns
+    with a RuntimeWarning instead (:func:`operator_failure`)."""
+
+
+def warn_unconverged(outcome: str, status: str, who: str, stacklevel: int = 3) -> None:
+    """:class:`EPConvergenceWarning` carrying ``status`` when ``outcome`` is ``"max_iter"`` or
+    ``"diverged"`` — a run's answer is never an unconverged posterior without a word; filter the
+    warning class to silence it where non-convergence is expected and counted."""
+    if outcome in ("max_iter", "diverged"):
+        warnings.warn(f"{who}: {status}", EPConvergenceWarning, stacklevel=stacklevel)
+
+
 class UncertainAnswerError(RuntimeError):
     """An operator's answer was above its uncertainty threshold and ``on_uncertain="raise"``."""
 
@@ -625,6 +639,9 @@ class LinearEP:
     error_tol:
         With ``error_bars``, a :class:`~kjit.ep.error_bars.PosteriorErrorWarning` (and a status sentence)
         when an error bar on a weight's posterior mean exceeds this many posterior standard deviations.
+    warn_unconverged:
+        Default True: a run that reaches ``max_iter`` or diverges warns with :class:`EPConvergenceWarning`
+        (its status); False for callers that count unconverged runs themselves (the error bars' draws).
     """
 
     def __init__(
@@ -652,6 +669,7 @@ class LinearEP:
         sign_z: float = 2.0,
         error_bars: int = 0,
         error_tol: float = 0.1,
+        warn_unconverged: bool = True,
     ):
         self.operator = operator
         self.on_uncertain = on_uncertain
@@ -676,6 +694,7 @@ class LinearEP:
         self.stop_rule = stop_rule
         self.error_bars = error_bars
         self.error_tol = error_tol
+        self.warn_unconverged = bool(warn_unconverged)
 
     # ------------------------------------------------------------------ validation
     def _check_options(self, d):
@@ -1191,6 +1210,8 @@ class LinearEP:
         attach(self, result, lambda n_draws: linear_error_bars(self, A, observed, result, n_draws),
                f"EP with {type(self.operator).__name__}", learned_share({"op": self.operator}, {"op": n}))
         result.seconds = time.perf_counter() - t_start
+        if self.warn_unconverged:
+            warn_unconverged(outcome, status, f"EP with {type(self.operator).__name__}")
         return result
 
     # ------------------------------------------------------------------ schedules

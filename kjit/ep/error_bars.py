@@ -247,7 +247,7 @@ def graph_error_bars(ep, result, n_draws: int = 16, random_state=0) -> ErrorBars
     def rerun(replacements):
         other = copy.copy(ep)
         other.operators = {**ep.operators, **replacements}
-        other.compute_evidence, other.error_bars = False, 0
+        other.compute_evidence, other.error_bars, other.warn_unconverged = False, 0, False
         other._default_ops = dict(ep._default_ops)
         return res_summary(other.run(init=result))
 
@@ -269,7 +269,7 @@ def linear_error_bars(ep, A, observed, result, n_draws: int = 16, random_state=0
         other.operator = replacements["operator"]
         if isinstance(replacements["operator"], _Watched):  # (a draw: no threshold, no oracle)
             other.oracle, other.uncertainty_threshold, other.on_uncertain = None, None, "warn"
-        other.compute_evidence, other.callback, other.error_bars = False, None, 0
+        other.compute_evidence, other.callback, other.error_bars, other.warn_unconverged = False, None, 0, False
         return res_summary(other.run(A, observed, init_sites=sites))
 
     def res_summary(res):

@@ -50,7 +50,7 @@ from ..certificates import certified, count_answers
 from ..errors import ConfigurationError, check_number
 from .error_bars import ErrorBars, attach, graph_error_bars, learned_share, require_plain_ep
 from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
-                     count_failing, operator_failure, oracle_rows, uncertain_rows)
+                     count_failing, operator_failure, oracle_rows, uncertain_rows, warn_unconverged)
 from ..factors import Factor, get_factor
 from ..families import Family, Gaussian
 from ..protocols import reports_uncertainty
@@ -312,12 +312,15 @@ class GraphEP:
         operator add up, and no per-message rule sees their sum (``on_uncertain`` judges one message).
     error_tol : with ``error_bars``, a :class:`~kjit.ep.error_bars.PosteriorErrorWarning` (and a status
         sentence) when an error bar on a posterior mean exceeds this many posterior standard deviations.
+    warn_unconverged : default True: a run that reaches ``max_iter`` or diverges warns with
+        :class:`~kjit.ep.engine.EPConvergenceWarning` (its status), as :class:`~kjit.ep.LinearEP`'s.
     """
 
     def __init__(self, graph: FactorGraph, operators: Mapping | None = None, damping: float = 0.0,
                  max_iter: int = 100, tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
                  power: float = 1.0, divergence_limit: float = 1e12, on_uncertain: str = "warn",
-                 oracles: Mapping | None = None, error_bars: int = 0, error_tol: float = 0.1):
+                 oracles: Mapping | None = None, error_bars: int = 0, error_tol: float = 0.1,
+                 warn_unconverged: bool = True):
         if not isinstance(graph, FactorGraph):
             raise ValueError("`graph` must be a FactorGraph")
         if schedule not in ("parallel", "sequential"):
@@ -338,6 +341,7 @@ class GraphEP:
         self.error_tol = check_number("error_tol", error_tol, 0.0, low_open=True)
         if self.error_bars:
             require_plain_ep(self.power, what="`error_bars`")
+        self.warn_unconverged = bool(warn_unconverged)
         self._default_ops: dict = {}
 
     # ------------------------------------------------------------------ operators and groups
@@ -540,6 +544,8 @@ class GraphEP:
         shared = learned_share(self.operators, {k: g.multiplicity(*k) for k in self.operators})
         attach(self, result, lambda n_draws: graph_error_bars(self, result, n_draws), "graph EP", shared)
         result.seconds = time.perf_counter() - t_start
+        if self.warn_unconverged:
+            warn_unconverged(outcome, status, "graph EP")
         return result
 
     def _log_evidence(self, prior_nat, sites, post):
