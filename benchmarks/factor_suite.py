@@ -12,7 +12,8 @@ use the same tuples), at most ``--n-train`` / ``--n-test`` pairs are kept, and a
 
 ==============  =====================================================================
 logistic        Bayesian logistic regression, synthetic problems (d 2–10, n 50–150)
-probit_noise    ProbitClassifier (ε 0.05), synthetic problems
+probit_noise    ProbitClassifier (ε 0.05, sequential schedule), problems drawn from the model itself
+                (d 2–10, n 50–150, labels Θ(aᵀw) flipped with probability ε)
 compound_gamma  CompoundGammaPrecision: N(0, 1/τ) data sets of 5–50 points, scales 0.1–10
 product         rank-one factorisation Y ≈ u vᵀ + noise (4×5 matrices)
 gaussian        Gaussian data with unknown mean and precision (20–60 points, outliers)
@@ -381,6 +382,13 @@ and gaussian (2–4 directions a seed).  Seeds 0–9 (these runs reproduce the t
 122 / 135 for the headline / ``_klmodel`` / ceiling exactly): both goals with the JIT's rule on 118 of
 140 (the sign test's rows push 4 directions' shares over 10 %).  In EP, with the rule consulting and
 learning online: benchmarks/jit_kl_model.py.
+Thirty-second session: probit_noise's problems are drawn from its own model (:func:`probit_problem`)
+and solved by sequential EP, which converges on them (its figures before were on logistic labels, where
+EP oscillated: the recorded messages were an oscillation's).  probit f, seeds 0–9 (``--factors
+probit_noise --kl-model``): mean log KL −31.9 → −34.1 (mean over seeds), ``kl_p99`` at most 2.4e-3 →
+3.3e-11; both goals at budget975p with the JIT's rule on 10 → 9 (seed 0 flags 10.3 %), headline 9 → 9,
+``_klmodel`` 10 → 9, ceiling 10 → 10 — so 118 → 117 of 140 with the JIT's rule (the other factors draw
+from their own streams: unchanged).
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
 q90 / budget90 and ranked within 6 % on 6 / 8 / 9 and 5 / 8 / 7 directions at seeds 0 / 1 (1 ×:
@@ -446,6 +454,22 @@ def _logistic_problem(rng):
     return X, y
 
 
+def probit_problem(rng):
+    """A problem of the Bayes point machine the probit_noise factor encodes: w ~ N(0, I_d), rows
+    a ~ N(0, I_d), y = Θ(aᵀw) flipped with probability ε = 0.05 (d 2–10, n 50–150).  The suite drew
+    logistic regression's labels before (the thirty-second session changed it): against a step with
+    5 % noise those are a quarter outliers, and EP — the exact rule, either schedule, damped up to
+    0.9 — oscillated without converging on 0–4 of 15 problems (the relaxed-EP paper's case of "many
+    outliers"), so the recorded messages were those of an oscillation.  On these problems EP with the
+    sequential schedule converged on 52 of 60 in 30 sweeps (measured, exact rule, seed 0)."""
+    d = int(rng.integers(2, 11))
+    n = int(rng.integers(50, 151))
+    w = rng.standard_normal(d)
+    X = rng.standard_normal((n, d))
+    y = ((X @ w > 0) ^ (rng.random(n) < 0.05)).astype(np.int64)
+    return X, y
+
+
 def poisson_problem(rng):
     """A synthetic Poisson regression (d 2–4 with a bias, n 30–80); also ep_models.py's JIT problems."""
     d = int(rng.integers(2, 5))
@@ -468,8 +492,8 @@ def problems(name, n_problems, rng):
         return f, _linear(BayesianLogisticRegression, f, _logistic_problem, "x", n_problems, rng)
     if name == "probit_noise":
         f = get_factor(name, eps=0.05)
-        return f, _linear(lambda op, max_iter: ProbitClassifier(op, max_iter=max_iter), f, _logistic_problem, "f",
-                          n_problems, rng)
+        return f, _linear(lambda op, max_iter: ProbitClassifier(op, max_iter=max_iter, schedule="sequential"), f,
+                          probit_problem, "f", n_problems, rng)
     if name == "exp":
         return f, _linear(PoissonRegression, f, poisson_problem, "x", n_problems, rng)
     if name == "compound_gamma":

@@ -41,3 +41,26 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         assert all(d["n_screen_mismatch"] == 0 for d in by)
     for s, r in zip(summaries, rows):
         assert s["n_met"] == int(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1)
+
+
+def test_answers_read_the_worst_percent_and_the_answers_above_the_target():
+    """``_answers`` on requests whose KLs are known: the worst 1 % of 200 predictions are the two
+    largest, ``kl_p99`` the smaller of them; the answers above e^-10 are counted among the rows not
+    consulted only; a row the exact rule failed on (NaN) is left out of both."""
+    from types import SimpleNamespace
+
+    bench = _bench()
+    kl_pred = np.full(200, 1e-12)
+    kl_pred[[5, 9]] = [3e-3, 1e-4]
+    kl_pred[17] = np.nan
+    consulted = np.zeros(200, bool)
+    consulted[5] = True
+    kl_ans = np.where(consulted, 0.0, kl_pred)
+    kl_ans[[20, 21]] = [1e-2, 1e-5]  # (answers far from the screened predictions: the JIT learned between)
+    screens = [SimpleNamespace(kl_pred=[kl_pred[:120], kl_pred[120:]], kl_answer=[kl_ans[:120], kl_ans[120:]],
+                               flagged=[consulted[:120], consulted[120:]], consulted=[consulted[:120], consulted[120:]])]
+    out = bench._answers(screens)
+    assert out["worst1pct_flagged"] == 0.5 and out["kl_p99"] == 1e-4
+    assert np.exp(-10) < 1e-4  # (so 1e-4, 1e-2 count, 1e-5 does not, and the consulted 3e-3 is no answer)
+    assert out["n_answered_above_target"] == 2 and out["max_kl_answered"] == 1e-2
+    assert out["n_without_exact"] == 1 and out["requests"] == 200 and out["consultation_rate"] == 1 / 200
