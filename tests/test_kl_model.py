@@ -190,6 +190,8 @@ def test_kl_model_is_opt_in_persisted_and_leaves_predictions_alone(data, fitted)
     back = KernelOperator.from_state_dict(state)
     np.testing.assert_array_equal(back.row_uncertainty(inc, *back.predict(inc), "learned_kl"), s1)
     np.testing.assert_array_equal(back.kl_model_.pooled_scores_, op.kl_model_.pooled_scores_)
+    np.testing.assert_array_equal(back.kl_model_.pooled_flagged_, op.kl_model_.pooled_flagged_)
+    assert back.kl_model_.pooled_flagged_.dtype == bool and back.kl_model_.pooled_flagged_.shape == (700,)
     assert back.kl_model_.quantile == op.kl_model_.quantile == 0.9
     assert kl_model_threshold(back, 0.1) == kl_model_threshold(op, 0.1)
     gone = copy.deepcopy(op).remove_kl_model()
@@ -290,6 +292,8 @@ def test_malformed_states_are_refused_with_value_errors(fitted):
     refused("finite", pooled_scores=scores)  # (a NaN threshold would flag nothing)
     refused("integer labels", pooled_groups=groups.astype(float) / 10)  # (cut to 0: problems merged)
     refused("1-D", pooled_scores=state["pooled_scores"][None], pooled_groups=groups[None])
+    refused("pooled_flagged", pooled_flagged=state["pooled_flagged"].astype(float))
+    refused("pooled_flagged", pooled_flagged=state["pooled_flagged"][:-1])
     with pytest.raises(ValueError, match="mapping"):
         KLModel.from_state_dict([1, 2])
 
@@ -472,3 +476,35 @@ def test_the_service_refuses_to_serve_a_learned_kl_rule(data, fitted, tmp_path):
         assert "plain-x" in store.failed and "learned_kl" in store.failed["plain-x"]
     finally:
         store.close()
+
+
+def test_the_sign_tests_rows_count_against_the_kl_models_budget(data, monkeypatch):
+    """The JIT with the learned KL consults the rows its threshold flags and, whatever the threshold,
+    those whose outgoing precision's sign is unsettled; fit_kl_model records the latter among its
+    pooled rows (in the scores' order: held-out rows first) and kl_model_threshold counts them as
+    flagged, so the two together stay within the budget.  Logistic → x is log-concave (no row's
+    sign is ever undetermined), so the test makes the sign test fire on messages with mean > 2.2 —
+    the plumbing is what is checked: the recorded flags are exactly those JITOperator.screen
+    consults on the held-out rows at an unreachable threshold."""
+    import kjit.learn.kernel_operator as ko
+
+    f, d = data
+    monkeypatch.setattr(ko, "sign_undetermined", lambda factor, to, inc, coords, var, z=2.0: inc["x"].mean() > 2.2)
+    op = KernelOperator(f, "x", **KW).fit(d["train"])
+    op.fit_kl_model(d["train"], TRAIN_GROUPS, held_out=d["cal"], held_out_groups=CAL_GROUPS)
+    km = op.kl_model_
+    pf, u = km.pooled_flagged_, km.pooled_scores_
+    _, _, mask = _kl_jit(op, 1e300).screen(d["cal"].incoming)
+    np.testing.assert_array_equal(pf[:300], np.asarray(mask).reshape(-1))
+    assert 0 < pf.sum() <= np.sum(np.concatenate([d["cal"].incoming["x"].mean(), d["train"].incoming["x"].mean()]) > 2.2)
+    n, k = u.size, int(np.ceil((u.size + 1) * 0.9))
+    thr = kl_model_threshold(op, 0.1)
+    assert np.sum((u > thr) | pf) <= n - k < np.sum((u > np.sort(u)[k - 1]) | pf)  # (the old threshold's overshoot)
+    # the budget over batches: as the rule on the scores with the flagged rows above every score
+    big = np.where(pf, 1e9, u)
+    t_big = tolerance_threshold(big, km.pooled_groups_, 0.1, 0.9, 5)
+    assert t_big < 1e9 and kl_model_threshold(op, 0.1, confidence=0.9, problems=5) == t_big
+    # more flagged rows than the budget: the threshold flags nothing else
+    km.pooled_flagged_ = np.arange(n) % 5 == 0
+    assert kl_model_threshold(op, 0.1) == u[~km.pooled_flagged_].max()
+    assert kl_model_threshold(op, 0.1, confidence=0.9, problems=5) == u[~km.pooled_flagged_].max()

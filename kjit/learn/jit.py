@@ -15,10 +15,9 @@ from ..errors import ConfigurationError, rows_of_batch
 from ..factors import get_factor
 from ..families import Family, family_name
 from ..protocols import Operator
-from ..reductions import any_
 from ..training import TrainingSet
 from .kernel_operator import (KernelOperator, TargetsNotFiniteError, _named_rows, _state_json,
-                              respect_factor_bounds, sign_undetermined)
+                              respect_factor_bounds)
 from .calibration import calibrate_threshold, density_guard
 from .consultation import greedy_consultations
 
@@ -561,6 +560,7 @@ class JITOperator(Operator):
         tests' shortcut), ``decision`` must be a variance rule's unweighted log variance, which gives them."""
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
+        # (KernelOperator.sign_unsettled, which the KL model's calibration counts too)
         op = self.operator
         noise = op.noise_var_ * np.asarray(op.y_scale_, float) ** 2  # σ_y² in each coordinate's units
         if var is not None:
@@ -571,17 +571,7 @@ class JITOperator(Operator):
             epistemic = np.exp(decision)
             if self.uncertainty == "predictive":
                 epistemic = np.maximum(epistemic - noise, 0.0)
-        sign = sign_undetermined(self.factor, self.to, flat, coords, epistemic)
-        j = self.family.spread_coord
-        if j is not None and any_(sign):
-            # ... and only where an answer of the oracle would be surer than the prediction: where
-            # the epistemic variance is below the oracle's own noise (σ_y², in the coordinate's
-            # units) its answer is no better — a sampled message whose precision is truly ~0 has
-            # a sign as undetermined as the prediction's, and consulting it every call feeds EP a
-            # fresh draw each sweep (measured on rank one: 2 rows per sweep for 200 sweeps, the
-            # beliefs moving by ~2e-2 and never converging)
-            sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
-        out = above_threshold(decision, self.threshold) | sign
+        out = above_threshold(decision, self.threshold) | op.sign_unsettled(flat, coords, epistemic)
         guarded = self._guarded(psi)
         return out if guarded is None else out | guarded
 

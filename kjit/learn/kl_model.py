@@ -72,10 +72,13 @@ class KLModel:
     predict (None: the mean — a model fitted before the thirtieth session).  :meth:`fit` also
     keeps ``pooled_scores_`` and ``pooled_groups_``: the cross-fitted score of every row it learned
     (each by the model fitted without its fold of problems) and the row's problem, which thresholds
-    are calibrated on."""
+    are calibrated on; and ``pooled_flagged_`` (None, or one boolean per row): the rows a just-in-time
+    operator consults whatever its threshold (the sign test of the outgoing precision,
+    :meth:`~kjit.learn.kernel_operator.KernelOperator.sign_unsettled`), which a threshold's budget
+    counts as flagged (:func:`~kjit.learn.calibration.kl_model_threshold`)."""
 
     def __init__(self, arrays: dict, baseline: float, n_features: int, pooled_scores=None, pooled_groups=None,
-                 quantile: float | None = None):
+                 quantile: float | None = None, pooled_flagged=None):
         try:
             self.arrays = {k: np.asarray(arrays[k]) for k in _TREE_ARRAYS}
             self.baseline = float(baseline)
@@ -84,6 +87,7 @@ class KLModel:
                 "quantile", quantile, 0.0, 1.0, low_open=True, high_open=True)
             self.pooled_scores_ = None if pooled_scores is None else np.asarray(pooled_scores)
             self.pooled_groups_ = None if pooled_groups is None else np.asarray(pooled_groups)
+            self.pooled_flagged_ = None if pooled_flagged is None else np.asarray(pooled_flagged)
             self._check()
         except (TypeError, AttributeError) as exc:  # (a value of the wrong kind: a string, None, an array)
             raise ValueError(f"KL model: malformed ({exc})") from None
@@ -127,6 +131,10 @@ class KLModel:
             if pg.dtype.kind not in "iu":
                 raise ValueError(f"KL model: `pooled_groups` must be integer labels, got dtype {pg.dtype}")
             self.pooled_scores_, self.pooled_groups_ = ps.astype(np.float64), pg.astype(np.int64)
+        pf = self.pooled_flagged_
+        if pf is not None:
+            if ps is None or pf.shape != ps.shape or pf.dtype.kind != "b":
+                raise ValueError("KL model: `pooled_flagged` must be booleans, one per pooled score")
         a["leaf"] = a["leaf"].astype(bool)
         a["missing_left"] = a["missing_left"].astype(bool)
         a["feature"] = a["feature"].astype(np.intp)
@@ -155,11 +163,11 @@ class KLModel:
         self._depth = int(depth.max())
 
     @classmethod
-    def fit(cls, X, kl, groups, folds: int = KL_MODEL_FOLDS) -> "KLModel":
+    def fit(cls, X, kl, groups, folds: int = KL_MODEL_FOLDS, flagged=None) -> "KLModel":
         """Fit on rows ``X`` (n, p) with out-of-sample KLs ``kl`` (n,) of problems ``groups`` (n,
         integer labels): the final model on every row; ``pooled_scores_`` from ``folds`` models each
         fitted without one fold (problems dealt to folds in order of their label: the k-th smallest to
-        fold k mod folds).  A NaN feature is missing (the trees learn where it goes); ±inf is fitted
+        fold k mod folds); ``flagged`` (n,) booleans: kept as ``pooled_flagged_``.  A NaN feature is missing (the trees learn where it goes); ±inf is fitted
         as ±1e300.  A NaN or +inf KL (a broken prediction) is regressed as the top of
         :data:`KL_MODEL_LOG_KL_RANGE`."""
         from sklearn.ensemble import HistGradientBoostingRegressor
@@ -187,6 +195,11 @@ class KLModel:
                 scores[fold == i] = cls.from_hgb(model, X.shape[1]).predict(X[fold == i])
             out = cls.from_hgb(HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X, y), X.shape[1])
         out.pooled_scores_, out.pooled_groups_ = scores, gi.astype(np.int64)
+        if flagged is not None:
+            flagged = np.asarray(flagged)
+            if flagged.shape != scores.shape or flagged.dtype.kind != "b":
+                raise ValueError(f"KL model: `flagged` must be {len(y)} booleans, one per row")
+            out.pooled_flagged_ = flagged
         return out
 
     @classmethod
@@ -255,6 +268,8 @@ class KLModel:
             state["quantile"] = self.quantile
         if self.pooled_scores_ is not None:
             state.update(pooled_scores=np.array(self.pooled_scores_), pooled_groups=np.array(self.pooled_groups_))
+        if self.pooled_flagged_ is not None:
+            state["pooled_flagged"] = np.array(self.pooled_flagged_)
         return state
 
     @classmethod
@@ -263,6 +278,7 @@ class KLModel:
             raise ValueError(f"KL model state must be a mapping, got {type(state).__name__}")
         try:
             return cls({k: state[k] for k in _TREE_ARRAYS}, state["baseline"], state["n_features"],
-                       state.get("pooled_scores"), state.get("pooled_groups"), state.get("quantile"))
+                       state.get("pooled_scores"), state.get("pooled_groups"), state.get("quantile"),
+                       state.get("pooled_flagged"))
         except KeyError as exc:
             raise ValueError(f"KL model state is missing {exc}") from None
