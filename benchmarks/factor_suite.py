@@ -388,7 +388,12 @@ EP oscillated: the recorded messages were an oscillation's).  probit f, seeds 0�
 probit_noise --kl-model``): mean log KL −31.9 → −34.1 (mean over seeds), ``kl_p99`` at most 2.4e-3 →
 3.3e-11; both goals at budget975p with the JIT's rule on 10 → 9 (seed 0 flags 10.3 %), headline 9 → 9,
 ``_klmodel`` 10 → 9, ceiling 10 → 10 — so 118 → 117 of 140 with the JIT's rule (the other factors draw
-from their own streams: unchanged).
+from their own streams: unchanged).  Then ``kl_model_threshold`` counts the rows the JIT's sign test
+consults whatever the threshold (recorded by ``fit_kl_model`` on the pooled rows) as flagged, so the
+budget covers what the rule consults: thresholds rise on product (0.2–0.9 nats; 6.6 on x at seed 7)
+and gaussian m/x (≤ 0.14), nowhere else.  Seeds 0–9: both goals with the JIT's rule 117 → 119 of 140
+(product x at seeds 1 and 8, y at 8, z at 1 come under 10 %; x at seed 7 loses its worst 1 % — 1.00
+→ 0.33 at a share of 0.071, its ``kl_p99`` 3e-3 — and z at seed 5, 1.00 → 0.90), ``_klmodel`` 121 → 122.
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
 q90 / budget90 and ranked within 6 % on 6 / 8 / 9 and 5 / 8 / 7 directions at seeds 0 / 1 (1 ×:
