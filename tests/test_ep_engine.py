@@ -7,7 +7,8 @@ import warnings
 import numpy as np
 import pytest
 
-from kjit.ep import SKIP_REASONS, BayesianLogisticRegression, EPConvergenceWarning, LinearEP, ProbitNoiseOperator
+from kjit.ep import (SKIP_REASONS, BayesianLogisticRegression, EPConvergenceWarning, LinearEP, ProbitClassifier,
+                     ProbitNoiseOperator)
 from kjit.families import Bernoulli, Beta, Gaussian
 
 from test_ep_helpers import (
@@ -185,12 +186,16 @@ def test_an_unconverged_run_warns_with_its_status_and_a_converged_one_does_not(g
         res = LinearEP(grid_op, max_iter=2, tol=1e-14).run(X, _labels(y))
     assert res.outcome == "max_iter" and res.status in str(rec[0].message)
     assert rec[0].filename == __file__  # (points at the caller of run)
-    with pytest.warns(EPConvergenceWarning, match="without convergence"):
+    with pytest.warns(EPConvergenceWarning, match="without convergence") as rec:
         model = BayesianLogisticRegression(grid_op, max_iter=2, tol=1e-14).fit(X, y)
-    assert model.converged_ is False
+    assert model.converged_ is False and rec[0].filename == __file__  # (the user's line, not the model's)
+    with pytest.warns(EPConvergenceWarning) as rec:  # (two of kjit's frames between: still the user's line)
+        ProbitClassifier(ProbitNoiseOperator(0.1), max_iter=1, tol=1e-14).fit(X, y)
+    assert rec[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert LinearEP(grid_op, max_iter=2, tol=1e-14, warn_unconverged=False).run(X, _labels(y)).outcome == "max_iter"
+        assert not BayesianLogisticRegression(grid_op, max_iter=2, tol=1e-14, warn_unconverged=False).fit(X, y).converged_
         assert LinearEP(grid_op, tol=1e-8).run(X, _labels(y)).converged
 
 

@@ -139,6 +139,24 @@ def test_stopping_rule_prediction_and_tuning():
     assert all(0 <= r["cv_error"] <= 1 for r in c.tuning_) and hasattr(c, "result_")
 
 
+def test_tuning_warns_only_for_the_fit_it_returns():
+    """tune() ranks a candidate that did not converge below the others (its non-convergence is counted,
+    not warned); only the final fit, the one the user gets, warns when it stops at max_iter."""
+    import warnings
+
+    from kjit.ep import EPConvergenceWarning
+
+    X, y, _ = _two_moons_ish(40, 0, 0.1)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        t = GPClassifier(eps=0.1, damping=0.5, max_iter=2, schedule="parallel").tune(X, y, [0.3, 1.0, 3.0])
+        c = GPClassifier(eps=0.1, damping=0.5, max_iter=2, schedule="parallel").tune(X, y, [0.5, 2.0],
+                                                                                     criterion="cv", n_folds=3)
+    assert not any(r["converged"] for r in t.tuning_) and not t.converged_ and not c.converged_
+    conv = [w for w in rec if issubclass(w.category, EPConvergenceWarning)]
+    assert len(conv) == 2 and all("max_iter=2" in str(w.message) for w in conv)
+
+
 def test_divergence_is_reported_not_hidden():
     """Undamped EP with many flipped labels may oscillate: the run stops at max_iter, says so,
     and the posterior is still finite."""

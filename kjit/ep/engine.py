@@ -158,6 +158,8 @@ paper's ``R = ‖α_t − α_{t−1}‖ < 1e-3`` on the GP representer weights
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -222,12 +224,26 @@ class EPConvergenceWarning(UserWarning):
     with a RuntimeWarning instead (:func:`operator_failure`)."""
 
 
-def warn_unconverged(outcome: str, status: str, who: str, stacklevel: int = 3) -> None:
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the function that calls this) of the first frame
+    outside the kjit package: a warning then names the user's line — ``model.fit(X, y)`` or
+    ``ep.run(...)`` — whichever of kjit's functions lie between."""
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def warn_unconverged(outcome: str, status: str, who: str) -> None:
     """:class:`EPConvergenceWarning` carrying ``status`` when ``outcome`` is ``"max_iter"`` or
-    ``"diverged"`` — a run's answer is never an unconverged posterior without a word; filter the
-    warning class to silence it where non-convergence is expected and counted."""
+    ``"diverged"``, at the caller's line outside kjit — a run's answer is never an unconverged
+    posterior without a word; ``warn_unconverged=False`` on the engine or model (or a warnings filter
+    on the class) silences it where non-convergence is expected and counted."""
     if outcome in ("max_iter", "diverged"):
-        warnings.warn(f"{who}: {status}", EPConvergenceWarning, stacklevel=stacklevel)
+        warnings.warn(f"{who}: {status}", EPConvergenceWarning, stacklevel=_caller_outside_package())
 
 
 class UncertainAnswerError(RuntimeError):

@@ -123,6 +123,9 @@ class GPClassifier:
         damping 0.97 the damped R stopped 2.3e-2 off the fixed point's α, test probabilities 4e-3
         off.  ``R_history_`` keeps R as measured (damped).  ``None`` uses the engine's site-change
         test with ``tol``.
+    warn_unconverged : default True: a fit that stops at ``max_iter`` or diverges warns
+        (:class:`~kjit.ep.engine.EPConvergenceWarning`); :meth:`tune`'s candidates never do (it ranks
+        them by convergence).
 
     Attributes after ``fit``: ``result_`` (:class:`EPResult`), ``converged_``, ``n_iter_``,
     ``log_evidence_``, ``R_history_`` (R per iteration, in the kernel's units as above),
@@ -134,7 +137,7 @@ class GPClassifier:
                  relax_reading: str = "projection_kl",
                  schedule: str = "sequential", damping: float = 0.0, max_iter: int = 100,
                  alpha_tol: float | None = 1e-3, tol: float = 1e-6, eig_rtol: float = 1e-10,
-                 compute_evidence: bool = True):
+                 compute_evidence: bool = True, warn_unconverged: bool = True):
         self.eps = eps
         self.length_scale = length_scale
         self.amplitude = amplitude
@@ -150,12 +153,13 @@ class GPClassifier:
         self.tol = tol
         self.eig_rtol = eig_rtol
         self.compute_evidence = compute_evidence
+        self.warn_unconverged = warn_unconverged
 
     # ------------------------------------------------------------------ helpers
     def get_params(self) -> dict:
         return {k: getattr(self, k) for k in (
             "eps", "length_scale", "amplitude", "kernel", "method", "power", "relax_c", "relax_reading", "schedule",
-            "damping", "max_iter", "alpha_tol", "tol", "eig_rtol", "compute_evidence")}
+            "damping", "max_iter", "alpha_tol", "tol", "eig_rtol", "compute_evidence", "warn_unconverged")}
 
     def clone(self, **changes) -> "GPClassifier":
         return type(self)(**{**self.get_params(), **changes})
@@ -224,7 +228,7 @@ class GPClassifier:
             operator, site_var="f", prior_var=1.0, damping=self.damping, max_iter=self.max_iter,
             tol=self.tol, schedule=self.schedule, allow_negative_sites=True,
             compute_evidence=self.compute_evidence, callback=callback, stop_rule=stop,
-            **self._engine_kwargs(),
+            warn_unconverged=self.warn_unconverged, **self._engine_kwargs(),
         )
         labels = {"y": _bernoulli(y)}
         result: EPResult = engine.run(A, labels)
@@ -297,7 +301,8 @@ class GPClassifier:
         rows = []
         for ls in length_scales:
             for e in eps_grid:
-                cand = self.clone(length_scale=float(ls), eps=float(e))
+                # (a candidate that does not converge is ranked below the others, not warned about)
+                cand = self.clone(length_scale=float(ls), eps=float(e), warn_unconverged=False)
                 if criterion == "evidence":
                     cand.fit(X, y)
                     ev = cand.log_evidence_

@@ -108,7 +108,9 @@ logistic_gauss_hermite = expected_sigmoid
 
 
 class _LinearEPModel:
-    """Common part: Gaussian prior on weights, Gaussian sites on a_i^T w, EP via LinearEP."""
+    """Common part: Gaussian prior on weights, Gaussian sites on a_i^T w, EP via LinearEP (its options,
+    passed through; ``warn_unconverged=False`` silences the :class:`~kjit.ep.engine.EPConvergenceWarning`
+    of a fit that stops at ``max_iter`` or diverges — ``converged_`` and ``result_.status`` still say so)."""
 
     _site_var = "x"
 
@@ -130,8 +132,10 @@ class _LinearEPModel:
         uncertainty_threshold: float | None = None,
         error_bars: int = 0,
         error_tol: float = 0.1,
+        warn_unconverged: bool = True,
     ):
         self.operator = operator
+        self.warn_unconverged = warn_unconverged
         self.error_bars = error_bars
         self.error_tol = error_tol
         self.on_uncertain = on_uncertain
@@ -167,6 +171,7 @@ class _LinearEPModel:
             uncertainty_threshold=self.uncertainty_threshold,
             error_bars=self.error_bars,
             error_tol=self.error_tol,
+            warn_unconverged=self.warn_unconverged,
         )
 
     def _observed(self, y):  # pragma: no cover - overridden
@@ -244,12 +249,14 @@ class BayesianLogisticRegression(_LinearEPModel):
                  compute_evidence: bool = True, n_quad: int = 64, power: float = 1.0,
                  relax_c: float | None = None, on_uncertain: str = "warn", oracle=None,
                  uncertainty_threshold: float | None = None, relax_reading: str = "projection_kl",
-                 error_bars: int = 0, error_tol: float = 0.1):
+                 error_bars: int = 0, error_tol: float = 0.1,
+                 warn_unconverged: bool = True):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
                          compute_evidence=compute_evidence, power=power, relax_c=relax_c,
                          relax_reading=relax_reading, on_uncertain=on_uncertain, oracle=oracle,
-                         uncertainty_threshold=uncertainty_threshold, error_bars=error_bars, error_tol=error_tol)
+                         uncertainty_threshold=uncertainty_threshold, error_bars=error_bars, error_tol=error_tol,
+                         warn_unconverged=warn_unconverged)
         self.n_quad = n_quad
 
     def _observed(self, y):
@@ -294,13 +301,15 @@ class ProbitClassifier(_LinearEPModel):
                  tol: float = 1e-6, schedule: str = "parallel", allow_negative_sites: bool = True,
                  compute_evidence: bool = True, power: float = 1.0, relax_c: float | None = None,
                  on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None,
-                 relax_reading: str = "projection_kl", error_bars: int = 0, error_tol: float = 0.1):
+                 relax_reading: str = "projection_kl", error_bars: int = 0, error_tol: float = 0.1,
+                 warn_unconverged: bool = True):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
                          compute_evidence=compute_evidence, power=power, relax_c=relax_c,
                          relax_reading=relax_reading,
                          on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold,
-                         error_bars=error_bars, error_tol=error_tol)
+                         error_bars=error_bars, error_tol=error_tol,
+                         warn_unconverged=warn_unconverged)
         self.eps = eps
 
     def _resolve_eps(self) -> float:
@@ -485,11 +494,13 @@ class PoissonRegression(_LinearEPModel):
     def __init__(self, operator=None, prior_var=1.0, damping: float = 0.0, max_iter: int = 100,
                  tol: float = 1e-6, schedule: str = "parallel", compute_evidence: bool = True,
                  on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None,
-                 error_bars: int = 0, error_tol: float = 0.1):
+                 error_bars: int = 0, error_tol: float = 0.1,
+                 warn_unconverged: bool = True):
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=False, compute_evidence=compute_evidence,
                          on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold,
-                         error_bars=error_bars, error_tol=error_tol)
+                         error_bars=error_bars, error_tol=error_tol,
+                         warn_unconverged=warn_unconverged)
 
     def _engine(self) -> LinearEP:
         if self.operator is None:

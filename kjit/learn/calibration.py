@@ -104,7 +104,9 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
     (:meth:`KernelOperator.held_out_predict`).  The threshold is the conformal quantile: the
     k-th smallest of the n pooled values, k = ⌈(n + 1)(1 − budget)⌉, so that a new message
     exchangeable with them is flagged with probability ≤ budget (+inf — flag nothing — when
-    n < 1/budget − 1 makes that impossible).  Messages come in problems: rows of one EP problem
+    n < 1/budget − 1 makes that impossible).  A +inf or NaN uncertainty is a row flagged at every
+    threshold (since the thirty-second session; before, +inf counted as never flagged): where such rows
+    alone exceed the budget, the threshold flags them only (:func:`_conformal`).  Messages come in problems: rows of one EP problem
     are alike, and the flagged share of new problems varies around the budget by the spread
     between problems — pooling the fitted problems (``groups``) is what narrows the estimate.
 
@@ -203,18 +205,27 @@ def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_group
     return _conformal(u, budget)
 
 
+def _flagged_always(u) -> np.ndarray:
+    """``u`` as floats with NaN read as +inf: a row flagged at every threshold (as the just-in-time
+    rule's ``above_threshold`` reads a NaN uncertainty)."""
+    u = np.asarray(u, np.float64).ravel()
+    return np.where(np.isnan(u), np.inf, u)
+
+
 def _conformal(u, budget):
     """The conformal quantile: the k-th smallest of the n values ``u``, k = ⌈(n + 1)(1 − budget)⌉
-    (+inf when k > n).  A +inf value is a row flagged at any threshold: where the k-th smallest is
-    +inf, the largest finite value (the threshold that flags those rows only; +inf if none)."""
+    (+inf when k > n).  A +inf (or NaN) value is a row flagged at every threshold: where the k-th
+    smallest is +inf — those rows alone exceed the budget, which no threshold then keeps — the largest
+    value below +inf (the threshold that flags those rows only; +inf if there is none)."""
+    u = _flagged_always(u)
     n = u.size
     k = int(np.ceil((n + 1) * (1.0 - budget)))
     if k > n:
         return np.inf
     t = float(np.sort(u)[k - 1])
     if t == np.inf:
-        finite = u[u < np.inf]
-        return float(finite.max()) if finite.size else np.inf
+        below = u[u < np.inf]
+        return float(below.max()) if below.size else np.inf
     return t
 
 
@@ -230,9 +241,10 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
     (n_boot, problems))`` over the G distinct labels in sorted order (reproducible; fixed seed by
     default).  The share is non-increasing in t for every batch, so the condition is monotone and
     a bisection over the sorted distinct values finds t; t = max(u) flags nothing and always
-    qualifies.  A +inf value is a row flagged at every threshold (a rule's flags that no threshold
-    lifts): the candidates are the finite values, and where even the largest does not qualify it is
-    the answer (it flags those rows only; +inf when every value is).  ``problems`` defaults to G.
+    qualifies.  A +inf (or NaN) value is a row flagged at every threshold (a rule's flags that no
+    threshold lifts): the candidates are the values below +inf, and where even the largest does not
+    qualify it is the answer (it flags those rows only; +inf when every value is +inf).  ``problems``
+    defaults to G.
 
     ``predictive=True`` (opt-in) draws every batch from a *resample of the G problems* instead of
     from the G problems themselves — ``pool = rng.integers(0, G, (n_boot, G))`` then ``pick =
@@ -256,7 +268,7 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
         raise ValueError("`budget` must lie in (0, 1)")
     if not 0.0 < confidence < 1.0:
         raise ValueError("`confidence` must lie in (0, 1)")
-    u = np.asarray(u, np.float64).ravel()
+    u = _flagged_always(u)
     labels, gi = group_index(groups)
     if gi.size != u.size:
         raise ValueError("`groups` must give one label per value of `u`")
