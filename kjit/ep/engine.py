@@ -242,8 +242,11 @@ def warn_unconverged(outcome: str, status: str, who: str) -> None:
     ``"diverged"``, at the caller's line outside kjit — a run's answer is never an unconverged
     posterior without a word; ``warn_unconverged=False`` on the engine or model (or a warnings filter
     on the class) silences it where non-convergence is expected and counted."""
-    if outcome in ("max_iter", "diverged"):
-        warnings.warn(f"{who}: {status}", EPConvergenceWarning, stacklevel=_caller_outside_package())
+    hint = {"max_iter": "more sweeps (max_iter), damping (e.g. damping=0.5) or schedule='sequential' may let it converge",
+            "diverged": "damping (e.g. damping=0.5) or schedule='sequential' may keep it stable"}.get(outcome)
+    if hint is not None:
+        warnings.warn(f"{who}: {status} — {hint}; warn_unconverged=False silences this", EPConvergenceWarning,
+                      stacklevel=_caller_outside_package())
 
 
 class UncertainAnswerError(RuntimeError):
