@@ -230,11 +230,12 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _caller_outside_package() -> int:
     """The ``stacklevel`` (for a ``warnings.warn`` in the function that calls this) of the first frame
     outside the kjit package: a warning then names the user's line — ``model.fit(X, y)`` or
-    ``ep.run(...)`` — whichever of kjit's functions lie between."""
+    ``ep.run(...)`` — whichever of kjit's functions lie between; where every frame is kjit's (its
+    command line), the caller of the warning's function."""
     f, level = sys._getframe(1), 1
     while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         f, level = f.f_back, level + 1
-    return level
+    return level if f is not None else 2
 
 
 def warn_unconverged(outcome: str, status: str, who: str) -> None:
