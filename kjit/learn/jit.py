@@ -505,7 +505,7 @@ class JITOperator(Operator):
         if self.operator is None or self.uncertainty != "predictive":
             return -np.inf
         op = self.operator
-        return float(np.max(np.log(2.0 * op.noise_var_ * np.asarray(op.y_scale_, float) ** 2)))
+        return float(np.max(np.log(2.0 * op.coordinate_noise_var)))
 
     def threshold_note(self) -> str | None:
         """None, or — when the threshold lies below :meth:`threshold_floor` − log 2, the least log
@@ -562,7 +562,7 @@ class JITOperator(Operator):
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         # (KernelOperator.sign_unsettled, which the KL model's calibration counts too)
         op = self.operator
-        noise = op.noise_var_ * np.asarray(op.y_scale_, float) ** 2  # σ_y² in each coordinate's units
+        noise = op.coordinate_noise_var  # σ_y² in each coordinate's units
         if var is not None:
             epistemic = np.maximum(np.asarray(var, float) - noise, 0.0)
         elif self.uncertainty == "learned_kl":

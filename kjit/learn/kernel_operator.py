@@ -1155,12 +1155,17 @@ class KernelOperator(Operator):
         self._check_to(to)
         return self.to
 
+    @property
+    def coordinate_noise_var(self) -> np.ndarray:
+        """σ_y² sd_k²: the regression's noise variance in each output coordinate's units, (k,)."""
+        return self.noise_var_ * np.asarray(self.y_scale_, float) ** 2
+
     def epistemic_log_variance(self, logvar) -> np.ndarray:
         """The epistemic part of log predictive variances ``logvar`` (…, k): log(v − σ_y² sd_k²), the
         regression's noise taken out (−inf where nothing is left) — what a JIT operator with
         ``uncertainty="epistemic"`` compares with its threshold."""
         with np.errstate(divide="ignore"):
-            return np.log(np.maximum(np.exp(logvar) - self.noise_var_ * np.asarray(self.y_scale_, float) ** 2, 0.0))
+            return np.log(np.maximum(np.exp(logvar) - self.coordinate_noise_var, 0.0))
 
     def uncertainty(self, incoming: Mapping[str, Family], to: str | None = None) -> np.ndarray:
         """Log predictive variance per output coordinate, shape (batch, k)."""
@@ -1525,16 +1530,14 @@ class KernelOperator(Operator):
         sign = sign_undetermined(self.factor, self.to, flat, coords, epistemic)
         j = self.family.spread_coord
         if j is not None and any_(sign):
-            noise = self.noise_var_ * np.asarray(self.y_scale_, float) ** 2
-            sign &= epistemic[:, j] > np.broadcast_to(noise, coords.shape[-1:])[j]
+            sign &= epistemic[:, j] > np.broadcast_to(self.coordinate_noise_var, coords.shape[-1:])[j]
         return sign
 
     def _pooled_sign_unsettled(self, incoming, q, logvar) -> np.ndarray:
         """:meth:`sign_unsettled` of predictions ``(q, logvar)`` (beliefs, log predictive variances)."""
         flat = {v: m.ravel() for v, m in incoming.items()}
         var = np.exp(np.asarray(logvar, np.float64).reshape(-1, len(self.y_mean_)))
-        noise = self.noise_var_ * np.asarray(self.y_scale_, float) ** 2
-        return self.sign_unsettled(flat, q.ravel().to_coords(), np.maximum(var - noise, 0.0))
+        return self.sign_unsettled(flat, q.ravel().to_coords(), np.maximum(var - self.coordinate_noise_var, 0.0))
 
     def remove_kl_model(self) -> "KernelOperator":
         """Detach the model of :meth:`fit_kl_model`."""

@@ -196,10 +196,8 @@ class KLModel:
             out = cls.from_hgb(HistGradientBoostingRegressor(**KL_MODEL_TREES).fit(X, y), X.shape[1])
         out.pooled_scores_, out.pooled_groups_ = scores, gi.astype(np.int64)
         if flagged is not None:
-            flagged = np.asarray(flagged)
-            if flagged.shape != scores.shape or flagged.dtype.kind != "b":
-                raise ValueError(f"KL model: `flagged` must be {len(y)} booleans, one per row")
-            out.pooled_flagged_ = flagged
+            out.pooled_flagged_ = np.asarray(flagged)
+            out._check()  # (one check of the pooled rows, the one a loaded state gets)
         return out
 
     @classmethod
