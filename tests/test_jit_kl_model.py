@@ -41,6 +41,8 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         assert all(d["n_screen_mismatch"] == 0 for d in by)
     for s, r in zip(summaries, rows):
         assert s["n_met"] == int(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1)
+        assert s["n_answered_above_target"] == r["n_answered_above_target"] == sum(
+            d["n_answered_above_target"] for d in r["by_direction"].values())
 
 
 def test_answers_read_the_worst_percent_and_the_answers_above_the_target():
