@@ -264,6 +264,11 @@ def test_without_error_bars_the_status_says_shared_errors_add_up(exp_op):
     assert "up to 6 messages to one variable come from one learned operator" in res.status
     exact = GraphEP(g, schedule="sequential").run()
     assert "learned operator" not in exact.status
+    # a just-in-time operator that asked its oracle for every message: no learned answer, no such sentence
+    jit = JITOperator(exp_op, QuadratureOracle(get_factor("exp")), threshold=-1e300, selection="all")
+    res = GraphEP(g, {("exp", "x"): jit}, schedule="sequential").run()
+    assert res.answers["learned"] == 0 and res.answers["rule"] > 0  # (its oracle: the exact rule)
+    assert "learned operator" not in res.status
 
 
 def test_an_operator_that_cannot_draw_now_is_named_and_the_run_stands():

@@ -286,10 +286,12 @@ def attach(ep, result, compute: Callable, who: str, shared: int = 0) -> None:
     when the largest error bar on a mean exceeds ``ep.error_tol`` (an infinite one — too many draws made EP
     fail — included).  A run that did not converge has none (its status says so).  Without error bars, where
     one variable receives ``shared`` ≥ 2 messages from one learned operator, the status says that their errors
-    add up and how to measure the sum."""
+    add up and how to measure the sum — unless the run's counted answers include no learned one (a just-in-time
+    operator that asked its oracle every time)."""
     n = ep.error_bars
     if not n:
-        if shared >= 2:
+        answers = result.answers
+        if shared >= 2 and not (answers and answers.get("learned", 0) == 0):
             result.status += (f"; up to {shared} messages to one variable come from one learned operator: their errors "
                               "add up, which no per-message rule sees (error_bars=16 measures the posterior's)")
         return
