@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 
 import numpy as np
 
 __all__ = ["OracleError", "LowESSError", "SamplerOutputError", "ConfigurationError", "gaussian_or_error", "rows_of_batch",
-           "rows_within", "quoted", "QUOTE_LIMIT", "check_number"]
+           "rows_within", "quoted", "QUOTE_LIMIT", "check_number", "user_stacklevel"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the function that calls this: the first frame
+    outside the kjit package, so a warning names the user's line — ``model.fit(X, y)`` or
+    ``ep.run(...)`` — whichever of kjit's functions lie between; where every frame is kjit's (its
+    command line), the caller of the warning's function."""
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        f, level = f.f_back, level + 1
+    return level if f is not None else 2
+
 
 #: most characters of a caller's text an error message quotes
 QUOTE_LIMIT = 100

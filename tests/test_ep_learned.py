@@ -301,6 +301,9 @@ def test_uncertain_answers_are_counted_warned_raised_or_replaced():
     with pytest.warns(UncertainAnswerWarning, match="above the operator's uncertainty threshold"):
         res = LinearEP(noisy, max_iter=3).run(X, lab)
     assert res.n_uncertain == 20 * res.iterations and "above the operator's uncertainty threshold" in res.status
+    with pytest.warns(UncertainAnswerWarning) as rec:  # (through a model: still the user's line)
+        BayesianLogisticRegression(noisy, max_iter=3, warn_unconverged=False).fit(X, y)
+    assert [w.filename for w in rec if issubclass(w.category, UncertainAnswerWarning)] == [__file__]
     with pytest.raises(UncertainAnswerError):
         LinearEP(noisy, max_iter=3, on_uncertain="raise").run(X, lab)
     with pytest.raises(ValueError, match="needs an oracle"):

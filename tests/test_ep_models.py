@@ -333,8 +333,9 @@ def test_compound_gamma_handles_uncertain_posteriors():
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(k) for k in (3, 12, 5, 20)]  # problems 1 and 3 uncertain
     exact = CompoundGammaPrecision(GridCompoundGammaOperator()).fit_many(xs).posterior_
-    with pytest.warns(UncertainAnswerWarning, match=r"2 of 4 posterior\(s\).*problems \[1, 3\]"):
+    with pytest.warns(UncertainAnswerWarning, match=r"2 of 4 posterior\(s\).*problems \[1, 3\]") as rec:
         model = CompoundGammaPrecision(_UncertainGamma()).fit_many(xs)
+    assert rec[0].filename == __file__  # (the user's line, not the model's)
     assert model.n_uncertain_ == 2 and model.n_oracle_ == 0
     assert model.certificates_.counts()["learned_uncertain"] == 2
     with pytest.raises(UncertainAnswerError) as info:

@@ -158,8 +158,6 @@ paper's ``R = ‖α_t − α_{t−1}‖ < 1e-3`` on the GP representer weights
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -171,7 +169,7 @@ from scipy.linalg.blas import dger as _dger
 
 from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
-from ..errors import ConfigurationError, check_number, rows_of_batch
+from ..errors import ConfigurationError, check_number, rows_of_batch, user_stacklevel
 from ..protocols import (has_log_partition, has_projection_kl, is_operator, log_var_is_variance, reports_uncertainty,
                          supports_power)
 from .error_bars import attach, learned_share, linear_error_bars, require_plain_ep
@@ -205,7 +203,7 @@ def operator_failure(failing: int, iterations: int, errors, who: str) -> str:
     """The status of a run stopped by :data:`OPERATOR_FAILURE_ITERATIONS`, also warned (RuntimeWarning)."""
     status = (f"stopped at iteration {iterations}: the operator failed every update of the last {failing} "
               f"iterations ({errors[0] if errors else 'no message'})")
-    warnings.warn(f"{who}: {status}; the posterior is the last state it could update", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"{who}: {status}; the posterior is the last state it could update", RuntimeWarning, stacklevel=user_stacklevel())
     return status
 
 # what the engine does with an answer whose log predictive variance exceeds the operator's
@@ -224,20 +222,6 @@ class EPConvergenceWarning(UserWarning):
     with a RuntimeWarning instead (:func:`operator_failure`)."""
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _caller_outside_package() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in the function that calls this) of the first frame
-    outside the kjit package: a warning then names the user's line — ``model.fit(X, y)`` or
-    ``ep.run(...)`` — whichever of kjit's functions lie between; where every frame is kjit's (its
-    command line), the caller of the warning's function."""
-    f, level = sys._getframe(1), 1
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
-        f, level = f.f_back, level + 1
-    return level if f is not None else 2
-
-
 def warn_unconverged(outcome: str, status: str, who: str) -> None:
     """:class:`EPConvergenceWarning` carrying ``status`` when ``outcome`` is ``"max_iter"`` or
     ``"diverged"``, at the caller's line outside kjit — a run's answer is never an unconverged
@@ -247,7 +231,7 @@ def warn_unconverged(outcome: str, status: str, who: str) -> None:
             "diverged": "damping (e.g. damping=0.5) or schedule='sequential' may keep it stable"}.get(outcome)
     if hint is not None:
         warnings.warn(f"{who}: {status} — {hint}; warn_unconverged=False silences this", EPConvergenceWarning,
-                      stacklevel=_caller_outside_package())
+                      stacklevel=user_stacklevel())
 
 
 class UncertainAnswerError(RuntimeError):
@@ -1192,7 +1176,7 @@ class LinearEP:
             msg = (f"{n_fell} relaxed-EP update(s) fell back to the plain EP update: the relaxation's line "
                    f"search failed ({first})")
             status += f"; {msg}"
-            warnings.warn(f"EP with {type(self.operator).__name__}: {msg}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"EP with {type(self.operator).__name__}: {msg}", RuntimeWarning, stacklevel=user_stacklevel())
         n_unc = int(sum(r.n_uncertain for r in history))
         if n_unc:
             msg = (f"{n_unc} answer(s) above the operator's uncertainty threshold "
@@ -1200,7 +1184,7 @@ class LinearEP:
             status += f"; {msg}"
             warnings.warn(f"EP with {type(self.operator).__name__}: {msg} (on_uncertain='warn'; pass "
                           "on_uncertain='oracle' to replace them or 'raise' to stop)", UncertainAnswerWarning,
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
         if diverged is not None and self.compute_evidence:
             # (the last finite state of a divergent run is no fixed point: its "evidence" was a
             # finite number for a model whose true evidence is 0 — found by an audit)

@@ -41,7 +41,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import check_number
+from ..errors import check_number, user_stacklevel
 from ..protocols import reports_uncertainty
 
 __all__ = ["ErrorBars", "PosteriorErrorWarning", "graph_error_bars", "linear_error_bars"]
@@ -302,7 +302,7 @@ def attach(ep, result, compute: Callable, who: str, shared: int = 0) -> None:
         bars = compute(n)
     except RuntimeError as exc:  # (EP with the operators' means did not converge from the run's sites)
         result.status += f"; error bars not computed: {exc}"
-        warnings.warn(f"{who}: {exc}", PosteriorErrorWarning, stacklevel=3)
+        warnings.warn(f"{who}: {exc}", PosteriorErrorWarning, stacklevel=user_stacklevel())
         return
     result.error_bars = bars
     if not bars.drawn:
@@ -315,7 +315,7 @@ def attach(ep, result, compute: Callable, who: str, shared: int = 0) -> None:
     if bars.mean_sd[v] > ep.error_tol:
         result.status += f"; {msg}, above error_tol={ep.error_tol:g}"
         warnings.warn(f"{who}: {msg}, above error_tol={ep.error_tol:g}: the posterior's error from its learned "
-                      "operators' uncertainty (see result.error_bars)", PosteriorErrorWarning, stacklevel=3)
+                      "operators' uncertainty (see result.error_bars)", PosteriorErrorWarning, stacklevel=user_stacklevel())
     else:
         result.status += f"; {msg}"
 

@@ -47,7 +47,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..certificates import certified, count_answers
-from ..errors import ConfigurationError, check_number
+from ..errors import ConfigurationError, check_number, user_stacklevel
 from .error_bars import ErrorBars, attach, graph_error_bars, learned_share, require_plain_ep
 from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
                      count_failing, operator_failure, oracle_rows, uncertain_rows, warn_unconverged)
@@ -141,7 +141,7 @@ class FactorGraph:
                           "regressed coordinates are log parameters: within the concentrations a learned operator "
                           "has seen, the budget's threshold is in those units and does not bound the posterior error "
                           "(it grows with the belief's concentration, e.g. √shape for a Gamma); beyond them the JIT "
-                          "weighs the variance by the excess curvature", UserWarning, stacklevel=2)
+                          "weighs the variance by the excess curvature", UserWarning, stacklevel=user_stacklevel())
         eps = posterior_tol / m
         return float(2.0 * np.log(eps)), float(eps)
 
@@ -528,7 +528,7 @@ class GraphEP:
             msg = f"{n_unc} answer(s) its operators' certificates rate uncertain were used"
             status += f"; {msg}"
             warnings.warn(f"graph EP: {msg} (on_uncertain='warn'; pass on_uncertain='oracle' to replace them or "
-                          "'raise' to stop)", UncertainAnswerWarning, stacklevel=2)
+                          "'raise' to stop)", UncertainAnswerWarning, stacklevel=user_stacklevel())
         if not self.compute_evidence:
             log_z, note = None, "not computed"
         elif self.power != 1.0:

@@ -20,6 +20,7 @@ import numpy as np
 from scipy import special
 
 from ..certificates import certified
+from ..errors import user_stacklevel
 from ..factors import Factor
 from ..families import NUMERIC_KINDS, Bernoulli, Beta, Gamma
 from ..protocols import has_log_partition
@@ -435,7 +436,7 @@ class CompoundGammaPrecision:
             else:
                 self.n_uncertain_ = int(rows.size)
                 warnings.warn(f"{what} and were used (on_uncertain='warn'; pass on_uncertain='oracle' to replace them "
-                              "or 'raise' to stop)", UncertainAnswerWarning, stacklevel=2)
+                              "or 'raise' to stop)", UncertainAnswerWarning, stacklevel=user_stacklevel())
         self.certificates_ = cert
         if not np.all(q.is_proper):
             raise ValueError("operator returned an improper belief for τ")
