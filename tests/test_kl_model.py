@@ -510,6 +510,44 @@ def test_the_sign_tests_rows_count_against_the_kl_models_budget(data, monkeypatc
     assert kl_model_threshold(op, 0.1, confidence=0.9, problems=5) == u[~km.pooled_flagged_].max()
 
 
+def test_the_variance_budget_counts_the_sign_tests_rows_when_asked(data, monkeypatch):
+    """budget_threshold(sign_test=True): the rows the variance rule's JIT consults whatever its
+    threshold (the sign test, made to fire on messages with mean > 2.2 as above) count as flagged,
+    so the JIT built with that threshold consults at most the budget of the pooled rows — the
+    default threshold's JIT consults more.  The flagged rows are the JIT's own (its mask at an
+    unreachable threshold), and the batch rule reads them as above every value."""
+    import kjit.learn.kernel_operator as ko
+    from kjit.learn.calibration import _pooled
+    from kjit.operators import JITOperator
+
+    f, d = data
+    monkeypatch.setattr(ko, "sign_undetermined", lambda factor, to, inc, coords, var, z=2.0: inc["x"].mean() > 2.2)
+    op = KernelOperator(f, "x", **KW).fit(d["train"])
+    cal = d["cal"].incoming
+
+    def consulted(threshold):
+        jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=threshold, selection="all")
+        return np.asarray(jit.screen(cal)[2]).reshape(-1)
+
+    u, _ = _pooled(op, cal, None, None, labels=False)
+    u_sign, _ = _pooled(op, cal, None, None, labels=False, sign_test=True)
+    sign = np.isinf(u_sign)
+    np.testing.assert_array_equal(sign, consulted(1e300))
+    np.testing.assert_array_equal(u_sign[~sign], u[~sign])
+    assert 0 < sign.sum() < 0.1 * u.size
+    n, k = u.size, int(np.ceil((u.size + 1) * 0.9))
+    t_plain, t_sign = budget_threshold(op, cal, 0.1), budget_threshold(op, cal, 0.1, sign_test=True)
+    assert np.sum(consulted(t_plain)) > n - k  # (the sign test's rows on top of the budget)
+    assert np.sum(consulted(t_sign)) <= n - k and t_sign > t_plain
+    # pooled with the fitted rows left out by problem, over batches of problems
+    t_batch = budget_threshold(op, cal, 0.1, fitted=d["train"], groups=TRAIN_GROUPS, confidence=0.9,
+                               problems=5, held_out_groups=CAL_GROUPS, sign_test=True)
+    u_all, _ = _pooled(op, cal, d["train"], TRAIN_GROUPS, labels=False, sign_test=True)
+    labels = np.concatenate([CAL_GROUPS, TRAIN_GROUPS + CAL_GROUPS.max() + 1])
+    assert np.isinf(u_all[n:]).any()
+    assert t_batch == tolerance_threshold(np.where(np.isinf(u_all), 1e9, u_all), labels, 0.1, 0.9, 5)
+
+
 def test_the_pooled_flags_are_the_jits_sign_test_where_it_fires():
     """On probit_noise (ε 0.1) → f — not log-concave, so the sign of the outgoing precision can be
     undetermined — the flags fit_kl_model records for its held-out rows are the rows
