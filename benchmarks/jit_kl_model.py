@@ -15,7 +15,9 @@ model fitted (``fit_kl_model``) as factor_suite.py does, and two thresholds set 
 both by the budget975p rule (``BUDGET975P_CONFIDENCE``: flagged share ≤ 10 % in 97.5 % of predictive
 bootstrap batches of as many problems as the test set): the variance rule's (``budget_threshold``,
 the largest weighted log predictive variance — what ``uncertainty="predictive"`` thresholds) and
-the learned KL's (``kl_model_threshold``).  The test problems are then solved again, in order, by
+the learned KL's (``kl_model_threshold``), each counting as flagged the pooled rows the JIT's sign test of
+the outgoing precision consults whatever the threshold (``sign_test=True`` for the variance rule since the
+thirty-third session; the learned KL's since the thirty-second).  The test problems are then solved again, in order, by
 EP with the exact rule (the reference) and by EP with one ``JITOperator`` per direction for each rule — ``"predictive"`` and ``"learned_kl"`` —
 each starting from a copy of the fitted operator with the exact rule as its oracle, learning online
 through all the test problems (``selection="all"``: every flagged row is consulted, so the flags are
@@ -82,6 +84,16 @@ posteriors over KL 1e-3: 0 of 6 168 → 4 of 6 166 (gaussian, ≤ 2.5e-3).  Wher
 learned answers above e^-10 (``n_answered_above_target``) only on product (0.54 → 0.18 % of its
 requests) and gaussian (2.45 → 2.80 %); every other factor's worst 1 % lies at KL ≤ 3.1e-7
 (``kl_p99``), its answers all below e^-10.
+
+Thirty-third session: the variance rule's budget counts the sign test's rows too (``budget_threshold(...,
+sign_test=True)``), so both rules' budgets cover what their JITs consult.  Seeds 0–4, all factors: only
+product's variance thresholds move (gaussian's sign-test rows already lay above its variance threshold;
+the other factors have next to none); its consultation rate 5.2/7.6/7.9/9.3/5.7 % → 4.9/7.0/7.6/8.5/5.6 %,
+worst 1 % consulted 0.81/0.94/0.74/0.95/0.92 → 0.88/0.81/0.90/0.96/0.82 (EP through the JIT takes another
+path as its answers change), learned answers above e^-10 0.55 % of its requests (before 0.54 %).  Variance →
+learned KL: both goals 9 → 18 of 35 (product seed 3 now meets them under the variance rule), per direction
+16 → 28 of 50; the learned KL's figures are reproduced exactly.  The largest learned answer EP received under
+the variance rule: 0.83 (product seed 0, before 6.9e-4 — another path), under the learned KL 3.5e-3.
 
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
                                       [--density-guard]
@@ -233,7 +245,7 @@ def factor_rows(name, args):
         op.fit_error_model(data["train"], g_train, mode="auto", held_out=data["cal"])
         thr_var = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=g_train,
                                    confidence=BUDGET975P_CONFIDENCE, problems=n_test_problems,
-                                   held_out_groups=g_cal, predictive=True)
+                                   held_out_groups=g_cal, predictive=True, sign_test=True)
         op.fit_kl_model(data["train"], g_train, held_out=data["cal"], held_out_groups=g_cal)
         thr_kl = kl_model_threshold(op, 0.1, confidence=BUDGET975P_CONFIDENCE, problems=n_test_problems,
                                     predictive=True)
