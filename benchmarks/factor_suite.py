@@ -1016,7 +1016,14 @@ def main(argv=None):
                          "default off)")
     ap.add_argument("--problems-scale", type=float, default=1.0, metavar="S",
                     help="S times the problems per factor, the pair counts unchanged (default 1)")
+    ap.add_argument("--pool", nargs="+", metavar="FILE",
+                    help="run nothing: read this script's JSON lines of several seeds (one file a run) and print, per "
+                         "direction, issue 14 part 3's goals read over the test sets (pool_seeds)")
     args = ap.parse_args(argv)
+    if args.pool:
+        for line in pool_seeds(args.pool):
+            print(json.dumps(line), flush=True)
+        return
     if args.choose_uncertainty and args.ensemble < 2:
         ap.error("--choose-uncertainty needs --ensemble K (K >= 2)")
     if not args.problems_scale > 0:
@@ -1079,6 +1086,46 @@ def main(argv=None):
             **{f"max_kl_unflagged_at_{at}_guard": max(r[f"max_kl_unflagged_at_{at}_guard"] or 0.0 for r in rows)
                for at in ("q90", "budget90")}} if args.novelty else {}),
     }), flush=True)
+
+
+#: the readings --pool reads: (name, suffix of the worst1pct_flagged / flagged_fraction keys)
+POOL_READINGS = (("target_kl", ""), ("budget975p", "_at_budget975p"), ("klmodel_jit", "_at_budget975p_klmodel_jit"),
+                 ("exactkl", "_at_budget975p_exactkl"))
+
+
+def pool_seeds(paths) -> list[dict]:
+    """Issue 14 part 3 read over repeated use (``--pool``): from this script's output of several runs
+    (one file a seed), per (factor, direction) and reading (:data:`POOL_READINGS` present in every
+    run), the mean over the runs of ``worst1pct_flagged`` (the share of the worst 1 % rows flagged,
+    each test set's ~30 rows weighted alike) and of ``flagged_fraction`` (every test set has
+    ``--n-test`` rows), ``met_pooled`` (the first ≥ 0.95 and the second ≤ 0.10: the worst rows flagged
+    95 % of the time over test sets, 10 % of rows flagged) beside ``n_sets_met`` (test sets meeting
+    both, the per-set count the summary's ``n_met_at_*`` keys give); then a summary line with
+    ``n_met_pooled_<reading>`` and ``n_sets_met_<reading>`` over directions.  A file's summary and
+    per-factor timing lines are skipped; a direction missing from a run is an error (unlike runs)."""
+    runs = []
+    for path in paths:
+        with open(path) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        runs.append({(r["factor"], r["direction"]): r for r in rows if "direction" in r and "mean_log_kl" in r})
+    keys = list(runs[0])
+    if not keys or any(set(run) != set(keys) for run in runs):
+        raise SystemExit("--pool: every file must hold the same (factor, direction) rows, and some")
+    readings = [(name, suf) for name, suf in POOL_READINGS
+                if all(f"worst1pct_flagged{suf}" in run[k] for run in runs for k in keys)]
+    out, summary = [], {"summary": True, "n_runs": len(runs), "n_directions": len(keys)}
+    for k in keys:
+        line = {"factor": k[0], "direction": k[1], "n_runs": len(runs)}
+        for name, suf in readings:
+            w = np.array([run[k][f"worst1pct_flagged{suf}"] for run in runs])
+            f = np.array([run[k][f"flagged_fraction{suf}"] for run in runs])
+            met = bool(w.mean() >= 0.95 and f.mean() <= 0.1)
+            line.update({f"worst1pct_flagged_mean_{name}": float(w.mean()), f"flagged_fraction_mean_{name}": float(f.mean()),
+                         f"met_pooled_{name}": met, f"n_sets_met_{name}": int(np.sum((w >= 0.95) & (f <= 0.1)))})
+            summary[f"n_met_pooled_{name}"] = summary.get(f"n_met_pooled_{name}", 0) + met
+            summary[f"n_sets_met_{name}"] = summary.get(f"n_sets_met_{name}", 0) + line[f"n_sets_met_{name}"]
+        out.append(line)
+    return out + [summary]
 
 
 def _n_met(rows, at: str, tag: str = "") -> int:
