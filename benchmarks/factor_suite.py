@@ -748,6 +748,9 @@ def direction_rows(f, recs, args, rng):
         chosen = uncertainty_figures(op)  # with the chosen error model: the headline
         row.update(chosen)
         row.update(exact_kl_figures(op, data, problem, kl, worst, n_test_problems))
+        # the variance rule's just-in-time operator with a consultation budget (JITOperator(budget=)): the
+        # test rows as one request, its top RANK_BUDGET by score consulted (or'd with the sign test)
+        row.update(_rank_figures(op, exact, test.incoming, worst, ""))
         if args.kl_model:
             # the learned log KL as the uncertainty (opt-in, --kl-model): KernelOperator.fit_kl_model on
             # the calibration set and the training problems left out in turn, the operator as it stands
@@ -783,6 +786,7 @@ def direction_rows(f, recs, args, rng):
             row.update({"flagged_fraction_at_budget975p_klmodel_jit": float(np.mean(fl)),
                         "worst1pct_flagged_at_budget975p_klmodel_jit": float(np.mean(fl[worst])),
                         "n_jit_differs_klmodel": int(np.sum(fl != (s_te > thr["budget975p"])))})
+            row.update(_rank_figures(op, exact, test.incoming, worst, "_klmodel", uncertainty="learned_kl"))
             op.remove_kl_model()
         if args.novelty:
             nov = novelty_figures(op, data["train"], problem["train"], data["cal"], problem["cal"], test.incoming,
@@ -863,6 +867,17 @@ def direction_rows(f, recs, args, rng):
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _rank_figures(op, exact, test_incoming, worst, tag, **kw) -> dict:
+    """The rows a just-in-time operator with a consultation budget (``JITOperator(budget=RANK_BUDGET)``,
+    no floor, ``**kw`` its rule) consults among the test rows sent as one request: its top
+    RANK_BUDGET by score, or'd with the sign test of the outgoing precision (keys
+    ``flagged_fraction_at_rank10{tag}_jit``, ``worst1pct_flagged_at_rank10{tag}_jit``)."""
+    jit = JITOperator(op, exact, budget=RANK_BUDGET, selection="all", **kw)
+    fl = np.asarray(jit.screen(test_incoming)[2]).reshape(-1)
+    return {f"flagged_fraction_at_rank10{tag}_jit": float(np.mean(fl)),
+            f"worst1pct_flagged_at_rank10{tag}_jit": float(np.mean(fl[worst]))}
 
 
 def exact_kl_figures(op, data, problem, kl, worst, n_test_problems) -> dict:
@@ -978,6 +993,8 @@ def _density_guard(op, train, groups, cal, test_incoming, u, kl, test_worst, thr
 
 
 BUDGET_CONFIDENCE = 0.9  # the budget90 threshold: <= 10 % flagged on 90 % of test-sized batches (a priori)
+#: the consultation budget of the ``*_at_rank10*`` keys (JITOperator(budget=)): the issue's 10 %
+RANK_BUDGET = 0.1
 BUDGET975P_CONFIDENCE = 0.975  # budget975p: the same read predictively at 0.975 (chosen on seeds 0-7, see above)
 FACTORS = ("logistic", "probit_noise", "compound_gamma", "product", "gaussian", "gamma_rate", "exp")
 PROBLEMS = {"logistic": 60, "probit_noise": 60, "compound_gamma": 60, "product": 80, "gaussian": 60,
@@ -1050,6 +1067,7 @@ def main(argv=None):
         **{f"n_met_at_{at}": _n_met(rows, at) for at in ("q90", "budget90", "budget90_pred", "budget975p")},
         # the same rules with a perfect uncertainty (each row's exact KL: a ceiling, see exact_kl_figures)
         **{f"n_met_at_{at}_exactkl": _n_met(rows, at, "_exactkl") for at in ("q90", "budget90", "budget975p")},
+        "n_met_at_rank10_jit": _n_met(rows, "rank10", "_jit"),
         "max_flagged_fraction_at_budget90_pred": max(r["flagged_fraction_at_budget90_pred"] for r in rows),
         "n_directions": len(rows),
         # the worst confident error over every direction (None in a row: everything flagged)
@@ -1074,6 +1092,7 @@ def main(argv=None):
         **({**{f"n_met_at_{at}_klmodel": _n_met(rows, at, "_klmodel")
                for at in ("q90", "budget90", "budget90_pred", "budget975p")},
             "n_met_at_budget975p_klmodel_jit": _n_met(rows, "budget975p", "_klmodel_jit"),
+            "n_met_at_rank10_klmodel_jit": _n_met(rows, "rank10", "_klmodel_jit"),
             "n_flagged_fraction_needed_le_006_klmodel": sum(r["flagged_fraction_needed_klmodel"] <= 0.06 for r in rows),
             "max_flagged_fraction_at_budget90_klmodel": max(r["flagged_fraction_at_budget90_klmodel"] for r in rows),
             "min_worst1pct_flagged_at_budget90_klmodel": min(r["worst1pct_flagged_at_budget90_klmodel"] for r in rows)}
@@ -1090,7 +1109,8 @@ def main(argv=None):
 
 #: the readings --pool reads: (name, suffix of the worst1pct_flagged / flagged_fraction keys)
 POOL_READINGS = (("target_kl", ""), ("budget975p", "_at_budget975p"), ("klmodel_jit", "_at_budget975p_klmodel_jit"),
-                 ("exactkl", "_at_budget975p_exactkl"))
+                 ("exactkl", "_at_budget975p_exactkl"), ("rank10_jit", "_at_rank10_jit"),
+                 ("rank10_klmodel_jit", "_at_rank10_klmodel_jit"))
 
 
 def pool_seeds(paths) -> list[dict]:

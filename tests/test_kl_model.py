@@ -582,3 +582,83 @@ def test_an_infinite_or_nan_uncertainty_is_flagged_at_every_threshold():
     t_b = tolerance_threshold(u, groups, 0.1, 0.9)
     assert np.isfinite(t_b) and t_b == tolerance_threshold(np.where(np.isfinite(u), u, 1e9), groups, 0.1, 0.9)
     assert _conformal(np.full(20, np.inf), 0.1) == np.inf
+
+
+def _row_scores(jit, inc):
+    """Each row's largest coordinate of what the rule thresholds (screen_certified's log_var: the
+    predicted log KL, or the weighted log variance) — computed apart from the rule's ranking."""
+    _, cert, _ = jit.screen_certified(inc)
+    return np.max(np.asarray(cert.log_var, float).reshape(len(cert), -1), axis=1)
+
+
+@pytest.mark.parametrize("rule", ["learned_kl", "predictive"])
+def test_a_budget_consults_the_top_scores_of_the_recent_rows(data, fitted, rule):
+    """JITOperator(budget=b): a request's rows are consulted when their score is among the top ⌊b·m⌋
+    of the m ranked — the request alone where it fills the window, else with the last scores before
+    it — above the floor; screen and predict agree; the threshold it reports is the one applied."""
+    from kjit.operators import JITOperator
+    f, d = data
+    _, op = fitted
+    kw = {"uncertainty": "learned_kl"} if rule == "learned_kl" else {}
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=500, selection="all", **kw)
+    first, second = d["test"].subset(np.arange(500)).incoming, d["test"].subset(np.arange(500, 560)).incoming
+    s1 = _row_scores(jit, first)
+    _, _, screened = jit.screen(first)
+    top = s1 > np.sort(s1)[500 - 50 - 1]
+    assert np.sum(top) == 50  # (no ties at the edge)
+    np.testing.assert_array_equal(np.asarray(screened).reshape(-1), top)
+    consulted = np.asarray(jit.predict(first)[2]).reshape(-1)
+    np.testing.assert_array_equal(consulted, top)
+    assert jit.counters()["consultations"] == 50 and jit.budget_scores_.size == 500
+    # the next request ranks among the last 440 scores kept and its own 60
+    s2 = _row_scores(jit, second)
+    ref = np.concatenate([s1[-440:], s2])
+    want = s2 > np.sort(ref)[500 - 50 - 1]
+    consulted = np.asarray(jit.predict(second)[2]).reshape(-1)
+    np.testing.assert_array_equal(consulted, want)
+    assert jit.threshold == np.sort(ref)[500 - 50 - 1]
+    np.testing.assert_array_equal(jit.budget_scores_, ref)
+    # a floor above every score: nothing by rank
+    high = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=float(s1.max()) + 1.0, budget=0.1,
+                       selection="all", **kw)
+    assert not np.asarray(high.screen(first)[2]).any()
+
+
+def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted, tmp_path):
+    from kjit.operators import JITOperator
+    from service.store.entry import self_test
+    f, d = data
+    _, op = fitted
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), -30.0, budget=0.1, budget_window=300, selection="all")
+    jit.predict(d["test"].subset(np.arange(200)).incoming)
+    _, state = loads_state(dumps_state("JITOperator", jit.state_dict()))
+    back = JITOperator.from_state_dict(state)
+    assert (back.budget, back.budget_window, back.threshold_floor_, back.threshold) == (0.1, 300, -30.0, jit.threshold)
+    np.testing.assert_array_equal(back.budget_scores_, jit.budget_scores_)
+    nxt = d["test"].subset(np.arange(200, 300)).incoming
+    np.testing.assert_array_equal(np.asarray(back.predict(nxt)[2]), np.asarray(jit.predict(nxt)[2]))
+    # a request whose oracle fails leaves the threshold and the recent scores as they were
+    before = (jit.threshold, jit.budget_scores_.copy())
+
+    def broken(*a, **k):
+        raise RuntimeError("oracle down")
+
+    jit._oracle_beliefs = broken
+    later = d["test"].subset(np.arange(300, 600)).incoming
+    assert np.asarray(jit.screen(later)[2]).any()  # (the request consults)
+    jit.threshold = before[0]  # (screen sets the threshold it ranks by: the last answered request's again)
+    with pytest.raises(RuntimeError, match="oracle down"):
+        jit.predict(later)
+    assert jit.threshold == before[0]
+    np.testing.assert_array_equal(jit.budget_scores_, before[1])
+    for bad, match in (({"budget": 0.0}, "budget"), ({"budget": 1.0}, "budget"), ({"budget": float("nan")}, "budget"),
+                       ({"budget": 0.1, "budget_window": 0}, "budget_window"),
+                       ({"budget": 0.1, "selection": "greedy"}, "selection")):
+        with pytest.raises(ValueError, match=match):
+            JITOperator(copy.deepcopy(op), QuadratureOracle(f), **{"selection": "all", **bad})
+    bad_state = copy.deepcopy(state)
+    bad_state["budget"]["scores"] = np.full(301, -1.0)
+    with pytest.raises(ValueError, match="budget scores"):
+        JITOperator.from_state_dict(bad_state)
+    with pytest.raises(ValueError, match="budget"):
+        self_test(back)  # (the service reads a fixed threshold)

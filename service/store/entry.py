@@ -448,6 +448,10 @@ def self_test(jit: JITOperator) -> None:
         # clients' EP engines read the answers' log_var and the threshold as log variances)
         raise ValueError(f"the service serves just-in-time operators whose threshold applies to a log variance; "
                          f"this one's rule (uncertainty={jit.uncertainty!r}) compares a learned KL")
+    if getattr(jit, "budget", None) is not None:
+        # (a threshold that moves with the traffic: the audit's threshold changes and the clients read a fixed one)
+        raise ValueError(f"the service serves just-in-time operators with a fixed threshold; this one ranks its rows "
+                         f"within a consultation budget (budget={jit.budget})")
     sampler = jit.factor.default_incoming
     if sampler is None:
         return
