@@ -257,9 +257,14 @@ def factor_rows(name, args):
         warnings.simplefilter("ignore")
         posts = {i: runs[i]({to: exact for to in f.variables}, max_iter=args.max_iter) for i in test}
     rows = []
-    for rule in RULES:
-        screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, threshold=thresholds[to][rule],
-                                             uncertainty=rule, selection="all", density_guard=guards.get(to)), exact)
+    for rule in _rules(args):
+        def rule_kw(to):
+            if rule == "learned_kl_budget":  # the learned KL ranked within a consultation budget, no floor
+                return {"uncertainty": "learned_kl", "budget": args.budget}
+            return {"uncertainty": rule, "threshold": thresholds[to][rule]}
+
+        screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, selection="all",
+                                             density_guard=guards.get(to), **rule_kw(to)), exact)
                     for to in directions}
         jit_posts, errors = [], 0
         for i in test:
@@ -283,11 +288,16 @@ def factor_rows(name, args):
                "n_converged_exact": sum(bool(p[1]) for p, _ in jit_posts),
                "n_converged_both": len(both),
                "seconds": float(sum(s.seconds for s in screened.values())),
-               "threshold": {to: float(thresholds[to][rule]) for to in directions},
+               # (the budget rule's: the threshold of its last request)
+               "threshold": {to: float(screened[to].jit.threshold) for to in directions},
                "density_guard": {to: guards[to] for to in directions} if guards else None}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def _rules(args) -> tuple:
+    return RULES + (("learned_kl_budget",) if args.budget is not None else ())
 
 
 def main(argv=None):
@@ -304,7 +314,12 @@ def main(argv=None):
     ap.add_argument("--max-iter", type=int, default=30,
                     help="EP's sweeps at most on the test problems, exact and through the JITs (default 30: "
                          "factor_suite.py's, at which the training problems are recorded)")
+    ap.add_argument("--budget", type=float, default=None, metavar="B",
+                    help="also a third rule, learned_kl_budget: the learned KL ranked within a consultation budget B "
+                         "(JITOperator(budget=B), no floor); default off")
     args = ap.parse_args(argv)
+    if args.budget is not None and not 0.0 < args.budget < 1.0:
+        ap.error("--budget must lie in (0, 1)")
     args.scale = 1.0
     if args.quick:
         args.n_train, args.n_cal, args.n_test, args.scale = 1000, 300, 600, 0.35
@@ -314,7 +329,7 @@ def main(argv=None):
     rows = []
     for name in args.factors:
         rows += factor_rows(name, args)
-    for rule in RULES:
+    for rule in _rules(args):
         rs = [r for r in rows if r["rule"] == rule]
         print(json.dumps({"summary": True, "rule": rule, "n_factors": len(rs),
                           "n_met": sum(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1 for r in rs),
