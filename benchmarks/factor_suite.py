@@ -749,7 +749,7 @@ def direction_rows(f, recs, args, rng):
         row.update(chosen)
         row.update(exact_kl_figures(op, data, problem, kl, worst, n_test_problems))
         # the variance rule's just-in-time operator with a consultation budget (JITOperator(budget=)): the
-        # test rows as one request, its top RANK_BUDGET by score consulted (or'd with the sign test)
+        # test rows as one request, its top RANK_BUDGET by score consulted (the sign test's rows ranked first)
         row.update(_rank_figures(op, exact, test.incoming, worst, ""))
         if args.kl_model:
             # the learned log KL as the uncertainty (opt-in, --kl-model): KernelOperator.fit_kl_model on
@@ -872,7 +872,7 @@ def direction_rows(f, recs, args, rng):
 def _rank_figures(op, exact, test_incoming, worst, tag, **kw) -> dict:
     """The rows a just-in-time operator with a consultation budget (``JITOperator(budget=RANK_BUDGET)``,
     no floor, ``**kw`` its rule) consults among the test rows sent as one request: its top
-    RANK_BUDGET by score, or'd with the sign test of the outgoing precision (keys
+    RANK_BUDGET by score, the rows the sign test of the outgoing precision consults anyway ranked first (keys
     ``flagged_fraction_at_rank10{tag}_jit``, ``worst1pct_flagged_at_rank10{tag}_jit``)."""
     jit = JITOperator(op, exact, budget=RANK_BUDGET, selection="all", **kw)
     fl = np.asarray(jit.screen(test_incoming)[2]).reshape(-1)

@@ -86,7 +86,8 @@ requests) and gaussian (2.45 → 2.80 %); every other factor's worst 1 % lies at
 (``kl_p99``), its answers all below e^-10.
 
 Thirty-third session: the variance rule's budget counts the sign test's rows too (``budget_threshold(...,
-sign_test=True)``), so both rules' budgets cover what their JITs consult.  Seeds 0–4, all factors: only
+sign_test=True)``), so both rules' budgets cover what their JITs consult (not counting, with
+``--density-guard``, the guard's rows).  Seeds 0–4, all factors: only
 product's variance thresholds move (gaussian's sign-test rows already lay above its variance threshold;
 the other factors have next to none); its consultation rate 5.2/7.6/7.9/9.3/5.7 % → 4.9/7.0/7.6/8.5/5.6 %,
 worst 1 % consulted 0.81/0.94/0.74/0.95/0.92 → 0.88/0.81/0.90/0.96/0.82 (EP through the JIT takes another

@@ -616,7 +616,7 @@ def test_a_budget_consults_the_top_scores_of_the_recent_rows(data, fitted, rule)
     want = s2 > np.sort(ref)[500 - 50 - 1]
     consulted = np.asarray(jit.predict(second)[2]).reshape(-1)
     np.testing.assert_array_equal(consulted, want)
-    assert jit.threshold == np.sort(ref)[500 - 50 - 1]
+    assert jit.threshold == np.sort(ref)[500 - 50]  # (the 50th largest: the 49 above it and itself consulted)
     np.testing.assert_array_equal(jit.budget_scores_, ref)
     # a floor above every score: nothing by rank
     high = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=float(s1.max()) + 1.0, budget=0.1,
@@ -646,14 +646,15 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
     jit._oracle_beliefs = broken
     later = d["test"].subset(np.arange(300, 600)).incoming
     assert np.asarray(jit.screen(later)[2]).any()  # (the request consults)
-    jit.threshold = before[0]  # (screen sets the threshold it ranks by: the last answered request's again)
+    assert jit.threshold == before[0] and jit.screened_threshold_ != before[0]  # (screen moves nothing)
     with pytest.raises(RuntimeError, match="oracle down"):
         jit.predict(later)
     assert jit.threshold == before[0]
     np.testing.assert_array_equal(jit.budget_scores_, before[1])
     for bad, match in (({"budget": 0.0}, "budget"), ({"budget": 1.0}, "budget"), ({"budget": float("nan")}, "budget"),
                        ({"budget": 0.1, "budget_window": 0}, "budget_window"),
-                       ({"budget": 0.1, "selection": "greedy"}, "selection")):
+                       ({"budget": 0.1, "selection": "greedy"}, "selection"),
+                       ({"budget": 0.1, "target_kl": 1e-4}, "target_kl")):
         with pytest.raises(ValueError, match=match):
             JITOperator(copy.deepcopy(op), QuadratureOracle(f), **{"selection": "all", **bad})
     bad_state = copy.deepcopy(state)
@@ -662,3 +663,37 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
         JITOperator.from_state_dict(bad_state)
     with pytest.raises(ValueError, match="budget"):
         self_test(back)  # (the service reads a fixed threshold)
+
+
+def test_a_budget_takes_tied_rows_in_order_and_ranks_the_rows_consulted_anyway_first(data, fitted, monkeypatch):
+    """Copies of one message (EP resends them) tie: the places left at the edge go to this request's
+    copies in row order — before, a tie group wider than the places left every copy out.  The rows the
+    sign test consults anyway rank above every score, so they take places; a request longer than the
+    window is ranked alone."""
+    import kjit.learn.kernel_operator as ko
+    from kjit.operators import JITOperator
+    f, d = data
+    _, op = fitted
+    inc = d["test"].subset(np.arange(100)).incoming
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=1000, selection="all")
+    s = _row_scores(jit, inc)
+    worst = int(np.argmax(s))
+    rows = np.concatenate([np.arange(100), np.full(20, worst)])  # 20 more copies of the top row
+    copies = {v: m[rows] for v, m in inc.items()}
+    mask = np.asarray(jit.screen(copies)[2]).reshape(-1)
+    assert mask.sum() == 12 and mask[worst] and mask[100:111].all() and not mask[111:].any()
+    # the sign test's rows (made to fire on the 40 messages of largest mean, where the variance allows) rank first
+    cut = np.sort(np.asarray(inc["x"].mean()).reshape(-1))[-41]
+    monkeypatch.setattr(ko, "sign_undetermined", lambda factor, to, inc, coords, var, z=2.0: inc["x"].mean() > cut)
+    plain = JITOperator(copy.deepcopy(op), QuadratureOracle(f), threshold=1e300, selection="all")
+    sign = np.asarray(plain.screen(inc)[2]).reshape(-1)  # (the JIT's own sign test: where it fires)
+    assert 1 < sign.sum() < 10 and not np.all(sign <= (s >= np.sort(s)[-10]))  # (one outside the top 10)
+    mask = np.asarray(jit.screen(inc)[2]).reshape(-1)
+    order = np.argsort(-np.where(sign, np.inf, s), kind="stable")
+    want = np.zeros(100, bool)
+    want[order[:10]] = True
+    np.testing.assert_array_equal(mask, want)
+    # longer than the window: ranked alone, the recent scores kept are its last rows
+    short = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=40, selection="all")
+    consulted = np.asarray(short.predict(inc)[2]).reshape(-1)
+    assert consulted.sum() == 10 and short.budget_scores_.size == 40
