@@ -116,7 +116,7 @@ class JITOperator(Operator):
         rows tied at the edge are taken in order, this request's before earlier ones), and its worst
         rows are caught as well as the score ranks them.  Over a stream of shorter requests
         each is ranked against the recent scores when it comes: the share consulted stays near the
-        budget but is not bounded by it (benchmarks/jit_kl_model.py ``--budget``: 7.8–10.6 % at 0.1 in
+        budget but is not bounded by it (benchmarks/jit_kl_model.py ``--budget``: 7.8–11.2 % at 0.1 in
         EP).  The price: a window of rows that are all near exact still has its top ``budget``
         consulted (``threshold`` as a floor stops that).  :meth:`screen` ranks as :meth:`predict` would,
         without keeping the scores or moving ``threshold`` (``screened_threshold_``: the one it ranked
