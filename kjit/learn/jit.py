@@ -105,8 +105,9 @@ class JITOperator(Operator):
         uncertain only if its score — the largest coordinate of what the threshold applies to — is
         also among the top ``budget`` of the last ``budget_window`` scores, this request's included
         (the whole request where it is longer): the rule's threshold is then, request by request,
-        the larger of ``threshold`` (a floor; None: none) and the score that many rows exceed
-        (``threshold`` reports it; ``threshold_floor_`` keeps the floor).  The rows consulted whatever
+        the larger of ``threshold`` (a floor; None: none) and the budget's edge — the k-th largest of
+        the m scores ranked, k = ⌊budget · m⌋ (``threshold`` reports it after a request;
+        ``threshold_floor_`` keeps the floor).  The rows consulted whatever
         the threshold (the outgoing precision's sign, the density guard) count as the top scores.  A
         fixed threshold calibrated on other problems flags a new set of problems' rows by how far
         those problems lie from the calibration's (benchmarks/factor_suite.py: even each row's exact
@@ -600,9 +601,10 @@ class JITOperator(Operator):
         (an oracle answer would settle it), or the row's density is below the guard (features
         ``psi``; none given: no guard).  ``var``: the predictive variances (n, k); none given (the
         tests' shortcut), ``decision`` must be a variance rule's unweighted log variance, which gives them.
-        ``budget`` (with a ``budget``): "rank" sets ``threshold`` from these rows' scores among the recent
-        ones (:meth:`_rank`), "commit" also keeps them as recent; None: ``threshold`` as it stands (the
-        request's, for its rows re-checked after learning)."""
+        ``budget`` (with a ``budget``): "rank" ranks these rows' scores among the recent ones
+        (:meth:`_rank`) and keeps the threshold it used in ``screened_threshold_`` (a screen), "commit"
+        sets ``threshold`` to it and keeps the scores as recent (a request); None: ``threshold`` as it
+        stands (the request's, for its rows re-checked after learning)."""
         # the sign test uses the epistemic part of the variance: consulting cannot resolve the
         # noise floor, and a message indistinguishable from 0 at that level is EP's to treat as 0
         # (KernelOperator.sign_unsettled, which the KL model's calibration counts too)
