@@ -643,8 +643,7 @@ class JITOperator(Operator):
         with np.errstate(invalid="ignore"):
             s = np.max(np.asarray(decision, np.float64).reshape(len(always), -1), axis=-1)
         s = np.where(np.isnan(s) | always, np.inf, s)
-        ref = np.concatenate([self.budget_scores_[max(0, self.budget_scores_.size - (self.budget_window - s.size)):]
-                              if s.size < self.budget_window else np.zeros(0), s])
+        ref = np.concatenate([self.budget_scores_, s])[-max(self.budget_window, s.size):]
         k = int(np.floor(self.budget * ref.size))
         ties = np.zeros(s.size, bool)
         if k == 0:
