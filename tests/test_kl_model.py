@@ -624,6 +624,58 @@ def test_a_budget_consults_the_top_scores_of_the_recent_rows(data, fitted, rule)
     assert not np.asarray(high.screen(first)[2]).any()
 
 
+def test_a_budgets_credit_bounds_the_streams_share_and_pays_for_the_top_scores_first(data, fitted):
+    """budget_credit (default): after every request at most ⌊b·m⌋ of the m rows ranked so far are
+    consulted.  A burst of the highest scores after a window of low ones is ranked in the top by the
+    window alone (every one of its rows, without the credit); the credit pays for the two it has left,
+    the burst's top two.  Over a stream of low scores then high ones the rows consulted are, request by request, the
+    ranked rows' top scores up to the credit left, and what screen says predict does."""
+    from kjit.operators import JITOperator
+    f, d = data
+    _, op = fitted
+    pool = d["test"].incoming  # (600 rows)
+    probe = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=500, selection="all")
+    s = _row_scores(probe, pool)
+    order = np.argsort(s, kind="stable")
+    low, burst = order[:500], order[-20:]
+    sub = lambda rows: {v: m[rows] for v, m in pool.items()}  # noqa: E731
+    runs = {}
+    for credit in (False, True):
+        jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=500, selection="all",
+                          budget_credit=credit)
+        assert np.asarray(jit.predict(sub(low))[2]).sum() == 50
+        runs[credit] = np.asarray(jit.predict(sub(burst))[2]).reshape(-1)
+        assert (jit.budget_rows_, jit.budget_consulted_) == ((520, 50 + runs[credit].sum()) if credit else (0, 0))
+    assert runs[False].all()  # (the window's ranking alone: the whole burst)
+    sb = s[burst]
+    np.testing.assert_array_equal(runs[True], sb >= np.sort(sb)[-2])  # (the credit left: 52 − 50)
+    # a stream of requests, low scores then high ones (as EP's on a new problem after a converged one)
+    rng = np.random.default_rng(3)
+    stream = np.concatenate([rng.permutation(order[:300]), rng.permutation(order[-100:])])
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=300, selection="all")
+    seen = spent = bound = 0
+    for rows in np.array_split(stream, 20):
+        inc = sub(rows)
+        jit.budget_credit = False
+        ranked = np.asarray(jit.screen(inc)[2]).reshape(-1)  # (the rank alone)
+        jit.budget_credit = True
+        screened = np.asarray(jit.screen(inc)[2]).reshape(-1)
+        sc = _row_scores(jit, inc)
+        seen += rows.size
+        places = int(np.floor(0.1 * seen)) - spent
+        want = np.zeros(rows.size, bool)
+        pick = np.flatnonzero(ranked)
+        want[pick[np.argsort(-sc[pick], kind="stable")[:max(places, 0)]]] = True
+        np.testing.assert_array_equal(screened, want)
+        bound += int(ranked.sum() > want.sum())
+        consulted = np.asarray(jit.predict(inc)[2]).reshape(-1)
+        np.testing.assert_array_equal(consulted, screened)
+        spent += int(consulted.sum())
+        assert spent <= 0.1 * seen and (jit.budget_rows_, jit.budget_consulted_) == (seen, spent)
+    assert spent >= 0.1 * 400 - 20  # (the credit is spent: at most a request's worth left)
+    assert bound >= 3  # (the stream's ranks alone would have spent more)
+
+
 def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted, tmp_path):
     from kjit.operators import JITOperator
     from service.store.entry import self_test
@@ -635,10 +687,12 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
     back = JITOperator.from_state_dict(state)
     assert (back.budget, back.budget_window, back.threshold_floor_, back.threshold) == (0.1, 300, -30.0, jit.threshold)
     np.testing.assert_array_equal(back.budget_scores_, jit.budget_scores_)
+    assert back.budget_credit and (back.budget_rows_, back.budget_consulted_) == (200, jit.budget_consulted_) \
+        and 0 < jit.budget_consulted_ <= 20
     nxt = d["test"].subset(np.arange(200, 300)).incoming
     np.testing.assert_array_equal(np.asarray(back.predict(nxt)[2]), np.asarray(jit.predict(nxt)[2]))
     # a request whose oracle fails leaves the threshold and the recent scores as they were
-    before = (jit.threshold, jit.budget_scores_.copy())
+    before = (jit.threshold, jit.budget_scores_.copy(), jit.budget_rows_, jit.budget_consulted_)
 
     def broken(*a, **k):
         raise RuntimeError("oracle down")
@@ -649,7 +703,7 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
     assert jit.threshold == before[0] and jit.screened_threshold_ != before[0]  # (screen moves nothing)
     with pytest.raises(RuntimeError, match="oracle down"):
         jit.predict(later)
-    assert jit.threshold == before[0]
+    assert jit.threshold == before[0] and (jit.budget_rows_, jit.budget_consulted_) == before[2:]
     np.testing.assert_array_equal(jit.budget_scores_, before[1])
     for bad, match in (({"budget": 0.0}, "budget"), ({"budget": 1.0}, "budget"), ({"budget": float("nan")}, "budget"),
                        ({"budget": 0.1, "budget_window": 0}, "budget_window"),
@@ -661,6 +715,14 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
     bad_state["budget"]["scores"] = np.full(301, -1.0)
     with pytest.raises(ValueError, match="budget scores"):
         JITOperator.from_state_dict(bad_state)
+    bad_state = copy.deepcopy(state)
+    bad_state["budget"]["consulted"] = 201  # (more than the rows ranked)
+    with pytest.raises(ValueError, match="ledger"):
+        JITOperator.from_state_dict(bad_state)
+    old_state = copy.deepcopy(state)  # (saved before the credit: the rank alone, as it was)
+    for key in ("credit", "rows", "consulted"):
+        del old_state["budget"][key]
+    assert not JITOperator.from_state_dict(old_state).budget_credit
     with pytest.raises(ValueError, match="budget"):
         self_test(back)  # (the service reads a fixed threshold)
 

@@ -116,14 +116,24 @@ class JITOperator(Operator):
         of its rows consulted (the rows consulted anyway rank first: those alone where they exceed it;
         rows tied at the edge are taken in order, this request's before earlier ones), and its worst
         rows are caught as well as the score ranks them.  Over a stream of shorter requests
-        each is ranked against the recent scores when it comes: the share consulted stays near the
-        budget but is not bounded by it (benchmarks/jit_kl_model.py ``--budget``: 7.8–11.2 % at 0.1 in
-        EP).  The price: a window of rows that are all near exact still has its top ``budget``
+        each is ranked against the recent scores when it comes, which alone does not bound the share
+        consulted (benchmarks/jit_kl_model.py ``--budget``, without the credit: 7.8–11.2 % at 0.1 in
+        EP); the credit (``budget_credit``) does.  The price: a window of rows that are all near exact still has its top ``budget``
         consulted (``threshold`` as a floor stops that).  :meth:`screen` ranks as :meth:`predict` would,
         without keeping the scores or moving ``threshold`` (``screened_threshold_``: the one it ranked
         by).  Needs ``selection="all"`` and no ``target_kl`` (its calibration is of a fixed threshold); not served (the service's audit reads a fixed
         threshold).  None (default): the fixed threshold alone.
     budget_window : how many recent scores the budget ranks a request's rows among (default 1000).
+    budget_credit : with a budget, bound the share consulted over the operator's life (default True):
+        of the m rows ranked so far, this request's included, at most ⌊budget · m⌋ are consulted — a
+        request's ranked rows take the places its and earlier requests left unspent, highest score
+        first (ties in row order); the rows consulted anyway (sign test, density guard) take theirs
+        first, all of them, and may overdraw the credit, which later requests then repay.  Quiet
+        requests save places for a burst of new messages (a new problem's first sweeps), up to the
+        window's rank.  A request ranked alone (the first, or one longer than the window) is
+        unchanged by it.  The ledger (``budget_rows_``, ``budget_consulted_``) starts when the
+        operator is fitted and is saved with it.  False: the rank alone, as before the
+        thirty-fourth session (and for states saved then).
     density_guard : also consult a row whose :meth:`KernelOperator.density` (mean kernel value to
         the learned rows) is below this value, whatever its variance — a row far from every
         training row can have a small predictive variance and an arbitrary prediction (see
@@ -148,7 +158,7 @@ class JITOperator(Operator):
                  initial_batch: int = 300, to: str | None = None, operator_kwargs: Mapping | None = None,
                  target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive",
                  density_guard: float | None = None, guard_share: float | None = None,
-                 budget: float | None = None, budget_window: int = 1000):
+                 budget: float | None = None, budget_window: int = 1000, budget_credit: bool = True):
         if uncertainty not in UNCERTAINTY_RULES:
             raise ValueError(f"`uncertainty` must be one of {UNCERTAINTY_RULES}, got {uncertainty!r}")
         self.uncertainty = uncertainty
@@ -183,7 +193,10 @@ class JITOperator(Operator):
                 threshold = -_FINITE_MAX  # (no floor: the budget alone)
         self.budget = None if budget is None else float(budget)
         self.budget_window = int(budget_window)
+        self.budget_credit = bool(budget_credit)
         self.budget_scores_ = np.zeros(0)  # the last budget_window scores (with a budget)
+        # the credit's ledger: rows the budget has ranked and rows it has consulted (ints: exact)
+        self.budget_rows_, self.budget_consulted_ = 0, 0
         self.screened_threshold_ = None  # the threshold the last screen ranked by (with a budget)
         if threshold is None:  # the paper's synthetic value, in log-variance units
             if uncertainty == "learned_kl":
@@ -324,7 +337,8 @@ class JITOperator(Operator):
 
     def _predict_certified(self, incoming, to, revertible):
         saved = dict(self._counts)
-        saved_budget = (self.threshold, self.budget_scores_)  # (replaced, never changed in place)
+        saved_budget = (self.threshold, self.budget_scores_, self.budget_rows_,
+                        self.budget_consulted_)  # (replaced, never changed in place)
         self._undo = None  # set before anything is learned that a later oracle call could void
         self._keep_undo = bool(revertible)
         self._oracle_certs = []
@@ -341,14 +355,15 @@ class JITOperator(Operator):
                         undo()
                     self._counts.clear()
                     self._counts.update(saved)
-                    self.threshold, self.budget_scores_ = saved_budget
+                    (self.threshold, self.budget_scores_, self.budget_rows_,
+                     self.budget_consulted_) = saved_budget
 
                 self.revert_last_ = revert
             return out
         except BaseException:
             self._counts.clear()
             self._counts.update(saved)
-            self.threshold, self.budget_scores_ = saved_budget
+            self.threshold, self.budget_scores_, self.budget_rows_, self.budget_consulted_ = saved_budget
             if self._undo is not None:
                 self._undo()
             raise
@@ -623,16 +638,35 @@ class JITOperator(Operator):
         if guarded is not None:
             always = always | guarded
         if self.budget is not None and budget is not None:
-            threshold, ties = self._rank(decision, always, commit=budget == "commit")
-            if budget == "commit":
+            commit = budget == "commit"
+            threshold, ties, scores = self._rank(decision, always, commit=commit)
+            if commit:
                 self.threshold = threshold
             else:
                 self.screened_threshold_ = threshold
-            return above_threshold(decision, threshold) | always | ties
+            ranked = above_threshold(decision, threshold) | always | ties
+            return self._spend(ranked, always, scores, commit) if self.budget_credit else ranked
         return above_threshold(decision, self.threshold) | always
 
+    def _spend(self, ranked, always, scores, commit=False):
+        """The rows of ``ranked`` the credit pays for: with m rows ranked so far (this request's
+        included) and c consulted, ⌊budget · m⌋ − c places; the rows consulted anyway (``always``)
+        take theirs first (all of them, even beyond it: the credit goes into debt), then the others
+        by score, highest first, ties in row order.  ``commit``: the ledger keeps the request."""
+        rows = self.budget_rows_ + ranked.size
+        spare = int(np.floor(self.budget * rows)) - self.budget_consulted_ - int(np.count_nonzero(always))
+        extra = np.flatnonzero(ranked & ~always)
+        out = np.array(always, bool)
+        if extra.size:
+            # by score, highest first; a stable sort keeps tied rows in row order
+            keep = extra[np.argsort(-scores[extra], kind="stable")[:max(spare, 0)]]
+            out[keep] = True
+        if commit:
+            self.budget_rows_, self.budget_consulted_ = rows, self.budget_consulted_ + int(np.count_nonzero(out))
+        return out
+
     def _rank(self, decision, always, commit=False):
-        """``(threshold, ties)`` of the budget for a request whose rows have ``decision`` (n, k) and are
+        """``(threshold, ties, scores)`` of the budget for a request whose rows have ``decision`` (n, k) and are
         consulted anyway where ``always``: scores (a row's largest coordinate; NaN or consulted anyway:
         +inf) ranked among the last ``budget_window`` (the request's own first).  With t the k-th
         largest of the m ranked (k = ⌊budget · m⌋), the rows above t take a of the k places and the
@@ -655,7 +689,7 @@ class JITOperator(Operator):
                 ties[np.flatnonzero(s == t)[:free]] = True
         if commit:
             self.budget_scores_ = ref[-self.budget_window:]
-        return max(self.threshold_floor_, min(t, _FINITE_MAX)), ties
+        return max(self.threshold_floor_, min(t, _FINITE_MAX)), ties, s
 
     def _differs(self, flat, ref):
         """(n, c) booleans: does each row differ from the reference row in each coordinate of
@@ -813,7 +847,9 @@ class JITOperator(Operator):
                        "guard_rows": self.guard_rows_,
                        "operator_kwargs": json.dumps(self.operator_kwargs)},
             **({"budget": {"budget": self.budget, "window": self.budget_window, "floor": self.threshold_floor_,
-                           "scores": np.array(self.budget_scores_)}} if self.budget is not None else {}),
+                           "scores": np.array(self.budget_scores_), "credit": self.budget_credit,
+                           "rows": self.budget_rows_, "consulted": self.budget_consulted_}}
+               if self.budget is not None else {}),
             "counters": dict(self._counts),
             "oracle": oracle,
         }
@@ -863,7 +899,8 @@ class JITOperator(Operator):
                       target_kl=p.get("target_kl"),
                       selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"),
                       density_guard=p.get("density_guard"), guard_share=p.get("guard_share"),
-                      **({"budget": float(state["budget"]["budget"]), "budget_window": int(state["budget"]["window"])}
+                      **({"budget": float(state["budget"]["budget"]), "budget_window": int(state["budget"]["window"]),
+                          "budget_credit": bool(state["budget"].get("credit", False))}
                          if "budget" in state else {}))
             if "budget" in state:
                 b = state["budget"]
@@ -872,6 +909,10 @@ class JITOperator(Operator):
                 if scores.size > jit.budget_window or np.isnan(scores).any():
                     raise ValueError("JIT operator state's budget scores are malformed (NaN, or more than its window)")
                 jit.budget_scores_ = scores
+                rows, consulted = int(b.get("rows", 0)), int(b.get("consulted", 0))
+                if not 0 <= consulted <= rows:
+                    raise ValueError("JIT operator state's budget ledger is malformed (consulted rows outside 0…rows)")
+                jit.budget_rows_, jit.budget_consulted_ = rows, consulted
             if o["kind"] in ("importance_sampling", "message_sampler"):
                 # the generator (and, mid-way through a reused particle draw, the same particles again)
                 jit.set_oracle_state(o)
