@@ -106,7 +106,7 @@ learned answers above e^-10 1 502 (fixed threshold 2 752), posteriors over KL 1e
 (4 of 6 166); the largest learned answer 0.79 (product seed 1; the fixed threshold's 3.5e-3).
 
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
-                                      [--density-guard]
+                                      [--density-guard] [--budget 0.1] [--rules learned_kl_budget learned_kl_rank]
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ from kjit.oracles import QuadratureOracle  # noqa: E402
 from kjit.training import TrainingSet  # noqa: E402
 
 RULES = ("predictive", "learned_kl")
+# with --budget: the learned KL ranked within the budget, with the credit that bounds the stream's share
+# (JITOperator's default) and without it (the rank alone)
+BUDGET_RULES = ("learned_kl_budget", "learned_kl_rank")
 TARGET_KL = float(np.exp(-10))  # (factor_suite.py's --target-kl default: a KL below it the suite calls near exact)
 
 
@@ -269,8 +272,9 @@ def factor_rows(name, args):
     rows = []
     for rule in _rules(args):
         def rule_kw(to):
-            if rule == "learned_kl_budget":  # the learned KL ranked within a consultation budget, no floor
-                return {"uncertainty": "learned_kl", "budget": args.budget}
+            if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
+                return {"uncertainty": "learned_kl", "budget": args.budget,
+                        "budget_credit": rule == "learned_kl_budget"}
             return {"uncertainty": rule, "threshold": thresholds[to][rule]}
 
         screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, selection="all",
@@ -307,7 +311,7 @@ def factor_rows(name, args):
 
 
 def _rules(args) -> tuple:
-    return RULES + (("learned_kl_budget",) if args.budget is not None else ())
+    return tuple(args.rules) if args.rules else RULES + (BUDGET_RULES[:1] if args.budget is not None else ())
 
 
 def main(argv=None):
@@ -327,9 +331,14 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None, metavar="B",
                     help="also a third rule, learned_kl_budget: the learned KL ranked within a consultation budget B "
                          "(JITOperator(budget=B), no floor); default off")
+    ap.add_argument("--rules", nargs="+", choices=RULES + BUDGET_RULES, default=None,
+                    help="the rules to run (default: predictive and learned_kl, and learned_kl_budget with --budget); "
+                         "learned_kl_rank: the budget's rank without its credit (JITOperator(budget_credit=False))")
     args = ap.parse_args(argv)
     if args.budget is not None and not 0.0 < args.budget < 1.0:
         ap.error("--budget must lie in (0, 1)")
+    if args.budget is None and set(args.rules or ()) & set(BUDGET_RULES):
+        ap.error(f"--rules {' / '.join(BUDGET_RULES)} need --budget")
     args.scale = 1.0
     if args.quick:
         args.n_train, args.n_cal, args.n_test, args.scale = 1000, 300, 600, 0.35
