@@ -273,7 +273,7 @@ def factor_rows(name, args):
     for rule in _rules(args):
         def rule_kw(to):
             if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
-                return {"uncertainty": "learned_kl", "budget": args.budget,
+                return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
                         "budget_credit": rule == "learned_kl_budget"}
             return {"uncertainty": rule, "threshold": thresholds[to][rule]}
 
@@ -304,7 +304,8 @@ def factor_rows(name, args):
                "seconds": float(sum(s.seconds for s in screened.values())),
                # (the budget rule's: the threshold of its last request)
                "threshold": {to: float(screened[to].jit.threshold) for to in directions},
-               "density_guard": {to: guards[to] for to in directions} if guards else None}
+               "density_guard": {to: guards[to] for to in directions} if guards else None,
+               **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -331,12 +332,17 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None, metavar="B",
                     help="also a third rule, learned_kl_budget: the learned KL ranked within a consultation budget B "
                          "(JITOperator(budget=B), no floor); default off")
+    ap.add_argument("--budget-window", type=int, default=1000, metavar="W",
+                    help="the budget rules' window: how many recent scores a request is ranked among (default 1000, "
+                         "JITOperator's)")
     ap.add_argument("--rules", nargs="+", choices=RULES + BUDGET_RULES, default=None,
                     help="the rules to run (default: predictive and learned_kl, and learned_kl_budget with --budget); "
                          "learned_kl_rank: the budget's rank without its credit (JITOperator(budget_credit=False))")
     args = ap.parse_args(argv)
     if args.budget is not None and not 0.0 < args.budget < 1.0:
         ap.error("--budget must lie in (0, 1)")
+    if args.budget_window < 1:
+        ap.error("--budget-window must be at least 1")
     if args.budget is None and set(args.rules or ()) & set(BUDGET_RULES):
         ap.error(f"--rules {' / '.join(BUDGET_RULES)} need --budget")
     args.scale = 1.0

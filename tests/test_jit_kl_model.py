@@ -66,3 +66,26 @@ def test_answers_read_the_worst_percent_and_the_answers_above_the_target():
     # (e^-10 ≈ 4.5e-5: 1e-4 and 1e-2 count, 1e-5 does not, and the consulted 3e-3 is no answer)
     assert out["n_answered_above_target"] == 2 and out["max_kl_answered"] == 1e-2
     assert out["n_without_exact"] == 1 and out["requests"] == 200 and out["consultation_rate"] == 1 / 200
+
+
+def test_the_budget_rules_with_and_without_the_credit(capsys):
+    """--budget with --rules: the learned KL ranked within the budget with its credit
+    (learned_kl_budget) and without it (learned_kl_rank); the flags are the consultations in both,
+    and with the credit no direction consults more than the budget of its rows (gamma_rate's sign test
+    consults next to none anyway, so nothing overdraws it).  The budget rules need --budget."""
+    import pytest
+
+    bench = _bench()
+    bench.main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
+                "--budget", "0.1", "--rules", "learned_kl_budget", "learned_kl_rank"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    rows = [r for r in lines if not r.get("summary")]
+    assert [r["rule"] for r in rows] == ["learned_kl_budget", "learned_kl_rank"]
+    assert [s["rule"] for s in lines if s.get("summary")] == ["learned_kl_budget", "learned_kl_rank"]
+    for r in rows:
+        assert r["n_screen_mismatch"] == 0 and r["ep_errors"] == 0 and r["consultation_rate"] > 0
+        assert (r["budget"], r["budget_window"]) == (0.1, 1000)
+    for d in rows[0]["by_direction"].values():
+        assert d["consultation_rate"] * d["requests"] <= np.floor(0.1 * d["requests"])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--rules", "learned_kl_rank"])

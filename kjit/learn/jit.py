@@ -683,7 +683,7 @@ class JITOperator(Operator):
         if k == 0:
             t = float(ref.max())
         else:
-            t = float(np.sort(ref)[ref.size - k])  # the k-th largest (k < ref.size: budget < 1)
+            t = float(np.partition(ref, ref.size - k)[ref.size - k])  # the k-th largest (k < ref.size: budget < 1)
             if t < np.inf and t > self.threshold_floor_:
                 free = k - int(np.count_nonzero(ref > t))
                 ties[np.flatnonzero(s == t)[:free]] = True
