@@ -106,7 +106,7 @@ learned answers above e^-10 1 502 (fixed threshold 2 752), posteriors over KL 1e
 (4 of 6 166); the largest learned answer 0.79 (product seed 1; the fixed threshold's 3.5e-3).
 
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
-                                      [--density-guard] [--budget 0.1] [--rules learned_kl_budget learned_kl_rank]
+                                      [--density-guard] [--budget 0.1] [--rules learned_kl_budget learned_kl_credit]
 """
 
 from __future__ import annotations
@@ -130,9 +130,11 @@ from kjit.oracles import QuadratureOracle  # noqa: E402
 from kjit.training import TrainingSet  # noqa: E402
 
 RULES = ("predictive", "learned_kl")
-# with --budget: the learned KL ranked within the budget, with the credit that bounds the stream's share
-# (JITOperator's default) and without it (the rank alone)
-BUDGET_RULES = ("learned_kl_budget", "learned_kl_rank")
+# with --budget, the learned KL ranked within a consultation budget: the rank alone (JITOperator(budget=B));
+# with the credit that bounds the stream's share (budget_credit=True); and the learned KL's fixed threshold
+# (learned_kl's) consulted whatever the budget, topped up by the rank with the credit it leaves
+# (budget_level=that threshold, budget_credit=True)
+BUDGET_RULES = ("learned_kl_budget", "learned_kl_credit", "learned_kl_topup")
 TARGET_KL = float(np.exp(-10))  # (factor_suite.py's --target-kl default: a KL below it the suite calls near exact)
 
 
@@ -274,7 +276,8 @@ def factor_rows(name, args):
         def rule_kw(to):
             if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
                 return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
-                        "budget_credit": rule == "learned_kl_budget"}
+                        "budget_credit": rule != "learned_kl_budget",
+                        "budget_level": thresholds[to]["learned_kl"] if rule == "learned_kl_topup" else None}
             return {"uncertainty": rule, "threshold": thresholds[to][rule]}
 
         screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, selection="all",
@@ -337,7 +340,9 @@ def main(argv=None):
                          "JITOperator's)")
     ap.add_argument("--rules", nargs="+", choices=RULES + BUDGET_RULES, default=None,
                     help="the rules to run (default: predictive and learned_kl, and learned_kl_budget with --budget); "
-                         "learned_kl_rank: the budget's rank without its credit (JITOperator(budget_credit=False))")
+                         "learned_kl_credit: the budget's rank with its credit (JITOperator(budget_credit=True)); "
+                         "learned_kl_topup: learned_kl's threshold consulted whatever the budget, the credit it leaves "
+                         "spent by the rank (budget_level=, budget_credit=True)")
     args = ap.parse_args(argv)
     if args.budget is not None and not 0.0 < args.budget < 1.0:
         ap.error("--budget must lie in (0, 1)")

@@ -70,22 +70,22 @@ def test_answers_read_the_worst_percent_and_the_answers_above_the_target():
 
 def test_the_budget_rules_with_and_without_the_credit(capsys):
     """--budget with --rules: the learned KL ranked within the budget with its credit
-    (learned_kl_budget) and without it (learned_kl_rank); the flags are the consultations in both,
+    (learned_kl_credit) and without it (learned_kl_budget); the flags are the consultations in both,
     and with the credit no direction consults more than the budget of its rows (gamma_rate's sign test
     consults next to none anyway, so nothing overdraws it).  The budget rules need --budget."""
     import pytest
 
     bench = _bench()
     bench.main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
-                "--budget", "0.1", "--rules", "learned_kl_budget", "learned_kl_rank"])
+                "--budget", "0.1", "--rules", "learned_kl_credit", "learned_kl_budget"])
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     rows = [r for r in lines if not r.get("summary")]
-    assert [r["rule"] for r in rows] == ["learned_kl_budget", "learned_kl_rank"]
-    assert [s["rule"] for s in lines if s.get("summary")] == ["learned_kl_budget", "learned_kl_rank"]
+    assert [r["rule"] for r in rows] == ["learned_kl_credit", "learned_kl_budget"]
+    assert [s["rule"] for s in lines if s.get("summary")] == ["learned_kl_credit", "learned_kl_budget"]
     for r in rows:
         assert r["n_screen_mismatch"] == 0 and r["ep_errors"] == 0 and r["consultation_rate"] > 0
         assert (r["budget"], r["budget_window"]) == (0.1, 1000)
     for d in rows[0]["by_direction"].values():
         assert d["consultation_rate"] * d["requests"] <= np.floor(0.1 * d["requests"])
     with pytest.raises(SystemExit):
-        bench.main(["--quick", "--rules", "learned_kl_rank"])
+        bench.main(["--quick", "--rules", "learned_kl_credit"])

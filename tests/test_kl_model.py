@@ -625,7 +625,7 @@ def test_a_budget_consults_the_top_scores_of_the_recent_rows(data, fitted, rule)
 
 
 def test_a_budgets_credit_bounds_the_streams_share_and_pays_for_the_top_scores_first(data, fitted):
-    """budget_credit (default): after every request at most ⌊b·m⌋ of the m rows ranked so far are
+    """budget_credit=True: after every request at most ⌊b·m⌋ of the m rows ranked so far are
     consulted.  A burst of the highest scores after a window of low ones is ranked in the top by the
     window alone (every one of its rows, without the credit); the credit pays for the two it has left,
     the burst's top two.  Over a stream of low scores then high ones the rows consulted are, request by request, the
@@ -652,7 +652,8 @@ def test_a_budgets_credit_bounds_the_streams_share_and_pays_for_the_top_scores_f
     # a stream of requests, low scores then high ones (as EP's on a new problem after a converged one)
     rng = np.random.default_rng(3)
     stream = np.concatenate([rng.permutation(order[:300]), rng.permutation(order[-100:])])
-    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=300, selection="all")
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=300, selection="all",
+                      budget_credit=True)
     seen = spent = bound = 0
     for rows in np.array_split(stream, 20):
         inc = sub(rows)
@@ -676,18 +677,49 @@ def test_a_budgets_credit_bounds_the_streams_share_and_pays_for_the_top_scores_f
     assert bound >= 3  # (the stream's ranks alone would have spent more)
 
 
+def test_a_budget_level_is_consulted_whatever_the_budget_and_the_credit_tops_it_up(data, fitted):
+    """budget_level: rows scoring above it are consulted whatever their rank — beyond the budget if
+    need be, overdrawing the credit — and the rank spends only what credit is left."""
+    from kjit.operators import JITOperator
+    f, d = data
+    _, op = fitted
+    first = d["test"].subset(np.arange(100)).incoming
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=60, selection="all",
+                      budget_credit=True)
+    s1 = _row_scores(jit, first)
+    level = float(np.sort(s1)[-15])  # (14 rows above it: more than the budget's 10)
+    jit.budget_level = level
+    consulted = np.asarray(jit.predict(first)[2]).reshape(-1)
+    np.testing.assert_array_equal(consulted, s1 > level)
+    assert (jit.budget_rows_, jit.budget_consulted_) == (100, 14)
+    # 50 more rows, all below the level, ranked with the last 10 scores: the credit has 15 − 14 places
+    pool = d["test"].subset(np.arange(100, 600)).incoming
+    sp = _row_scores(jit, pool)
+    pick = np.argsort(-np.where(sp < level, sp, -np.inf), kind="stable")[:50]
+    second = {v: m[pick] for v, m in pool.items()}
+    s2 = _row_scores(jit, second)
+    assert s2.max() < level
+    jit.budget_credit = False
+    ranked = np.asarray(jit.screen(second)[2]).reshape(-1)
+    jit.budget_credit = True
+    assert ranked.sum() > 1  # (the rank alone would take more)
+    consulted = np.asarray(jit.predict(second)[2]).reshape(-1)
+    np.testing.assert_array_equal(consulted, np.arange(50) == np.argmax(s2))
+
+
 def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted, tmp_path):
     from kjit.operators import JITOperator
     from service.store.entry import self_test
     f, d = data
     _, op = fitted
-    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), -30.0, budget=0.1, budget_window=300, selection="all")
+    jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), -30.0, budget=0.1, budget_window=300, selection="all",
+                      budget_credit=True, budget_level=-20.0)
     jit.predict(d["test"].subset(np.arange(200)).incoming)
     _, state = loads_state(dumps_state("JITOperator", jit.state_dict()))
     back = JITOperator.from_state_dict(state)
     assert (back.budget, back.budget_window, back.threshold_floor_, back.threshold) == (0.1, 300, -30.0, jit.threshold)
     np.testing.assert_array_equal(back.budget_scores_, jit.budget_scores_)
-    assert back.budget_credit and (back.budget_rows_, back.budget_consulted_) == (200, jit.budget_consulted_) \
+    assert back.budget_credit and back.budget_level == -20.0 and (back.budget_rows_, back.budget_consulted_) == (200, jit.budget_consulted_) \
         and 0 < jit.budget_consulted_ <= 20
     nxt = d["test"].subset(np.arange(200, 300)).incoming
     np.testing.assert_array_equal(np.asarray(back.predict(nxt)[2]), np.asarray(jit.predict(nxt)[2]))
@@ -708,7 +740,9 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
     for bad, match in (({"budget": 0.0}, "budget"), ({"budget": 1.0}, "budget"), ({"budget": float("nan")}, "budget"),
                        ({"budget": 0.1, "budget_window": 0}, "budget_window"),
                        ({"budget": 0.1, "selection": "greedy"}, "selection"),
-                       ({"budget": 0.1, "target_kl": 1e-4}, "target_kl")):
+                       ({"budget": 0.1, "target_kl": 1e-4}, "target_kl"),
+                       ({"budget_level": -20.0}, "budget_level"),
+                       ({"budget": 0.1, "budget_level": float("nan")}, "budget_level")):
         with pytest.raises(ValueError, match=match):
             JITOperator(copy.deepcopy(op), QuadratureOracle(f), **{"selection": "all", **bad})
     bad_state = copy.deepcopy(state)
@@ -720,7 +754,7 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
     with pytest.raises(ValueError, match="ledger"):
         JITOperator.from_state_dict(bad_state)
     old_state = copy.deepcopy(state)  # (saved before the credit: the rank alone, as it was)
-    for key in ("credit", "rows", "consulted"):
+    for key in ("credit", "level", "rows", "consulted"):
         del old_state["budget"][key]
     assert not JITOperator.from_state_dict(old_state).budget_credit
     with pytest.raises(ValueError, match="budget"):
