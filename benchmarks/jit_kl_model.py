@@ -105,6 +105,25 @@ seeds, logistic 0.83, probit 0.88, compound gamma 1.00, product 0.91, gaussian 0
 learned answers above e^-10 1 502 (fixed threshold 2 752), posteriors over KL 1e-3 from exact-rule EP 0 of 6 073
 (4 of 6 166); the largest learned answer 0.79 (product seed 1; the fixed threshold's 3.5e-3).
 
+Thirty-fourth session (``--budget 0.1 --rules …``; seeds 0–4, 35 pairs; against the fixed learned-KL
+threshold's figures above, which no budget change moves):
+- ``learned_kl_budget`` rerun after the tie fix: both goals on 11 of 35 (before it 12), per direction 17 of 50;
+  7.8–12.3 % consulted, over 10 % on 16 pairs (before 8: the rows tied at the edge are taken now); learned
+  answers above e^-10 1 360, the largest 0.065; no posterior over KL 1e-3 (of 6 051).
+- ``learned_kl_credit`` (``JITOperator(budget_credit=True)``: at most ⌊0.1 · m⌋ of the m rows so far): every
+  share ≤ 10.0 % (6.9–10.0 %) but both goals on 9, per direction 14; worst 1 % consulted, mean over seeds,
+  probit 0.53 (rank alone 0.86), gamma_rate 0.63 (0.86); learned answers above e^-10 5 007, the largest 26
+  (product): a burst of new messages the credit cannot pay for is answered unlearned, and the operator
+  stays wrong for longer.  With a window as long as the run (``--budget-window 100000``, seeds 0–2 only):
+  5 of 21, shares 5.4–9.2 %.
+- ``learned_kl_topup`` (the fixed learned-KL threshold consulted whatever the budget, ``budget_level``; the
+  credit it leaves spent by the rank): both goals on 19 of 35 (fixed threshold 18), per direction 30 of 50 (28);
+  worst 1 % consulted ≥ 0.95 on 22 pairs (18); learned answers above e^-10 1 228 (2 752); posteriors over KL 1e-3
+  0 of 6 059 (4 of 6 166); but shares over 10 % on 8 pairs (2) — up to 12.4 % (gamma_rate seed 1, x 15.5 %,
+  where the fixed threshold alone consults over 10 %), the others 10.1–11.1 %, the threshold's rows overdrawing
+  a credit the rank had spent — and one learned answer at KL 2.9 (product seed 4, the fixed threshold's largest
+  3.5e-3 on its own path; a message EP through the JIT drifted to, as at the thirty-first session).
+
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
                                       [--density-guard] [--budget 0.1] [--rules learned_kl_budget learned_kl_credit]
 """
