@@ -123,6 +123,15 @@ threshold's figures above, which no budget change moves):
   where the fixed threshold alone consults over 10 %), the others 10.1–11.1 %, the threshold's rows overdrawing
   a credit the rank had spent — and one learned answer at KL 2.9 (product seed 4, the fixed threshold's largest
   3.5e-3 on its own path; a message EP through the JIT drifted to, as at the thirty-first session).
+  Fresh seeds 5–9 (``--rules learned_kl learned_kl_topup``, chosen before they were run): fixed threshold →
+  topup both goals 14 → 16 of 35, per direction 22 → 33 of 50 (gaussian τ 1 → 5); the fixed threshold
+  consults 1.6–10.0 % (probit and gaussian ~3 %: its threshold holds a 97.5 % promise, and EP's learning
+  lowers the scores) and the topup 7.7–11.0 %, over 10 % on 1 → 4 pairs; learned answers above e^-10 9 578 →
+  7 813; posteriors over KL 1e-3 17 → 3 (of 6 257 / 6 137); the largest learned answer 0.29 → 1.05 (product
+  seeds 7 and 6).  ``--budget 0.09`` (seeds 0–4): 18 of 35, per direction 28, over 10 % on 4 — a margin for the
+  level's late rows loses what the rank caught.  Product's large answers are not the density guard's
+  (``--density-guard``, product at seeds 4–9: the largest 0.29 / 1.05 unchanged): EP through the JIT
+  drifting to messages whose learned KL and density both look ordinary.
 
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
                                       [--density-guard] [--budget 0.1] [--rules learned_kl_budget learned_kl_credit]
