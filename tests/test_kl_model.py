@@ -644,11 +644,26 @@ def test_a_budgets_credit_bounds_the_streams_share_and_pays_for_the_top_scores_f
         jit = JITOperator(copy.deepcopy(op), QuadratureOracle(f), budget=0.1, budget_window=500, selection="all",
                           budget_credit=credit)
         assert np.asarray(jit.predict(sub(low))[2]).sum() == 50
-        runs[credit] = np.asarray(jit.predict(sub(burst))[2]).reshape(-1)
+        _, cert = jit.certified(sub(burst))
+        runs[credit] = np.asarray(cert.source != "learned")
         assert (jit.budget_rows_, jit.budget_consulted_) == ((520, 50 + runs[credit].sum()) if credit else (0, 0))
+        # the certificates rate what the rule did: no row answered learned above the threshold reported
+        assert not np.asarray(cert.uncertain).any()
     assert runs[False].all()  # (the window's ranking alone: the whole burst)
     sb = s[burst]
     np.testing.assert_array_equal(runs[True], sb >= np.sort(sb)[-2])  # (the credit left: 52 − 50)
+    # the credit spent, a row whose score is NaN (no prediction) is consulted still
+    orig = jit._decision
+
+    def nan_rows(flat, coords, var, logw):
+        out = np.array(orig(flat, coords, var, logw), float)
+        out[:3] = np.nan
+        return out
+
+    jit._decision = nan_rows
+    consulted = np.asarray(jit.predict(sub(order[100:120]))[2]).reshape(-1)
+    assert consulted[:3].all() and jit.budget_consulted_ > 0.1 * jit.budget_rows_ - 1
+    jit._decision = orig
     # a stream of requests, low scores then high ones (as EP's on a new problem after a converged one)
     rng = np.random.default_rng(3)
     stream = np.concatenate([rng.permutation(order[:300]), rng.permutation(order[-100:])])
@@ -723,8 +738,14 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
         and 0 < jit.budget_consulted_ <= 20
     nxt = d["test"].subset(np.arange(200, 300)).incoming
     np.testing.assert_array_equal(np.asarray(back.predict(nxt)[2]), np.asarray(jit.predict(nxt)[2]))
-    # a request whose oracle fails leaves the threshold and the recent scores as they were
+    # a reverted request leaves the threshold, the recent scores and the ledger as they were, as does one
+    # whose oracle fails
     before = (jit.threshold, jit.budget_scores_.copy(), jit.budget_rows_, jit.budget_consulted_)
+    jit.predict(d["test"].subset(np.arange(300, 400)).incoming, revertible=True)
+    assert jit.budget_rows_ == before[2] + 100
+    jit.revert_last_()
+    assert (jit.threshold, jit.budget_rows_, jit.budget_consulted_) == (before[0],) + before[2:]
+    np.testing.assert_array_equal(jit.budget_scores_, before[1])
 
     def broken(*a, **k):
         raise RuntimeError("oracle down")
@@ -742,6 +763,8 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
                        ({"budget": 0.1, "selection": "greedy"}, "selection"),
                        ({"budget": 0.1, "target_kl": 1e-4}, "target_kl"),
                        ({"budget_level": -20.0}, "budget_level"),
+                       ({"budget_credit": True}, "budget_credit"),
+                       ({"budget": 0.1, "budget_credit": "False"}, "budget_credit"),
                        ({"budget": 0.1, "budget_level": float("nan")}, "budget_level")):
         with pytest.raises(ValueError, match=match):
             JITOperator(copy.deepcopy(op), QuadratureOracle(f), **{"selection": "all", **bad})
@@ -756,7 +779,8 @@ def test_a_budget_persists_is_atomic_and_refuses_what_it_cannot_use(data, fitted
     old_state = copy.deepcopy(state)  # (saved before the credit: the rank alone, as it was)
     for key in ("credit", "level", "rows", "consulted"):
         del old_state["budget"][key]
-    assert not JITOperator.from_state_dict(old_state).budget_credit
+    old = JITOperator.from_state_dict(old_state)
+    assert not old.budget_credit and old.budget_level is None and (old.budget_rows_, old.budget_consulted_) == (0, 0)
     with pytest.raises(ValueError, match="budget"):
         self_test(back)  # (the service reads a fixed threshold)
 

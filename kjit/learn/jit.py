@@ -118,7 +118,7 @@ class JITOperator(Operator):
         rows are caught as well as the score ranks them.  Over a stream of shorter requests
         each is ranked against the recent scores when it comes, which alone does not bound the share
         consulted (benchmarks/jit_kl_model.py ``--budget``, without the credit: 7.8–11.2 % at 0.1 in
-        EP); the credit (``budget_credit``) does.  The price: a window of rows that are all near exact still has its top ``budget``
+        EP); the credit (``budget_credit``) does, but for the rows consulted anyway.  The price: a window of rows that are all near exact still has its top ``budget``
         consulted (``threshold`` as a floor stops that).  :meth:`screen` ranks as :meth:`predict` would,
         without keeping the scores or moving ``threshold`` (``screened_threshold_``: the one it ranked
         by).  Needs ``selection="all"`` and no ``target_kl`` (its calibration is of a fixed threshold); not served (the service's audit reads a fixed
@@ -131,7 +131,9 @@ class JITOperator(Operator):
         first, all of them, and may overdraw the credit, which later requests then repay.  Quiet
         requests save places for a burst of new messages (a new problem's first sweeps), up to the
         window's rank.  A request ranked alone (the first, or one longer than the window) is
-        unchanged by it.  The ledger (``budget_rows_``, ``budget_consulted_``) starts when the
+        unchanged by it, unless an overdraft is still being repaid.  A row the credit refuses is
+        answered learned, and ``threshold`` is raised to its score, so the certificates rate what
+        the rule did (no row answered learned lies above it).  The ledger (``budget_rows_``, ``budget_consulted_``) starts when the
         operator is fitted and is saved with it.  Measured in EP (benchmarks/jit_kl_model.py, seeds
         0–4, the learned KL at 0.1): it holds every direction's share ≤ 10 % (the rank alone: over
         10 % on 16 of 35 (factor, seed) pairs) but catches less — both goals of issue 14 part 3 on 9
@@ -207,6 +209,10 @@ class JITOperator(Operator):
                 threshold = -_FINITE_MAX  # (no floor: the budget alone)
         self.budget = None if budget is None else float(budget)
         self.budget_window = int(budget_window)
+        if not isinstance(budget_credit, (bool, np.bool_)):
+            raise ValueError(f"`budget_credit` must be True or False, got {budget_credit!r}")
+        if budget_credit and budget is None:
+            raise ValueError("`budget_credit` needs a `budget` (it bounds the budget's share)")
         self.budget_credit = bool(budget_credit)
         if budget_level is not None:
             if budget is None:
@@ -657,34 +663,53 @@ class JITOperator(Operator):
         if guarded is not None:
             always = always | guarded
         if self.budget is not None and budget is not None:
-            if self.budget_level is not None:  # (consulted whatever the rank or the credit)
+            # a NaN score is no prediction: consulted whatever the rank or the credit (found in review: the
+            # credit could refuse one), as are the rows above the level
+            with np.errstate(invalid="ignore"):
+                always = always | np.isnan(np.asarray(decision, float)).reshape(len(always), -1).any(axis=-1)
+            if self.budget_level is not None:
                 always = always | above_threshold(decision, self.budget_level)
             commit = budget == "commit"
             threshold, ties, scores = self._rank(decision, always, commit=commit)
+            ranked = above_threshold(decision, threshold) | always | ties
+            if self.budget_credit:
+                ranked, refused = self._spend(ranked, always, scores, commit)
+                # the threshold reported is the one the rows answered learned lie under (found in review:
+                # at the rank's edge, a refused row's certificate said uncertain and EP's on_uncertain acted)
+                threshold = max(threshold, min(refused, _FINITE_MAX))
             if commit:
                 self.threshold = threshold
             else:
                 self.screened_threshold_ = threshold
-            ranked = above_threshold(decision, threshold) | always | ties
-            return self._spend(ranked, always, scores, commit) if self.budget_credit else ranked
+            return ranked
         return above_threshold(decision, self.threshold) | always
 
+    def _places(self, m: int) -> int:
+        """⌊budget · m⌋, read as the decimal product the user meant (0.29 · 100 is 28.999… in floating
+        point: 29, not 28)."""
+        return int(np.floor(self.budget * m * (1.0 + 1e-12)))
+
     def _spend(self, ranked, always, scores, commit=False):
-        """The rows of ``ranked`` the credit pays for: with m rows ranked so far (this request's
-        included) and c consulted, ⌊budget · m⌋ − c places; the rows consulted anyway (``always``)
-        take theirs first (all of them, even beyond it: the credit goes into debt), then the others
-        by score, highest first, ties in row order.  ``commit``: the ledger keeps the request."""
+        """``(rows of ranked the credit pays for, the largest score it refused or -inf)``: with m rows
+        ranked so far (this request's included) and c consulted, ⌊budget · m⌋ − c places; the rows
+        consulted anyway (``always``) take theirs first (all of them, even beyond it: the credit goes
+        into debt), then the others by score, highest first, ties in row order.  ``commit``: the
+        ledger keeps the request."""
         rows = self.budget_rows_ + ranked.size
-        spare = int(np.floor(self.budget * rows)) - self.budget_consulted_ - int(np.count_nonzero(always))
+        spare = self._places(rows) - self.budget_consulted_ - int(np.count_nonzero(always))
         extra = np.flatnonzero(ranked & ~always)
         out = np.array(always, bool)
+        refused = -np.inf
         if extra.size:
             # by score, highest first; a stable sort keeps tied rows in row order
-            keep = extra[np.argsort(-scores[extra], kind="stable")[:max(spare, 0)]]
-            out[keep] = True
+            order = extra[np.argsort(-scores[extra], kind="stable")]
+            n_keep = max(spare, 0)
+            out[order[:n_keep]] = True
+            if n_keep < order.size:
+                refused = float(scores[order[n_keep]])
         if commit:
             self.budget_rows_, self.budget_consulted_ = rows, self.budget_consulted_ + int(np.count_nonzero(out))
-        return out
+        return out, refused
 
     def _rank(self, decision, always, commit=False):
         """``(threshold, ties, scores)`` of the budget for a request whose rows have ``decision`` (n, k) and are
@@ -699,7 +724,7 @@ class JITOperator(Operator):
             s = np.max(np.asarray(decision, np.float64).reshape(len(always), -1), axis=-1)
         s = np.where(np.isnan(s) | always, np.inf, s)
         ref = np.concatenate([self.budget_scores_, s])[-max(self.budget_window, s.size):]
-        k = int(np.floor(self.budget * ref.size))
+        k = self._places(ref.size)
         ties = np.zeros(s.size, bool)
         if k == 0:
             t = float(ref.max())
