@@ -102,53 +102,52 @@ class JITOperator(Operator):
         Measured on jit_uci.py (seed 0): consultations after the first data set 218 → 91,
         JIT seconds on the last three sets 2.55 → 1.65, the same test errors.
     budget : a consultation budget instead of an absolute level (opt-in; issue 14 part 3): a row is
-        uncertain only if its score — the largest coordinate of what the threshold applies to — is
-        also among the top ``budget`` of the last ``budget_window`` scores, this request's included
-        (the whole request where it is longer): the rule's threshold is then, request by request,
-        the larger of ``threshold`` (a floor; None: none) and the budget's edge — the k-th largest of
-        the m scores ranked, k = ⌊budget · m⌋ (``threshold`` reports it after a request;
-        ``threshold_floor_`` keeps the floor).  The rows consulted whatever
-        the threshold (the outgoing precision's sign, the density guard) count as the top scores.  A
-        fixed threshold calibrated on other problems flags a new set of problems' rows by how far
-        those problems lie from the calibration's (benchmarks/factor_suite.py: even each row's exact
-        KL as the score, a threshold at budget975p met both goals of issue 14 part 3 on 135 and
-        126 of 140 test sets); ranked, a request at least ``budget_window`` long has at most ``budget``
-        of its rows consulted (the rows consulted anyway rank first: those alone where they exceed it;
-        rows tied at the edge are taken in order, this request's before earlier ones), and its worst
-        rows are caught as well as the score ranks them.  Over a stream of shorter requests
-        each is ranked against the recent scores when it comes, which alone does not bound the share
-        consulted (benchmarks/jit_kl_model.py ``--budget``, without the credit: 7.8–11.2 % at 0.1 in
-        EP); the credit (``budget_credit``) does, but for the rows consulted anyway.  The price: a window of rows that are all near exact still has its top ``budget``
-        consulted (``threshold`` as a floor stops that).  :meth:`screen` ranks as :meth:`predict` would,
-        without keeping the scores or moving ``threshold`` (``screened_threshold_``: the one it ranked
-        by).  Needs ``selection="all"`` and no ``target_kl`` (its calibration is of a fixed threshold); not served (the service's audit reads a fixed
-        threshold).  None (default): the fixed threshold alone.
+        uncertain only if its score — the largest coordinate of what the threshold applies to — is also
+        among the top ``budget`` of the last ``budget_window`` scores, this request's included (the whole
+        request where it is longer): the rule's threshold is then, request by request, the larger of
+        ``threshold`` (a floor; None: none) and the budget's edge — the k-th largest of the m scores ranked,
+        k = ⌊budget · m⌋ (``threshold`` reports it after a request; ``threshold_floor_`` keeps the floor).
+        The rows consulted whatever the threshold (the outgoing precision's sign, the density guard, a NaN
+        score, ``budget_level``) count as the top scores.  A fixed threshold calibrated on other problems flags a new set of problems' rows
+        by how far those problems lie from the calibration's (benchmarks/factor_suite.py: even each row's
+        exact KL as the score, a threshold at budget975p met both goals of issue 14 part 3 on 135 and 126 of
+        140 test sets); ranked, a request at least ``budget_window`` long has at most ``budget`` of its rows
+        consulted (the rows consulted anyway rank first: those alone where they exceed it; rows tied at the
+        edge are taken in order, this request's before earlier ones), and its worst rows are caught as well
+        as the score ranks them.  Over a stream of shorter requests each is ranked against the recent scores
+        when it comes, which alone does not bound the share consulted (benchmarks/jit_kl_model.py
+        ``--budget``, without the credit: 7.8–11.2 % at 0.1 in EP); the credit (``budget_credit``) does, but
+        for the rows consulted anyway.  The price: a window of rows that are all near exact still has its
+        top ``budget`` consulted (``threshold`` as a floor stops that).  :meth:`screen` ranks as
+        :meth:`predict` would, without keeping the scores or moving ``threshold`` (``screened_threshold_``:
+        the one it ranked by).  Needs ``selection="all"`` and no ``target_kl`` (its calibration is of a
+        fixed threshold); not served (the service's audit reads a fixed threshold).  None (default): the
+        fixed threshold alone.
     budget_window : how many recent scores the budget ranks a request's rows among (default 1000).
-    budget_credit : with a budget, bound the share consulted over the operator's life (opt-in):
-        of the m rows ranked so far, this request's included, at most ⌊budget · m⌋ are consulted — a
-        request's ranked rows take the places its and earlier requests left unspent, highest score
-        first (ties in row order); the rows consulted anyway (sign test, density guard) take theirs
-        first, all of them, and may overdraw the credit, which later requests then repay.  Quiet
-        requests save places for a burst of new messages (a new problem's first sweeps), up to the
-        window's rank.  A request ranked alone (the first, or one longer than the window) is
-        unchanged by it, unless an overdraft is still being repaid.  A row the credit refuses is
-        answered learned, and ``threshold`` is raised to its score, so the certificates rate what
-        the rule did (no row answered learned lies above it).  The ledger (``budget_rows_``, ``budget_consulted_``) starts when the
-        operator is fitted and is saved with it.  Measured in EP (benchmarks/jit_kl_model.py, seeds
-        0–4, the learned KL at 0.1): it holds every direction's share ≤ 10 % (the rank alone: over
-        10 % on 16 of 35 (factor, seed) pairs) but catches less — both goals of issue 14 part 3 on 9
-        of 35 pairs against the rank alone's 11, learned answers above KL e^-10 5 007 against 1 360,
-        the largest 26 against 0.065: a burst the credit cannot pay for goes unlearned, so the
-        operator stays wrong for longer.  For a hard cap on the oracle's cost, not for accuracy.
-        False (default): the rank alone.
-    budget_level : with a budget, a score above which a row is consulted whatever its rank or the
-        credit, as the sign test's rows are (they rank first and spend the credit): a fixed threshold
-        the budget tops up.  Measured in EP (benchmarks/jit_kl_model.py ``learned_kl_topup``: the learned
-        KL's budget975p threshold as the level, ``budget_credit=True``, budget 0.1) against that
-        threshold alone: both goals of issue 14 part 3 on 18 → 19 of 35 (factor, seed) pairs at seeds
-        0–4 and 14 → 16 at fresh seeds 5–9, per direction 28 → 30 and 22 → 33 of 50; learned answers
-        above KL e^-10 2 752 → 1 228 and 9 578 → 7 813; but shares over 10 % on 2 → 8 and 1 → 4 pairs
-        (the level's rows overdraw a credit the rank has spent; up to 12.4 %).  None (default): none.
+    budget_credit : with a budget, bound the share consulted over the operator's life (opt-in): of the m
+        rows ranked so far, this request's included, at most ⌊budget · m⌋ are consulted — a request's ranked
+        rows take the places its and earlier requests left unspent, highest score first (ties in row order);
+        the rows consulted anyway (sign test, density guard, ``budget_level``, a NaN score) take theirs
+        first, all of them, and may overdraw the credit, which later requests then repay.  Quiet requests
+        save places for a burst of new messages (a new problem's first sweeps), up to the window's rank.  A
+        request ranked alone (the first, or one longer than the window) is unchanged by it, unless an
+        overdraft is still being repaid.  A row the credit refuses is answered learned, and ``threshold`` is
+        raised to its score, so the certificates rate what the rule did (no row answered learned lies above
+        it).  The ledger (``budget_rows_``, ``budget_consulted_``) starts when the operator is fitted and is
+        saved with it.  Measured in EP (benchmarks/jit_kl_model.py, seeds 0–4, the learned KL at 0.1): it
+        holds every direction's share ≤ 10 % (the rank alone: over 10 % on 16 of 35 (factor, seed) pairs)
+        but catches less — both goals of issue 14 part 3 on 9 of 35 pairs against the rank alone's 11,
+        learned answers above KL e^-10 5 007 against 1 360, the largest 26 against 0.065: a burst the credit
+        cannot pay for goes unlearned, so the operator stays wrong for longer.  For a hard cap on the
+        oracle's cost, not for accuracy.  False (default): the rank alone.
+    budget_level : with a budget, a score above which a row is consulted whatever its rank or the credit, as
+        the sign test's rows are (they rank first and spend the credit): a fixed threshold the budget tops
+        up.  Measured in EP (benchmarks/jit_kl_model.py ``learned_kl_topup``: the learned KL's budget975p
+        threshold as the level, ``budget_credit=True``, budget 0.1) against that threshold alone: both goals
+        of issue 14 part 3 on 18 → 19 of 35 (factor, seed) pairs at seeds 0–4 and 14 → 16 at fresh seeds
+        5–9, per direction 28 → 30 and 22 → 33 of 50; learned answers above KL e^-10 2 752 → 1 228 and 9 578
+        → 7 813; but shares over 10 % on 2 → 8 and 1 → 4 pairs (the level's rows overdraw a credit the rank
+        has spent; up to 12.4 %).  None (default): none.
     density_guard : also consult a row whose :meth:`KernelOperator.density` (mean kernel value to
         the learned rows) is below this value, whatever its variance — a row far from every
         training row can have a small predictive variance and an arbitrary prediction (see
