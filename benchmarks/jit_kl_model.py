@@ -131,7 +131,9 @@ threshold's figures above, which no budget change moves):
   seeds 7 and 6).  ``--budget 0.09`` (seeds 0–4): 18 of 35, per direction 28, over 10 % on 4 — a margin for the
   level's late rows loses what the rank caught.  Product's large answers are not the density guard's
   (``--density-guard``, product at seeds 4–9: the largest 0.29 / 1.05 unchanged): EP through the JIT
-  drifting to messages whose learned KL and density both look ordinary.
+  drifting to messages whose learned KL and density both look ordinary.  Measured before review fixed the
+  credit (a NaN score consulted whatever the credit, the threshold reported, ⌊b·m⌋ read as a decimal
+  product); seed 0's topup rerun after it gives every figure the same (the threshold reported aside).
 
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
                                       [--density-guard] [--budget 0.1] [--rules learned_kl_budget learned_kl_credit]
