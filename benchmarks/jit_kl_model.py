@@ -137,7 +137,7 @@ threshold's figures above, which no budget change moves):
   Read with a worst 1 % wholly below KL e^-10 as nothing to catch (``kl_p99``; the share must still be
   ≤ 10 %): fixed threshold 26 and 26 of 35 (seeds 0–4, 5–9), topup 23 and 24 — the topup's catches are
   mostly rows at rounding level, and its shares over 10 % cost it; the meaningful misses left are gaussian's
-  (worst 1 % at KL ~1e-4, consulted 0.69–0.83 → 0.72–0.92) and product's under both rules.
+  (worst 1 % at KL ~1e-4, consulted 0.64–0.83 → 0.72–0.98 over seeds 0–9) and product's under both rules.
 
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
                                       [--density-guard] [--budget 0.1] [--rules learned_kl_budget learned_kl_credit]
