@@ -44,7 +44,8 @@ many had a KL above e^-10), ``max_posterior_kl`` / ``median_posterior_kl`` /
 where both EP runs converged: ``n_converged_exact`` (of the problems EP through the JIT solved without
 an error), ``n_converged_both`` — an unconverged run's posterior is wherever its last sweep left it),
 ``ep_errors``, ``seconds`` (EP through the JIT, screening and exact answers excluded), ``threshold``;
-then a summary line per rule (``n_met``, ``max_consultation_rate``, ``min_worst1pct_flagged``,
+then a summary line per rule (``n_met``, ``n_met_or_below_target`` (a worst 1 % whose smallest KL, ``kl_p99``,
+is below e^-10 counts as caught), ``max_consultation_rate``, ``min_worst1pct_flagged``,
 ``max_kl_answered``, ``n_answered_above_target``, ``max_posterior_kl``, ``ep_errors``).  The issue's goals read in the loop: worst 1 % consulted ≥ 0.95 with a
 consultation rate ≤ 0.10.  Timings share the machine.
 
@@ -134,8 +135,8 @@ threshold's figures above, which no budget change moves):
   drifting to messages whose learned KL and density both look ordinary.  Measured before review fixed the
   credit (a NaN score consulted whatever the credit, the threshold reported, ⌊b·m⌋ read as a decimal
   product); seed 0's topup rerun after it gives every figure the same (the threshold reported aside).
-  Read with a worst 1 % wholly below KL e^-10 as nothing to catch (``kl_p99``; the share must still be
-  ≤ 10 %): fixed threshold 26 and 26 of 35 (seeds 0–4, 5–9), topup 23 and 24 — the topup's catches are
+  Read with a worst 1 % wholly below KL e^-10 as nothing to catch (``n_met_or_below_target``; the share must
+  still be ≤ 10 %): fixed threshold 26 and 26 of 35 (seeds 0–4, 5–9), topup 23 and 24 — the topup's catches are
   mostly rows at rounding level, and its shares over 10 % cost it; the meaningful misses left are gaussian's
   (worst 1 % at KL ~1e-4, consulted 0.64–0.83 → 0.72–0.98 over seeds 0–9) and product's under both rules.
 
@@ -397,6 +398,9 @@ def main(argv=None):
         rs = [r for r in rows if r["rule"] == rule]
         print(json.dumps({"summary": True, "rule": rule, "n_factors": len(rs),
                           "n_met": sum(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1 for r in rs),
+                          # (a worst 1 % wholly below the target KL counted as nothing to catch)
+                          "n_met_or_below_target": sum((r["worst1pct_flagged"] >= 0.95 or r["kl_p99"] < TARGET_KL)
+                                                       and r["consultation_rate"] <= 0.1 for r in rs),
                           "max_consultation_rate": max(r["consultation_rate"] for r in rs),
                           "min_worst1pct_flagged": min(r["worst1pct_flagged"] for r in rs),
                           "max_kl_answered": max(r["max_kl_answered"] or 0.0 for r in rs),

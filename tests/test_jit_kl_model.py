@@ -41,6 +41,8 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         assert all(d["n_screen_mismatch"] == 0 for d in by)
     for s, r in zip(summaries, rows):
         assert s["n_met"] == int(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1)
+        assert s["n_met_or_below_target"] == int((r["worst1pct_flagged"] >= 0.95 or r["kl_p99"] < np.exp(-10))
+                                                 and r["consultation_rate"] <= 0.1) >= s["n_met"]
         assert s["n_answered_above_target"] == r["n_answered_above_target"] == sum(
             d["n_answered_above_target"] for d in r["by_direction"].values())
 
