@@ -812,6 +812,10 @@ def direction_rows(f, recs, args, rng):
                         "worst1pct_flagged_at_budget975p_klmodel_jit": float(np.mean(fl[worst])),
                         "n_jit_differs_klmodel": int(np.sum(fl != (s_te > thr["budget975p"])))})
             row.update(_rank_figures(op, exact, test.incoming, worst, "_klmodel", uncertainty="learned_kl"))
+            # the budget975p threshold consulted whatever the budget, the rank topping it up with the credit
+            # it leaves (JITOperator(budget_level=, budget_credit=True); jit_kl_model.py's learned_kl_topup)
+            row.update(_rank_figures(op, exact, test.incoming, worst, "_klmodel_topup", uncertainty="learned_kl",
+                                     budget_credit=True, budget_level=thr["budget975p"]))
             op.remove_kl_model()
         if args.novelty:
             nov = novelty_figures(op, data["train"], problem["train"], data["cal"], problem["cal"], test.incoming,
@@ -1118,6 +1122,7 @@ def main(argv=None):
                for at in ("q90", "budget90", "budget90_pred", "budget975p")},
             "n_met_at_budget975p_klmodel_jit": _n_met(rows, "budget975p", "_klmodel_jit"),
             "n_met_at_rank10_klmodel_jit": _n_met(rows, "rank10", "_klmodel_jit"),
+            "n_met_at_rank10_klmodel_topup_jit": _n_met(rows, "rank10", "_klmodel_topup_jit"),
             "n_flagged_fraction_needed_le_006_klmodel": sum(r["flagged_fraction_needed_klmodel"] <= 0.06 for r in rows),
             "max_flagged_fraction_at_budget90_klmodel": max(r["flagged_fraction_at_budget90_klmodel"] for r in rows),
             "min_worst1pct_flagged_at_budget90_klmodel": min(r["worst1pct_flagged_at_budget90_klmodel"] for r in rows)}
@@ -1135,7 +1140,8 @@ def main(argv=None):
 #: the readings --pool reads: (name, suffix of the worst1pct_flagged / flagged_fraction keys)
 POOL_READINGS = (("target_kl", ""), ("budget975p", "_at_budget975p"), ("klmodel_jit", "_at_budget975p_klmodel_jit"),
                  ("exactkl", "_at_budget975p_exactkl"), ("rank10_jit", "_at_rank10_jit"),
-                 ("rank10_klmodel_jit", "_at_rank10_klmodel_jit"))
+                 ("rank10_klmodel_jit", "_at_rank10_klmodel_jit"),
+                 ("rank10_klmodel_topup_jit", "_at_rank10_klmodel_topup_jit"))
 
 
 def pool_seeds(paths) -> list[dict]:

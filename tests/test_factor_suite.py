@@ -264,8 +264,15 @@ def test_kl_model_flag_adds_its_keys_and_changes_nothing_else(capsys):
         jit, thr = r["flagged_fraction_at_budget975p_klmodel_jit"], r["flagged_fraction_at_budget975p_klmodel"]
         assert jit >= thr and np.isclose((jit - thr) * r["n_test"], r["n_jit_differs_klmodel"])
         assert r["worst1pct_flagged_at_budget975p_klmodel_jit"] >= r["worst1pct_flagged_at_budget975p_klmodel"]
+        # the threshold topped up by the budget, the test rows one request: the rank's top 10 % where the
+        # threshold's rows fit in it (they are the top scores), else the threshold's rows alone
+        fits = round(jit * r["n_test"]) <= np.floor(0.1 * r["n_test"])
+        same = "rank10_klmodel_jit" if fits else "budget975p_klmodel_jit"
+        for what in ("flagged_fraction", "worst1pct_flagged"):
+            assert r[f"{what}_at_rank10_klmodel_topup_jit"] == r[f"{what}_at_{same}"]
     for key in ("n_met_at_q90_klmodel", "n_met_at_budget90_klmodel", "n_met_at_budget90_pred_klmodel",
-                "n_met_at_budget975p_klmodel_jit", "n_flagged_fraction_needed_le_006_klmodel"):
+                "n_met_at_budget975p_klmodel_jit", "n_met_at_rank10_klmodel_topup_jit",
+                "n_flagged_fraction_needed_le_006_klmodel"):
         assert 0 <= summary[key] <= len(rows)
     suite.main(argv)
     plain = _lines(capsys)
