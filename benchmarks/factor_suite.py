@@ -418,6 +418,13 @@ measured and not kept (replayed on the recorded rows, seeds 0–19): scoring tes
 the 5 cross-fitting folds' trees (whose out-of-fold scores set the threshold) instead of the final
 model's: both goals at budget975p 119 → 122 and 116 → 118, test shares over 10 % 13 → 9 and 11 → 9,
 at ~5× the scoring cost (150–410 vs 25–37 µs a message, measured on a loaded machine); 10 folds instead of 5: 119 → 120 (seeds 0–9).
+Thirty-fourth session: ``*_at_rank10_klmodel_topup_jit`` (summary ``n_met_at_rank10_klmodel_topup_jit``, a
+``--pool`` reading): the learned KL's budget975p threshold consulted whatever the budget and topped up by the
+rank with the credit it leaves (``JITOperator(budget=0.1, budget_level=, budget_credit=True)``,
+jit_kl_model.py's ``learned_kl_topup``, which gains there in EP).  On the test rows as one request it is the
+rank's top 10 % where the threshold's rows fit in it, else the threshold's rows alone: seeds 0–9, both goals
+on 125 of 140 (rank alone 137, the threshold 119; every other key as at the thirty-third session's runs),
+``--pool`` 4 of 14 directions (a set where the threshold flags over 10 % lifts the mean share above it).
 Also measured and dropped: ``--problems-scale 3`` (the same pair counts
 from 3 × the problems: 108 / 27 / 45 problems for training / calibration / test) met both goals at
 q90 / budget90 and ranked within 6 % on 6 / 8 / 9 and 5 / 8 / 7 directions at seeds 0 / 1 (1 ×:
