@@ -134,8 +134,8 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
     with this rule consults: that operator also consults, whatever its threshold, the rows whose
     outgoing precision's sign is unsettled (:meth:`KernelOperator.sign_unsettled`), and those pooled
     rows then count as flagged (+inf) — as :func:`kl_model_threshold` counts them for the learned
-    KL (a density guard's rows are not counted).  By default they are not counted: the threshold then bounds ``u > t`` alone, the share
-    benchmarks/factor_suite.py reports (measured there, seeds 0–19, thirty-third session: the sign
+    KL (a density guard's rows are not counted).  By default they are not counted: the threshold then
+    bounds ``u > t`` alone, the share benchmarks/factor_suite.py reports (measured there, seeds 0–19, thirty-third session: the sign
     test consults 2.6–4.1 % of the test rows of product → x, product → z and gaussian → m on average,
     up to 8.2 % of one test set, 0–0.7 % on average elsewhere).
     """

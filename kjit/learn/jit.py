@@ -711,9 +711,10 @@ class JITOperator(Operator):
         return out, refused
 
     def _rank(self, decision, always, commit=False):
-        """``(threshold, ties, scores)`` of the budget for a request whose rows have ``decision`` (n, k) and are
-        consulted anyway where ``always``: scores (a row's largest coordinate; NaN or consulted anyway:
-        +inf) ranked among the last ``budget_window`` (the request's own first).  With t the k-th
+        """``(threshold, ties, scores)`` of the budget for a request whose rows have ``decision`` (n, k)
+        and are consulted anyway where ``always`` (a NaN score among them): scores (a row's largest
+        coordinate; consulted anyway: +inf) ranked among the last ``budget_window`` (the request's own
+        first).  With t the k-th
         largest of the m ranked (k = ⌊budget · m⌋), the rows above t take a of the k places and the
         request's rows tied at t the rest, in row order (``ties``; earlier rows tied at t are passed
         over: a resent message's copies would otherwise fill the places and leave every one of them
@@ -721,7 +722,7 @@ class JITOperator(Operator):
         scores join the recent ones."""
         with np.errstate(invalid="ignore"):
             s = np.max(np.asarray(decision, np.float64).reshape(len(always), -1), axis=-1)
-        s = np.where(np.isnan(s) | always, np.inf, s)
+        s = np.where(always, np.inf, s)  # (a NaN score is among the rows consulted anyway: _uncertain)
         ref = np.concatenate([self.budget_scores_, s])[-max(self.budget_window, s.size):]
         k = self._places(ref.size)
         ties = np.zeros(s.size, bool)
