@@ -164,12 +164,15 @@ from kjit.operators import (JITOperator, KernelOperator, PredictionOverflowError
 from kjit.oracles import QuadratureOracle  # noqa: E402
 from kjit.training import TrainingSet  # noqa: E402
 
-RULES = ("predictive", "learned_kl")
+RULES = ("predictive", "learned_kl", "learned_kl_gated")
+# the rules whose JITs learn a consulted row only where its prediction missed the target KL
+# (JITOperator(learn_above_kl=TARGET_KL)): learned_kl's threshold, and the topup's level and budget
+GATED_RULES = ("learned_kl_gated", "learned_kl_topup_gated")
 # with --budget, the learned KL ranked within a consultation budget: the rank alone (JITOperator(budget=B));
 # with the credit that bounds the stream's share (budget_credit=True); and the learned KL's fixed threshold
 # (learned_kl's) consulted whatever the budget, topped up by the rank with the credit it leaves
 # (budget_level=that threshold, budget_credit=True)
-BUDGET_RULES = ("learned_kl_budget", "learned_kl_credit", "learned_kl_topup")
+BUDGET_RULES = ("learned_kl_budget", "learned_kl_credit", "learned_kl_topup", "learned_kl_topup_gated")
 TARGET_KL = float(np.exp(-10))  # (factor_suite.py's --target-kl default: a KL below it the suite calls near exact)
 
 
@@ -309,10 +312,14 @@ def factor_rows(name, args):
     rows = []
     for rule in _rules(args):
         def rule_kw(to):
+            gate = {"learn_above_kl": TARGET_KL} if rule in GATED_RULES else {}
             if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
+                topup = rule in ("learned_kl_topup", "learned_kl_topup_gated")
                 return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
                         "budget_credit": rule != "learned_kl_budget",
-                        "budget_level": thresholds[to]["learned_kl"] if rule == "learned_kl_topup" else None}
+                        "budget_level": thresholds[to]["learned_kl"] if topup else None, **gate}
+            if rule == "learned_kl_gated":
+                return {"uncertainty": "learned_kl", "threshold": thresholds[to]["learned_kl"], **gate}
             return {"uncertainty": rule, "threshold": thresholds[to][rule]}
 
         screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, selection="all",
@@ -340,10 +347,14 @@ def factor_rows(name, args):
                "n_converged_exact": sum(bool(p[1]) for p, _ in jit_posts),
                "n_converged_both": len(both),
                "seconds": float(sum(s.seconds for s in screened.values())),
+               # (the consulted rows the JITs learned: all but those far outside the learned range, or with
+               # the gate those predicted within the target KL)
+               "n_learned": int(sum(s.jit.counters()["updates"] for s in screened.values())),
                # (the budget rule's: the threshold of its last request)
                "threshold": {to: float(screened[to].jit.threshold) for to in directions},
                "density_guard": {to: guards[to] for to in directions} if guards else None,
-               **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {})}
+               **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {}),
+               **({"learn_above_kl": TARGET_KL} if rule in GATED_RULES else {})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -374,10 +385,13 @@ def main(argv=None):
                     help="the budget rules' window: how many recent scores a request is ranked among (default 1000, "
                          "JITOperator's)")
     ap.add_argument("--rules", nargs="+", choices=RULES + BUDGET_RULES, default=None,
-                    help="the rules to run (default: predictive and learned_kl, and learned_kl_budget with --budget); "
+                    help="the rules to run (default: predictive, learned_kl and learned_kl_gated, and learned_kl_budget "
+                         "with --budget); learned_kl_gated: learned_kl's threshold, a consulted row learned only where "
+                         "its prediction missed KL e^-10 (JITOperator(learn_above_kl=)); "
                          "learned_kl_credit: the budget's rank with its credit (JITOperator(budget_credit=True)); "
                          "learned_kl_topup: learned_kl's threshold consulted whatever the budget, the credit it leaves "
-                         "spent by the rank (budget_level=, budget_credit=True)")
+                         "spent by the rank (budget_level=, budget_credit=True); learned_kl_topup_gated: the topup "
+                         "with learned_kl_gated's gate")
     args = ap.parse_args(argv)
     if args.budget is not None and not 0.0 < args.budget < 1.0:
         ap.error("--budget must lie in (0, 1)")
@@ -398,6 +412,10 @@ def main(argv=None):
         rs = [r for r in rows if r["rule"] == rule]
         print(json.dumps({"summary": True, "rule": rule, "n_factors": len(rs),
                           "n_met": sum(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1 for r in rs),
+                          # (the issue's reading: each direction of each factor apart)
+                          "n_directions": sum(len(r["by_direction"]) for r in rs),
+                          "n_directions_met": sum(d["worst1pct_flagged"] >= 0.95 and d["consultation_rate"] <= 0.1
+                                                  for r in rs for d in r["by_direction"].values()),
                           # (a worst 1 % wholly below the target KL counted as nothing to catch)
                           "n_met_or_below_target": sum((r["worst1pct_flagged"] >= 0.95 or r["kl_p99"] < TARGET_KL)
                                                        and r["consultation_rate"] <= 0.1 for r in rs),

@@ -23,8 +23,8 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     rows = [r for r in lines if not r.get("summary")]
     summaries = [r for r in lines if r.get("summary")]
-    assert [r["rule"] for r in rows] == ["predictive", "learned_kl"]
-    assert [s["rule"] for s in summaries] == ["predictive", "learned_kl"]
+    assert [r["rule"] for r in rows] == ["predictive", "learned_kl", "learned_kl_gated"]
+    assert [s["rule"] for s in summaries] == ["predictive", "learned_kl", "learned_kl_gated"]
     for r in rows:
         assert r["directions"] == ["r", "x"]
         assert r["requests"] > 0 and r["ep_errors"] == 0
@@ -39,10 +39,16 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         assert sum(d["requests"] for d in by) == r["requests"]
         assert np.isclose(sum(d["consultation_rate"] * d["requests"] for d in by), r["consultation_rate"] * r["requests"])
         assert all(d["n_screen_mismatch"] == 0 for d in by)
+        # every consulted row is learned (none lies far out here) but, with the gate, those predicted within e^-10
+        consulted = round(r["consultation_rate"] * r["requests"])
+        assert (r["n_learned"] < consulted) if r["rule"] == "learned_kl_gated" else (r["n_learned"] == consulted)
+        assert r.get("learn_above_kl") == (np.exp(-10) if r["rule"] == "learned_kl_gated" else None)
     for s, r in zip(summaries, rows):
         assert s["n_met"] == int(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1)
         assert s["n_met_or_below_target"] == int((r["worst1pct_flagged"] >= 0.95 or r["kl_p99"] < np.exp(-10))
                                                  and r["consultation_rate"] <= 0.1) >= s["n_met"]
+        assert s["n_directions"] == 2 and s["n_directions_met"] == sum(
+            d["worst1pct_flagged"] >= 0.95 and d["consultation_rate"] <= 0.1 for d in r["by_direction"].values())
         assert s["n_answered_above_target"] == r["n_answered_above_target"] == sum(
             d["n_answered_above_target"] for d in r["by_direction"].values())
 

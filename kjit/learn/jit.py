@@ -148,6 +148,18 @@ class JITOperator(Operator):
         5–9, per direction 28 → 30 and 22 → 33 of 50; learned answers above KL e^-10 2 752 → 1 228 and 9 578
         → 7 813; but shares over 10 % on 2 → 8 and 1 → 4 pairs (the level's rows overdraw a credit the rank
         has spent; up to 12.4 %).  None (default): none.
+    learn_above_kl : learn a consulted row only where the operator's prediction for it was wrong by more
+        than this: KL[oracle's answer ‖ prediction] > ``learn_above_kl`` (opt-in).  The answer is the
+        oracle's either way; a row the operator already predicted within it is not learned — learning it
+        changes nothing EP needs, yet moves every nearby prediction a little (each update fits its row
+        and shifts the rest).  With ``uncertainty="learned_kl"`` this keeps the rule honest: the KL model
+        was fitted on the errors of the operator as it was, and an operator that learns near-exact rows
+        makes new errors at rounding level that the model cannot rank (measured in EP,
+        benchmarks/jit_kl_model.py ``learned_kl_gated``: see there).  With a variance rule a row not
+        learned keeps its variance, so it is consulted again when it returns (and ``selection="greedy"``
+        consults more rows, its look-ahead assuming they are learned).  An oracle's answer is compared as
+        it comes: a sampling oracle's noise counts as error.  None (default): every consulted row is
+        learned (unless it lies far outside the learned range).
     density_guard : also consult a row whose :meth:`KernelOperator.density` (mean kernel value to
         the learned rows) is below this value, whatever its variance — a row far from every
         training row can have a small predictive variance and an arbitrary prediction (see
@@ -173,7 +185,7 @@ class JITOperator(Operator):
                  target_kl: float | None = None, selection: str = "greedy", uncertainty: str = "predictive",
                  density_guard: float | None = None, guard_share: float | None = None,
                  budget: float | None = None, budget_window: int = 1000, budget_credit: bool = False,
-                 budget_level: float | None = None):
+                 budget_level: float | None = None, learn_above_kl: float | None = None):
         if uncertainty not in UNCERTAINTY_RULES:
             raise ValueError(f"`uncertainty` must be one of {UNCERTAINTY_RULES}, got {uncertainty!r}")
         self.uncertainty = uncertainty
@@ -218,6 +230,9 @@ class JITOperator(Operator):
                 raise ValueError("`budget_level` needs a `budget` (it is the level the budget tops up)")
             check_number("budget_level", budget_level)
         self.budget_level = None if budget_level is None else float(budget_level)
+        if learn_above_kl is not None:
+            check_number("learn_above_kl", learn_above_kl, 0.0)
+        self.learn_above_kl = None if learn_above_kl is None else float(learn_above_kl)
         self.budget_scores_ = np.zeros(0)  # the last budget_window scores (with a budget)
         # the credit's ledger: rows the budget has ranked and rows it has consulted (ints: exact)
         self.budget_rows_, self.budget_consulted_ = 0, 0
@@ -526,6 +541,8 @@ class JITOperator(Operator):
             # a pair far outside the learned range is answered by the oracle but not learned: it
             # would move every prediction (LEARN_RANGE_FACTOR)
             learn = ~self.operator.out_of_range_rows(sub, q_or)
+            if self.learn_above_kl is not None:
+                learn &= ~self._near_exact(coords[idx], sub, q_or)
             answers.append((idx, q_or, idx[learn]))
             if not learn.all():
                 sub, q_or = {v: m[learn] for v, m in sub.items()}, q_or[learn]
@@ -682,6 +699,18 @@ class JITOperator(Operator):
                 self.screened_threshold_ = threshold
             return ranked
         return above_threshold(decision, self.threshold) | always
+
+    def _near_exact(self, coords, flat, q_or) -> np.ndarray:
+        """(n,) the consulted rows whose prediction (``coords``, before the oracle was asked) lies within
+        ``learn_above_kl`` of the oracle's answer ``q_or``: KL[answer ‖ prediction] ≤ it.  A prediction that
+        is no belief, or a KL that is not a number, is not near exact."""
+        try:
+            with np.errstate(all="ignore"):
+                q = self.operator._to_belief(coords, flat, (len(coords),))
+                kl = np.asarray(q_or.kl(q), np.float64).reshape(-1)
+        except ValueError:  # (PredictionOverflowError among them): no belief to compare
+            return np.zeros(len(coords), bool)
+        return kl <= self.learn_above_kl
 
     def _places(self, m: int) -> int:
         """⌊budget · m⌋, read as the decimal product the user meant (0.29 · 100 is 28.999… in floating
@@ -890,7 +919,7 @@ class JITOperator(Operator):
                        "to": self.to, "threshold": self.threshold, "initial_batch": self.initial_batch,
                        "target_kl": self.target_kl, "selection": self.selection, "uncertainty": self.uncertainty,
                        "density_guard": self.density_guard, "guard_share": self.guard_share,
-                       "guard_rows": self.guard_rows_,
+                       "guard_rows": self.guard_rows_, "learn_above_kl": self.learn_above_kl,
                        "operator_kwargs": json.dumps(self.operator_kwargs)},
             **({"budget": {"budget": self.budget, "window": self.budget_window, "floor": self.threshold_floor_,
                            "scores": np.array(self.budget_scores_), "credit": self.budget_credit,
@@ -946,6 +975,7 @@ class JITOperator(Operator):
                       target_kl=p.get("target_kl"),
                       selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"),
                       density_guard=p.get("density_guard"), guard_share=p.get("guard_share"),
+                      learn_above_kl=p.get("learn_above_kl"),
                       **({"budget": float(state["budget"]["budget"]), "budget_window": int(state["budget"]["window"]),
                           "budget_credit": bool(state["budget"].get("credit", False)),
                           "budget_level": state["budget"].get("level")}
