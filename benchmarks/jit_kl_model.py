@@ -195,10 +195,12 @@ from kjit.operators import (JITOperator, KernelOperator, PredictionOverflowError
 from kjit.oracles import QuadratureOracle  # noqa: E402
 from kjit.training import TrainingSet  # noqa: E402
 
-RULES = ("predictive", "learned_kl", "learned_kl_gated")
-# the rules whose JITs learn a consulted row only where its prediction missed the target KL
-# (JITOperator(learn_above_kl=TARGET_KL)): learned_kl's threshold, and the topup's level and budget
+RULES = ("predictive", "learned_kl", "learned_kl_static")
+# learned_kl's threshold with JITs that learn a consulted row only where its prediction missed the target KL
+# (JITOperator(learn_above_kl=TARGET_KL)), and the topup's level and budget with them; and with JITs that learn
+# none (learn_above_kl=inf: the operator stays as fitted, and so stays what its KL model was fitted on)
 GATED_RULES = ("learned_kl_gated", "learned_kl_topup_gated")
+STATIC_RULES = ("learned_kl_static",)
 # with --budget, the learned KL ranked within a consultation budget: the rank alone (JITOperator(budget=B));
 # with the credit that bounds the stream's share (budget_credit=True); and the learned KL's fixed threshold
 # (learned_kl's) consulted whatever the budget, topped up by the rank with the credit it leaves
@@ -343,13 +345,14 @@ def factor_rows(name, args):
     rows = []
     for rule in _rules(args):
         def rule_kw(to):
-            gate = {"learn_above_kl": TARGET_KL} if rule in GATED_RULES else {}
+            gate = ({"learn_above_kl": TARGET_KL} if rule in GATED_RULES else
+                    {"learn_above_kl": float("inf")} if rule in STATIC_RULES else {})
             if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
                 topup = rule in ("learned_kl_topup", "learned_kl_topup_gated")
                 return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
                         "budget_credit": rule != "learned_kl_budget",
                         "budget_level": thresholds[to]["learned_kl"] if topup else None, **gate}
-            if rule == "learned_kl_gated":
+            if rule in ("learned_kl_gated", "learned_kl_static"):
                 return {"uncertainty": "learned_kl", "threshold": thresholds[to]["learned_kl"], **gate}
             return {"uncertainty": rule, "threshold": thresholds[to][rule]}
 
@@ -385,7 +388,8 @@ def factor_rows(name, args):
                "threshold": {to: float(screened[to].jit.threshold) for to in directions},
                "density_guard": {to: guards[to] for to in directions} if guards else None,
                **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {}),
-               **({"learn_above_kl": TARGET_KL} if rule in GATED_RULES else {})}
+               **({"learn_above_kl": TARGET_KL} if rule in GATED_RULES else
+                  {"learn_above_kl": "inf"} if rule in STATIC_RULES else {})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -415,10 +419,11 @@ def main(argv=None):
     ap.add_argument("--budget-window", type=int, default=1000, metavar="W",
                     help="the budget rules' window: how many recent scores a request is ranked among (default 1000, "
                          "JITOperator's)")
-    ap.add_argument("--rules", nargs="+", choices=RULES + BUDGET_RULES, default=None,
-                    help="the rules to run (default: predictive, learned_kl and learned_kl_gated, and learned_kl_budget "
-                         "with --budget); learned_kl_gated: learned_kl's threshold, a consulted row learned only where "
-                         "its prediction missed KL e^-10 (JITOperator(learn_above_kl=)); "
+    ap.add_argument("--rules", nargs="+", choices=RULES + GATED_RULES[:1] + BUDGET_RULES, default=None,
+                    help="the rules to run (default: predictive, learned_kl and learned_kl_static, and learned_kl_budget "
+                         "with --budget); learned_kl_static: learned_kl's threshold, no consulted row learned "
+                         "(JITOperator(learn_above_kl=inf)); learned_kl_gated: a consulted row learned only where "
+                         "its prediction missed KL e^-10 (learn_above_kl=e^-10); "
                          "learned_kl_credit: the budget's rank with its credit (JITOperator(budget_credit=True)); "
                          "learned_kl_topup: learned_kl's threshold consulted whatever the budget, the credit it leaves "
                          "spent by the rank (budget_level=, budget_credit=True); learned_kl_topup_gated: the topup "

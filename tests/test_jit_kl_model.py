@@ -20,11 +20,12 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
     compared only where both EP runs converged."""
     _bench().main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
                    "--max-iter", "30", "--density-guard"])
+    rules = ["predictive", "learned_kl", "learned_kl_static"]  # (the default rules)
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     rows = [r for r in lines if not r.get("summary")]
     summaries = [r for r in lines if r.get("summary")]
-    assert [r["rule"] for r in rows] == ["predictive", "learned_kl", "learned_kl_gated"]
-    assert [s["rule"] for s in summaries] == ["predictive", "learned_kl", "learned_kl_gated"]
+    assert [r["rule"] for r in rows] == rules
+    assert [s["rule"] for s in summaries] == rules
     for r in rows:
         assert r["directions"] == ["r", "x"]
         assert r["requests"] > 0 and r["ep_errors"] == 0
@@ -39,10 +40,10 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         assert sum(d["requests"] for d in by) == r["requests"]
         assert np.isclose(sum(d["consultation_rate"] * d["requests"] for d in by), r["consultation_rate"] * r["requests"])
         assert all(d["n_screen_mismatch"] == 0 for d in by)
-        # every consulted row is learned (none lies far out here) but, with the gate, those predicted within e^-10
+        # every consulted row is learned (none lies far out here), but none by the static rule's JITs
         consulted = round(r["consultation_rate"] * r["requests"])
-        assert (r["n_learned"] < consulted) if r["rule"] == "learned_kl_gated" else (r["n_learned"] == consulted)
-        assert r.get("learn_above_kl") == (np.exp(-10) if r["rule"] == "learned_kl_gated" else None)
+        assert r["n_learned"] == (0 if r["rule"] == "learned_kl_static" else consulted) and consulted > 0
+        assert r.get("learn_above_kl") == ("inf" if r["rule"] == "learned_kl_static" else None)
     for s, r in zip(summaries, rows):
         assert s["n_met"] == int(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1)
         assert s["n_met_or_below_target"] == int((r["worst1pct_flagged"] >= 0.95 or r["kl_p99"] < np.exp(-10))
@@ -85,14 +86,20 @@ def test_the_budget_rules_with_and_without_the_credit(capsys):
 
     bench = _bench()
     bench.main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
-                "--budget", "0.1", "--rules", "learned_kl_credit", "learned_kl_budget"])
+                "--budget", "0.1", "--rules", "learned_kl_credit", "learned_kl_budget", "learned_kl_gated"])
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     rows = [r for r in lines if not r.get("summary")]
-    assert [r["rule"] for r in rows] == ["learned_kl_credit", "learned_kl_budget"]
-    assert [s["rule"] for s in lines if s.get("summary")] == ["learned_kl_credit", "learned_kl_budget"]
+    rules = ["learned_kl_credit", "learned_kl_budget", "learned_kl_gated"]
+    assert [r["rule"] for r in rows] == rules
+    assert [s["rule"] for s in lines if s.get("summary")] == rules
     for r in rows:
         assert r["n_screen_mismatch"] == 0 and r["ep_errors"] == 0 and r["consultation_rate"] > 0
+    for r in rows[:2]:
         assert (r["budget"], r["budget_window"]) == (0.1, 1000)
+    # the gate: of the consulted rows, those predicted within e^-10 of the exact answer are not learned
+    gated = rows[2]
+    assert "budget" not in gated and gated["learn_above_kl"] == np.exp(-10)
+    assert gated["n_learned"] < round(gated["consultation_rate"] * gated["requests"])  # (gamma_rate: none learned)
     for d in rows[0]["by_direction"].values():
         assert round(d["consultation_rate"] * d["requests"]) <= np.floor(0.1 * d["requests"])
     with pytest.raises(SystemExit):

@@ -19,6 +19,7 @@ from kjit.factors import Logistic
 from kjit.families import Beta, Gaussian
 from kjit.operators import JITOperator, KernelOperator, PredictionOverflowError
 from kjit.oracles import QuadratureOracle
+from kjit.persistence import load_operator, save_operator
 from kjit.training import make_training_set
 
 try:
@@ -101,6 +102,10 @@ def test_rows_within_the_level_leave_the_operator_unchanged(op, oracle, batch):
     after = jit.operator.predict(inc)
     for a, b in zip(before[0].params + (before[1],), after[0].params + (after[1],)):
         np.testing.assert_array_equal(a, b)
+    # inf: none (every prediction here is a belief)
+    jit_inf = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=float("inf"))
+    jit_inf.predict(inc)
+    assert jit_inf.counters()["updates"] == 0 and jit_inf.counters()["consultations"] == len(kl)
     # a level of 0 learns every row whose prediction is not the answer exactly
     jit0 = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=0.0)
     jit0.predict(inc)
@@ -133,12 +138,15 @@ def test_a_prediction_that_is_no_belief_or_a_kl_that_is_no_number_is_learned(op,
     np.testing.assert_array_equal(learned_rows(jit), np.arange(5))
 
 
-def test_learn_above_kl_is_validated_and_saved(op, oracle, batch):
-    for bad in (-1e-3, float("nan"), float("inf"), "0.1", True):
+def test_learn_above_kl_is_validated_and_saved(op, oracle, batch, tmp_path):
+    for bad in (-1e-3, float("nan"), -float("inf"), "0.1", True, np.array([1.0, 2.0])):
         with pytest.raises(ValueError, match="learn_above_kl"):
             JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=bad)
     jit = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=1e-9)
     state = jit.state_dict()
     assert JITOperator.from_state_dict(state).learn_above_kl == 1e-9
+    inf = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=float("inf"))
+    save_operator(inf, tmp_path / "jit.npz")  # (the file's JSON header carries the infinity)
+    assert load_operator(tmp_path / "jit.npz").learn_above_kl == float("inf")
     del state["params"]["learn_above_kl"]  # a state saved before the option: every consulted row learned
     assert JITOperator.from_state_dict(state).learn_above_kl is None

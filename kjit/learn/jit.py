@@ -161,8 +161,9 @@ class JITOperator(Operator):
         rows consulted (a row not learned keeps its score and is consulted again when it returns).  With a variance rule a row not
         learned keeps its variance, so it is consulted again when it returns (and ``selection="greedy"``
         consults more rows, its look-ahead assuming they are learned).  An oracle's answer is compared as
-        it comes: a sampling oracle's noise counts as error.  None (default): every consulted row is
-        learned (unless it lies far outside the learned range).
+        it comes: a sampling oracle's noise counts as error.  ``float("inf")``: the operator stays as fitted
+        but for a consulted row whose prediction was no belief (or whose KL is not a number), which is learned.
+        None (default): every consulted row is learned (unless it lies far outside the learned range).
     density_guard : also consult a row whose :meth:`KernelOperator.density` (mean kernel value to
         the learned rows) is below this value, whatever its variance — a row far from every
         training row can have a small predictive variance and an arbitrary prediction (see
@@ -233,8 +234,8 @@ class JITOperator(Operator):
                 raise ValueError("`budget_level` needs a `budget` (it is the level the budget tops up)")
             check_number("budget_level", budget_level)
         self.budget_level = None if budget_level is None else float(budget_level)
-        if learn_above_kl is not None:
-            check_number("learn_above_kl", learn_above_kl, 0.0)
+        if learn_above_kl is not None and not (isinstance(learn_above_kl, float) and learn_above_kl == np.inf):
+            check_number("learn_above_kl", learn_above_kl, 0.0)  # (inf: only rows with no comparable prediction)
         self.learn_above_kl = None if learn_above_kl is None else float(learn_above_kl)
         self.budget_scores_ = np.zeros(0)  # the last budget_window scores (with a budget)
         # the credit's ledger: rows the budget has ranked and rows it has consulted (ints: exact)
