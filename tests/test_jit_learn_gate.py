@@ -60,8 +60,8 @@ def op(oracle):
 
 @pytest.fixture(scope="module")
 def batch(op, oracle):
-    """40 messages, half inside the training range and half beyond it (means 4–6), with the realized KL
-    of the fitted operator's prediction for each."""
+    """40 messages, half inside the training messages' range and half beyond it (means 4–6; none so far out
+    that its pair would be refused), with the realized KL of the fitted operator's prediction for each."""
     inc = {v: type(a).concatenate([a, b]) for (v, a), b in
            zip(messages(20, 1).items(), messages(20, 2, 4.0, 6.0).values())}
     q, _ = op.predict(inc)
@@ -132,6 +132,21 @@ def test_a_prediction_that_is_no_belief_or_a_kl_that_is_no_number_is_learned(op,
     monkeypatch.setattr(jit.operator, "_to_belief", overflow_once)
     jit.predict(rows)
     np.testing.assert_array_equal(learned_rows(jit), np.arange(5))
+    # one row that is no belief is learned alone; the others are judged each on its own (found in review:
+    # the whole round was learned); with inf, none of them
+    jit = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=float("inf"))
+    original, calls = jit.operator._to_belief, []
+
+    def overflow_row_2(coords, flat, shape):
+        calls.append(len(coords))
+        if len(calls) == 1:
+            raise PredictionOverflowError("no belief", rows=np.array([2]))
+        return original(coords, flat, shape)
+
+    monkeypatch.setattr(jit.operator, "_to_belief", overflow_row_2)
+    jit.predict(rows)
+    np.testing.assert_array_equal(learned_rows(jit), [2])
+    assert calls[:2] == [5, 4]  # (the others' beliefs formed without it)
     jit = gated()
     monkeypatch.setattr(Gaussian, "kl", lambda self, other: np.full(self.shape, np.nan))
     jit.predict(rows)
@@ -145,6 +160,9 @@ def test_learn_above_kl_is_validated_and_saved(op, oracle, batch, tmp_path):
     jit = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=1e-9)
     state = jit.state_dict()
     assert JITOperator.from_state_dict(state).learn_above_kl == 1e-9
+    for inf_kind in (np.float32(np.inf), np.array(np.inf)):
+        assert JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all",
+                           learn_above_kl=inf_kind).learn_above_kl == float("inf")
     inf = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all", learn_above_kl=float("inf"))
     save_operator(inf, tmp_path / "jit.npz")  # (the file's JSON header carries the infinity)
     assert load_operator(tmp_path / "jit.npz").learn_above_kl == float("inf")
