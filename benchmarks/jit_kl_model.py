@@ -371,8 +371,7 @@ def factor_rows(name, args):
     rows = []
     for rule in _rules(args):
         def rule_kw(to):
-            gate = ({"learn_above_kl": TARGET_KL} if rule in GATED_RULES else
-                    {"learn_above_kl": float("inf")} if rule in STATIC_RULES else {})
+            gate = {"learn_above_kl": _learn_above_kl(rule)} if _learn_above_kl(rule) is not None else {}
             if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
                 topup = rule in ("learned_kl_topup", "learned_kl_topup_gated")
                 return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
@@ -414,11 +413,16 @@ def factor_rows(name, args):
                "threshold": {to: float(screened[to].jit.threshold) for to in directions},
                "density_guard": {to: guards[to] for to in directions} if guards else None,
                **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {}),
-               **({"learn_above_kl": TARGET_KL} if rule in GATED_RULES else
-                  {"learn_above_kl": "inf"} if rule in STATIC_RULES else {})}
+               # (JSON has no infinity)
+               **({"learn_above_kl": "inf" if np.isinf(k) else k} if (k := _learn_above_kl(rule)) is not None else {})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def _learn_above_kl(rule):
+    """The gate of ``rule``'s JITs (JITOperator(learn_above_kl=)): the target KL, inf (learn none) or None."""
+    return TARGET_KL if rule in GATED_RULES else float("inf") if rule in STATIC_RULES else None
 
 
 def _rules(args) -> tuple:

@@ -168,3 +168,17 @@ def test_learn_above_kl_is_validated_and_saved(op, oracle, batch, tmp_path):
     assert load_operator(tmp_path / "jit.npz").learn_above_kl == float("inf")
     del state["params"]["learn_above_kl"]  # a state saved before the option: every consulted row learned
     assert JITOperator.from_state_dict(state).learn_above_kl is None
+
+
+def test_an_improper_answer_is_not_near_exact_and_the_others_are_judged_without_it(op, oracle, batch):
+    """(``_near_exact`` directly: an oracle's improper answer would fail its request at the update anyway)"""
+    inc, kl = batch
+    jit = JITOperator(copy.deepcopy(op), oracle, threshold=CONSULT_ALL, selection="all",
+                      learn_above_kl=float(kl.max()) * 2)
+    rows = {v: m[:5] for v, m in inc.items()}
+    coords, _ = jit.operator.predict_coords(rows)
+    exact = oracle.belief(rows, "x")
+    var = np.array(exact.var(), float)
+    var[3] = -1.0  # (an improper answer: no KL)
+    answer = Gaussian._unchecked(np.array(exact.mean(), float), var)
+    np.testing.assert_array_equal(jit._near_exact(coords, rows, answer), [True, True, True, False, True])

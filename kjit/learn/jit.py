@@ -734,16 +734,11 @@ class JITOperator(Operator):
                     q = self.operator._to_belief(coords[rows], {v: m[rows] for v, m in flat.items()}, (rows.size,))
             except ValueError:  # (no belief, its rows unnamed: none judged near exact)
                 return near
-            try:
-                kl = np.asarray(q_or[rows].kl(q), np.float64).reshape(-1)
-            except ValueError:  # (an improper answer among them: each row alone)
-                kl = np.full(rows.size, np.nan)
-                for i in range(rows.size):
-                    try:
-                        kl[i] = float(np.asarray(q_or[rows[i:i + 1]].kl(q[i:i + 1])).reshape(-1)[0])
-                    except ValueError:
-                        pass
-        near[rows] = kl <= self.learn_above_kl
+            # (an improper answer has no KL: the others are compared without it)
+            ok = np.broadcast_to(np.asarray(q_or.is_proper, bool).reshape(-1), (n,))[rows]
+            rows, q = rows[ok], q[np.flatnonzero(ok)]
+            if rows.size:
+                near[rows] = np.asarray(q_or[rows].kl(q), np.float64).reshape(-1) <= self.learn_above_kl
         return near
 
     def _places(self, m: int) -> int:
