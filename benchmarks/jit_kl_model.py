@@ -375,8 +375,10 @@ def factor_rows(name, args):
         posts = {i: runs[i]({to: exact for to in f.variables}, max_iter=args.max_iter) for i in test}
     rows = []
     for rule in _rules(args):
+        level = _learn_above_kl(rule)
+
         def rule_kw(to):
-            gate = {"learn_above_kl": _learn_above_kl(rule)} if _learn_above_kl(rule) is not None else {}
+            gate = {"learn_above_kl": level} if level is not None else {}
             if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
                 topup = rule in ("learned_kl_topup", "learned_kl_topup_gated")
                 return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
@@ -419,10 +421,16 @@ def factor_rows(name, args):
                "density_guard": {to: guards[to] for to in directions} if guards else None,
                **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {}),
                # (JSON has no infinity)
-               **({"learn_above_kl": "inf" if np.isinf(k) else k} if (k := _learn_above_kl(rule)) is not None else {})}
+               **({"learn_above_kl": "inf" if np.isinf(level) else level} if level is not None else {})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def _met(d) -> bool:
+    """Both goals of issue 14 part 3 on a row's (or a direction's) figures: worst 1 % consulted ≥ 0.95, ≤ 10 % of
+    the requests consulted."""
+    return d["worst1pct_flagged"] >= 0.95 and d["consultation_rate"] <= 0.1
 
 
 def _learn_above_kl(rule):
@@ -482,11 +490,10 @@ def main(argv=None):
     for rule in _rules(args):
         rs = [r for r in rows if r["rule"] == rule]
         print(json.dumps({"summary": True, "rule": rule, "n_factors": len(rs),
-                          "n_met": sum(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1 for r in rs),
+                          "n_met": sum(map(_met, rs)),
                           # (the issue's reading: each direction of each factor apart)
                           "n_directions": sum(len(r["by_direction"]) for r in rs),
-                          "n_directions_met": sum(d["worst1pct_flagged"] >= 0.95 and d["consultation_rate"] <= 0.1
-                                                  for r in rs for d in r["by_direction"].values()),
+                          "n_directions_met": sum(_met(d) for r in rs for d in r["by_direction"].values()),
                           # (a worst 1 % wholly below the target KL counted as nothing to catch)
                           "n_met_or_below_target": sum((r["worst1pct_flagged"] >= 0.95 or r["kl_p99"] < TARGET_KL)
                                                        and r["consultation_rate"] <= 0.1 for r in rs),
