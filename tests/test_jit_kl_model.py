@@ -81,15 +81,18 @@ def test_the_budget_rules_with_and_without_the_credit(capsys):
     """--budget with --rules: the learned KL ranked within the budget with its credit
     (learned_kl_credit) and without it (learned_kl_budget); the flags are the consultations in both,
     and with the credit no direction consults more than the budget of its rows (gamma_rate's sign test
-    consults next to none anyway, so nothing overdraws it).  The budget rules need --budget."""
+    consults next to none anyway, so nothing overdraws it).  learned_kl_static_ranked learns nothing and its
+    threshold never lies below learned_kl_static's (its floor).  The budget rules need --budget; --unattainable
+    takes "always" or "conformal"."""
     import pytest
 
     bench = _bench()
     bench.main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
-                "--budget", "0.1", "--rules", "learned_kl_credit", "learned_kl_budget", "learned_kl_gated"])
+                "--budget", "0.1", "--rules", "learned_kl_credit", "learned_kl_budget", "learned_kl_gated",
+                "learned_kl_static", "learned_kl_static_ranked"])
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     rows = [r for r in lines if not r.get("summary")]
-    rules = ["learned_kl_credit", "learned_kl_budget", "learned_kl_gated"]
+    rules = ["learned_kl_credit", "learned_kl_budget", "learned_kl_gated", "learned_kl_static", "learned_kl_static_ranked"]
     assert [r["rule"] for r in rows] == rules
     assert [s["rule"] for s in lines if s.get("summary")] == rules
     for r in rows:
@@ -102,5 +105,12 @@ def test_the_budget_rules_with_and_without_the_credit(capsys):
     assert gated["n_learned"] == 0 < round(gated["consultation_rate"] * gated["requests"])  # (gamma_rate: near exact)
     for d in rows[0]["by_direction"].values():
         assert round(d["consultation_rate"] * d["requests"]) <= np.floor(0.1 * d["requests"])
+    # the static rule ranked: learns nothing, ranks within the budget above the static rule's threshold (its floor)
+    static, ranked = rows[3], rows[4]
+    assert ranked["n_learned"] == static["n_learned"] == 0 and ranked["learn_above_kl"] == "inf"
+    assert (ranked["budget"], ranked["budget_window"]) == (0.1, 1000) and "budget" not in static
+    assert all(ranked["threshold"][to] >= static["threshold"][to] for to in static["threshold"])
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--rules", "learned_kl_credit"])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--unattainable", "never"])

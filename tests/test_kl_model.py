@@ -504,10 +504,14 @@ def test_the_sign_tests_rows_count_against_the_kl_models_budget(data, monkeypatc
     big = np.where(pf, 1e9, u)
     t_big = tolerance_threshold(big, km.pooled_groups_, 0.1, 0.9, 5)
     assert t_big < 1e9 and kl_model_threshold(op, 0.1, confidence=0.9, problems=5) == t_big
-    # more flagged rows than the budget: the threshold flags nothing else
+    # more flagged rows than the budget: the threshold flags nothing else, and says so
+    from kjit.learn.calibration import BudgetUnattainableWarning
+
     km.pooled_flagged_ = np.arange(n) % 5 == 0
-    assert kl_model_threshold(op, 0.1) == u[~km.pooled_flagged_].max()
-    assert kl_model_threshold(op, 0.1, confidence=0.9, problems=5) == u[~km.pooled_flagged_].max()
+    with pytest.warns(BudgetUnattainableWarning, match="20.0% of the pooled rows"):
+        assert kl_model_threshold(op, 0.1) == u[~km.pooled_flagged_].max()
+    with pytest.warns(BudgetUnattainableWarning, match="'always'"):
+        assert kl_model_threshold(op, 0.1, confidence=0.9, problems=5) == u[~km.pooled_flagged_].max()
 
 
 def test_the_variance_budget_counts_the_sign_tests_rows_when_asked(data, monkeypatch):
@@ -581,7 +585,77 @@ def test_an_infinite_or_nan_uncertainty_is_flagged_at_every_threshold():
     groups = np.arange(100) // 10
     t_b = tolerance_threshold(u, groups, 0.1, 0.9)
     assert np.isfinite(t_b) and t_b == tolerance_threshold(np.where(np.isfinite(u), u, 1e9), groups, 0.1, 0.9)
-    assert _conformal(np.full(20, np.inf), 0.1) == np.inf
+    from kjit.learn.calibration import BudgetUnattainableWarning
+
+    with pytest.warns(BudgetUnattainableWarning, match="100.0% of the pooled rows"):
+        assert _conformal(np.full(20, np.inf), 0.1) == np.inf
+
+
+def _within_at(u, groups, t, budget, m, n_boot, seed):
+    """The share of plain bootstrap batches (tolerance_threshold's draws) whose flagged share at t is
+    within the budget, each batch materialised as its problems' rows."""
+    labels = np.unique(groups)
+    by = [u[groups == g] for g in labels]
+    draws = np.random.default_rng(seed).integers(0, len(labels), (n_boot, m))
+    return np.mean([np.mean(np.concatenate([by[i] for i in d]) > t) <= budget for d in draws])
+
+
+def test_an_unattainable_budget_warns_and_falls_back_as_asked():
+    """Where the rows flagged at every threshold alone break the budget at the confidence asked (here
+    problem 0: 6 of its 10 rows +inf, a 3-problem batch holding it flags ≥ 20 %), no threshold keeps it:
+    "always" (the default, the behaviour before the option) answers the largest finite value — those rows
+    only; "conformal" the conformal quantile; both warn, naming the confidence reached (computed here
+    by brute force).  Where it is attainable, nothing is warned."""
+    import warnings
+
+    from kjit.learn.calibration import BudgetUnattainableWarning, _conformal
+
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(10), 10)
+    u = rng.normal(size=100)
+    u[:6] = np.inf
+    largest = u[np.isfinite(u)].max()
+    reached = _within_at(u, groups, largest, 0.1, 3, 400, 0)
+    assert reached < 0.9  # (unattainable: the premise)
+    with pytest.warns(BudgetUnattainableWarning, match=f"in {1 - reached:.1%} of batches.*'always'"):
+        t = tolerance_threshold(u, groups, 0.1, 0.9, 3, n_boot=400)
+    assert t == largest
+    with pytest.warns(BudgetUnattainableWarning, match="expectation.*'conformal'"):
+        t_c = tolerance_threshold(u, groups, 0.1, 0.9, 3, n_boot=400, unattainable="conformal")
+    assert t_c == _conformal(u, 0.1) and t_c < largest
+    assert np.sum(~(u <= t_c)) <= 0.1 * (u.size + 1)  # (the expectation's bound: within the budget overall)
+    # attainable (no row flagged at every threshold): no warning, and the option changes nothing
+    v = np.where(np.isfinite(u), u, 5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetUnattainableWarning)
+        a = tolerance_threshold(v, groups, 0.1, 0.9, 3, n_boot=400)
+        assert a == tolerance_threshold(v, groups, 0.1, 0.9, 3, n_boot=400, unattainable="conformal")
+    assert _within_at(v, groups, a, 0.1, 3, 400, 0) >= 0.9
+    for bad in ("Conformal", None, 1):
+        with pytest.raises(ValueError, match="`unattainable` must be one of"):
+            tolerance_threshold(v, groups, 0.1, 0.9, unattainable=bad)
+
+
+def test_kl_model_threshold_passes_unattainable_through(fitted):
+    """kl_model_threshold(unattainable=): its pooled rows with one problem's rows all consulted anyway
+    (the sign test's, as fit_kl_model records them) break a 97.5 % budget over 2-problem batches — the
+    default flags those rows only (the largest finite score), "conformal" the conformal quantile of the
+    scores with those rows at +inf; budget_threshold and kl_model_threshold refuse an unknown value."""
+    from kjit.learn.calibration import BudgetUnattainableWarning, _conformal
+
+    _, op = fitted
+    op = copy.deepcopy(op)
+    km = op.kl_model_
+    km.pooled_flagged_ = km.pooled_groups_ == km.pooled_groups_[0]
+    u = np.where(km.pooled_flagged_, np.inf, km.pooled_scores_)
+    with pytest.warns(BudgetUnattainableWarning):
+        assert kl_model_threshold(op, 0.1, confidence=0.975, problems=2) == u[np.isfinite(u)].max()
+    with pytest.warns(BudgetUnattainableWarning):
+        assert kl_model_threshold(op, 0.1, confidence=0.975, problems=2, unattainable="conformal") == _conformal(u, 0.1)
+    with pytest.raises(ValueError, match="`unattainable`"):
+        kl_model_threshold(op, 0.1, unattainable="never")
+    with pytest.raises(ValueError, match="`unattainable`"):
+        budget_threshold(op, {"x": None}, 0.1, unattainable="never")
 
 
 def _row_scores(jit, inc):

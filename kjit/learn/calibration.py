@@ -5,12 +5,26 @@ and/or leave-one-group-out predictions of the fitted pairs pooled (:func:`_poole
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..training import TrainingSet
 from .kernel_operator import KernelOperator, UNCERTAINTY_SCALARS, group_index
 
-__all__ = ["budget_threshold", "calibrate_threshold", "density_guard", "kl_model_threshold", "tolerance_threshold"]
+__all__ = ["BudgetUnattainableWarning", "UNATTAINABLE", "budget_threshold", "calibrate_threshold", "density_guard",
+           "kl_model_threshold", "tolerance_threshold"]
+
+#: what a threshold read with a ``confidence`` is where no threshold keeps the budget at that confidence —
+#: the rows flagged at every threshold (the sign test's) alone exceed it in too many batches:
+#: "always" (the default) the largest finite value, which flags those rows only, nothing on the score;
+#: "conformal" the budget read as an expectation per message instead (:func:`_conformal`)
+UNATTAINABLE = ("always", "conformal")
+
+
+class BudgetUnattainableWarning(UserWarning):
+    """A threshold read with a ``confidence`` could not keep the budget at that confidence (see
+    :data:`UNATTAINABLE`): the rows flagged at every threshold alone exceed it in too many batches."""
 
 def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool, scalar: str = "max",
             sign_test: bool = False):
@@ -101,7 +115,7 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
                      fitted: TrainingSet | None = None, groups=None, confidence: float | None = None,
                      problems: int | None = None, held_out_groups=None, n_boot: int = 2000,
                      random_state=0, predictive: bool = False, scalar: str = "max",
-                     sign_test: bool = False) -> float:
+                     sign_test: bool = False, unattainable: str = "always") -> float:
     """Threshold on log predictive variance that flags (``u > t``) at most ``budget`` of
     in-distribution messages: a consultation budget rather than an accuracy target.
 
@@ -138,17 +152,21 @@ def budget_threshold(operator: KernelOperator, held_out=None, budget: float = 0.
     bounds ``u > t`` alone, the share benchmarks/factor_suite.py reports (measured there, seeds 0–19, thirty-third session: the sign
     test consults 2.6–4.1 % of the test rows of product → x, product → z and gaussian → m on average,
     up to 8.2 % of one test set, 0–0.7 % on average elsewhere).
+
+    ``unattainable``: with ``confidence``, the threshold where none keeps the budget at it
+    (:data:`UNATTAINABLE`; a :class:`BudgetUnattainableWarning` either way).
     """
     if not 0.0 < budget < 1.0:
         raise ValueError("`budget` must lie in (0, 1)")
+    _check_unattainable(unattainable)
     u, _ = _pooled(operator, held_out, fitted, groups, labels=False, scalar=scalar, sign_test=sign_test)
     return _pooled_budget_threshold(u, held_out is not None, fitted is not None, groups, held_out_groups, budget,
-                                    confidence, problems, n_boot, random_state, predictive)
+                                    confidence, problems, n_boot, random_state, predictive, unattainable)
 
 
 def kl_model_threshold(operator: KernelOperator, budget: float = 0.1, confidence: float | None = None,
                        problems: int | None = None, n_boot: int = 2000, random_state=0,
-                       predictive: bool = False) -> float:
+                       predictive: bool = False, unattainable: str = "always") -> float:
     """Threshold on the learned log KL (``operator.row_uncertainty(..., "learned_kl")``, after
     :meth:`KernelOperator.fit_kl_model`) flagging at most ``budget`` of in-distribution messages —
     :func:`budget_threshold`'s rules (the conformal quantile; with ``confidence``, the guarantee
@@ -159,9 +177,16 @@ def kl_model_threshold(operator: KernelOperator, budget: float = 0.1, confidence
     the outgoing precision, recorded by ``fit_kl_model`` since the thirty-second session) count as
     flagged, so the budget holds for what ``JITOperator(uncertainty="learned_kl")`` consults — before,
     those rows came on top of it (benchmarks/factor_suite.py: they pushed 4 of 140 test sets' shares
-    over 10 %)."""
+    over 10 %).  ``unattainable``: as :func:`budget_threshold`'s.
+
+    Where the rows consulted anyway alone break the budget at ``confidence`` ("always", the default),
+    the threshold flags them only and the learned KL none: measured in benchmarks/jit_kl_model.py,
+    product → x at seed 7 (the sign test 6.3 % of the pooled rows, 37 % of one problem's), whose
+    threshold was the largest pooled score and EP's worst 1 % went 0.42 consulted; "conformal" reads the
+    budget as an expectation there instead."""
     if not 0.0 < budget < 1.0:
         raise ValueError("`budget` must lie in (0, 1)")
+    _check_unattainable(unattainable)
     km = getattr(operator, "kl_model_", None)
     if km is None or km.pooled_scores_ is None:
         raise ValueError("the operator has no KL model with its cross-fitted scores: call fit_kl_model first")
@@ -169,7 +194,8 @@ def kl_model_threshold(operator: KernelOperator, budget: float = 0.1, confidence
     if getattr(km, "pooled_flagged_", None) is not None:
         u = np.where(km.pooled_flagged_, np.inf, u)
     if confidence is not None:
-        return tolerance_threshold(u, km.pooled_groups_, budget, confidence, problems, n_boot, random_state, predictive)
+        return tolerance_threshold(u, km.pooled_groups_, budget, confidence, problems, n_boot, random_state, predictive,
+                                   unattainable)
     return _conformal(u, budget)
 
 
@@ -202,8 +228,13 @@ def density_guard(operator: KernelOperator, held_out=None, share: float = 0.01,
     return -np.inf if k < 1 else float(np.sort(d)[k - 1])
 
 
+def _check_unattainable(unattainable):
+    if not (isinstance(unattainable, str) and unattainable in UNATTAINABLE):
+        raise ValueError(f"`unattainable` must be one of {UNATTAINABLE}, got {unattainable!r}")
+
+
 def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_groups, budget, confidence, problems,
-                             n_boot, random_state, predictive):
+                             n_boot, random_state, predictive, unattainable="always"):
     """budget_threshold's answer from the pooled uncertainties ``u`` (:func:`_pooled`'s order: the
     held-out rows, then the fitted rows)."""
     if confidence is not None:
@@ -218,7 +249,8 @@ def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_group
         lab = np.concatenate(labels)
         if lab.size != u.size:
             raise ValueError("group labels must match the pooled rows one to one")
-        return tolerance_threshold(u, lab, budget, confidence, problems, n_boot, random_state, predictive)
+        return tolerance_threshold(u, lab, budget, confidence, problems, n_boot, random_state, predictive,
+                                   unattainable)
     return _conformal(u, budget)
 
 
@@ -233,7 +265,8 @@ def _conformal(u, budget):
     """The conformal quantile: the k-th smallest of the n values ``u``, k = ⌈(n + 1)(1 − budget)⌉
     (+inf when k > n).  A +inf (or NaN) value is a row flagged at every threshold: where the k-th
     smallest is +inf — those rows alone exceed the budget, which no threshold then keeps — the largest
-    value below +inf (the threshold that flags those rows only; +inf if there is none)."""
+    value below +inf (the threshold that flags those rows only; +inf if there is none), with a
+    :class:`BudgetUnattainableWarning`."""
     u = _flagged_always(u)
     n = u.size
     k = int(np.ceil((n + 1) * (1.0 - budget)))
@@ -241,13 +274,17 @@ def _conformal(u, budget):
         return np.inf
     t = float(np.sort(u)[k - 1])
     if t == np.inf:
+        warnings.warn(f"no threshold keeps the budget {budget:g}: the rows flagged at every threshold alone are "
+                      f"{np.mean(u == np.inf):.1%} of the pooled rows; the threshold flags those rows only",
+                      BudgetUnattainableWarning, stacklevel=3)
         below = u[u < np.inf]
         return float(below.max()) if below.size else np.inf
     return t
 
 
 def tolerance_threshold(u, groups, budget: float, confidence: float, problems: int | None = None,
-                        n_boot: int = 2000, random_state=0, predictive: bool = False) -> float:
+                        n_boot: int = 2000, random_state=0, predictive: bool = False,
+                        unattainable: str = "always") -> float:
     """Smallest t among the values ``u`` such that a batch of ``problems`` problems, drawn with
     replacement from the problems labelled by ``groups``, has at most ``budget`` of its rows
     above t in at least a ``confidence`` fraction of ``n_boot`` bootstrap batches.
@@ -260,7 +297,10 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
     a bisection over the sorted distinct values finds t; t = max(u) flags nothing and always
     qualifies.  A +inf (or NaN) value is a row flagged at every threshold (a rule's flags that no
     threshold lifts): the candidates are the values below +inf, and where even the largest does not
-    qualify it is the answer (it flags those rows only; +inf when every value is +inf).  ``problems``
+    qualify — no threshold keeps the budget at ``confidence`` — it is the answer (it flags those rows
+    only; +inf when every value is +inf) with ``unattainable="always"`` (the default), the conformal
+    quantile (:func:`_conformal`: the budget read as an expectation per message) with "conformal";
+    either way a :class:`BudgetUnattainableWarning` says which and the confidence the largest reaches.  ``problems``
     defaults to G.
 
     ``predictive=True`` (opt-in) draws every batch from a *resample of the G problems* instead of
@@ -285,6 +325,7 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
         raise ValueError("`budget` must lie in (0, 1)")
     if not 0.0 < confidence < 1.0:
         raise ValueError("`confidence` must lie in (0, 1)")
+    _check_unattainable(unattainable)
     u = _flagged_always(u)
     labels, gi = group_index(groups)
     if gi.size != u.size:
@@ -306,10 +347,22 @@ def tolerance_threshold(u, groups, budget: float, confidence: float, problems: i
     if not cand.size:
         return np.inf
 
-    def ok(t):
+    def within(t):  # (batches whose share at t is within the budget)
         share = (W @ np.bincount(gi, weights=(u > t).astype(np.float64), minlength=G)) / rows
-        return np.count_nonzero(share <= budget) >= confidence * n_boot
+        return np.count_nonzero(share <= budget)
 
+    def ok(t):
+        return within(t) >= confidence * n_boot
+
+    if not ok(cand[-1]):
+        reached = within(cand[-1]) / n_boot
+        t = _conformal(u, budget) if unattainable == "conformal" else float(cand[-1])
+        warnings.warn(f"no threshold keeps the budget {budget:g} at confidence {confidence:g}: the rows flagged at every "
+                      f"threshold alone exceed it in {1.0 - reached:.1%} of batches; "
+                      + ("the budget is read as an expectation per message (unattainable='conformal')"
+                         if unattainable == "conformal" else "the threshold flags those rows only (unattainable='always')"),
+                      BudgetUnattainableWarning, stacklevel=2)
+        return t
     lo, hi = 0, cand.size - 1
     while lo < hi:
         mid = (lo + hi) // 2
