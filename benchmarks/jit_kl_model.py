@@ -226,7 +226,10 @@ pooled score — a rule that consults the sign test's rows and nothing on its sc
 → x at seed 7 is that case, the only one among product's and gaussian's directions at seeds 0–13 / 0–14: the sign
 test flags 6.3 % of its pooled rows, 37 % of one problem's, and alone breaks 10 % in 5.1 % of the batches; the
 learned KL's threshold was −2.21 (−9 to −12 elsewhere), and EP's worst 1 % went 0.42 consulted (its largest learned
-answer 0.27).  With ``--unattainable conformal`` (threshold −9.06): worst 1 % consulted 1.00, learned answers above
+answer 0.27).  Its missed rows (KL 8e-3–0.27, 64 of the 70 from one problem: the messages EP drifted to, as the
+thirty-fifth session read it) scored −11 to −15 (scratch dump), under −9.06 too: EP through a JIT that consulted
+nothing on its score went there, and with more rows consulted it did not.  With ``--unattainable conformal`` (threshold −9.06; EP takes another path, so
+its worst 1 % are other rows): worst 1 % consulted 1.00, learned answers above
 e^-10 648 → 167, the largest 8.3e-4, but 6.7 → 11.8 % consulted — a miss by the share instead.  The default stays
 "always" (the figures above).
 
