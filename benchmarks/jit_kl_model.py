@@ -48,8 +48,10 @@ many had a KL above e^-10), ``max_posterior_kl`` / ``median_posterior_kl`` /
 where both EP runs converged: ``n_converged_exact`` (of the problems EP through the JIT solved without
 an error), ``n_converged_both`` — an unconverged run's posterior is wherever its last sweep left it),
 ``ep_errors``, ``seconds`` (EP through the JIT, screening and exact answers excluded), ``n_learned`` (the
-consulted rows the JITs learned), ``threshold``, and for the rules with a gate ``learn_above_kl`` (a number, or
-the string "inf" for the static rule: JSON has no infinity);
+consulted rows the JITs learned), ``threshold`` (the budget rules': their last request's), ``unattainable`` (the
+thresholds' fallback, ``--unattainable``), for the budget rules ``threshold_floor`` and ``budget_level`` (what they
+rank between; the floor of the rules without one is the lowest finite number), and for the rules with a gate
+``learn_above_kl`` (a number, or the string "inf" for the static rule: JSON has no infinity);
 then a summary line per rule (``n_met``, ``n_met_or_below_target`` (a worst 1 % whose smallest KL, ``kl_p99``,
 is below e^-10 counts as caught), ``n_directions`` / ``n_directions_met`` (the goals read per direction, as the
 issue states them), ``max_consultation_rate``, ``min_worst1pct_flagged``,
@@ -461,6 +463,11 @@ def factor_rows(name, args):
                "threshold": {to: float(screened[to].jit.threshold) for to in directions},
                "density_guard": {to: guards[to] for to in directions} if guards else None,
                **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {}),
+               # (the floor and the level the budget rules rank between; None: none)
+               **({"threshold_floor": {to: float(screened[to].jit.threshold_floor_) for to in directions},
+                   "budget_level": {to: screened[to].jit.budget_level for to in directions}}
+                  if rule in BUDGET_RULES else {}),
+               "unattainable": args.unattainable,
                # (JSON has no infinity)
                **({"learn_above_kl": "inf" if np.isinf(level) else level} if level is not None else {})}
         print(json.dumps(row), flush=True)

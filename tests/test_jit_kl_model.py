@@ -110,6 +110,11 @@ def test_the_budget_rules_with_and_without_the_credit(capsys):
     assert ranked["n_learned"] == static["n_learned"] == 0 and ranked["learn_above_kl"] == "inf"
     assert (ranked["budget"], ranked["budget_window"]) == (0.1, 1000) and "budget" not in static
     assert all(ranked["threshold"][to] >= static["threshold"][to] for to in static["threshold"])
+    # (found in review: that holds by construction; the floor and the level are what the rule is)
+    assert ranked["threshold_floor"] == static["threshold"]
+    assert ranked["budget_level"] == {to: max(t, -10.0) for to, t in static["threshold"].items()}
+    assert ranked["consultation_rate"] < static["consultation_rate"]  # (the rank consults a part of the rows)
+    assert {r["unattainable"] for r in rows} == {"always"}
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--rules", "learned_kl_credit"])
     with pytest.raises(SystemExit):

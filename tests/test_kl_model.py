@@ -617,13 +617,29 @@ def test_an_unattainable_budget_warns_and_falls_back_as_asked():
     largest = u[np.isfinite(u)].max()
     reached = _within_at(u, groups, largest, 0.1, 3, 400, 0)
     assert reached < 0.9  # (unattainable: the premise)
-    with pytest.warns(BudgetUnattainableWarning, match=f"in {1 - reached:.1%} of batches.*'always'"):
+    with pytest.warns(BudgetUnattainableWarning, match=f"in {1 - reached:.1%} of batches.*'always'") as rec:
         t = tolerance_threshold(u, groups, 0.1, 0.9, 3, n_boot=400)
-    assert t == largest
-    with pytest.warns(BudgetUnattainableWarning, match="expectation.*'conformal'"):
+    # (one warning, attributed to the caller: found in review, a fixed stacklevel named a line in the library)
+    assert t == largest and len(rec) == 1 and rec[0].filename == __file__
+    with pytest.warns(BudgetUnattainableWarning, match="per message.*'conformal'") as rec:
         t_c = tolerance_threshold(u, groups, 0.1, 0.9, 3, n_boot=400, unattainable="conformal")
-    assert t_c == _conformal(u, 0.1) and t_c < largest
+    assert t_c == _conformal(u, 0.1) and t_c < largest and len(rec) == 1 and rec[0].filename == __file__
     assert np.sum(~(u <= t_c)) <= 0.1 * (u.size + 1)  # (the expectation's bound: within the budget overall)
+    # those rows over the budget as an expectation too (30 %): the largest value, one warning saying so (review
+    # found two contradicting ones); too few rows to bound the expectation: the largest value, not +inf
+    w = u.copy()
+    w[:30] = np.inf
+    too = r"expectation too \(those rows are 30.0% of the pooled rows\)"
+    with pytest.warns(BudgetUnattainableWarning, match=too) as rec:
+        assert tolerance_threshold(w, groups, 0.1, 0.9, 3, n_boot=400, unattainable="conformal") == w[30:].max()
+    assert len(rec) == 1
+    few = np.array([0.1, 0.2, 0.3, np.inf, 0.5, 0.6])
+    with pytest.warns(BudgetUnattainableWarning, match="too few rows") as rec:
+        assert tolerance_threshold(few, np.arange(6), 0.1, 0.9, unattainable="conformal") == 0.6
+    assert len(rec) == 1
+    # every value +inf: +inf, warned (it was silent)
+    with pytest.warns(BudgetUnattainableWarning, match="every pooled row"):
+        assert tolerance_threshold(np.full(100, np.inf), groups, 0.1, 0.9) == np.inf
     # attainable (no row flagged at every threshold): no warning, and the option changes nothing
     v = np.where(np.isfinite(u), u, 5.0)
     with warnings.catch_warnings():
@@ -648,14 +664,38 @@ def test_kl_model_threshold_passes_unattainable_through(fitted):
     km = op.kl_model_
     km.pooled_flagged_ = km.pooled_groups_ == km.pooled_groups_[0]
     u = np.where(km.pooled_flagged_, np.inf, km.pooled_scores_)
+    with pytest.warns(BudgetUnattainableWarning) as rec:
+        t_always = kl_model_threshold(op, 0.1, confidence=0.975, problems=2)
+    assert t_always == u[np.isfinite(u)].max() and len(rec) == 1 and rec[0].filename == __file__
     with pytest.warns(BudgetUnattainableWarning):
-        assert kl_model_threshold(op, 0.1, confidence=0.975, problems=2) == u[np.isfinite(u)].max()
-    with pytest.warns(BudgetUnattainableWarning):
-        assert kl_model_threshold(op, 0.1, confidence=0.975, problems=2, unattainable="conformal") == _conformal(u, 0.1)
+        t_conf = kl_model_threshold(op, 0.1, confidence=0.975, problems=2, unattainable="conformal")
+    assert t_conf == _conformal(u, 0.1) < t_always
     with pytest.raises(ValueError, match="`unattainable`"):
         kl_model_threshold(op, 0.1, unattainable="never")
     with pytest.raises(ValueError, match="`unattainable`"):
         budget_threshold(op, {"x": None}, 0.1, unattainable="never")
+
+
+def test_budget_threshold_passes_unattainable_through(fitted, monkeypatch):
+    """budget_threshold(confidence=, unattainable=) with pooled uncertainties whose first problem is all
+    flagged at every threshold (``_pooled`` stubbed: what is checked is the plumbing to tolerance_threshold):
+    the largest finite value by default, the conformal quantile with "conformal", one warning each, named
+    at the caller (review found the option could be dropped on the way unnoticed)."""
+    import kjit.learn.calibration as cal
+    from kjit.learn.calibration import BudgetUnattainableWarning, _conformal
+
+    _, op = fitted
+    u = np.random.default_rng(1).normal(size=100)
+    u[:8] = np.inf
+    monkeypatch.setattr(cal, "_pooled", lambda *a, **k: (u, None))
+    kw = {"confidence": 0.9, "problems": 3, "held_out_groups": np.repeat(np.arange(10), 10)}
+    with pytest.warns(BudgetUnattainableWarning, match="'always'") as rec:
+        assert budget_threshold(op, {"x": None}, 0.1, **kw) == u[8:].max()
+    assert len(rec) == 1 and rec[0].filename == __file__
+    with pytest.warns(BudgetUnattainableWarning, match="per message") as rec:
+        t_conf = budget_threshold(op, {"x": None}, 0.1, unattainable="conformal", **kw)
+    assert t_conf == _conformal(u, 0.1) < u[8:].max()
+    assert len(rec) == 1 and rec[0].filename == __file__
 
 
 def _row_scores(jit, inc):
