@@ -208,7 +208,8 @@ Thirty-sixth session.  ``learned_kl_static_ranked`` (``--budget 0.1 --rules lear
 rule's threshold as the floor of the budget's rank (``JITOperator(budget=0.1, threshold=that threshold)``, no credit,
 window 1000, learning none): a row above the threshold is consulted only where it also ranks among the top 10 % of
 the recent scores — except a row scored above log e^-10 (a predicted KL above the target), consulted whatever its
-rank (``budget_level`` = the larger of the threshold and −10).  Against learned_kl_static (its runs above), seeds
+rank (``budget_level`` = the larger of the threshold and −10; where the threshold is −10 or above the rank has
+nothing to choose, and the rule is the static one).  Against learned_kl_static (its runs above), seeds
 0–9: both goals on 59 → 60 of 70 pairs, per direction 84 → 83 of 100; with a worst 1 % wholly below e^-10 counted
 as caught 63 → 67; rows consulted 67 050 → 61 490; shares over 10 % on 6 → 1 pair; learned answers above e^-10
 5 107 → 5 192, the largest 0.27 both.  Fresh seeds 10–14: 31 → 29 pairs, per direction 43 → 42.  The rank brings
