@@ -43,6 +43,7 @@ def _warn_unattainable(message: str) -> None:
         frame, level = frame.f_back, level + 1
     warnings.warn(message, BudgetUnattainableWarning, stacklevel=level)
 
+
 def _pooled(operator: KernelOperator, held_out, fitted, groups, labels: bool, scalar: str = "max",
             sign_test: bool = False):
     """(uncertainty (n,), KL (n,) or None) of the held-out rows (the operator's predictions) and,
