@@ -418,16 +418,16 @@ def factor_rows(name, args):
 
         def rule_kw(to):
             gate = {"learn_above_kl": level} if level is not None else {}
-            if rule == "learned_kl_static_ranked":
-                # (rows predicted above the target KL consulted whatever their rank: the level)
-                return {"uncertainty": "learned_kl", "threshold": thresholds[to]["learned_kl"], "budget": args.budget,
-                        "budget_window": args.budget_window, **gate,
-                        "budget_level": max(thresholds[to]["learned_kl"], float(np.log(TARGET_KL)))}
-            if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget, no floor
-                topup = rule in ("learned_kl_topup", "learned_kl_topup_gated")
+            if rule in BUDGET_RULES:  # the learned KL ranked within a consultation budget
+                thr = thresholds[to]["learned_kl"]
+                # (the topups' level: their threshold; the ranked static rule's: rows predicted above the target KL;
+                # the ranked static rule alone keeps its threshold as the rank's floor and goes without the credit)
+                ranked = rule == "learned_kl_static_ranked"
+                budget_level = (max(thr, float(np.log(TARGET_KL))) if ranked
+                                else thr if rule in ("learned_kl_topup", "learned_kl_topup_gated") else None)
                 return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
-                        "budget_credit": rule != "learned_kl_budget",
-                        "budget_level": thresholds[to]["learned_kl"] if topup else None, **gate}
+                        "budget_credit": rule not in ("learned_kl_budget", "learned_kl_static_ranked"),
+                        "budget_level": budget_level, **({"threshold": thr} if ranked else {}), **gate}
             if rule in ("learned_kl_gated", "learned_kl_static"):
                 return {"uncertainty": "learned_kl", "threshold": thresholds[to]["learned_kl"], **gate}
             return {"uncertainty": rule, "threshold": thresholds[to][rule]}

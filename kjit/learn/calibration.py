@@ -257,7 +257,6 @@ def _pooled_budget_threshold(u, has_held_out, has_fitted, groups, held_out_group
                              n_boot, random_state, predictive, unattainable="always"):
     """budget_threshold's answer from the pooled uncertainties ``u`` (:func:`_pooled`'s order: the
     held-out rows, then the fitted rows)."""
-    _check_unattainable(unattainable)
     if confidence is not None:
         labels = []
         if has_held_out:
