@@ -16,8 +16,8 @@ from .learn.kernel_operator import (ApproximationOverflowError, DEFAULT_NOISE_VA
                                     LEARN_RANGE_FACTOR, MIN_TARGET_SCALE, PredictionOverflowError, REFERENCES,
                                     SEARCH_SIZE, SIGN_Z, TARGET_RANGE_MARGIN, TargetsNotFiniteError,
                                     TargetsOutOfRangeError, UNCERTAINTY_CHOICES, UNCERTAINTY_SCALARS, WIDTH_RULES,
-                                    fit_log_variance, flagged_share_needed, group_index, predict_log_variance,
-                                    respect_factor_bounds, sign_undetermined)
+                                    fit_log_variance, flagged_share_needed, flagged_share_to_catch, group_index,
+                                    predict_log_variance, respect_factor_bounds, sign_undetermined)
 from .learn.calibration import (UNATTAINABLE, BudgetUnattainableWarning, budget_threshold, calibrate_threshold,
                                 density_guard, kl_model_threshold, tolerance_threshold)
 from .learn.kl_model import KLModel
@@ -30,7 +30,8 @@ __all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VA
            "KernelOperator", "LEARN_RANGE_FACTOR", "MIN_TARGET_SCALE", "PredictionOverflowError", "REFERENCES",
            "SEARCH_SIZE", "SIGN_Z", "TARGET_RANGE_MARGIN", "TargetsNotFiniteError", "TargetsOutOfRangeError",
            "UNCERTAINTY_CHOICES", "UNCERTAINTY_SCALARS", "WIDTH_RULES", "fit_log_variance", "flagged_share_needed",
-           "group_index", "predict_log_variance", "respect_factor_bounds", "sign_undetermined", "budget_threshold",
+           "flagged_share_to_catch", "group_index", "predict_log_variance", "respect_factor_bounds", "sign_undetermined",
+           "budget_threshold",
            "calibrate_threshold", "density_guard", "kl_model_threshold", "KLModel", "tolerance_threshold",
            "BudgetUnattainableWarning", "UNATTAINABLE",
            "ENSEMBLE_HYPERPARAMETERS", "KernelEnsemble", "greedy_consultations", "INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS"]

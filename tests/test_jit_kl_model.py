@@ -40,6 +40,7 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         assert sum(d["requests"] for d in by) == r["requests"]
         assert np.isclose(sum(d["consultation_rate"] * d["requests"] for d in by), r["consultation_rate"] * r["requests"])
         assert all(d["n_screen_mismatch"] == 0 for d in by)
+        assert all(0.0 < d["flagged_fraction_needed"] <= 1.0 for d in [r, *by])
         # every consulted row is learned (none lies far out here), but none by the static rule's JITs
         consulted = round(r["consultation_rate"] * r["requests"])
         assert r["n_learned"] == (0 if r["rule"] == "learned_kl_static" else consulted) and consulted > 0
@@ -50,6 +51,9 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
                                                  and r["consultation_rate"] <= 0.1) >= s["n_met"]
         assert s["n_directions"] == 2 and s["n_directions_met"] == sum(
             d["worst1pct_flagged"] >= 0.95 and d["consultation_rate"] <= 0.1 for d in r["by_direction"].values())
+        assert s["n_ranked_within_budget"] == int(r["flagged_fraction_needed"] <= 0.1)
+        assert s["n_directions_ranked_within_budget"] == sum(
+            d["flagged_fraction_needed"] <= 0.1 for d in r["by_direction"].values())
         assert s["n_answered_above_target"] == r["n_answered_above_target"] == sum(
             d["n_answered_above_target"] for d in r["by_direction"].values())
 
@@ -57,7 +61,9 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
 def test_answers_read_the_worst_percent_and_the_answers_above_the_target():
     """``_answers`` on requests whose KLs are known: the worst 1 % of 200 predictions are the two
     largest, ``kl_p99`` the smaller of them; the answers above e^-10 are counted among the rows not
-    consulted only; a row the exact rule failed on (NaN) is left out of both."""
+    consulted only; a row the exact rule failed on (NaN) is left out of both; the share needed to
+    catch the worst rows by score counts every row scored at or above the lower one's score, a row
+    consulted whatever its score (+inf) among them, and not the row without an exact answer."""
     from types import SimpleNamespace
 
     bench = _bench()
@@ -68,13 +74,18 @@ def test_answers_read_the_worst_percent_and_the_answers_above_the_target():
     consulted[5] = True
     kl_ans = np.where(consulted, 0.0, kl_pred)
     kl_ans[[20, 21]] = [1e-2, 1e-5]  # (answers far from the screened predictions: the JIT learned between)
+    score = -np.arange(200.0)
+    score[[5, 9, 150]] = [10.0, -50.0, np.inf]  # (rows 0-50 score >= -50, the unknown row 17 among them)
     screens = [SimpleNamespace(kl_pred=[kl_pred[:120], kl_pred[120:]], kl_answer=[kl_ans[:120], kl_ans[120:]],
-                               flagged=[consulted[:120], consulted[120:]], consulted=[consulted[:120], consulted[120:]])]
+                               flagged=[consulted[:120], consulted[120:]], consulted=[consulted[:120], consulted[120:]],
+                               score=[score[:120], score[120:]])]
     out = bench._answers(screens)
     assert out["worst1pct_flagged"] == 0.5 and out["kl_p99"] == 1e-4
     # (e^-10 ≈ 4.5e-5: 1e-4 and 1e-2 count, 1e-5 does not, and the consulted 3e-3 is no answer)
     assert out["n_answered_above_target"] == 2 and out["max_kl_answered"] == 1e-2
     assert out["n_without_exact"] == 1 and out["requests"] == 200 and out["consultation_rate"] == 1 / 200
+    # rows 0-50 but 17, and row 150: 51 of the 199 with an exact answer
+    assert out["flagged_fraction_needed"] == 51 / 199
 
 
 def test_the_budget_rules_with_and_without_the_credit(capsys):

@@ -894,6 +894,35 @@ def test_flagged_share_needed_by_hand():
         flagged_share_needed(u, kl[:5])
 
 
+def test_flagged_share_to_catch_by_hand():
+    """The share for a given set of rows: all of rows 4 and 8 (u 0.9, 1.0) need 2 of 10 flagged, all of
+    rows 2 and 8 (u 0.2, 1.0) 8 of 10; a tie at the threshold counts every tied row; +inf (a row
+    consulted whatever its score) ranks first; flagged_share_needed is it on the worst rows by KL."""
+    from kjit.operators import flagged_share_needed, flagged_share_to_catch
+
+    u = np.array([0.0, 0.1, 0.2, 0.3, 0.9, 0.8, 0.7, 0.6, 1.0, 0.5])
+    rows = np.zeros(10, bool)
+    rows[[4, 8]] = True
+    assert flagged_share_to_catch(u, rows, catch=1.0) == pytest.approx(0.2)
+    rows[4], rows[2] = False, True
+    assert flagged_share_to_catch(u, rows, catch=1.0) == pytest.approx(0.8)
+    # catching half of {2, 4, 8} (u 0.2, 0.9, 1.0): the lower median of their u, 0.9 — rows 4 and 8
+    rows[4] = True
+    assert flagged_share_to_catch(u, rows, catch=0.5) == pytest.approx(0.2)
+    tied = u.copy()
+    tied[[3, 5]] = 0.9
+    assert flagged_share_to_catch(tied, rows, catch=0.5) == pytest.approx(0.4)
+    inf = u.copy()
+    inf[[0, 1]] = np.inf
+    assert flagged_share_to_catch(inf, rows, catch=0.5) == pytest.approx(0.4)
+    kl = np.arange(10.0)
+    assert flagged_share_to_catch(u, kl >= np.quantile(kl, 0.99)) == flagged_share_needed(u, kl)
+    with pytest.raises(ValueError, match="one length"):
+        flagged_share_to_catch(u, rows[:5])
+    with pytest.raises(ValueError, match="at least one"):
+        flagged_share_to_catch(u, np.zeros(10, bool))
+
+
 def _residual_parts(op, tr, groups):
     """Independent computation: leave-one-group-out squared residuals (n, k) and latent variances (n,)."""
     Z = (op.regression_targets(tr.incoming, tr.beliefs) - op.y_mean_) / op.y_scale_

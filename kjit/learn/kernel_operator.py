@@ -52,7 +52,7 @@ __all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VA
            "KernelOperator", "LEARN_RANGE_FACTOR", "MIN_TARGET_SCALE", "PredictionOverflowError", "REFERENCES",
            "SEARCH_SIZE", "SIGN_Z", "TARGET_RANGE_MARGIN", "TargetsNotFiniteError", "TargetsOutOfRangeError",
            "UNCERTAINTY_CHOICES", "UNCERTAINTY_SCALARS", "WIDTH_RULES", "fit_log_variance", "flagged_share_needed",
-           "group_index", "predict_log_variance", "respect_factor_bounds", "sign_undetermined"]
+           "flagged_share_to_catch", "group_index", "predict_log_variance", "respect_factor_bounds", "sign_undetermined"]
 
 # an outgoing message whose precision is within SIGN_Z predictive standard deviations of 0 has
 # an undetermined sign: a just-in-time operator consults its oracle for it (see sign_undetermined)
@@ -134,8 +134,19 @@ def flagged_share_needed(u, kl, worst: float = 0.01, catch: float = 0.95) -> flo
     kl = np.asarray(kl, np.float64).ravel()
     if u.shape != kl.shape or u.size == 0:
         raise ValueError("`u` and `kl` must be non-empty and of one length")
-    bad = kl >= np.quantile(kl, 1.0 - worst)
-    return float(np.mean(u >= np.quantile(u[bad], 1.0 - catch, method="lower")))
+    return flagged_share_to_catch(u, kl >= np.quantile(kl, 1.0 - worst), catch)
+
+
+def flagged_share_to_catch(u, rows, catch: float = 0.95) -> float:
+    """The share of rows with u at or above the highest threshold on ``u`` that flags ``catch`` of
+    the rows ``rows`` (a boolean mask, one per row; at least one set) — :func:`flagged_share_needed`
+    for a given set of rows to catch.  Rows tied at that threshold are all counted; a +inf u (a row
+    consulted whatever the threshold) ranks first."""
+    u = np.asarray(u, np.float64).ravel()
+    rows = np.asarray(rows, bool).ravel()
+    if u.shape != rows.shape or not rows.any():
+        raise ValueError("`u` and `rows` must be of one length, with at least one row to catch")
+    return float(np.mean(u >= np.quantile(u[rows], 1.0 - catch, method="lower")))
 
 
 def fit_log_variance(psi: np.ndarray, t: np.ndarray, floor: float = 1e-3, prior_vars=ERROR_MODEL_PRIOR_VARS,
