@@ -130,3 +130,46 @@ def test_the_budget_rules_with_and_without_the_credit(capsys):
         bench.main(["--quick", "--rules", "learned_kl_credit"])
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--unattainable", "never"])
+
+
+def test_screened_records_the_rules_score_per_row():
+    """``Screened`` keeps, per row, the largest column of the screen's certificates' ``log_var``, +inf where
+    the certificates flag the row (consulted whatever its score), where the score is NaN and where the
+    prediction is no belief (a PredictionOverflowError naming it: the other rows are screened again
+    alone) — aligned with the rows' flags and KLs, over requests."""
+    from types import SimpleNamespace
+
+    from kjit.families import Gaussian
+    from kjit.operators import PredictionOverflowError
+
+    bench = _bench()
+    log_var = {0: [-30.0, -31.0], 1: [-20.0, -25.0], 2: [0.0, 0.0], 3: [np.nan, -5.0], 4: [-12.0, -11.0]}
+    cert_flagged = {1}  # (the sign test's row, say)
+
+    class StubJIT:
+        to = "x"
+        factor = SimpleNamespace(flat_incoming=lambda incoming, to: (incoming, incoming["x"].shape))
+
+        def screen_certified(self, flat):
+            rows = [int(i) for i in np.asarray(flat["x"].params[0])]  # (each row's mean is its index)
+            if 2 in rows:
+                raise PredictionOverflowError("no belief", rows=[rows.index(2)])
+            q = Gaussian(np.zeros(len(rows)), np.ones(len(rows)))
+            cert = SimpleNamespace(log_var=np.array([log_var[i] for i in rows]),
+                                   flagged=np.array([i in cert_flagged for i in rows]))
+            return q, cert, np.array([i in cert_flagged or i == 4 for i in rows])
+
+        def predict(self, incoming, to=None):
+            n = incoming["x"].size
+            self.last_certificates_ = SimpleNamespace(source=np.array(["learned"] * n))
+            return (Gaussian(np.zeros(n), np.ones(n)),)
+
+    exact = SimpleNamespace(belief=lambda flat, to: Gaussian(np.zeros(flat["x"].size), np.full(flat["x"].size, 2.0)))
+    s = bench.Screened(StubJIT(), exact)
+    s.predict({"x": Gaussian(np.arange(5.0), np.ones(5))})
+    s.predict({"x": Gaussian(np.array([4.0, 0.0]), np.ones(2))})
+    np.testing.assert_array_equal(np.concatenate(s.score), [-30.0, np.inf, np.inf, np.inf, -11.0, -11.0, -30.0])
+    np.testing.assert_array_equal(np.concatenate(s.flagged), [False, True, True, False, True, True, False])
+    kl = np.concatenate(s.kl_pred)  # (the row without a belief: infinitely wrong; the others the same KL)
+    assert np.isinf(kl[2]) and np.all(np.isfinite(np.delete(kl, 2)))
+    assert [len(x) for x in s.score] == [len(x) for x in s.kl_pred] == [len(x) for x in s.consulted] == [5, 2]

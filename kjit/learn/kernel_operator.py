@@ -138,14 +138,18 @@ def flagged_share_needed(u, kl, worst: float = 0.01, catch: float = 0.95) -> flo
 
 
 def flagged_share_to_catch(u, rows, catch: float = 0.95) -> float:
-    """The share of rows with u at or above the highest threshold on ``u`` that flags ``catch`` of
-    the rows ``rows`` (a boolean mask, one per row; at least one set) — :func:`flagged_share_needed`
-    for a given set of rows to catch.  Rows tied at that threshold are all counted; a +inf u (a row
-    consulted whatever the threshold) ranks first."""
+    """The share of rows with u at or above the lower (1 − ``catch``) quantile of the u of the rows
+    ``rows`` (a boolean mask, one per row; at least one set): a threshold that flags at least
+    ``catch`` of them — :func:`flagged_share_needed` for a given set of rows to catch.  Conservative:
+    it leaves out ⌊(1 − catch)·(r − 1)⌋ of the r rows, one fewer than ``catch`` allows where (1 −
+    catch)·r is whole (all of 20 rows at 0.95), so a share ≤ b means the top b by u catches ``catch``
+    of them, not conversely.  Rows tied at the threshold are all counted; a +inf u (a row consulted
+    whatever the threshold) ranks first."""
     u = np.asarray(u, np.float64).ravel()
     rows = np.asarray(rows, bool).ravel()
     if u.shape != rows.shape or not rows.any():
-        raise ValueError("`u` and `rows` must be of one length, with at least one row to catch")
+        raise ValueError("`u` and `rows` must be of one length, with at least one row to catch (for "
+                         "flagged_share_needed: `kl` with a finite (1 − worst) quantile)")
     return float(np.mean(u >= np.quantile(u[rows], 1.0 - catch, method="lower")))
 
 
