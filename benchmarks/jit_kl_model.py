@@ -244,29 +244,28 @@ e^-10 648 → 167, the largest 8.3e-4, but 6.7 → 11.8 % consulted — a miss b
 
 Thirty-seventh session: the score's ranking apart from the threshold (``flagged_fraction_needed``).
 learned_kl_static, seeds 0–14 (``--rules learned_kl_static --seed S``; its figures as before: both goals on 29 / 30 /
-31 of 35 runs at seeds 0–4 / 5–9 / 10–14, per direction 40 / 44 / 43 of 50): the stream's own top 10 % would meet
-both on at least 33 / 35 / 35 runs and 48 / 49 / 50 directions — 103 of 105 and 147 of 150 against 90 and 127.  The share
+31 of 35 runs at seeds 0–4 / 5–9 / 10–14, per direction 40 / 44 / 43 of 50): the stream's own top 10 % would meet both
+on at least 33 / 35 / 35 runs and 48 / 49 / 50 directions — 103 of 105 and 147 of 150 against 90 and 127.  The share
 needed has median 0.020 over the 150 directions and exceeds 0.06 on 11; above 0.10 only on gamma_rate x at seed 2
 (0.47), r at seeds 4 and 9 (0.16): rounding-level KLs (≤ 1.6e-12) of a few distinct messages EP sends many times
 (scratch count: gamma_rate r's worst 1 % is on average 11 % distinct rows, x's 41 %; every other direction's 95–100
-%).  Of the 23 directions missed, 20 are ranked within the budget: 13 by the share alone (10.2–15.4 %, the worst
-1 % all consulted), 7 by a threshold above the stream's worst rows (among them product y at seed 4, needing 7.3 %
-and consulting 5.7 %, and x at seed 7, 8.7 % and 6.7 %).  The learned KL ranks what EP sends; what misses is the
-share a threshold fixed before the stream, or an online rank, picks for it.  Online rules replayed on these runs
-(scratch: each request's scores, rows consulted anyway and KLs recorded from learned_kl_static's runs, which learn
-nothing, and the rules applied again offline; the replay's verdicts agree with real runs of the ranked rules on
-147 of 148 and 98 of 99 directions, consultation rates within 0.6 points): over 148 directions and 103 runs
-(probit at seeds 2 and 14 not recorded) both goals on 125 / 88 with the static threshold; the ranked rule (window
-1000) 125 / 88; its window the whole stream 126 / 89 (measured in EP too, ``--budget 0.1 --rules
-learned_kl_static_ranked --budget-window 1000000``, seeds 0–9: 62 of 70 runs against static 59 and window 1000 60,
-per direction 85 of 100 against 84 and 83, shares over 10 % on 1 run); with the credit 125 / 85; the credit on the
-static threshold alone 123 / 83; a floor at confidence 0.9 instead of 0.975 with the credit 127 / 87; lower floors
-with the credit fewer (confidence 0.5 or the conformal quantile 119 / 82, none 107 / 73) — the credit goes early
-to rows the stream later outranks.  No online
-rule tried is better than the static threshold by more than one or two directions.  The sign test (``SIGN_Z`` 2)
-was checked as product → x's fixed cost (6.3 % of its pooled rows at seed 7): its z-scores are calibrated (median
-|z| 0.66, a normal's 0.67) and its rows hold 66 of the 84 wrong-signed predictions; at z = 1 it flags 3.7 % and
-leaves 15 more of them unflagged — no slack there.
+%).  Of the 23 directions missed, 20 are ranked within the budget: 13 by the share alone (10.2–15.4 %, the worst 1 %
+all consulted), 7 by a threshold above the stream's worst rows (among them product y at seed 4, needing 7.3 % and
+consulting 5.7 %, and x at seed 7, 8.7 % and 6.7 %).  The learned KL ranks what EP sends; what misses is the share a
+threshold fixed before the stream, or an online rank, picks for it.  Online rules replayed on these runs (scratch:
+each request's scores, rows consulted anyway and KLs recorded from learned_kl_static's runs, which learn nothing, and
+the rules applied again offline; the replay's verdicts agree with real runs of the ranked rules on 147 of 148 and 98
+of 99 directions, consultation rates within 0.6 points): over 148 directions and 103 runs (probit at seeds 2 and 14
+not recorded) both goals on 125 / 88 with the static threshold; the ranked rule (window 1000) 125 / 88; its window the
+whole stream 126 / 89 (measured in EP too, ``--budget 0.1 --rules learned_kl_static_ranked --budget-window 1000000``,
+seeds 0–9: 62 of 70 runs against static 59 and window 1000 60, per direction 85 of 100 against 84 and 83, shares over
+10 % on 1 run); with the credit 125 / 85; the credit on the static threshold alone 123 / 83; a floor at confidence 0.9
+instead of 0.975 with the credit 127 / 87; lower floors with the credit fewer (confidence 0.5 or the conformal
+quantile 119 / 82, none 107 / 73) — the credit goes early to rows the stream later outranks.  No online rule tried is
+better than the static threshold by more than one or two directions.  The sign test (``SIGN_Z`` 2) was checked as
+product → x's fixed cost (6.3 % of its pooled rows at seed 7): its z-scores are calibrated (median |z| 0.66, a
+normal's 0.67) and its rows hold 66 of the 84 wrong-signed predictions; at z = 1 it flags 3.7 % and leaves 15 more of
+them unflagged — no slack there.
 
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
                                       [--density-guard] [--budget 0.1] [--rules learned_kl_static learned_kl_gated]
@@ -320,8 +319,8 @@ class Screened:
     ``uncertainty="learned_kl"``), +inf where the certificates' ``flagged`` is set — the rows the rule
     consults other than by exceeding its threshold: the sign test, the density guard, and with a budget
     the rows above ``budget_level`` under the rank's edge, the rows tied at the edge and those the credit
-    keeps at the score it refused — and where the prediction is no belief or the score is NaN.  Under a fixed threshold the score is the rule's alone;
-    under a budget its +inf rows depend on the rank."""
+    keeps at the score it refused — and where the prediction is no belief or the score is NaN.  Under a
+    fixed threshold the score is the rule's alone; under a budget its +inf rows depend on the rank."""
 
     log_var_is_variance = property(lambda self: self.jit.log_var_is_variance)
 
