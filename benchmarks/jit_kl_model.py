@@ -447,11 +447,11 @@ def factor_rows(name, args):
         op = KernelOperator(f, to, random_state=args.seed).fit(data["train"])
         op.fit_error_model(data["train"], g_train, mode="auto", held_out=data["cal"])
         thr_var = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=g_train,
-                                   confidence=BUDGET975P_CONFIDENCE, problems=n_test_problems,
+                                   confidence=args.confidence, problems=n_test_problems,
                                    held_out_groups=g_cal, predictive=True, sign_test=True,
                                    unattainable=args.unattainable)
         op.fit_kl_model(data["train"], g_train, held_out=data["cal"], held_out_groups=g_cal)
-        thr_kl = kl_model_threshold(op, 0.1, confidence=BUDGET975P_CONFIDENCE, problems=n_test_problems,
+        thr_kl = kl_model_threshold(op, 0.1, confidence=args.confidence, problems=n_test_problems,
                                     predictive=True, unattainable=args.unattainable)
         ops[to], thresholds[to] = op, {"predictive": thr_var, "learned_kl": thr_kl}
         if args.density_guard:  # the pooled rows' 1 % least dense, as factor_suite.py --novelty calibrates it
@@ -516,7 +516,7 @@ def factor_rows(name, args):
                **({"threshold_floor": {to: float(screened[to].jit.threshold_floor_) for to in directions},
                    "budget_level": {to: screened[to].jit.budget_level for to in directions}}
                   if rule in BUDGET_RULES else {}),
-               "unattainable": args.unattainable,
+               "unattainable": args.unattainable, "confidence": args.confidence,
                # (JSON has no infinity)
                **({"learn_above_kl": "inf" if np.isinf(level) else level} if level is not None else {})}
         print(json.dumps(row), flush=True)
@@ -557,6 +557,9 @@ def main(argv=None):
                     help="both thresholds where no threshold keeps the budget at its confidence (the sign test's rows "
                          "alone break it): 'always' flags those rows only, 'conformal' reads the budget as an "
                          "expectation (kl_model_threshold / budget_threshold(unattainable=))")
+    ap.add_argument("--confidence", type=float, default=BUDGET975P_CONFIDENCE, metavar="C",
+                    help="both thresholds' confidence: the flagged share within 10 %% in this share of the predictive "
+                         "bootstrap batches (default %(default)s, factor_suite.py's budget975p)")
     ap.add_argument("--budget", type=float, default=None, metavar="B",
                     help="also a third rule, learned_kl_budget: the learned KL ranked within a consultation budget B "
                          "(JITOperator(budget=B), no floor); default off")
@@ -576,6 +579,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.budget is not None and not 0.0 < args.budget < 1.0:
         ap.error("--budget must lie in (0, 1)")
+    if not 0.0 < args.confidence < 1.0:
+        ap.error("--confidence must lie in (0, 1)")
     if args.budget_window < 1:
         ap.error("--budget-window must be at least 1")
     if args.budget is None and set(args.rules or ()) & set(BUDGET_RULES):

@@ -192,6 +192,11 @@ def test_an_unconverged_run_warns_with_its_status_and_a_converged_one_does_not(g
     with pytest.warns(EPConvergenceWarning) as rec:  # (two of kjit's frames between: still the user's line)
         ProbitClassifier(ProbitNoiseOperator(0.1), max_iter=1, tol=1e-14).fit(X, y)
     assert rec[0].filename == __file__
+    # the hint suggests more damping than the run had: an undamped run 0.5, ProbitClassifier's parallel
+    # default (0.5) 0.75 (half its step)
+    assert "more damping (e.g. damping=0.75)" in str(rec[0].message)
+    with pytest.warns(EPConvergenceWarning, match=r"max_iter\), damping \(e.g. damping=0.5\)"):
+        LinearEP(grid_op, max_iter=2, tol=1e-14).run(X, _labels(y))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert LinearEP(grid_op, max_iter=2, tol=1e-14, warn_unconverged=False).run(X, _labels(y)).outcome == "max_iter"

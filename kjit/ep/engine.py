@@ -222,13 +222,17 @@ class EPConvergenceWarning(UserWarning):
     with a RuntimeWarning instead (:func:`operator_failure`)."""
 
 
-def warn_unconverged(outcome: str, status: str, who: str) -> None:
+def warn_unconverged(outcome: str, status: str, who: str, damping: float = 0.0) -> None:
     """:class:`EPConvergenceWarning` carrying ``status`` when ``outcome`` is ``"max_iter"`` or
     ``"diverged"``, at the caller's line outside kjit — a run's answer is never an unconverged
     posterior without a word; ``warn_unconverged=False`` on the engine or model (or a warnings filter
-    on the class) silences it where non-convergence is expected and counted."""
-    hint = {"max_iter": "more sweeps (max_iter), damping (e.g. damping=0.5) or schedule='sequential' may let it converge",
-            "diverged": "damping (e.g. damping=0.5) or schedule='sequential' may keep it stable"}.get(outcome)
+    on the class) silences it where non-convergence is expected and counted.  ``damping``: the run's,
+    so that the hint suggests more of it than it had (ProbitClassifier's parallel default is 0.5 already)."""
+    # (from 0.5 on, half the step the run took)
+    more = f"damping (e.g. damping={0.5 if damping < 0.5 else round(1.0 - (1.0 - damping) / 2, 4):g})"
+    more = ("more " if damping > 0 else "") + more
+    hint = {"max_iter": f"more sweeps (max_iter), {more} or schedule='sequential' may let it converge",
+            "diverged": f"{more} or schedule='sequential' may keep it stable"}.get(outcome)
     if hint is not None:
         warnings.warn(f"{who}: {status} — {hint}; warn_unconverged=False silences this", EPConvergenceWarning,
                       stacklevel=user_stacklevel())
@@ -1215,7 +1219,7 @@ class LinearEP:
                f"EP with {type(self.operator).__name__}", learned_share({"op": self.operator}, {"op": n}))
         result.seconds = time.perf_counter() - t_start
         if self.warn_unconverged:
-            warn_unconverged(outcome, status, f"EP with {type(self.operator).__name__}")
+            warn_unconverged(outcome, status, f"EP with {type(self.operator).__name__}", self.damping)
         return result
 
     # ------------------------------------------------------------------ schedules

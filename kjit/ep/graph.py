@@ -545,7 +545,7 @@ class GraphEP:
         attach(self, result, lambda n_draws: graph_error_bars(self, result, n_draws), "graph EP", shared)
         result.seconds = time.perf_counter() - t_start
         if self.warn_unconverged:
-            warn_unconverged(outcome, status, "graph EP")
+            warn_unconverged(outcome, status, "graph EP", self.damping)
         return result
 
     def _log_evidence(self, prior_nat, sites, post):
