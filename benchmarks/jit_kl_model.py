@@ -288,7 +288,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from factor_suite import BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, problems, record, split  # noqa: E402
 
 from kjit.operators import (UNATTAINABLE, JITOperator, KernelOperator, PredictionOverflowError,  # noqa: E402
-                            budget_threshold, density_guard, flagged_share_to_catch, kl_model_threshold)
+                            TargetsOutOfRangeError, budget_threshold, density_guard, flagged_share_to_catch,
+                            kl_model_threshold, tolerance_threshold)
 from kjit.oracles import QuadratureOracle  # noqa: E402
 from kjit.training import TrainingSet  # noqa: E402
 
@@ -297,7 +298,11 @@ RULES = ("predictive", "learned_kl", "learned_kl_static")
 # (JITOperator(learn_above_kl=TARGET_KL)), and the topup's level and budget with them; and with JITs that learn
 # none (learn_above_kl=inf: the operator stays as fitted, and so stays what its KL model was fitted on)
 GATED_RULES = ("learned_kl_gated", "learned_kl_topup_gated")
-STATIC_RULES = ("learned_kl_static", "learned_kl_static_ranked")
+STATIC_RULES = ("learned_kl_static", "learned_kl_static_ranked", "learned_kl_relearn")
+# learned_kl_static's JITs, whose operators learn the rows they consulted between test problems, in batches
+# (--relearn-every), each batch followed by a new KL model fitted on the operator as it then is and a new
+# threshold (relearning: the operator improves with use, and the KL model keeps describing it)
+RELEARN_RULES = ("learned_kl_relearn",)
 # with --budget, the learned KL ranked within a consultation budget: the rank alone (JITOperator(budget=B));
 # with the credit that bounds the stream's share (budget_credit=True); and the learned KL's fixed threshold
 # (learned_kl's) consulted whatever the budget, topped up by the rank with the credit it leaves
@@ -324,10 +329,12 @@ class Screened:
 
     log_var_is_variance = property(lambda self: self.jit.log_var_is_variance)
 
-    def __init__(self, jit: JITOperator, exact):
+    def __init__(self, jit: JITOperator, exact, keep_pairs: bool = False):
         self.jit, self.exact = jit, exact
         self.kl_pred, self.kl_answer, self.flagged, self.consulted, self.score = [], [], [], [], []
         self.seconds = 0.0
+        # (keep_pairs: the consulted rows' flat incoming messages and exact beliefs, per request, until taken)
+        self.keep_pairs, self.pairs = keep_pairs, []
 
     def __getattr__(self, name):
         if name == "jit":
@@ -377,6 +384,9 @@ class Screened:
                     kl_pred[good] = exact[good].kl(q_pred)
         else:
             kl_pred = np.full(n, np.nan)
+        if self.keep_pairs and exact is not None and np.any(consulted):
+            rows = np.flatnonzero(np.asarray(consulted).reshape(-1))
+            self.pairs.append(({v: m[rows] for v, m in flat.items()}, exact[rows]))
         self.kl_pred.append(kl_pred)
         self.kl_answer.append(kl_ans)
         self.flagged.append(flags)
@@ -420,6 +430,39 @@ def _answers(screens) -> dict:
             "mean_log_kl_answered": float(np.mean(np.log(answered))) if answered.size else None}
 
 
+def _relearn(f, to, state, pairs, label, args, n_test_problems):
+    """learned_kl_relearn's step for direction ``to``: the operator ``state["op"]`` learns the consulted ``pairs``
+    ((flat incoming, exact beliefs) per request, all of test problem ``label``'s or earlier), a KL model is
+    fitted on it as it then is — the rows it learned, each predicted without its problem (the training pairs'
+    problems and the test problems the consulted rows came from), and the calibration pairs — and the threshold
+    recomputed as kl_model_threshold's, on the training and calibration rows' cross-fitted scores only (the
+    consulted rows, chosen for their scores, would raise every batch's share).  Rows whose targets lie far
+    outside the learned range are not learned (``partial_fit`` refuses them).  Returns the rows learned."""
+    inc = {v: type(pairs[0][0][v]).concatenate([p[0][v] for p in pairs]) for v in pairs[0][0]}
+    new = TrainingSet(f.name, to, inc, type(pairs[0][1]).concatenate([p[1] for p in pairs]), factor_params=f.params())
+    op = copy.deepcopy(state["op"])
+    try:
+        op.partial_fit(new)
+    except TargetsOutOfRangeError as exc:
+        new = new.subset(np.setdiff1d(np.arange(len(new)), exc.rows))
+        if len(new):
+            op.partial_fit(new)
+    if not len(new):
+        return 0
+    state["learned"].append(new)
+    state["labels"].append(np.full(len(new), label))
+    fitted = TrainingSet.concatenate([state["train"]] + state["learned"])
+    groups = np.concatenate([state["g_train"]] + state["labels"])
+    op.fit_kl_model(fitted, groups, held_out=state["cal"], held_out_groups=state["g_cal"])
+    km = op.kl_model_
+    u = np.where(km.pooled_flagged_, np.inf, km.pooled_scores_) if km.pooled_flagged_ is not None else km.pooled_scores_
+    n = len(state["cal"]) + len(state["train"])  # (fit_kl_model's order: the held-out rows, then the fitted ones)
+    state["threshold"] = tolerance_threshold(u[:n], km.pooled_groups_[:n], 0.1, args.confidence, n_test_problems,
+                                             predictive=True, unattainable=args.unattainable)
+    state["op"] = op
+    return len(new)
+
+
 def _posterior_kl(pairs) -> np.ndarray:
     """KL[exact ‖ JIT] of every posterior variable, over ``pairs`` of (exact EP's, the JIT's) beliefs."""
     out = []
@@ -440,10 +483,10 @@ def factor_rows(name, args):
     sets, groups, n_test_problems, b = split(recs, args, rng)
     (train, g_train), (cal, g_cal) = (sets["train"], groups["train"]), (sets["cal"], groups["cal"])
     directions = sorted({c.to for r in recs for c in r.calls})
-    ops, thresholds, guards = {}, {}, {}
+    ops, thresholds, guards, data_sets = {}, {}, {}, {}
     for to in directions:
-        data = {s: TrainingSet(f.name, to, inc, exact.belief(inc, to), factor_params=f.params())
-                for s, inc in (("train", train), ("cal", cal))}
+        data = data_sets[to] = {s: TrainingSet(f.name, to, inc, exact.belief(inc, to), factor_params=f.params())
+                                for s, inc in (("train", train), ("cal", cal))}
         op = KernelOperator(f, to, random_state=args.seed).fit(data["train"])
         op.fit_error_model(data["train"], g_train, mode="auto", held_out=data["cal"])
         thr_var = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=g_train,
@@ -476,13 +519,18 @@ def factor_rows(name, args):
                 return {"uncertainty": "learned_kl", "budget": args.budget, "budget_window": args.budget_window,
                         "budget_credit": rule not in ("learned_kl_budget", "learned_kl_static_ranked"),
                         "budget_level": budget_level, **({"threshold": thr} if ranked else {}), **gate}
-            if rule in ("learned_kl_gated", "learned_kl_static"):
+            if rule in ("learned_kl_gated", "learned_kl_static", "learned_kl_relearn"):
                 return {"uncertainty": "learned_kl", "threshold": thresholds[to]["learned_kl"], **gate}
             return {"uncertainty": rule, "threshold": thresholds[to][rule]}
 
+        relearn = rule in RELEARN_RULES
         screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, selection="all",
-                                             density_guard=guards.get(to), **rule_kw(to)), exact)
+                                             density_guard=guards.get(to), **rule_kw(to)), exact, keep_pairs=relearn)
                     for to in directions}
+        states = {to: {"op": screened[to].jit.operator, "train": data_sets[to]["train"], "g_train": g_train,
+                       "cal": data_sets[to]["cal"], "g_cal": g_cal, "learned": [], "labels": [],
+                       "threshold": thresholds[to]["learned_kl"], "n_relearns": 0, "n_learned": 0}
+                  for to in directions} if relearn else {}
         jit_posts, errors = [], 0
         for i in test:
             try:
@@ -491,6 +539,17 @@ def factor_rows(name, args):
                     jit_posts.append((posts[i], runs[i](screened, max_iter=args.max_iter)))
             except Exception:  # noqa: BLE001 - counted: EP through the JIT failed on this problem
                 errors += 1
+            for to, st in states.items():  # (relearning, between problems: once enough consulted rows wait)
+                sc = screened[to]
+                if sum(len(p[1]) for p in sc.pairs) < args.relearn_every:
+                    continue
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    st["n_learned"] += _relearn(f, to, st, sc.pairs, i, args, n_test_problems)
+                st["n_relearns"] += 1
+                sc.pairs = []
+                sc.jit = JITOperator(st["op"], exact, selection="all", density_guard=guards.get(to),
+                                     **{**rule_kw(to), "threshold": st["threshold"]})
         # (only where both EP runs converged: probit_noise's exact EP stops unconverged on most problems,
         # and there a relative change of 1e-6 in its answers moved the posterior by a KL up to 94)
         both = [(p, q) for p, q in jit_posts if p[1] and q[1]]
@@ -507,7 +566,9 @@ def factor_rows(name, args):
                "seconds": float(sum(s.seconds for s in screened.values())),
                # (the consulted rows the JITs learned: all but those far outside the learned range, or with
                # the gate those predicted within the target KL)
-               "n_learned": int(sum(s.jit.counters()["updates"] for s in screened.values())),
+               "n_learned": int(sum(s.jit.counters()["updates"] for s in screened.values())
+                                + sum(st["n_learned"] for st in states.values())),
+               **({"n_relearns": {to: st["n_relearns"] for to, st in states.items()}} if relearn else {}),
                # (the budget rule's: the threshold of its last request)
                "threshold": {to: float(screened[to].jit.threshold) for to in directions},
                "density_guard": {to: guards[to] for to in directions} if guards else None,
@@ -560,13 +621,16 @@ def main(argv=None):
     ap.add_argument("--confidence", type=float, default=BUDGET975P_CONFIDENCE, metavar="C",
                     help="both thresholds' confidence: the flagged share within 10 %% in this share of the predictive "
                          "bootstrap batches (default %(default)s, factor_suite.py's budget975p)")
+    ap.add_argument("--relearn-every", type=int, default=500, metavar="R",
+                    help="learned_kl_relearn: the consulted rows a direction gathers before its operator learns them "
+                         "(between test problems) and its KL model and threshold are fitted again (default 500)")
     ap.add_argument("--budget", type=float, default=None, metavar="B",
                     help="also a third rule, learned_kl_budget: the learned KL ranked within a consultation budget B "
                          "(JITOperator(budget=B), no floor); default off")
     ap.add_argument("--budget-window", type=int, default=1000, metavar="W",
                     help="the budget rules' window: how many recent scores a request is ranked among (default 1000, "
                          "JITOperator's)")
-    ap.add_argument("--rules", nargs="+", choices=RULES + GATED_RULES[:1] + BUDGET_RULES, default=None,
+    ap.add_argument("--rules", nargs="+", choices=RULES + GATED_RULES[:1] + BUDGET_RULES + RELEARN_RULES, default=None,
                     help="the rules to run (default: predictive, learned_kl and learned_kl_static, and learned_kl_budget "
                          "with --budget); learned_kl_static: learned_kl's threshold, no consulted row learned "
                          "(JITOperator(learn_above_kl=inf)); learned_kl_gated: a consulted row learned only where "
@@ -575,12 +639,16 @@ def main(argv=None):
                          "learned_kl_topup: learned_kl's threshold consulted whatever the budget, the credit it leaves "
                          "spent by the rank (budget_level=, budget_credit=True); learned_kl_topup_gated: the topup "
                          "with learned_kl_gated's gate; learned_kl_static_ranked: learned_kl_static's threshold as the "
-                         "floor of the rank, rows scored above log e^-10 consulted whatever their rank")
+                         "floor of the rank, rows scored above log e^-10 consulted whatever their rank; "
+                         "learned_kl_relearn: learned_kl_static whose operators learn their consulted rows in batches "
+                         "(--relearn-every) between test problems, each followed by a new KL model and threshold")
     args = ap.parse_args(argv)
     if args.budget is not None and not 0.0 < args.budget < 1.0:
         ap.error("--budget must lie in (0, 1)")
     if not 0.0 < args.confidence < 1.0:
         ap.error("--confidence must lie in (0, 1)")
+    if args.relearn_every < 1:
+        ap.error("--relearn-every must be at least 1")
     if args.budget_window < 1:
         ap.error("--budget-window must be at least 1")
     if args.budget is None and set(args.rules or ()) & set(BUDGET_RULES):

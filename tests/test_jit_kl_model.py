@@ -173,3 +173,65 @@ def test_screened_records_the_rules_score_per_row():
     kl = np.concatenate(s.kl_pred)  # (the row without a belief: infinitely wrong; the others the same KL)
     assert np.isinf(kl[2]) and np.all(np.isfinite(np.delete(kl, 2)))
     assert [len(x) for x in s.score] == [len(x) for x in s.kl_pred] == [len(x) for x in s.consulted] == [5, 2]
+
+
+def test_relearn_learns_the_consulted_rows_then_fits_the_kl_model_and_threshold_again():
+    """learned_kl_relearn's step: the operator (a copy: the one before is left as it was) learns the consulted
+    pairs, given per request — its predictions of them move towards the exact beliefs —, a KL model is fitted on
+    it with those rows as one more problem (pooled after the calibration and training rows, fit_kl_model's order),
+    and the threshold is the budget975p rule on the calibration and training rows' cross-fitted scores alone."""
+    from types import SimpleNamespace
+
+    from kjit.factors import Logistic
+    from kjit.families import Gaussian
+    from kjit.operators import KernelOperator, tolerance_threshold
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import TrainingSet, logistic_incoming
+
+    bench = _bench()
+    f, rng = Logistic(), np.random.default_rng(0)
+    oracle = QuadratureOracle(f)
+
+    def pairs(n, wider=1.0):
+        inc = logistic_incoming(n, rng)
+        m, v = inc["x"].params
+        inc["x"] = Gaussian(m * wider, v * wider)  # (wider: beyond the messages learned)
+        return TrainingSet(f.name, "x", inc, oracle.belief(inc, "x"), factor_params=f.params())
+
+    train, cal, new = pairs(600), pairs(200), pairs(60, wider=4.0)
+    g_train, g_cal = np.repeat(np.arange(12), 50), np.repeat(np.arange(4), 50)
+    op = KernelOperator(f, "x", n_inner=50, n_outer=100, random_state=0).fit(train)
+    op.fit_kl_model(train, g_train, held_out=cal, held_out_groups=g_cal)
+    kl_before = new.beliefs.kl(op.belief(new.incoming))
+    state = {"op": op, "train": train, "g_train": g_train, "cal": cal, "g_cal": g_cal, "learned": [], "labels": [],
+             "threshold": None}
+    requests = [({v: m[:25] for v, m in new.incoming.items()}, new.beliefs[:25]),
+                ({v: m[25:] for v, m in new.incoming.items()}, new.beliefs[25:])]
+    args = SimpleNamespace(confidence=0.975, unattainable="always")
+    assert bench._relearn(f, "x", state, requests, 99, args, 4) == 60
+    assert state["op"] is not op
+    np.testing.assert_array_equal(new.beliefs.kl(op.belief(new.incoming)), kl_before)  # (the copy learned)
+    kl_after = new.beliefs.kl(state["op"].belief(new.incoming))
+    assert np.mean(np.log(kl_after)) < np.mean(np.log(kl_before))  # (60 rows beside 600 move it a little)
+    km = state["op"].kl_model_
+    assert km.pooled_scores_.size == 200 + 600 + 60 and len(state["learned"][0]) == 60
+    labels = km.pooled_groups_
+    assert np.unique(labels[:200]).size == 4 and np.unique(labels[200:800]).size == 12
+    assert np.unique(labels[800:]).size == 1 and not np.isin(labels[800:], labels[:800]).any()
+    u = np.where(km.pooled_flagged_, np.inf, km.pooled_scores_)
+    assert state["threshold"] == tolerance_threshold(u[:800], labels[:800], 0.1, 0.975, 4, predictive=True)
+
+
+def test_relearn_rule_runs_in_ep(capsys):
+    """learned_kl_relearn in the loop (gamma_rate, tiny): its JITs learn nothing online; between test problems a
+    direction with enough consulted rows waiting relearns (its operator and threshold replaced), and the rows its
+    JITs flag on screening are still the rows they consult."""
+    _bench().main(["--quick", "--factors", "gamma_rate", "--n-train", "300", "--n-cal", "100", "--n-test", "200",
+                   "--rules", "learned_kl_static", "learned_kl_relearn", "--relearn-every", "20"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    static, relearn = [r for r in lines if not r.get("summary")]
+    assert relearn["rule"] == "learned_kl_relearn" and relearn["learn_above_kl"] == "inf"
+    assert relearn["n_screen_mismatch"] == 0 and relearn["ep_errors"] == 0
+    assert sum(relearn["n_relearns"].values()) >= 1 and relearn["n_learned"] >= 20
+    assert relearn["n_learned"] <= round(relearn["consultation_rate"] * relearn["requests"])
+    assert "n_relearns" not in static and static["n_learned"] == 0
