@@ -630,7 +630,8 @@ def main(argv=None):
     ap.add_argument("--budget-window", type=int, default=1000, metavar="W",
                     help="the budget rules' window: how many recent scores a request is ranked among (default 1000, "
                          "JITOperator's)")
-    ap.add_argument("--rules", nargs="+", choices=RULES + GATED_RULES[:1] + BUDGET_RULES + RELEARN_RULES, default=None,
+    ap.add_argument("--rules", nargs="+", choices=RULES + GATED_RULES[:1] + BUDGET_RULES + RELEARN_RULES,
+                    default=None,
                     help="the rules to run (default: predictive, learned_kl and learned_kl_static, and learned_kl_budget "
                          "with --budget); learned_kl_static: learned_kl's threshold, no consulted row learned "
                          "(JITOperator(learn_above_kl=inf)); learned_kl_gated: a consulted row learned only where "
