@@ -317,8 +317,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from factor_suite import BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, problems, record, split  # noqa: E402
 
 from kjit.operators import (UNATTAINABLE, JITOperator, KernelOperator, PredictionOverflowError,  # noqa: E402
-                            TargetsOutOfRangeError, budget_threshold, density_guard, flagged_share_to_catch,
-                            kl_model_threshold, tolerance_threshold)
+                            TargetsNotFiniteError, TargetsOutOfRangeError, budget_threshold, density_guard,
+                            flagged_share_to_catch, kl_model_threshold, tolerance_threshold)
 from kjit.oracles import QuadratureOracle  # noqa: E402
 from kjit.training import TrainingSet  # noqa: E402
 
@@ -413,9 +413,15 @@ class Screened:
                     kl_pred[good] = exact[good].kl(q_pred)
         else:
             kl_pred = np.full(n, np.nan)
-        if self.keep_pairs and exact is not None and np.any(consulted):
-            rows = np.flatnonzero(np.asarray(consulted).reshape(-1))
-            self.pairs.append(({v: m[rows] for v, m in flat.items()}, exact[rows]))
+        if self.keep_pairs and exact is not None:
+            # (not the rows the JIT learned itself: the static rule's JITs learn a consulted row whose prediction
+            # was no belief — found in review: relearning learned those twice)
+            keep = np.asarray(consulted, bool).reshape(-1).copy()
+            for learned in self.jit.last_learned_groups_:
+                keep[learned] = False
+            if keep.any():
+                rows = np.flatnonzero(keep)
+                self.pairs.append(({v: m[rows] for v, m in flat.items()}, exact[rows]))
         self.kl_pred.append(kl_pred)
         self.kl_answer.append(kl_ans)
         self.flagged.append(flags)
@@ -460,22 +466,23 @@ def _answers(screens) -> dict:
 
 
 def _relearn(f, to, state, pairs, label, args, n_test_problems):
-    """learned_kl_relearn's step for direction ``to``: the operator ``state["op"]`` learns the consulted ``pairs``
-    ((flat incoming, exact beliefs) per request, all of test problem ``label``'s or earlier), a KL model is
-    fitted on it as it then is — the rows it learned, each predicted without its problem (the training pairs'
-    problems and the test problems the consulted rows came from), and the calibration pairs — and the threshold
-    recomputed as kl_model_threshold's, on the training and calibration rows' cross-fitted scores only (the
-    consulted rows, chosen for their scores, would raise every batch's share).  Rows whose targets lie far
-    outside the learned range are not learned (``partial_fit`` refuses them).  Returns the rows learned."""
+    """learned_kl_relearn's step for direction ``to``: a copy of the operator ``state["op"]`` learns the consulted
+    ``pairs`` ((flat incoming, exact beliefs) per request, of test problem ``label`` or earlier ones), a KL model is
+    fitted on it as it then is — the rows it learned, each predicted without its group (a training pair's problem;
+    the batch of consulted rows one group, labelled ``label``, whatever problems it spans), and the calibration
+    pairs — and the threshold recomputed as kl_model_threshold's, on the training and calibration rows'
+    cross-fitted scores only (the consulted rows, chosen for their scores, would raise every batch's share).  Rows
+    ``partial_fit`` refuses (targets not finite, or far outside the learned range) are not learned.  Returns the
+    rows learned (0: nothing changed)."""
     inc = {v: type(pairs[0][0][v]).concatenate([p[0][v] for p in pairs]) for v in pairs[0][0]}
     new = TrainingSet(f.name, to, inc, type(pairs[0][1]).concatenate([p[1] for p in pairs]), factor_params=f.params())
     op = copy.deepcopy(state["op"])
-    try:
-        op.partial_fit(new)
-    except TargetsOutOfRangeError as exc:
-        new = new.subset(np.setdiff1d(np.arange(len(new)), exc.rows))
-        if len(new):
+    while len(new):
+        try:
             op.partial_fit(new)
+            break
+        except (TargetsOutOfRangeError, TargetsNotFiniteError) as exc:  # (nothing learned: drop those rows)
+            new = new.subset(np.setdiff1d(np.arange(len(new)), exc.rows))
     if not len(new):
         return 0
     state["learned"].append(new)
@@ -570,15 +577,23 @@ def factor_rows(name, args):
                 errors += 1
             for to, st in states.items():  # (relearning, between problems: once enough consulted rows wait)
                 sc = screened[to]
-                if sum(len(p[1]) for p in sc.pairs) < args.relearn_every:
+                if i == test[-1] or sum(len(p[1]) for p in sc.pairs) < args.relearn_every:
                     continue
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    st["n_learned"] += _relearn(f, to, st, sc.pairs, i, args, n_test_problems)
-                st["n_relearns"] += 1
+                    learned = _relearn(f, to, st, sc.pairs, i, args, n_test_problems)
                 sc.pairs = []
+                if not learned:
+                    continue
+                st["n_learned"] += learned
+                st["n_relearns"] += 1
+                old = sc.jit
                 sc.jit = JITOperator(st["op"], exact, selection="all", density_guard=guards.get(to),
                                      **{**rule_kw(to), "threshold": st["threshold"]})
+                # (the old JIT's counters, and its density guard's row count: the guard compares a density times
+                # the rows learned now with the guard times the rows learned when it was set — found in review)
+                sc.jit.set_counters(old.raw_counters())
+                sc.jit.guard_rows_ = old.guard_rows_
         # (only where both EP runs converged: probit_noise's exact EP stops unconverged on most problems,
         # and there a relative change of 1e-6 in its answers moved the posterior by a KL up to 94)
         both = [(p, q) for p, q in jit_posts if p[1] and q[1]]

@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
+from kjit.ep.engine import warn_unconverged
 from kjit.ep import (SKIP_REASONS, BayesianLogisticRegression, EPConvergenceWarning, LinearEP, ProbitClassifier,
                      ProbitNoiseOperator)
 from kjit.families import Bernoulli, Beta, Gaussian
@@ -197,6 +198,11 @@ def test_an_unconverged_run_warns_with_its_status_and_a_converged_one_does_not(g
     assert "more damping (e.g. damping=0.75)" in str(rec[0].message)
     with pytest.warns(EPConvergenceWarning, match=r"max_iter\), damping \(e.g. damping=0.5\)"):
         LinearEP(grid_op, max_iter=2, tol=1e-14).run(X, _labels(y))
+    for damping, hint in ((0.3, "more damping (e.g. damping=0.5)"), (0.9, "more damping (e.g. damping=0.95)"),
+                          (1 - 1e-12, "more damping (e.g. damping=0.9999999999995)")):  # (never 1: refused)
+        with pytest.warns(EPConvergenceWarning) as rec:
+            warn_unconverged("diverged", "status", "EP", damping)
+        assert hint in str(rec[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert LinearEP(grid_op, max_iter=2, tol=1e-14, warn_unconverged=False).run(X, _labels(y)).outcome == "max_iter"

@@ -352,8 +352,8 @@ def test_compound_gamma_handles_uncertain_posteriors():
 
 
 def test_probit_classifier_default_damping_converges_where_undamped_parallel_oscillates():
-    """ProbitClassifier's default damping with the parallel schedule (0.5; sequential: 0): on problems drawn as benchmarks/factor_suite.py's
-    probit_problem (ε 0.05), undamped parallel EP stops at 100 sweeps unconverged on 7 of 20 (measured),
+    """ProbitClassifier's default damping with the parallel schedule (0.5; sequential: 0): on problems drawn
+    as benchmarks/factor_suite.py's probit_problem (ε 0.05), undamped parallel EP stops at 100 sweeps unconverged on 7 of 20 (measured),
     the default converges on 19; on the problems only the damped run solves, its posterior is the fixed
     point sequential EP (undamped; a different path) reaches: means within 1e-4 and variances within
     1e-4 relative (both stop at a site change of 1e-6)."""

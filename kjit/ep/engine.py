@@ -228,8 +228,9 @@ def warn_unconverged(outcome: str, status: str, who: str, damping: float = 0.0) 
     posterior without a word; ``warn_unconverged=False`` on the engine or model (or a warnings filter
     on the class) silences it where non-convergence is expected and counted.  ``damping``: the run's,
     so that the hint suggests more of it than it had (ProbitClassifier's parallel default is 0.5 already)."""
-    # (from 0.5 on, half the step the run took)
-    more = f"damping (e.g. damping={0.5 if damping < 0.5 else round(1.0 - (1.0 - damping) / 2, 4):g})"
+    # (from 0.5 on, half the step the run took; never shown as 1, which the engines refuse — found in review)
+    sug = 0.5 if damping < 0.5 else 1.0 - (1.0 - damping) / 2
+    more = f"damping (e.g. damping={f'{round(sug, 6):g}' if round(sug, 6) < 1 else repr(sug)})"
     more = ("more " if damping > 0 else "") + more
     hint = {"max_iter": f"more sweeps (max_iter), {more} or schedule='sequential' may let it converge",
             "diverged": f"{more} or schedule='sequential' may keep it stable"}.get(outcome)

@@ -252,8 +252,6 @@ class BayesianLogisticRegression(_LinearEPModel):
                  uncertainty_threshold: float | None = None, relax_reading: str = "projection_kl",
                  error_bars: int = 0, error_tol: float = 0.1,
                  warn_unconverged: bool = True):
-        if damping is None:  # (see the class docstring: parallel EP on this likelihood oscillates undamped)
-            damping = 0.5 if schedule == "parallel" else 0.0
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=allow_negative_sites,
                          compute_evidence=compute_evidence, power=power, relax_c=relax_c,
@@ -514,8 +512,6 @@ class PoissonRegression(_LinearEPModel):
                  on_uncertain: str = "warn", oracle=None, uncertainty_threshold: float | None = None,
                  error_bars: int = 0, error_tol: float = 0.1,
                  warn_unconverged: bool = True):
-        if damping is None:  # (see the class docstring: parallel EP on this likelihood oscillates undamped)
-            damping = 0.5 if schedule == "parallel" else 0.0
         super().__init__(operator, prior_var=prior_var, damping=damping, max_iter=max_iter, tol=tol,
                          schedule=schedule, allow_negative_sites=False, compute_evidence=compute_evidence,
                          on_uncertain=on_uncertain, oracle=oracle, uncertainty_threshold=uncertainty_threshold,
