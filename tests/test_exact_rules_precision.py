@@ -106,3 +106,45 @@ def test_probit_label_posterior_of_a_contradicted_hard_label(mu, p):
     for n in (1, 2):
         q = op.belief({"f": Gaussian(np.full(n, mu), np.ones(n)), "y": Bernoulli(np.full(n, p))}, "y")
         np.testing.assert_array_equal(q.p, np.full(n, p))
+
+
+def _gamma_rate_beliefs(ar, br, ax, bx, s):
+    """Both KL-projected beliefs of the gamma_rate factor Gamma(x; s, rate=r) with Gamma(r; ar, br) and
+    Gamma(x; ax, bx), from one 1-D integral over r in mpmath (30 digits): x | r is Gamma(c, r + bx),
+    c = s + ax − 1, and r's weight is r^(ar+s−1) e^(−br r) (r + bx)^(−c) — so E[x] = E[c / (r + bx)] and
+    E[ln x] = ψ(c) − E[ln(r + bx)].  ((shape, rate) of r's belief, of x's.)"""
+    with mp.workdps(30):
+        ar, br, ax, bx, s = (mp.mpf(v) for v in (ar, br, ax, bx, s))
+        c = s + ax - 1
+        lw = lambda r: (ar + s - 1) * mp.log(r) - br * r - c * mp.log(r + bx)  # noqa: E731
+        mode = mp.findroot(lambda r: (ar + s - 1) / r - br - c / (r + bx), (ar + s) / (br + c / bx))
+        pts = [0, mode / 4, mode / 2, mode, 2 * mode, 4 * mode, mp.inf]
+        f0 = lw(mode)
+        mean = lambda g: mp.quad(lambda r: g(r) * mp.exp(lw(r) - f0), pts) / z  # noqa: E731
+        z = 1
+        z = mean(lambda r: 1)
+
+        def project(m1, mlog):  # the Gamma with E[v] = m1 and E[ln v] = mlog
+            d = mp.log(m1) - mlog
+            a = mp.findroot(lambda a: mp.log(a) - mp.digamma(a) - d, 1 / (2 * d))
+            return float(a), float(a / m1)
+
+        return (project(mean(lambda r: r), mean(mp.log)),
+                project(mean(lambda r: c / (r + bx)), mp.digamma(c) - mean(lambda r: mp.log(r + bx))))
+
+
+@pytest.mark.parametrize("ar,br,ax,bx", [(2.0, 1.0, 3.0, 1.0), (40.0, 12.0, 25.0, 1.0), (7.5, 0.3, 1.0, 1.0),
+                                         (300.0, 150.0, 60.0, 2.5), (2.5, 4.0, 0.2, 0.05)])
+def test_gamma_rate_beliefs_against_mpmath(ar, br, ax, bx):
+    """The exact rule's beliefs on messages like the Poisson–Gamma model's (shape 2; counts' messages Gamma(k + 1, 1),
+    the rate's prior Gamma(2, 1) and its EP beliefs) within KL 1e-20 of a 30-digit computation: ~1e-10 relative in the
+    parameters, what a double-precision panel rule resolves on these one-mode integrands (measured ≤ 3e-28 on 400
+    EP-recorded messages, thirty-ninth session).  The learned operators' errors on gamma_rate's worst 1 % (KL
+    ~1e-12 to 1e-10) are thus theirs, not the oracle's."""
+    f = get_factor("gamma_rate", shape=2.0)
+    inc = {"r": Gamma(ar, br), "x": Gamma(ax, bx)}
+    want = _gamma_rate_beliefs(ar, br, ax, bx, 2.0)
+    for to, (shape, rate) in zip(("r", "x"), want):
+        q = QuadratureOracle(f).belief(inc, to)
+        kl = float(Gamma(shape, rate).kl(q))
+        assert kl < 1e-20, (to, q, shape, rate, kl)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from benchmark_modules import load_benchmark
 
@@ -236,3 +237,40 @@ def test_relearn_rule_runs_in_ep(capsys):
     assert sum(relearn["n_relearns"].values()) >= 1 and relearn["n_learned"] >= 20
     assert relearn["n_learned"] <= round(relearn["consultation_rate"] * relearn["requests"])
     assert "n_relearns" not in static and static["n_learned"] == 0
+
+
+def test_pool_reads_the_goals_over_repeated_runs(tmp_path, capsys):
+    """--pool: per (rule, factor, direction), the means over the runs of the worst 1 % consulted and of the share,
+    the pooled verdicts with and without a worst 1 % below the target counted as caught, and the per-run count."""
+    def run(seed, w_x, rate_x, p99_x):
+        d = {"x": {"worst1pct_flagged": w_x, "consultation_rate": rate_x, "kl_p99": p99_x},
+             "r": {"worst1pct_flagged": 1.0, "consultation_rate": 0.12, "kl_p99": 1e-3}}
+        lines = [{"factor": "gamma_rate", "rule": "learned_kl_static", "seed": seed, "by_direction": d},
+                 {"summary": True, "rule": "learned_kl_static", "n_met": 0}]
+        path = tmp_path / f"run{seed}.jsonl"
+        path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+        return str(path)
+
+    paths = [run(0, 1.0, 0.05, 1e-12), run(1, 0.5, 0.08, 1e-12), run(2, 1.0, 0.02, 1e-3)]
+    assert _bench().main(["--pool", *paths]) == 0
+    out = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    rows = {r["direction"]: r for r in out if not r.get("summary")}
+    x, r = rows["x"], rows["r"]
+    assert x["n_runs"] == 3 and np.isclose(x["worst1pct_flagged_mean"], 2.5 / 3)
+    assert np.isclose(x["consultation_rate_mean"], 0.05)
+    # run 1's worst 1 % lies below e^-10: counted as caught, the mean is 1
+    assert x["worst1pct_flagged_mean_or_below_target"] == 1.0 and x["n_runs_below_target"] == 2
+    assert not x["met_pooled"] and x["met_pooled_or_below_target"] and x["n_runs_met"] == 2
+    assert not r["met_pooled"] and not r["met_pooled_or_below_target"] and r["n_runs_met"] == 0  # share 0.12
+    (summary,) = [r for r in out if r.get("summary")]
+    assert summary == {"summary": True, "rule": "learned_kl_static", "n_runs": 3, "n_directions": 2, "n_met_pooled": 0,
+                       "n_met_pooled_or_below_target": 1, "n_runs_met": 2, "n_direction_runs": 6}
+
+
+def test_pool_refuses_runs_that_differ(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    row = {"factor": "exp", "rule": "learned_kl_static", "by_direction": {"x": {}}}
+    a.write_text(json.dumps(row) + "\n")
+    b.write_text(json.dumps(dict(row, factor="gaussian")) + "\n")
+    with pytest.raises(SystemExit, match=r"same \(rule, factor, direction\)"):
+        _bench().main(["--pool", str(a), str(b)])
