@@ -58,14 +58,15 @@ from urllib.parse import quote
 import numpy as np
 
 from .certificates import Certificates, above_threshold, last_certificates, outgoing_proper
-from .errors import ConfigurationError, rows_of_batch
+from .errors import ConfigurationError, OperatorUnavailableError, rows_of_batch
 from .factors import Factor, get_factor
 from .factors.base import UnknownFactorError
 from .families import Family, family_name
 from .reductions import all_finite
 from .transport import HttpxSession, ResponseTooLarge, Session, TransportError
 
-__all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteValidationError", "UnknownOperatorError"]
+__all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteUnavailableError", "RemoteValidationError",
+           "UnknownOperatorError"]
 
 _MODES = ("predict", "jit", "oracle")
 #: idempotency keys whose split :meth:`RemoteOperator.observe` keeps for retries (the latest)
@@ -89,6 +90,11 @@ class RemoteValidationError(RemoteOperatorError, ValueError):
     complaint names one — the EP engines then skip just those and ask again for the rest."""
 
     rows = None
+
+
+class RemoteUnavailableError(RemoteOperatorError, OperatorUnavailableError):
+    """No answer from the server (it cannot be reached, or did not reply in time), after the retries:
+    the EP engines stop asking this operator for the rest of a sweep after a few of these running."""
 
 
 class UnknownOperatorError(RemoteValidationError, ConfigurationError):
@@ -350,7 +356,7 @@ class RemoteOperator:
                     time.sleep(wait)
                     wait *= 2
                     continue
-                raise RemoteOperatorError(
+                raise (RemoteOperatorError if isinstance(exc, ResponseTooLarge) else RemoteUnavailableError)(
                     f"{method} {self.url}{path}: no answer from the server ({type(exc).__name__}: {exc})"
                     + (f" after {attempt + 1} attempts" if attempt else ""), None, None, method, path) from exc
             if resp.status_code in (429, 503) and retry != "never" and attempt + 1 < attempts:
@@ -563,6 +569,7 @@ class RemoteOperator:
         path = f"{self._base}/messages"
         for p, m in zip(parts, sizes):
             self._check_answer(p, m, path)
+            self._check_factor(p)
 
         def joined(fn):
             return _joined(parts, fn)
@@ -591,6 +598,23 @@ class RemoteOperator:
         self.last_uncertain_ = uncertain
         return (beliefs, joined(lambda p: p["_natural"]) if natural else None,
                 self._logvar(parts) if logvar else None, consulted, shape, flat)
+
+    def _check_factor(self, p) -> None:
+        """The factor an answer says it is for (a server since the thirty-ninth session says) is the one this
+        client read when it started — else a :class:`~kjit.errors.ConfigurationError` (EP stops at once), and
+        the next call reads the operator afresh.  Found by an audit: a server restarted with probit_noise eps
+        0.3 under the same operator name answered a client (and a model) checked against eps 0.05; EP
+        "converged" at the other model's posterior."""
+        name = p.get("factor")
+        if name is None or self._factor is None:
+            return
+        why = self._factor.mismatch((name, p.get("factor_params") or {}), "the server's answer",
+                                    "this client's operator")
+        if why is not None:
+            self._info = self._factor = None
+            raise ConfigurationError(
+                f"operator {self.name!r} at {self.url} changed since this client first read it: {why}. The model "
+                "using it was checked against the old one; build it (and this client) again")
 
     def _malformed(self, path: str, why: str) -> RemoteOperatorError:
         return RemoteOperatorError(f"POST {self.url}{path}: the server's answer is malformed: {why}", 200, None,

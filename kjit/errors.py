@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["OracleError", "LowESSError", "SamplerOutputError", "ConfigurationError", "gaussian_or_error", "rows_of_batch",
+__all__ = ["OracleError", "LowESSError", "SamplerOutputError", "ConfigurationError", "OperatorUnavailableError",
+           "gaussian_or_error", "rows_of_batch",
            "rows_within", "quoted", "QUOTE_LIMIT", "check_number", "user_stacklevel"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -45,6 +46,14 @@ class ConfigurationError(ValueError):
     send to, a served operator that does not exist: the EP engines raise it at once instead of
     skipping every update and ending at ``max_iter`` with the prior (found in review: a mistyped
     operator name made ``fit()`` return the prior with no warning)."""
+
+
+class OperatorUnavailableError(RuntimeError):
+    """An operator that gave no answer at all — a server that cannot be reached or does not reply in
+    time (:class:`kjit.client.RemoteOperator` raises a subclass): the EP engines stop asking it for the
+    rest of a sweep after :data:`kjit.ep.engine.OPERATOR_FAILURE_ITERATIONS` such calls running (found
+    by an audit: a sequential sweep asked a hung server once per site, each call waiting out its
+    timeout and retries — ~200 hours for 1 000 sites before the run stopped)."""
 
 
 class OracleError(RuntimeError):

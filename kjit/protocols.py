@@ -52,6 +52,8 @@ __all__ = [
     "has_projection_kl",
     "log_var_is_variance",
     "reports_uncertainty",
+    "answered_factor",
+    "factor_mismatch",
 ]
 
 
@@ -141,3 +143,30 @@ def reports_uncertainty(op) -> bool:
     if isinstance(flag, bool):
         return flag
     return callable(getattr(type(op), "predict", None))
+
+
+def answered_factor(op):
+    """The factor ``op`` answers for, where it says one (its ``factor``: an attribute, or a property —
+    a :class:`~kjit.client.RemoteOperator`'s asks its server once); None where it says none, or cannot
+    say now (a server that does not answer: the engine's own calls then fail, and say so).  A factor
+    this process cannot build (not registered here) raises, as the first call would."""
+    try:
+        f = getattr(op, "factor", None)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - (no answer from a server: RemoteOperatorError, a RuntimeError)
+        return None
+    return f if callable(getattr(f, "mismatch", None)) else None
+
+
+def factor_mismatch(op, other, theirs: str, mine: str) -> str | None:
+    """A sentence saying how the factor ``op`` answers for differs from ``other``'s (an operator, or a
+    factor), or None — also where either says none (:func:`answered_factor`).  The one check that an
+    oracle, an operator and a model agree on their factor, for local and served operators alike (found
+    by an audit: the check read attributes only, and a RemoteOperator's factor, a property, went
+    unchecked — EP with a served gamma_rate(shape=1) on a shape-3 model "converged", 30 % off)."""
+    f = answered_factor(op)
+    g = other if callable(getattr(other, "mismatch", None)) else answered_factor(other)
+    if f is None or g is None:
+        return None
+    return g.mismatch(f, theirs, mine)

@@ -134,7 +134,11 @@ def test_an_oracle_failure_on_one_row_is_named_by_the_jit_and_the_server(live):
     from kjit.operators import JITOperator
 
     inc = probe("logistic", 10)
-    inc["x"] = Gaussian(np.where(np.arange(10) == 7, 1e50, inc["x"].mean()), inc["x"].var())
+    # (a label message Beta(1, 1e100) at row 7, beyond the rule's reach: an x message N(1e50, v), the row before,
+    # is answered in closed form since the thirty-ninth session)
+    at7 = np.arange(10) == 7
+    inc["x"] = Gaussian(np.where(at7, 0.0, inc["x"].mean()), np.where(at7, 1.0, inc["x"].var()))
+    inc["z"] = Beta(np.where(at7, 1.0, inc["z"].alpha), np.where(at7, 1e100, inc["z"].beta))
     jit = live.app.state.store.entries["logistic-x"].jit
     local = JITOperator(copy.deepcopy(jit.operator), QuadratureOracle(Logistic()), threshold=-1e9)  # consult all
     with pytest.raises(OracleError) as err:
@@ -148,3 +152,150 @@ def test_an_oracle_failure_on_one_row_is_named_by_the_jit_and_the_server(live):
     keep = np.arange(30) != 3
     ref = LinearEP(QuadratureOracle(Logistic()), site_var="x", max_iter=30).run(X[keep], {"z": obs["z"][keep]})
     np.testing.assert_allclose(r.posterior.mean, ref.posterior.mean, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Found by an audit of EP through served operators (thirty-ninth session): a served operator's factor went
+# unchecked (a property, and the checks read attributes only), a client kept the factor it first read after the
+# server's operator was replaced, and a sequential sweep asked a hung server once per site.
+
+
+def test_graph_ep_refuses_a_served_operator_for_other_factor_parameters(tmp_path):
+    """A served gamma_rate(shape=1) bound to a graph of shape 3: a ConfigurationError naming the parameter, as for a
+    local operator (it ran, "converged" 30 % off)."""
+    from service.testing import ThreadedServer
+
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+    from test_service_fixtures import small_store
+
+    root = tmp_path / "store"
+    small_store(root, "gamma_rate-x", "gamma_rate", "x").close()
+    counts = [3, 5, 2, 7]
+    with ThreadedServer(settings_for(root)) as srv, \
+            RemoteOperator(srv.url, "gamma_rate-x", mode="oracle", token=TOKEN) as op:
+        with pytest.raises(ConfigurationError, match=r"`shape` 1\.0 for `operators\[\('gamma_rate', 'x'\)\]`, 3\.0"):
+            GraphEP(poisson_gamma(counts, shape=3.0), operators={("gamma_rate", "x"): op}).run()
+        # the served factor's own graph runs, and its answers are the exact rule's (oracle mode)
+        r = GraphEP(poisson_gamma(counts, shape=1.0), operators={("gamma_rate", "x"): op}).run()
+        ref = GraphEP(poisson_gamma(counts, shape=1.0)).run()
+    assert r.converged and ref.converged
+    assert float(r.beliefs["lam0"].mean()) == pytest.approx(float(ref.beliefs["lam0"].mean()), rel=1e-9)
+
+
+def test_an_oracle_for_another_factor_is_refused_beside_a_served_operator(live):
+    """CompoundGammaPrecision and LinearEP: an ``oracle=`` for other parameters than the (served) operator's is a
+    ConfigurationError when the model runs (they replaced the uncertain answers silently: 20 of 40 posteriors up to
+    92 % off; eps 0.3's posterior for an eps 0.05 model)."""
+    from kjit.ep.models import CompoundGammaPrecision, ProbitClassifier
+    from kjit.ep.operators import ProbitNoiseOperator
+    from kjit.factors import get_factor
+
+    xs = [np.random.default_rng(i).normal(0, 0.7, 12) for i in range(4)]
+    with RemoteOperator(live.url, "compound_gamma-tau", mode="predict") as op:
+        wrong = QuadratureOracle(get_factor("compound_gamma", s1=5.0))
+        model = CompoundGammaPrecision(op, on_uncertain="oracle", oracle=wrong)  # (no server asked yet)
+        with pytest.raises(ConfigurationError, match=r"`s1` 5\.0 for `oracle`, 1\.0 for the operator"):
+            model.fit_many(xs)
+        right = QuadratureOracle(get_factor("compound_gamma"))
+        assert CompoundGammaPrecision(op, on_uncertain="oracle", oracle=right).fit_many(xs).posterior_.shape == (4,)
+    X, _ = _problem(n=12)
+    y = (X[:, 0] > 0).astype(int)
+    with pytest.raises(ConfigurationError, match=r"`eps` 0\.3 for `oracle`, 0\.05 for the operator"):
+        ProbitClassifier(ProbitNoiseOperator(eps=0.05), on_uncertain="oracle",
+                         oracle=ProbitNoiseOperator(eps=0.3)).fit(X, y)
+    with RemoteOperator(live.url, "logistic-x", mode="predict") as op, \
+            pytest.raises(ConfigurationError, match="different factors"):
+        LinearEP(op, site_var="x", on_uncertain="oracle", oracle=ProbitNoiseOperator(eps=0.1)).run(*_problem(n=12))
+
+
+def test_a_client_refuses_answers_once_the_served_operators_factor_changed(live):
+    """The server's operator replaced under the same name by one for other factor parameters (a redeploy): the
+    client's next answer raises a ConfigurationError naming both, and EP stops at once; a client built afresh
+    reads the new factor."""
+    from kjit.factors import get_factor
+
+    inc = probe("compound_gamma", 8)
+    entry = live.app.state.store.entries["compound_gamma-tau"]
+    with RemoteOperator(live.url, "compound_gamma-tau", mode="predict") as op:
+        op.belief(inc)
+        assert op.factor.params()["s1"] == 1.0
+        entry.jit.factor = get_factor("compound_gamma", s1=5.0)  # (what the answers now say they are for)
+        with pytest.raises(ConfigurationError, match=r"changed since this client first read it.*`s1` 5\.0"):
+            op.belief(inc)
+    with RemoteOperator(live.url, "compound_gamma-tau", mode="predict") as fresh:
+        assert fresh.factor.params()["s1"] == 5.0
+
+
+class _Unreachable(_Failing):
+    """An operator that never answers (a server down or hung): OperatorUnavailableError."""
+
+    def belief(self, incoming, to=None):
+        from kjit.errors import OperatorUnavailableError
+
+        self.calls += 1
+        raise OperatorUnavailableError("no answer from the server (ReadTimeout)")
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "parallel"])
+def test_an_operator_that_never_answers_is_asked_a_bounded_number_of_times(schedule):
+    """Sequential: after OPERATOR_FAILURE_ITERATIONS calls running without an answer, the sweep's other sites are
+    not asked — 3 calls a sweep, not one a site (each waits out a timeout and retries: a hung server held 1 000
+    sites for ~200 hours); the run stops as before, with its warning."""
+    from kjit.ep.engine import OPERATOR_FAILURE_ITERATIONS as K
+
+    X, obs = _problem(n=20)
+    op = _Unreachable()
+    with pytest.warns(RuntimeWarning, match="failed every update"):
+        r = LinearEP(op, site_var="x", max_iter=50, schedule=schedule).run(X, obs)
+    assert r.outcome == "operator_failed" and r.iterations == K
+    assert op.calls == (K * K if schedule == "sequential" else K)  # (before: 20 × 3 sequential)
+    assert all(h.skipped["operator_error"] == 20 for h in r.history)
+    if schedule == "sequential":
+        assert "other 17 sites were not asked" in " ".join(r.history[0].errors)
+
+
+def test_graph_ep_stops_asking_an_operator_that_never_answers_within_an_iteration():
+    """GraphEP's sequential schedule asks factor by factor: an operator that gave no answer to
+    OPERATOR_FAILURE_ITERATIONS calls running is not asked again that iteration (the other factors' operators
+    still are)."""
+    from kjit.ep.engine import OPERATOR_FAILURE_ITERATIONS as K
+    from kjit.ep.engine import EPConvergenceWarning
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+    from kjit.factors import get_factor
+
+    class _Dead:
+        factor = get_factor("gamma_rate", shape=2.0)
+
+        def __init__(self):
+            self.calls = 0
+
+        def belief(self, incoming, to=None):
+            from kjit.errors import OperatorUnavailableError
+
+            self.calls += 1
+            raise OperatorUnavailableError("no answer")
+
+    dead = _Dead()
+    g = poisson_gamma([3, 5, 2, 7, 4, 6, 1, 0], shape=2.0)  # 8 gamma_rate factors; r's answers are the exact rule's
+    with pytest.warns(EPConvergenceWarning, match="8 update"):  # (r's updates go on: not "operator_failed")
+        r = GraphEP(g, operators={("gamma_rate", "x"): dead}, schedule="sequential", max_iter=4).run()
+    assert dead.calls == K * r.iterations  # (before: 8 an iteration)
+    assert all(h.skipped["operator_error"] == 8 for h in r.history)
+
+
+def test_a_server_that_cannot_be_reached_is_an_operator_unavailable_error():
+    """The client's "no answer from the server" (after its retries) is the engines' OperatorUnavailableError."""
+    import socket
+
+    from kjit.client import RemoteOperatorError
+    from kjit.errors import OperatorUnavailableError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with RemoteOperator(f"http://127.0.0.1:{port}", "logistic-x", retries=0, timeout=2.0) as op:
+        with pytest.raises(OperatorUnavailableError, match="no answer from the server") as err:
+            op.info()
+    assert isinstance(err.value, RemoteOperatorError) and err.value.status is None

@@ -47,13 +47,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..certificates import certified, count_answers
-from ..errors import ConfigurationError, check_number, user_stacklevel
+from ..errors import ConfigurationError, OperatorUnavailableError, check_number, user_stacklevel
 from .error_bars import ErrorBars, attach, graph_error_bars, learned_share, require_plain_ep
 from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
                      count_failing, operator_failure, oracle_rows, uncertain_rows, warn_unconverged)
 from ..factors import Factor, get_factor
 from ..families import Family, Gaussian
-from ..protocols import reports_uncertainty
+from ..protocols import answered_factor, factor_mismatch, reports_uncertainty
 
 __all__ = ["FactorGraph", "GraphEP", "GraphResult", "GRAPH_SKIP_REASONS"]
 
@@ -203,6 +203,9 @@ class GraphIteration:
     answers: dict[str, int] = field(default_factory=dict)
     n_uncertain: int = 0  # uncertain learned answers used as they were (on_uncertain="warn")
     n_oracle: int = 0     # uncertain learned answers replaced by an oracle's (on_uncertain="oracle")
+    # per operator (id), its calls running that got no answer at all (OperatorUnavailableError): not asked again
+    # this iteration at OPERATOR_FAILURE_ITERATIONS
+    _unanswered: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -238,7 +241,7 @@ class GraphResult:
         return out
 
 
-def _checked(op, what: str, key, factor: Factor):
+def _checked(op, what: str, key, factor: Factor, known: set | None = None):
     """``op`` (an entry ``what[key]`` of GraphEP's ``operators`` or ``oracles``) if it answers
     ``belief(incoming, to)`` for ``factor`` — not another factor of the name (other parameters, another
     sampled factor) — else a ConfigurationError naming it.  Found by audits: a wrong object ran 3 iterations
@@ -246,9 +249,16 @@ def _checked(op, what: str, key, factor: Factor):
     an oracle for probit_noise(eps=0) replaced eps=0.3's uncertain answers, means 1.596 for 0.638."""
     if not callable(getattr(op, "belief", None)):
         raise ConfigurationError(f"`{what}[{key!r}]` must have a belief(incoming, to) method, got {type(op).__name__}")
-    own = vars(op).get("factor") if hasattr(op, "__dict__") else None  # (an attribute: no I/O)
-    if isinstance(own, Factor) and not own.same_as(factor):
-        raise ConfigurationError(f"`{what}[{key!r}]` answers for factor {own!r}, not {factor!r}")
+    # (a RemoteOperator's factor too — its server asked once: found by an audit, an attribute-only check let a
+    # served gamma_rate(shape=1) answer for a shape-3 graph, "converged" 30 % off)
+    memo = (what, key, id(op), factor.name, json.dumps(factor.params(), sort_keys=True, default=repr))
+    if known is not None and memo in known:
+        return op
+    why = factor_mismatch(op, factor, f"`{what}[{key!r}]`", "the graph's factor")
+    if why is not None:
+        raise ConfigurationError(why)
+    if known is not None and answered_factor(op) is not None:  # (checked: not again — a server's no answer is)
+        known.add(memo)
     return op
 
 
@@ -343,6 +353,7 @@ class GraphEP:
             require_plain_ep(self.power, what="`error_bars`")
         self.warn_unconverged = bool(warn_unconverged)
         self._default_ops: dict = {}
+        self._factors_checked: set = set()  # (_checked's memo)
 
     # ------------------------------------------------------------------ operators and groups
     def _operator(self, factor: Factor, to: str):
@@ -360,7 +371,7 @@ class GraphEP:
     def _operator_for(self, factor: Factor, to: str):
         key = (factor.name, to)
         if key in self.operators:
-            return _checked(self.operators[key], "operators", key, factor)
+            return _checked(self.operators[key], "operators", key, factor, self._factors_checked)
         pkey = (factor.name, json.dumps(factor.params(), sort_keys=True))
         if pkey not in self._default_ops:
             from ..oracles import QuadratureOracle
@@ -376,7 +387,7 @@ class GraphEP:
         """The oracle of uncertain answers of (``factor``, ``to``) (see ``oracles``), or None."""
         key = (factor.name, to)
         if key in self.oracles:
-            return _checked(self.oracles[key], "oracles", key, factor)
+            return _checked(self.oracles[key], "oracles", key, factor, self._factors_checked)
         own = getattr(self._operator_for(factor, to), "oracle", None)
         if own is not None:
             return own
@@ -645,6 +656,14 @@ class GraphEP:
                 op = self._operator(f, to)
                 live = np.arange(rows.size)
                 q = None
+                if rec._unanswered.get(id(op), 0) >= OPERATOR_FAILURE_ITERATIONS:
+                    # (no answer to that many calls running — a server down or hung: not asked again this
+                    # iteration, each call would wait out its timeout and retries; found by an audit)
+                    rec.skipped["operator_error"] += live.size
+                    if len(rec.errors) < 5:
+                        rec.errors.append(f"{f.name}→{to}: the operator did not answer {OPERATOR_FAILURE_ITERATIONS} "
+                                          f"calls running: {live.size} more updates not asked this iteration")
+                    continue
                 for _attempt in range(3):
                     sub = {k: m[live] for k, m in incoming.items()}
                     rec.operator_calls += 1
@@ -653,12 +672,15 @@ class GraphEP:
                             q, cert = self._certified(op, f, to, sub, live.size, rec)
                         if cert is not None and len(cert) == live.size:
                             count_answers(rec.answers, cert)
+                        rec._unanswered[id(op)] = 0
                         break
                     except (ConfigurationError, UncertainAnswerError):
                         raise  # (a wrong recipient or operator name: no skip or retry can fix it)
                     except Exception as exc:  # skip and report, as LinearEP does
                         if len(rec.errors) < 5:
                             rec.errors.append(f"{f.name}→{to}: {type(exc).__name__}: {exc}")
+                        if isinstance(exc, OperatorUnavailableError):
+                            rec._unanswered[id(op)] = rec._unanswered.get(id(op), 0) + 1
                         bad = getattr(exc, "rows", None)
                         bad = None if bad is None else np.unique(np.asarray(bad, int).ravel())
                         if bad is None or bad.size == 0 or bad.size >= live.size or bad.min() < 0 or bad.max() >= live.size:
