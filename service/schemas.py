@@ -157,6 +157,9 @@ class MessagesResponse(BaseModel):
     n: int
     n_consulted: int
     coords: list[str] = Field(description="regression coordinates of the recipient family, the columns of log_var")
+    factor: str | None = Field(None, description="the factor the operator answers for (as `GET /v1/operators/{name}`)")
+    factor_params: dict[str, Any] | None = Field(
+        None, description="its parameters: a client checks both against the factor it read when it started")
     projection: Literal["kl", "moments"] = Field(
         "kl", description="how the beliefs were projected: `kl` (match the family's expected sufficient statistics; "
                           "for a Gaussian, mean and variance) or `moments` (mean and variance; Infer.NET's convention "

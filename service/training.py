@@ -318,7 +318,8 @@ def default_specs() -> dict[str, tuple[str, str]]:
         if f.default_incoming is None:
             continue
         for to in f.exact_recipients:
-            out[f"{name}-{to}"] = (name, to)
+            if to not in f.default_untrainable:
+                out[f"{name}-{to}"] = (name, to)
     return out
 
 

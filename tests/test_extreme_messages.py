@@ -59,12 +59,12 @@ def test_bisection_reaches_the_root_from_a_bracket_1e100_wide():
     assert bisect(lambda t: t - 1.3, lo, hi, 100)[0] == 0.5 * (a + b)[0]
 
 
-@pytest.mark.parametrize("mean, var, alpha, beta", [(0.0, 1.0, 1.0, 1e100), (0.0, 1.0, 1.0, 1e50),
-                                                    (-1e16, 1.0, 2.0, 1.0), (1e50, 1.0, 2.0, 1.0)])
+@pytest.mark.parametrize("mean, var, alpha, beta", [(0.0, 1.0, 1.0, 1e100), (0.0, 1.0, 1.0, 1e50)])
 def test_a_log_concave_rule_never_answers_wider_than_the_incoming_message(mean, var, alpha, beta):
     """Logistic → x with labels α, β ≥ 1 is log-concave: the belief's variance is at most x's.  At
-    these messages the panel rule loses its accuracy (doubles cannot resolve N(1e50, 1)); the oracle
-    refuses the rows by name instead of answering N(1e50, 4e70)."""
+    these messages the panel rule loses its accuracy; the oracle refuses the rows by name.  (N(−1e16, 1)
+    and N(1e50, 1), refused here before — N(1e50, 4e70) before that — are answered in closed form since the
+    thirty-ninth session: σ is saturated over them, tests/test_exact_rules_precision.py.)"""
     f = get_factor("logistic")
     inc = {"x": Gaussian(np.array([0.3, mean]), np.array([0.5, var])),
            "z": Beta(np.array([2.0, alpha]), np.array([1.0, beta]))}

@@ -196,6 +196,20 @@ def test_observation_answer_names_the_pairs_at_its_version(app_client, monkeypat
     assert again["duplicate"] and (again["version"], again["n_train"]) == (1, n0 + 4)
 
 
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_idempotency_key_is_refused_and_changes_nothing(app_client, key):
+    """An empty (or blank) Idempotency-Key was taken as a key and never remembered: each retry applied again, and
+    another body under it was no 409 (found by an audit).  Now a 422 naming the header; nothing learned."""
+    inc = probe("logistic", 3, seed=8)
+    q = QuadratureOracle(Logistic()).belief(inc, "x")
+    payload = {"incoming": body(inc, "x")["incoming"], "beliefs": beliefs_body(q)}
+    before = app_client.get("/v1/operators/logistic-x").json()
+    r = app_client.post("/v1/operators/logistic-x/observations", json=payload, headers={**AUTH, "Idempotency-Key": key})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["header", "Idempotency-Key"], r.text
+    after = app_client.get("/v1/operators/logistic-x").json()
+    assert (after["version"], after["n_train"]) == (before["version"], before["n_train"])
+
+
 def test_a_prediction_that_is_no_belief_is_refused_by_row(app_client, monkeypatch):
     """A row whose learned prediction overflows its family (kjit.operators.PredictionOverflowError) is
     a 422 naming that row — as an oracle's failure is — so a client skips just it; it was a 422 for

@@ -83,12 +83,16 @@ def log_weight(t, m1, v1, m2, v2, mz, vz):
         return -0.5 * (t - m1) ** 2 / v1 - 0.5 * np.log(V) - 0.5 * (t * m2 - mz) ** 2 / V
 
 
-def z_given(t, m2, v2, mz, vz):
+def z_given(t, m2, v2, mz, vz, offset: bool = False):
     """Mean and variance of z's Gaussian posterior given the integrated input t:
-    ((t m2 vz + mz t² v2) / V, t² v2 vz / V)."""
+    ((t m2 vz + mz t² v2) / V, t² v2 vz / V); ``offset``: the mean less mz, (t m2 − mz) vz / V — formed as
+    such, it keeps what distinguishes the nodes when mz is large (found by an audit: about mz = 1e100 the
+    means' rounding, ~1e84, made a belief variance of 2 come out 7e167)."""
     with np.errstate(over="ignore", invalid="ignore"):
         t2v = t * t * v2
         V = t2v + vz
+        if offset:
+            return (t * m2 - mz) * (vz / V), t2v * vz / V
         return (t * m2 * vz + mz * t2v) / V, t2v * vz / V
 
 
@@ -187,11 +191,12 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     if to in ("x", "y"):
         mean, var = gaussian_from_nodes(t, lw)
     else:
-        mu, var_ = z_given(t, m2[:, None], v2[:, None], mz[:, None], vz[:, None])
+        d, var_ = z_given(t, m2[:, None], v2[:, None], mz[:, None], vz[:, None], offset=True)
         # nodes whose weight underflowed may hold inf/nan terms: they carry no mass
-        keep = np.isfinite(mu) & np.isfinite(var_) & np.isfinite(lw)
+        keep = np.isfinite(d) & np.isfinite(var_) & np.isfinite(lw)
         lw = np.where(keep, lw, -np.inf)
-        mean, var = gaussian_mixture(lw, np.where(keep, mu, 0.0), np.where(keep, var_, 0.0))
+        mean, var = gaussian_mixture(lw, np.where(keep, d, 0.0), np.where(keep, var_, 0.0))
+        mean = mz + mean
     return gaussian_belief(NAME, mean, var).reshape(shape)
 
 

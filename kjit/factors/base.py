@@ -254,6 +254,10 @@ class Factor:
     #: ``default_incoming(n, rng) -> dict`` of message batches, or None when the factor has no
     #: documented default distribution (training then needs ranges or recorded messages).
     default_incoming: ClassVar[Callable | None] = None
+    #: recipients no operator can be trained for from :meth:`default_incoming`, each with the reason (the service
+    #: does not offer them by default and refuses them with that distribution: found by an audit, probit_noise-y
+    #: was accepted, 202, and its job always failed)
+    default_untrainable: ClassVar[Mapping[str, str]] = {}
     #: why power EP is not available for this factor (shown when it is asked for)
     no_power_reason: ClassVar[str | None] = None
 

@@ -61,6 +61,8 @@ class ProbitNoise(Factor):
     output = "y"
     families = {"f": Gaussian, "y": Bernoulli}
     # trainable by default (`probit_noise-f`), not served by default
+    default_untrainable = {"y": "its default y messages are observed labels, Bernoulli(0) or Bernoulli(1), whose "
+                                "regression coordinates (log-odds) are infinite; y's exact rule is closed form"}
 
     @staticmethod
     def default_incoming(n, rng):

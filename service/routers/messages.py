@@ -219,6 +219,9 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
     beliefs, out_msgs, log_var = answer_columns(q, msg, logvar)
     payload = {
         "operator": entry.name, "to": entry.jit.to, "mode": mode, "version": version, "n": n, "n_consulted": n_cons,
+        # the factor answered for: a client checks it against the one it read when it started (found by an audit:
+        # a server redeployed with probit_noise eps 0.3 under the same name answered a client built for eps 0.05)
+        "factor": entry.jit.factor.name, "factor_params": entry.jit.factor.params(),
         "coords": list(entry.jit.family.coord_names),
         # the factor's projection convention (a factor parameter where it offers a choice)
         "projection": str(entry.jit.factor.params().get("projection", "kl")),
@@ -248,6 +251,11 @@ def observations(
     req: Annotated[schemas.ObservationsRequest, Depends(body_dependency(schemas.ObservationsRequest))],
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
 ):
+    if idempotency_key is not None and not idempotency_key.strip():
+        # (found by an audit: an empty key was taken, never remembered — every retry applied again, another body
+        # under it no 409)
+        raise ApiError(422, ["header", "Idempotency-Key"], "an empty Idempotency-Key is no key: send a unique "
+                       "string (e.g. a UUID), or no header", "value_error")
     body_hash = canonical_hash(req) if idempotency_key else None
     if idempotency_key is not None:
         # a key applied before gets its first answer before this request is checked again: the checks (the

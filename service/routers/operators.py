@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import numpy as np
 from fastapi import APIRouter, Depends
 
 from kjit.errors import quoted
@@ -105,6 +106,19 @@ def _client_spec(req: schemas.TrainRequest, settings: Settings) -> TrainSpec:
     if n < 4:
         raise ApiError(422, ["body", "source", "beliefs"], f"{n} initial pairs; at least 4 are needed", "too_short")
     beliefs = beliefs_from(src.beliefs, factor.families[req.to], n, ["body", "source", "beliefs"])
+    # what the job would fail on, refused now (found by an audit: 202, then a failed job)
+    with np.errstate(all="ignore"):
+        coords = np.asarray(beliefs.to_coords(), float).reshape(n, -1)
+    bad = np.flatnonzero(~np.all(np.isfinite(coords), axis=1))
+    if bad.size:
+        raise ApiError.many(422, [{"loc": ["body", "source", "beliefs", int(i)], "type": "value_error",
+                                   "msg": f"belief {int(i)} has regression coordinates that are not finite numbers "
+                                          f"({', '.join(factor.families[req.to].coord_names)}): it cannot be learned"}
+                                  for i in bad[:10]])
+    rows = np.concatenate([coords] + [np.stack([np.ravel(p) for p in m.params], axis=1) for m in inc.values()], axis=1)
+    if len(np.unique(rows, axis=0)) < 2:
+        raise ApiError(422, ["body", "source", "incoming"], "every pair is the same: at least 2 distinct pairs are "
+                       "needed", "value_error")
     pairs = TrainingSet(factor.name, req.to, inc, beliefs, factor.params())
     return TrainSpec(factor="declared", to=req.to, factor_params=factor.params(), n_inner=req.n_inner,
                      n_outer=req.n_outer, threshold=req.threshold, initial_batch=req.initial_batch,
@@ -143,9 +157,15 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
                 raise ApiError(422, ["body", "source", "distribution"],
                                f"no default distribution for factor {factor.name!r}; give per-parameter ranges",
                                "value_error")
+            if req.to in factor.default_untrainable:
+                raise ApiError(422, ["body", "to"], f"no operator for {factor.name!r} → {quoted(req.to)} can be trained "
+                               f"from its default distribution: {factor.default_untrainable[req.to]}", "value_error")
             spec.distribution = "default"
         else:
             ranges = {v: {p: r.model_dump() for p, r in d.items()} for v, d in src.distribution.items()}
+            if all(r["low"] == r["high"] for d in ranges.values() for r in d.values()):
+                raise ApiError(422, ["body", "source", "distribution"], "every range is a point (low = high): every "
+                               "pair would be the same, and at least 2 distinct pairs are needed", "value_error")
             try:
                 sampler_from_ranges(factor, ranges)
             except ValueError as exc:
