@@ -25,6 +25,7 @@ from test_service_fixtures import (  # noqa: F401 - fixtures
     settings_for,
     poll,
     store_dir,
+    wait_job,
     wait_ready,
 )
 
@@ -601,3 +602,41 @@ def test_the_library_quotes_an_unknown_factor_s_name_briefly():
         get_factor("f" * 100_000)
     assert len(str(info.value)) < 2000 and info.value.name == "f" * 100_000
     assert quoted("abc") == "'abc'" and quoted("a" * 101) == repr("a" * 100) + "…" and quoted("a" * 50, 40).endswith("…")
+
+
+def test_training_requests_whose_job_would_fail_are_422s_and_start_no_job(app_client):
+    """Found by an audit: each was accepted (202) and its job failed — probit_noise → y from its default
+    distribution (observed labels, infinite log-odds; it was also among the default specs), a client's belief
+    with non-finite regression coordinates, pairs all the same, ranges all points."""
+    from service.training import default_specs
+
+    assert "probit_noise-y" not in default_specs() and "probit_noise-f" in default_specs()
+    small = {"n_inner": 10, "n_outer": 20}
+    client = {"kind": "client", "variables": {"f": "gaussian", "y": "bernoulli"}, "output": "y",
+              "incoming": {"f": {"family": "gaussian", "mean": [0, 1, 2, 3], "var": [1, 1, 1, 1]},
+                           "y": {"family": "bernoulli", "p": [0.5, 0.5, 0.5, 0.5]}},
+              "beliefs": {"family": "bernoulli", "p": [0.5, 0.6, 0.7, 0.0]}}
+    same = {**client, "incoming": {"f": {"family": "gaussian", "mean": [1, 1, 1, 1], "var": [1, 1, 1, 1]},
+                                   "y": client["incoming"]["y"]},
+            "beliefs": {"family": "bernoulli", "p": [0.6, 0.6, 0.6, 0.6]}}
+    points = {"x": {"mean": {"low": 0, "high": 0}, "var": {"low": 1, "high": 1}},
+              "z": {"alpha": {"low": 2, "high": 2}, "beta": {"low": 1, "high": 1}}}
+    cases = [
+        ({"name": "pa", "factor": "probit_noise", "to": "y", "source": {"kind": "oracle", "n": 50}}, ["body", "to"]),
+        ({"name": "pb", "factor": "myf", "to": "y", "source": client}, ["body", "source", "beliefs", 3]),
+        ({"name": "pc", "factor": "myf", "to": "y", "source": same}, ["body", "source", "incoming"]),
+        ({"name": "pd", "factor": "logistic", "to": "x", "source": {"kind": "oracle", "n": 50, "distribution": points}},
+         ["body", "source", "distribution"]),
+    ]
+    jobs = len(app_client.get("/v1/jobs", headers=AUTH).json()["jobs"])
+    for req, loc in cases:
+        r = app_client.post("/v1/operators", json={**small, **req}, headers=AUTH)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == loc, (loc, r.text)
+    assert len(app_client.get("/v1/jobs", headers=AUTH).json()["jobs"]) == jobs
+    # the same with a spread: accepted (the checks refuse only what the job would fail on)
+    spread = {**points, "x": {"mean": {"low": -1, "high": 1}, "var": {"low": 1, "high": 1}}}
+    r = app_client.post("/v1/operators", json={**small, "name": "pe", "factor": "logistic", "to": "x",
+                                               "source": {"kind": "oracle", "n": 50, "distribution": spread}},
+                        headers=AUTH)
+    assert r.status_code == 202, r.text
+    assert wait_job(app_client, r.headers["location"])["status"] == "succeeded"
