@@ -307,6 +307,7 @@ class RemoteOperator:
                          if client is None else HttpxSession(client, headers if token else None))
         self._info = None
         self._factor = None
+        self._factor_said = None  # (the factor and parameters as the server said them, once read)
         self.last_version_ = None
         self.last_consulted_ = None
         self.last_certificates_: Certificates | None = None
@@ -418,6 +419,9 @@ class RemoteOperator:
             i = self.info()
             try:
                 self._factor = get_factor(i["factor"], **i.get("factor_params", {}))
+                # (as the server said it: answers are compared with this, not with this process's rebuilt
+                # factor, whose params() may carry a parameter the server's version lacks)
+                self._factor_said = (i["factor"], i.get("factor_params", {}))
             except UnknownFactorError as exc:
                 # (found by an audit: a client process that had not imported the user's factor module got
                 # only "unknown factor 'audit_exp'; registered: …", with no hint of what to do)
@@ -606,12 +610,14 @@ class RemoteOperator:
         0.3 under the same operator name answered a client (and a model) checked against eps 0.05; EP
         "converged" at the other model's posterior."""
         name = p.get("factor")
-        if name is None or self._factor is None:
+        said = self._factor_said
+        if name is None or self._factor is None or said is None:
             return
-        why = self._factor.mismatch((name, p.get("factor_params") or {}), "the server's answer",
-                                    "this client's operator")
-        if why is not None:
-            self._info = self._factor = None
+        params = p.get("factor_params") or {}
+        if (name, params) != said:
+            why = (self._factor.mismatch((name, params), "the server's answer", "this client's operator")
+                   or f"the answer is for {name!r} with {params}, the client read {said[0]!r} with {said[1]}")
+            self._info = self._factor = self._factor_said = None
             raise ConfigurationError(
                 f"operator {self.name!r} at {self.url} changed since this client first read it: {why}. The model "
                 "using it was checked against the old one; build it (and this client) again")

@@ -145,17 +145,18 @@ def reports_uncertainty(op) -> bool:
     return callable(getattr(type(op), "predict", None))
 
 
-def answered_factor(op):
+def answered_factor(op, unknown=None):
     """The factor ``op`` answers for, where it says one (its ``factor``: an attribute, or a property —
-    a :class:`~kjit.client.RemoteOperator`'s asks its server once); None where it says none, or cannot
-    say now (a server that does not answer: the engine's own calls then fail, and say so).  A factor
-    this process cannot build (not registered here) raises, as the first call would."""
+    a :class:`~kjit.client.RemoteOperator`'s asks its server, once it answers); None where it says none;
+    ``unknown`` where it cannot say now (a server that does not answer: the engine's own calls then fail,
+    and say so).  A factor this process cannot build (not registered here) raises, as the first call
+    would."""
     try:
         f = getattr(op, "factor", None)
     except ValueError:
         raise
     except Exception:  # noqa: BLE001 - (no answer from a server: RemoteOperatorError, a RuntimeError)
-        return None
+        return unknown
     return f if callable(getattr(f, "mismatch", None)) else None
 
 

@@ -299,3 +299,86 @@ def test_a_server_that_cannot_be_reached_is_an_operator_unavailable_error():
         with pytest.raises(OperatorUnavailableError, match="no answer from the server") as err:
             op.info()
     assert isinstance(err.value, RemoteOperatorError) and err.value.status is None
+
+
+class _Hung:
+    """A served operator whose server never answers: its factor cannot be read (a RuntimeError, as the client's
+    RemoteUnavailableError) and every call is an OperatorUnavailableError; counts both."""
+
+    def __init__(self):
+        self.lookups = self.calls = 0
+
+    @property
+    def factor(self):
+        self.lookups += 1
+        raise RuntimeError("no answer from the server (ReadTimeout)")
+
+    def belief(self, incoming, to=None):
+        from kjit.errors import OperatorUnavailableError
+
+        self.calls += 1
+        raise OperatorUnavailableError("no answer from the server (ReadTimeout)")
+
+
+def test_graph_ep_asks_a_hung_servers_factor_once_an_iteration():
+    """Found in review: the factor check asked a hung server for its factor at every look-up, twice (each a full
+    timeout), and before the stop on unanswered calls — 2.8× longer than before the check.  Now once an iteration,
+    and the calls stop after OPERATOR_FAILURE_ITERATIONS."""
+    from kjit.ep.engine import OPERATOR_FAILURE_ITERATIONS as K
+    from kjit.ep.engine import EPConvergenceWarning
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+
+    hung = _Hung()
+    g = poisson_gamma(list(range(12)), shape=2.0)
+    with pytest.warns(EPConvergenceWarning):
+        r = GraphEP(g, operators={("gamma_rate", "x"): hung}, schedule="sequential", max_iter=3).run()
+    assert hung.calls == K * r.iterations
+    assert hung.lookups <= r.iterations + 1  # (one an iteration, one before the first)
+
+
+def test_graph_ep_checks_its_operators_factors_again_at_each_run():
+    """Found in review: the check's memo outlived the run, so a second run on the same GraphEP, after the served
+    operator had changed its factor, went unchecked."""
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+    from kjit.factors import get_factor
+
+    op = QuadratureOracle(get_factor("gamma_rate", shape=2.0))
+    ep = GraphEP(poisson_gamma([3, 1, 4], shape=2.0), operators={("gamma_rate", "x"): op})
+    assert ep.run().converged
+    op.factor = get_factor("gamma_rate", shape=5.0)  # (what a client re-reads after a redeploy)
+    with pytest.raises(ConfigurationError, match=r"`shape` 5\.0"):
+        ep.run()
+
+
+def test_an_error_the_operator_answered_with_ends_a_run_of_unanswered_calls():
+    """Found in review: only a success reset the count of calls without an answer, so no answer, no answer, a 500,
+    no answer stopped the sweep; an answer of any kind now ends the run of them."""
+    from kjit.errors import OperatorUnavailableError
+
+    class _Flaky(_Failing):
+        def belief(self, incoming, to=None):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                raise RuntimeError("HTTP 500")  # (the server answered)
+            raise OperatorUnavailableError("no answer")
+
+    X, obs = _problem(n=12)
+    op = _Flaky()
+    with pytest.warns(RuntimeWarning, match="failed every update"):
+        r = LinearEP(op, site_var="x", max_iter=50, schedule="sequential").run(X, obs)
+    assert op.calls == 12 * r.iterations  # (every site asked: never 3 without an answer running)
+
+
+def test_the_client_compares_answers_with_the_factor_as_the_server_said_it(live):
+    """Found in review: answers were compared with this process's rebuilt factor, whose params() may hold a
+    parameter the server's version lacks (a client newer than its server): every answer would be refused.
+    Now with the name and parameters the server sent."""
+    from kjit.factors import get_factor
+
+    inc = probe("compound_gamma", 4)
+    with RemoteOperator(live.url, "compound_gamma-tau", mode="predict") as op:
+        op.belief(inc)
+        op._factor = get_factor("compound_gamma", s1=7.0)  # (this process's factor, rebuilt otherwise)
+        op.belief(inc)  # the server's answers still match what it said

@@ -184,20 +184,53 @@ def test_gaussian_and_product_beliefs_for_a_message_far_from_the_others(far):
     assert float(q.mean()[0]) == pytest.approx(-far, rel=1e-15) and float(q.var()[0]) == pytest.approx(2.0, rel=1e-6)
 
 
-@pytest.mark.parametrize("mu", [1e10, 1e15, 1e30, -1e30])
+@pytest.mark.parametrize("mu", [1e10, 1e11, 1e15, 1e30, -1e30])
 def test_logistic_rules_for_an_x_message_beyond_what_the_rule_resolves(mu):
     """x ~ N(mu, 1) with |mu| ≥ 1e10: σ is saturated over the message, so the factor Beta(σ(x); α, β) is
-    e^{l(x)} with l linear — slope −(β − 1) for mu ≫ 0, α − 1 for mu ≪ 0 — and the belief on x is the message
-    shifted by v times that slope (closed form).  The panel rule's nodes are a few ulp apart there: its answer
-    was 0.125 sd off with a variance 1.8 % wide at 1e15; on z the uniform Beta(1, 1) at 1e30; log Z −4e55 for
-    −1e30.  Now the belief on x is the closed form, and z and log Z are refused by row."""
+    e^{l(x)} with l linear — slope c = −(β − 1) for mu ≫ 0, α − 1 for mu ≪ 0 — the belief on x is the message
+    shifted by v·c and log Z = c·mu + c²v/2 − log B(α, β) (closed forms).  The panel rule's nodes are a few ulp
+    apart beyond 1e10 sds: its answer was 0.125 sd off with a variance 1.8 % wide at 1e15; on z the uniform
+    Beta(1, 1) at 1e30; log Z −4e55 for −1e30.  Now the belief on x is the closed form, z is refused by row (the
+    Beta's concentration is beyond double precision), and so is log Z beyond 1e10 sds (at 1e10 it is the
+    rule's, to 1e-15)."""
+    from scipy import special
+
     f = get_factor("logistic")
     a, b = 2.5, 4.0
     inc = {"x": Gaussian(np.array([1.0, mu]), np.array([1.0, 1.0])), "z": Beta(np.array([a, a]), np.array([b, b]))}
     q = QuadratureOracle(f).belief(inc, "x")
-    slope = -(b - 1.0) if mu > 0 else a - 1.0
-    assert float(q.mean()[1]) == mu + slope and float(q.var()[1]) == pytest.approx(1.0, rel=1e-15)
-    for what in ("z", "log Z"):
+    c = -(b - 1.0) if mu > 0 else a - 1.0
+    assert float(q.mean()[1]) == mu + c and float(q.var()[1]) == pytest.approx(1.0, rel=1e-15)
+    with pytest.raises(OracleError, match=r"rows \[1\]") as err:
+        QuadratureOracle(f).belief(inc, "z")
+    assert list(err.value.rows) == [1]
+    if abs(mu) <= 1e10:
+        lz = QuadratureOracle(f).log_partition(inc)[1]
+        assert lz == pytest.approx(c * mu + 0.5 * c * c - special.betaln(a, b), rel=1e-15)
+    else:
         with pytest.raises(OracleError, match=r"rows \[1\]") as err:
-            QuadratureOracle(f).belief(inc, "z") if what == "z" else QuadratureOracle(f).log_partition(inc)
+            QuadratureOracle(f).log_partition(inc)
         assert list(err.value.rows) == [1]
+
+
+@pytest.mark.parametrize("v", [1e6, 1e10, 1e12])
+def test_logistic_rules_when_the_label_pulls_a_far_cavity_back_to_zero(v):
+    """x ~ N(s·v, v) with the label Beta(1, 2s + 1), s = 200: about 0 the cavity is e^{s x} up to x²/2v (~1e-8 of
+    the tilted precision at v = 1e6), and e^{s x} σ(−x)^{2s} = (σ(x)σ(−x))^s: z = σ(x) is Beta(s, s), x has mean 0
+    and variance 2ψ'(s), and log Z = −(s v)²/(2v) − ½ log 2πv + log B(s, s) − log B(1, 2s + 1) (independent closed
+    forms).  The rule formed the cavity's exponent about its mean: a mode 2e8 sds away put O(1) of rounding on
+    every weight — z came out Beta(1, 1) at v = 1e12, 2 % off at 1e10 — and the first closed form for far
+    cavities (found in review) answered x with N(−2e14, 1e12)."""
+    from scipy import special
+
+    s = 200.0
+    inc = {"x": Gaussian(np.array([s * v]), np.array([v])), "z": Beta(np.array([1.0]), np.array([2 * s + 1]))}
+    o = QuadratureOracle(get_factor("logistic"))
+    qz = o.belief(inc, "z")
+    assert float(qz.alpha[0]) == pytest.approx(s, rel=1e-7) and float(qz.beta[0]) == pytest.approx(s, rel=1e-7)
+    qx = o.belief(inc, "x")
+    assert abs(float(qx.mean()[0])) < 1e-9
+    assert float(qx.var()[0]) == pytest.approx(2 * special.polygamma(1, s), rel=1e-7)
+    lz = float(o.log_partition(inc)[0])
+    want = -0.5 * s * s * v - 0.5 * np.log(2 * np.pi * v) + special.betaln(s, s) - special.betaln(1.0, 2 * s + 1)
+    assert lz == pytest.approx(want, rel=1e-12, abs=1e-6)

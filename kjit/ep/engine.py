@@ -901,8 +901,8 @@ class LinearEP:
             except Exception as exc:  # an operator failure must not end the run: skip and report
                 if len(errors) < 5:
                     errors.append(f"{type(exc).__name__}: {exc}")
-                if isinstance(exc, OperatorUnavailableError):
-                    rec._unanswered += 1
+                # (an error the operator did answer with — a 500, a refusal — ends the run of calls without one)
+                rec._unanswered = rec._unanswered + 1 if isinstance(exc, OperatorUnavailableError) else 0
                 # an error that names the failing rows of the batch (e.g. the importance-sampling
                 # oracle's LowESSError.rows): skip just those and ask again for the rest
                 rows = getattr(exc, "rows", None)

@@ -53,7 +53,7 @@ from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, Uncertai
                      count_failing, operator_failure, oracle_rows, uncertain_rows, warn_unconverged)
 from ..factors import Factor, get_factor
 from ..families import Family, Gaussian
-from ..protocols import answered_factor, factor_mismatch, reports_uncertainty
+from ..protocols import answered_factor, reports_uncertainty
 
 __all__ = ["FactorGraph", "GraphEP", "GraphResult", "GRAPH_SKIP_REASONS"]
 
@@ -241,24 +241,34 @@ class GraphResult:
         return out
 
 
-def _checked(op, what: str, key, factor: Factor, known: set | None = None):
+_UNKNOWN = object()  # (answered_factor's answer for an operator that cannot say now)
+
+
+def _checked(op, what: str, key, factor: Factor, checked: set, unknown: set):
     """``op`` (an entry ``what[key]`` of GraphEP's ``operators`` or ``oracles``) if it answers
     ``belief(incoming, to)`` for ``factor`` — not another factor of the name (other parameters, another
     sampled factor) — else a ConfigurationError naming it.  Found by audits: a wrong object ran 3 iterations
     and ended "operator_failed"; gamma_rate(shape=1) answered for shape 1.5, "converged", log Z 0.35 off;
-    an oracle for probit_noise(eps=0) replaced eps=0.3's uncertain answers, means 1.596 for 0.638."""
+    an oracle for probit_noise(eps=0) replaced eps=0.3's uncertain answers, means 1.596 for 0.638.
+    A RemoteOperator's factor too, read from its server (found by an audit: an attribute-only check let a
+    served gamma_rate(shape=1) answer for a shape-3 graph, "converged" 30 % off).  ``checked``: the
+    (operator, factor) pairs checked in this run; ``unknown``: the operators that could not say their factor
+    in this iteration (a server without an answer is asked again the next: found in review, asking at each
+    look-up made a hung server's run 2.8× longer)."""
     if not callable(getattr(op, "belief", None)):
         raise ConfigurationError(f"`{what}[{key!r}]` must have a belief(incoming, to) method, got {type(op).__name__}")
-    # (a RemoteOperator's factor too — its server asked once: found by an audit, an attribute-only check let a
-    # served gamma_rate(shape=1) answer for a shape-3 graph, "converged" 30 % off)
     memo = (what, key, id(op), factor.name, json.dumps(factor.params(), sort_keys=True, default=repr))
-    if known is not None and memo in known:
+    if memo in checked or id(op) in unknown:
         return op
-    why = factor_mismatch(op, factor, f"`{what}[{key!r}]`", "the graph's factor")
-    if why is not None:
-        raise ConfigurationError(why)
-    if known is not None and answered_factor(op) is not None:  # (checked: not again — a server's no answer is)
-        known.add(memo)
+    own = answered_factor(op, unknown=_UNKNOWN)
+    if own is _UNKNOWN:
+        unknown.add(id(op))
+        return op
+    if own is not None:
+        why = factor.mismatch(own, f"`{what}[{key!r}]`", "the graph's factor")
+        if why is not None:
+            raise ConfigurationError(why)
+    checked.add(memo)
     return op
 
 
@@ -353,7 +363,8 @@ class GraphEP:
             require_plain_ep(self.power, what="`error_bars`")
         self.warn_unconverged = bool(warn_unconverged)
         self._default_ops: dict = {}
-        self._factors_checked: set = set()  # (_checked's memo)
+        self._factors_checked: set = set()  # (_checked's: this run's)
+        self._factor_unknown: set = set()  # (_checked's: this iteration's)
 
     # ------------------------------------------------------------------ operators and groups
     def _operator(self, factor: Factor, to: str):
@@ -371,7 +382,8 @@ class GraphEP:
     def _operator_for(self, factor: Factor, to: str):
         key = (factor.name, to)
         if key in self.operators:
-            return _checked(self.operators[key], "operators", key, factor, self._factors_checked)
+            return _checked(self.operators[key], "operators", key, factor, self._factors_checked,
+                            self._factor_unknown)
         pkey = (factor.name, json.dumps(factor.params(), sort_keys=True))
         if pkey not in self._default_ops:
             from ..oracles import QuadratureOracle
@@ -387,7 +399,8 @@ class GraphEP:
         """The oracle of uncertain answers of (``factor``, ``to``) (see ``oracles``), or None."""
         key = (factor.name, to)
         if key in self.oracles:
-            return _checked(self.oracles[key], "oracles", key, factor, self._factors_checked)
+            return _checked(self.oracles[key], "oracles", key, factor, self._factors_checked,
+                            self._factor_unknown)
         own = getattr(self._operator_for(factor, to), "oracle", None)
         if own is not None:
             return own
@@ -419,6 +432,10 @@ class GraphEP:
         g = self.graph
         if not g.factors:
             raise ValueError("the graph has no factors")
+        # every run checks its operators' factors afresh (found in review: a run after a served operator was
+        # replaced, on the same GraphEP, skipped the check its client's refusal had asked for)
+        self._factors_checked.clear()
+        self._factor_unknown.clear()
         # a key that matches no (factor, bound variable) of the graph would be silently unused
         # (a typo runs the exact rule instead of the operator given)
         known = g.recipients()
@@ -473,6 +490,7 @@ class GraphEP:
         streak = dict.fromkeys(sites, 0)  # iterations running a large site grew by > 1 %
         for it in range(1, self.max_iter + 1):
             t0 = time.perf_counter()
+            self._factor_unknown.clear()
             prev = (sites, post)
             rec = GraphIteration(it, 0.0, 0.0, 0, 0, dict.fromkeys(GRAPH_SKIP_REASONS, 0), 0)
             beliefs_old = self._beliefs(post)
@@ -679,8 +697,9 @@ class GraphEP:
                     except Exception as exc:  # skip and report, as LinearEP does
                         if len(rec.errors) < 5:
                             rec.errors.append(f"{f.name}→{to}: {type(exc).__name__}: {exc}")
-                        if isinstance(exc, OperatorUnavailableError):
-                            rec._unanswered[id(op)] = rec._unanswered.get(id(op), 0) + 1
+                        # (an error the operator did answer with ends the run of calls without one)
+                        rec._unanswered[id(op)] = (rec._unanswered.get(id(op), 0) + 1
+                                                   if isinstance(exc, OperatorUnavailableError) else 0)
                         bad = getattr(exc, "rows", None)
                         bad = None if bad is None else np.unique(np.asarray(bad, int).ravel())
                         if bad is None or bad.size == 0 or bad.size >= live.size or bad.min() < 0 or bad.max() >= live.size:

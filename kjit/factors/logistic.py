@@ -40,7 +40,7 @@ def log_label_density(t, alpha, beta):
     return beta_log_pdf_logit(t, alpha, beta)
 
 
-def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0):
+def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0, relative: bool = False):
     """Panel rule for r(x) = N(x; mu, v) · t(x)^u with t(x) = Beta(σ(x); α, β) (log normaliser included).
 
     t^u ∝ σ(x)^(u(α−1)) σ(−x)^(u(β−1)), the label message Beta(1 + u(α−1), 1 + u(β−1)), normalised by
@@ -49,7 +49,10 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
     multiplies the integrand by softplus(−x) = −log σ(x) / softplus(x) = −log σ(−x), so that
     E[log σ(±x)] is integrated with panels placed for its own integrand: relative accuracy even
     when the statistic lives in the far tail.  Rows whose label message is concentrated
-    (:func:`log_label_density`) integrate u·ℓ formed about its mode, normaliser included.
+    (:func:`log_label_density`) integrate u·ℓ formed about its mode, normaliser included.  ``relative``: log Z
+    less −(r − mu)²/(2v), the cavity exponent's value at the rule's reference point r (the same for every
+    ``weight``): ratios of these integrals keep their digits where that constant is huge (a mode ~2e8 cavity
+    sds away: −2e16, whose ulp is 4).
     """
     mu, v, alpha0, beta0 = (np.asarray(p, float) for p in (mu, v, alpha, beta))
     alpha, beta = _powered(alpha0, beta0, power)
@@ -61,14 +64,25 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
     def col(p, t, rows):
         return p[rows] if rows is not None else p.reshape(p.shape + (1,) * (t.ndim - 1))
 
+    # the cavity's exponent −(t − mu)²/(2v) is formed about a reference point r (mu, then the tilted density's
+    # mode): −(t − r)(t − r + 2(r − mu))/(2v), its constant −(r − mu)²/(2v) added to log Z at the end.  About mu,
+    # a mode D cavity sds away carried a rounding of ~1e-16 D²/2 in every node's log weight (found in review:
+    # N(2e14, 1e12) with the label Beta(1, 401), D ~ 2e8, put noise of O(1) on the weights and answered z with
+    # the uniform Beta(1, 1))
+    ref = {"r": mu}
+
+    def quad(t, m, vv, r):
+        d = t - r
+        return -0.5 * d * (d + 2.0 * (r - m)) / vv
+
     def logf0(t, rows=None):
-        m, vv, c, b1 = (col(p, t, rows) for p in (mu, v, ab, bm1))
+        m, vv, c, b1, r = (col(p, t, rows) for p in (mu, v, ab, bm1, ref["r"]))
         # (α−1) log σ(t) + (β−1) log σ(−t) = −(α+β−2) softplus(−t) − (β−1) t
-        out = -0.5 * (t - m) ** 2 / vv - c * np.logaddexp(0.0, -t) - b1 * t
+        out = quad(t, m, vv, r) - c * np.logaddexp(0.0, -t) - b1 * t
         if any_big:  # u·ℓ about its mode, the normaliser included (log_label_density)
             a0, b0, bg = (np.broadcast_to(col(p, t, rows), out.shape) for p in (alpha0, beta0, big))
-            tt, mm, vv = (np.broadcast_to(p, out.shape)[bg] for p in (t, m, vv))
-            out[bg] = -0.5 * (tt - mm) ** 2 / vv + power * beta_log_pdf_logit(tt, a0[bg], b0[bg])
+            tt, mm, vv, rr = (np.broadcast_to(p, out.shape)[bg] for p in (t, m, vv, r))
+            out[bg] = quad(tt, mm, vv, rr) + power * beta_log_pdf_logit(tt, a0[bg], b0[bg])
         return out
 
     def dlogf0(t):
@@ -111,6 +125,10 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
     has3 = nonconcave & (g_p > 0)
     has2 = nonconcave & (g_m < 0) & (g_p > 0)
     anchor = np.where(has1, r1, np.where(has3, r3, r2))
+    # (a root of the unweighted density's slope, the same for the weighted rules: their log Z less this one's is
+    # then free of the two constants' rounding — each ~1e-16 (r − mu)²/(2v))
+    r0 = bisect(dlogf0, far_lo, far_hi, 100)
+    ref["r"] = np.where(np.isfinite(r0), r0, mu)
     r1 = np.where(has1, r1, anchor)
     r2 = np.where(has2, r2, anchor)
     r3 = np.where(has3, r3, anchor)
@@ -140,8 +158,11 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
     curv = 1.0 / v + np.maximum(alpha + beta - 2.0, 0.0) * special.expit(anchor) * special.expit(-anchor)
     step = np.minimum(1.0 / np.sqrt(curv), np.sqrt(v))
     t, lw, log_z = panel_rule(logf, breaks, step)
-    # the normaliser of N(x; mu, v), and B(α, β)^u where ℓ was not formed with it
+    # the normaliser of N(x; mu, v) with the exponent's constant about the reference, and B(α, β)^u where ℓ was
+    # not formed with it
     log_z = log_z - 0.5 * np.log(2 * np.pi * v)
+    if not relative:
+        log_z = log_z - 0.5 * (ref["r"] - mu) ** 2 / v
     if not any_big:
         return t, lw, log_z - power * log_beta(alpha0, beta0)
     return t, lw, log_z - np.where(big, 0.0, power * log_beta(np.where(big, 2.0, alpha0), beta0))
@@ -277,18 +298,19 @@ class Logistic(Factor):
         t, lw, _ = logistic_tilted_rule(x.mean(), x.var(), z.alpha, z.beta, power=power)
         mean, var = weighted_mean_var(t, lw)
         au, bu = _powered(z.alpha, z.beta, power)
+        unresolved = _unresolved(mean, var)  # (the rule's own answer, before the limits replace it)
         mean, var = _logistic_point_mass_limit(x.mean(), x.var(), au, bu, mean, var)
-        _refuse_unresolved(x.mean(), x.var(), "belief on x", exact=_laplace_exact(x.mean(), x.var(), au, bu))
+        _refuse_unresolved(unresolved, "belief on x", exact=_laplace_exact(x.mean(), x.var(), au, bu))
         return gaussian_or_error(mean, var, "logistic belief on x")
 
     @rule("z")
     def _belief_z(self, incoming, to, power):
         x, z = incoming["x"], incoming["z"]
         args = (x.mean(), x.var(), z.alpha, z.beta)
-        log_z = logistic_tilted_rule(*args)[2]
-        # E[log σ(x)] = −∫ r softplus(−x) / Z, each integral with its own panels
-        lz_neg = logistic_tilted_rule(*args, weight=+1)[2]
-        lz_pos = logistic_tilted_rule(*args, weight=-1)[2]
+        t, lw, log_z = logistic_tilted_rule(*args, relative=True)
+        # E[log σ(x)] = −∫ r softplus(−x) / Z, each integral with its own panels (relative: their ratios)
+        lz_neg = logistic_tilted_rule(*args, weight=+1, relative=True)[2]
+        lz_pos = logistic_tilted_rule(*args, weight=-1, relative=True)[2]
         ess = np.stack([-np.exp(lz_neg - log_z), -np.exp(lz_pos - log_z)], axis=-1)
         # the Beta's concentration lives in the gap 1 − e^{E log z} − e^{E log(1−z)}; for a narrow x (~N(μ, v))
         # it is ≈ σ(μ)σ(−μ)·v while the statistics are O(1), known to a relative ~1e-14: refused where the
@@ -299,8 +321,9 @@ class Logistic(Factor):
             e1, e2 = ess[..., 0], ess[..., 1]
             gap = -np.expm1(np.logaddexp(e1, e2))
             narrow = ~(gap > _Z_GAP * (np.exp(e1) * np.abs(e1) + np.exp(e2) * np.abs(e2)))
-        # (and a message the rule cannot resolve, whose statistics are no numbers at all: :data:`_MAX_MEAN_SD`)
-        narrow = narrow | _unresolved(x.mean(), x.var()).reshape(narrow.shape)
+        # (and a tilted distribution the rule cannot resolve, whose statistics are no numbers at all:
+        # :data:`_MAX_MEAN_SD`)
+        narrow = narrow | _unresolved(*weighted_mean_var(t, lw)).reshape(narrow.shape)
         if np.any(narrow):
             bad = np.flatnonzero(narrow.ravel())
             raise OracleError(
@@ -321,8 +344,9 @@ class Logistic(Factor):
     @partition(power=True)
     def _log_partition(self, incoming, power):
         x, z = incoming["x"], incoming["z"]
-        _refuse_unresolved(x.mean(), x.var(), "log partition")
-        return logistic_tilted_rule(x.mean(), x.var(), z.alpha, z.beta, power=power)[2]
+        t, lw, log_z = logistic_tilted_rule(x.mean(), x.var(), z.alpha, z.beta, power=power)
+        _refuse_unresolved(_unresolved(*weighted_mean_var(t, lw)), "log partition")
+        return log_z
 
 
 # below this gap 1 − e^{E log z} − e^{E log(1 − z)} (≈ σ(μ)σ(−μ)·v for x ~ N(μ, v)), relative to the statistics
@@ -335,48 +359,55 @@ _Z_GAP = 5e-10
 _POINT_MASS = 1e-10
 
 
-# beyond this many of its standard deviations from 0, x's message is not resolved by the panel rule: its
-# nodes (the mean plus multiples of the sd) lie a few ulp apart — the tilted moments carry a relative error
-# ~1e-16 times the ratio (measured: 7e-7 in the variance at 1e10).  Found by an audit: N(1e15, 1)'s belief on x
-# came out 0.125 sd off with a variance 1.8 % wide, N(1e30, 1)'s on z the uniform Beta(1, 1), log Z −4e55
-# for −1e30 — each an exact rule's answer, served with 200.
-_MAX_MEAN_SD = 1e8
-# σ is saturated over a message whose mass lies beyond this |x| (e^−40 ~ 4e-18 of curvature left)
+# beyond this many of its standard deviations from 0, the tilted distribution is not resolved by the panel
+# rule: its nodes (its mode plus multiples of its width) lie a few ulp apart — its moments carry a relative
+# error ~1e-16 times the ratio (measured: 7e-7 in the variance at 1e10, KL ~1e-13).  Read on the rule's own answer (the
+# tilted mass can lie far from the cavity: a strong label pulls N(2e14, 1e12) to N(0.03, 0.014)).  Found by an
+# audit: N(1e15, 1)'s belief on x came out 0.125 sd off with a variance 1.8 % wide, N(1e30, 1)'s on z the
+# uniform Beta(1, 1), log Z −4e55 for −1e30 — each an exact rule's answer, served with 200.
+_MAX_MEAN_SD = 1e10
+# σ is saturated over a Gaussian whose mass lies beyond this |x| (e^−40 ~ 4e-18 of curvature left)
 _SATURATED = 40.0
 
 
-def _unresolved(mu, v) -> np.ndarray:
-    """Rows whose x message N(mu, v) lies more than :data:`_MAX_MEAN_SD` standard deviations from 0."""
+def _unresolved(mean, var) -> np.ndarray:
+    """Rows of a distribution of ``mean`` and ``var`` lying more than :data:`_MAX_MEAN_SD` of its standard
+    deviations from 0 (or not numbers)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        return ~(np.abs(np.asarray(mu, float)) <= _MAX_MEAN_SD * np.sqrt(np.asarray(v, float)))
+        return ~(np.abs(np.asarray(mean, float)) <= _MAX_MEAN_SD * np.sqrt(np.asarray(var, float)))
 
 
-def _refuse_unresolved(mu, v, what: str, exact=None) -> None:
-    """An OracleError naming the rows :func:`_unresolved` finds (but those ``exact`` marks: answered otherwise)."""
-    bad = _unresolved(mu, v).ravel()
+def _refuse_unresolved(unresolved, what: str, exact=None) -> None:
+    """An OracleError naming the ``unresolved`` rows (but those ``exact`` marks: answered otherwise)."""
+    bad = np.asarray(unresolved, bool).ravel()
     if exact is not None:
-        bad &= ~np.asarray(exact, bool).ravel()
+        bad = bad & ~np.asarray(exact, bool).ravel()
     if np.any(bad):
         rows = np.flatnonzero(bad)
         raise OracleError(
-            f"logistic {what}: x's message for rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} lies more "
-            f"than {_MAX_MEAN_SD:g} of its standard deviations from 0, beyond what the rule's nodes resolve in "
-            "double precision", rows=rows)
+            f"logistic {what}: the tilted distribution of rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''} "
+            f"lies more than {_MAX_MEAN_SD:g} of its standard deviations from 0, beyond what the rule's nodes "
+            "resolve in double precision", rows=rows)
 
 
 def _laplace_exact(mu, v, a, b) -> np.ndarray:
     """Rows where :func:`logistic_laplace_limit` is the tilted distribution (to double precision): the cavity
-    is nearly a point mass on the factor's scale (v·(α+β+1) < 1e-10), or σ is saturated over it — l(x) =
-    (α−1) log σ(x) + (β−1) log σ(−x) is linear there, and N(x; mu, v)·e^{l(x)} a shifted Gaussian — where
-    the rule cannot resolve it (:func:`_unresolved`)."""
+    is nearly a point mass on the factor's scale (v·(α+β+1) < 1e-10), or σ is saturated over the cavity
+    N(mu, v) and over its shift N(mu + v l'(mu), v) alike, on one side of 0 — l(x) = (α−1) log σ(x) +
+    (β−1) log σ(−x) is linear there, and N(x; mu, v)·e^{l(x)} that shifted Gaussian (a label that pulls the mass
+    across 0 is no such case: found in review, N(2e14, 1e12) with Beta(1, 401) came out N(−2e14, 1e12)); the
+    rule cannot resolve such a cavity beyond :data:`_MAX_MEAN_SD` of its sds, and needs not elsewhere."""
     mu, v = np.asarray(mu, float), np.asarray(v, float)
     a, b = np.asarray(a, float), np.asarray(b, float)
     # (the factor's scale from the sizes of its exponents: with power EP they can be negative, and
     # α + β + 1 ≤ 0 took every cavity for a point mass — found by an audit: variance 1000 for 3.12)
     pm = v * np.maximum(a + b + 1.0, np.abs(a - 1.0) + np.abs(b - 1.0) + 1.0) < _POINT_MASS
     with np.errstate(invalid="ignore", over="ignore"):
-        saturated = np.abs(mu) - _SATURATED * np.sqrt(v) > _SATURATED
-    return pm | (saturated & _unresolved(mu, v))
+        sd = np.sqrt(v)
+        shifted = mu + v * np.where(mu > 0, -(b - 1.0), a - 1.0)  # (l'(x) in σ's saturated tails)
+        saturated = ((np.abs(mu) - _SATURATED * sd > _SATURATED) & (np.abs(shifted) - _SATURATED * sd > _SATURATED)
+                     & (np.sign(shifted) == np.sign(mu)))
+    return pm | saturated
 
 
 def _logistic_point_mass_limit(mu, v, alpha, beta, mean, var):
@@ -385,7 +416,7 @@ def _logistic_point_mass_limit(mu, v, alpha, beta, mean, var):
     N(mu + v_q l'(mu), v_q), 1/v_q = 1/v − l''(mu), up to a relative O(v) in the variance (the
     next terms carry the third derivative of l); the panel rule there can underflow the variance
     to 0 (v ~ 1e-23) and loses the message precision 1/v_q − 1/v to round-off long before.  The same
-    where σ is saturated over a cavity the rule cannot resolve (:func:`_laplace_exact`)."""
+    where σ is saturated over the cavity and its shift (:func:`_laplace_exact`)."""
     mu, v = np.asarray(mu, float), np.asarray(v, float)
     a, b = np.asarray(alpha, float), np.asarray(beta, float)
     pm = _laplace_exact(mu, v, a, b)
@@ -451,8 +482,10 @@ class LogisticOperator(Operator):
         if not isinstance(g, Gaussian) or not isinstance(zmsg, Beta):
             raise ValueError("LogisticOperator needs a Gaussian message on 'x' and a Beta message on 'z'")
         m, v, a, b = (np.asarray(t, float).reshape(-1) for t in (g.mean(), g.var(), zmsg.alpha, zmsg.beta))
-        _refuse_unresolved(m, v, "operator")
         t, lw, log_z = logistic_tilted_rule(m, v, a, b, power=u)
+        # (QuadratureOracle answers a far cavity over which σ is saturated in closed form; the operator's log Z and
+        # E log t come from the rule, so it refuses every row the rule cannot resolve)
+        _refuse_unresolved(_unresolved(*weighted_mean_var(t, lw)), "operator")
         return shape, (m, v, a, b, u), t, lw, log_z
 
     def tilted(self, incoming: Mapping[str, Family], power: float = 1.0):

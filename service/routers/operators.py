@@ -163,14 +163,14 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
             spec.distribution = "default"
         else:
             ranges = {v: {p: r.model_dump() for p, r in d.items()} for v, d in src.distribution.items()}
-            if all(r["low"] == r["high"] for d in ranges.values() for r in d.values()):
-                raise ApiError(422, ["body", "source", "distribution"], "every range is a point (low = high): every "
-                               "pair would be the same, and at least 2 distinct pairs are needed", "value_error")
             try:
                 sampler_from_ranges(factor, ranges)
             except ValueError as exc:
                 path = str(exc).split(":", 1)[0].split(".")
                 raise ApiError(422, ["body", "source", "distribution", *path], str(exc), "value_error") from None
+            if all(r["low"] == r["high"] for d in ranges.values() for r in d.values()):
+                raise ApiError(422, ["body", "source", "distribution"], "every range is a point (low = high): every "
+                               "pair would be the same, and at least 2 distinct pairs are needed", "value_error")
             spec.distribution = ranges
     else:
         base = settings.training_dir.resolve()
