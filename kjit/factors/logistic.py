@@ -127,7 +127,10 @@ def logistic_tilted_rule(mu, v, alpha, beta, weight: int = 0, power: float = 1.0
     anchor = np.where(has1, r1, np.where(has3, r3, r2))
     # (a root of the unweighted density's slope, the same for the weighted rules: their log Z less this one's is
     # then free of the two constants' rounding — each ~1e-16 (r − mu)²/(2v))
-    r0 = bisect(dlogf0, far_lo, far_hi, 100)
+    if weight:
+        r0 = bisect(dlogf0, far_lo, far_hi, 100)
+    else:  # (r1 is that root where the density is concave: the same bisection, element by element)
+        r0 = np.where(nonconcave, bisect(dlogf0, far_lo, far_hi, 100), r1) if np.any(nonconcave) else r1
     ref["r"] = np.where(np.isfinite(r0), r0, mu)
     r1 = np.where(has1, r1, anchor)
     r2 = np.where(has2, r2, anchor)
