@@ -391,6 +391,8 @@ class RemoteOperator:
         detail = body.get("detail") if isinstance(body, dict) else resp.text[:500]
         msg = f"{method} {path} → HTTP {resp.status_code}: {_describe(detail)}"
         cls = RemoteValidationError if resp.status_code in (400, 404, 409, 413, 422) else RemoteOperatorError
+        if resp.status_code in (502, 504):  # (a proxy's: the server behind it did not answer — found in review)
+            cls = RemoteUnavailableError
         if resp.status_code == 404 and path.startswith(self._base) and _types(detail) == {"not_found"}:
             cls = UnknownOperatorError
         exc = cls(msg, resp.status_code, detail, method, path)

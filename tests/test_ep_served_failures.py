@@ -382,3 +382,58 @@ def test_the_client_compares_answers_with_the_factor_as_the_server_said_it(live)
         op.belief(inc)
         op._factor = get_factor("compound_gamma", s1=7.0)  # (this process's factor, rebuilt otherwise)
         op.belief(inc)  # the server's answers still match what it said
+
+
+def test_graph_ep_checks_an_operators_factor_once_it_answers():
+    """Found in review: an operator that could not say its factor at the iteration's first look-ups (a server coming
+    up) but then answered went unchecked to the iteration's end — with max_iter=1, a wrong factor's answers were
+    the result.  Its factor is checked as soon as it answers."""
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+    from kjit.factors import get_factor
+
+    class _ComingUp:
+        def __init__(self):
+            self.lookups = 0
+            self.rule = QuadratureOracle(get_factor("gamma_rate", shape=5.0))
+
+        @property
+        def factor(self):
+            self.lookups += 1
+            if self.lookups <= 2:
+                raise RuntimeError("no answer from the server (ConnectError)")
+            return self.rule.factor
+
+        def belief(self, incoming, to=None):
+            return self.rule.belief(incoming, to)
+
+    with pytest.raises(ConfigurationError, match=r"`shape` 5\.0"):
+        GraphEP(poisson_gamma([3, 1, 4], shape=2.0), operators={("gamma_rate", "x"): _ComingUp()}, max_iter=1).run()
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_proxys_no_answer_is_an_operator_unavailable_error(status):
+    """A 502 / 504 is a proxy saying the server behind it did not answer: OperatorUnavailableError, counted as the
+    client's own timeouts are (found in review: a hung server behind a proxy was never counted)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kjit.errors import OperatorUnavailableError
+
+    class _Proxy(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with RemoteOperator(f"http://127.0.0.1:{srv.server_address[1]}", "logistic-x", retries=0) as op:
+            with pytest.raises(OperatorUnavailableError, match=str(status)):
+                op.info()
+    finally:
+        srv.shutdown()

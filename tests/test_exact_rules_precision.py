@@ -184,15 +184,15 @@ def test_gaussian_and_product_beliefs_for_a_message_far_from_the_others(far):
     assert float(q.mean()[0]) == pytest.approx(-far, rel=1e-15) and float(q.var()[0]) == pytest.approx(2.0, rel=1e-6)
 
 
-@pytest.mark.parametrize("mu", [1e10, 1e11, 1e15, 1e30, -1e30])
+@pytest.mark.parametrize("mu", [1e10, 1e13, 1e15, 1e30, -1e30])
 def test_logistic_rules_for_an_x_message_beyond_what_the_rule_resolves(mu):
     """x ~ N(mu, 1) with |mu| ≥ 1e10: σ is saturated over the message, so the factor Beta(σ(x); α, β) is
     e^{l(x)} with l linear — slope c = −(β − 1) for mu ≫ 0, α − 1 for mu ≪ 0 — the belief on x is the message
-    shifted by v·c and log Z = c·mu + c²v/2 − log B(α, β) (closed forms).  The panel rule's nodes are a few ulp
-    apart beyond 1e10 sds: its answer was 0.125 sd off with a variance 1.8 % wide at 1e15; on z the uniform
-    Beta(1, 1) at 1e30; log Z −4e55 for −1e30.  Now the belief on x is the closed form, z is refused by row (the
-    Beta's concentration is beyond double precision), and so is log Z beyond 1e10 sds (at 1e10 it is the
-    rule's, to 1e-15)."""
+    shifted by v·c and log Z = c·mu + c²v/2 − log B(α, β) (closed forms).  The panel rule's nodes are a few
+    ulp apart far out (1e12 sds and beyond): its answer was 0.125 sd off with a variance 1.8 % wide at 1e15; on z
+    the uniform Beta(1, 1) at 1e30; log Z −4e55 for −1e30.  Now the belief on x is the closed form, z is refused
+    by row (the Beta's concentration is beyond double precision), and so is log Z beyond 1e12 sds (at 1e10 it is
+    the rule's, to 1e-15)."""
     from scipy import special
 
     f = get_factor("logistic")
@@ -204,7 +204,7 @@ def test_logistic_rules_for_an_x_message_beyond_what_the_rule_resolves(mu):
     with pytest.raises(OracleError, match=r"rows \[1\]") as err:
         QuadratureOracle(f).belief(inc, "z")
     assert list(err.value.rows) == [1]
-    if abs(mu) <= 1e10:
+    if abs(mu) <= 1e12:
         lz = QuadratureOracle(f).log_partition(inc)[1]
         assert lz == pytest.approx(c * mu + 0.5 * c * c - special.betaln(a, b), rel=1e-15)
     else:
@@ -234,3 +234,20 @@ def test_logistic_rules_when_the_label_pulls_a_far_cavity_back_to_zero(v):
     lz = float(o.log_partition(inc)[0])
     want = -0.5 * s * s * v - 0.5 * np.log(2 * np.pi * v) + special.betaln(s, s) - special.betaln(1.0, 2 * s + 1)
     assert lz == pytest.approx(want, rel=1e-12, abs=1e-6)
+
+
+@pytest.mark.parametrize("mu, v, a, b, u, mean", [
+    (4500.0, 1e4, 0.05, 1.0, 1.0, -5000.0), (-4500.0, 1e4, 1.0, 0.05, 1.0, 5000.0),
+    (40100.0, 1e6, 0.5, 1.0, 1.0, -459900.0), (81.0, 1.0, 0.2, 1.0, 300.0, -159.0)])
+def test_logistic_closed_form_is_not_taken_where_a_far_mode_holds_the_mass(mu, v, a, b, u, mean):
+    """A label whose far-side exponent is negative (α < 1 for mu > 0) makes e^{l(x)} grow again beyond 0: there
+    σ(x)^(u(α−1)) ≈ e^{u(α−1)x}, so the tilted density has a second mode N(mu + v·u(α − 1), v) (mu < 0, β < 1:
+    N(mu − v·u(β − 1), v)), and for these cavities it holds the mass.  Found in review: the saturated closed form,
+    judged on the near side alone, answered the cavity itself; the rule (and LogisticOperator) answer the far mode."""
+    from kjit.ep.operators import LogisticOperator
+
+    inc = {"x": Gaussian(np.array([mu]), np.array([v])), "z": Beta(np.array([a]), np.array([b]))}
+    q = QuadratureOracle(get_factor("logistic")).belief(inc, "x", power=u)
+    assert float(q.mean()[0]) == pytest.approx(mean, rel=1e-9) and float(q.var()[0]) == pytest.approx(v, rel=1e-9)
+    q2 = LogisticOperator().belief(inc, "x", power=u)
+    assert float(q2.mean()[0]) == pytest.approx(float(q.mean()[0]), rel=1e-12)

@@ -691,6 +691,9 @@ class GraphEP:
                         if cert is not None and len(cert) == live.size:
                             count_answers(rec.answers, cert)
                         rec._unanswered[id(op)] = 0
+                        if id(op) in self._factor_unknown:  # (it answers now: its factor is checked at once —
+                            self._factor_unknown.discard(id(op))  # found in review, unchecked to the iteration's end)
+                            self._operator_for(f, to)
                         break
                     except (ConfigurationError, UncertainAnswerError):
                         raise  # (a wrong recipient or operator name: no skip or retry can fix it)

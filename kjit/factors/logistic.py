@@ -364,11 +364,13 @@ _POINT_MASS = 1e-10
 
 # beyond this many of its standard deviations from 0, the tilted distribution is not resolved by the panel
 # rule: its nodes (its mode plus multiples of its width) lie a few ulp apart — its moments carry a relative
-# error ~1e-16 times the ratio (measured: 7e-7 in the variance at 1e10, KL ~1e-13).  Read on the rule's own answer (the
-# tilted mass can lie far from the cavity: a strong label pulls N(2e14, 1e12) to N(0.03, 0.014)).  Found by an
-# audit: N(1e15, 1)'s belief on x came out 0.125 sd off with a variance 1.8 % wide, N(1e30, 1)'s on z the
-# uniform Beta(1, 1), log Z −4e55 for −1e30 — each an exact rule's answer, served with 200.
-_MAX_MEAN_SD = 1e10
+# error ~1e-16 times the ratio (measured: 7e-7 in the variance at 1e10, KL ~1e-13; 2.7e-6 at 2e11, a label
+# Beta(3e22, 1e22) pinning x to log 3, answered — found in review; so ~1e-4 expected at 1e12, KL ~1e-9: the
+# limit).  Read on the rule's own answer (the tilted mass can lie far from the cavity: a strong label pulls
+# N(2e14, 1e12) back to N(0, 0.01)).  Found by an audit: N(1e15, 1)'s belief on x came out 0.125 sd off with a
+# variance 1.8 % wide, N(1e30, 1)'s on z the uniform Beta(1, 1), log Z −4e55 for −1e30 — each an exact rule's
+# answer, served with 200.
+_MAX_MEAN_SD = 1e12
 # σ is saturated over a Gaussian whose mass lies beyond this |x| (e^−40 ~ 4e-18 of curvature left)
 _SATURATED = 40.0
 
@@ -408,8 +410,12 @@ def _laplace_exact(mu, v, a, b) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         sd = np.sqrt(v)
         shifted = mu + v * np.where(mu > 0, -(b - 1.0), a - 1.0)  # (l'(x) in σ's saturated tails)
-        saturated = ((np.abs(mu) - _SATURATED * sd > _SATURATED) & (np.abs(shifted) - _SATURATED * sd > _SATURATED)
-                     & (np.sign(shifted) == np.sign(mu)))
+        # (the curvature left, (α+β−2) e^{−|x|}, against a margin that grows with the exponents; and the far side's
+        # exponent — σ(x)^(α−1) for mu > 0 — not negative: else e^{l} grows again beyond 0, a second mode that can
+        # hold the mass, found in review: N(4500, 1e4) with Beta(0.05, 1) is N(−5000, 1e4))
+        margin = _SATURATED + np.log1p(np.abs(a) + np.abs(b))
+        saturated = ((np.abs(mu) - _SATURATED * sd > margin) & (np.abs(shifted) - _SATURATED * sd > margin)
+                     & (np.sign(shifted) == np.sign(mu)) & (np.where(mu > 0, a, b) >= 1.0))
     return pm | saturated
 
 
