@@ -251,3 +251,14 @@ def test_logistic_closed_form_is_not_taken_where_a_far_mode_holds_the_mass(mu, v
     assert float(q.mean()[0]) == pytest.approx(mean, rel=1e-9) and float(q.var()[0]) == pytest.approx(v, rel=1e-9)
     q2 = LogisticOperator().belief(inc, "x", power=u)
     assert float(q2.mean()[0]) == pytest.approx(float(q.mean()[0]), rel=1e-12)
+
+
+def test_logistic_belief_pinned_by_a_concentrated_label_is_answered():
+    """A label Beta(3e22, 1e22) pins x to log 3 with a width ~1e-11, 2e11 of its sds from 0: within what the rule
+    resolves (its variance ~1e-16 × that ratio off).  Found in review: a first resolution limit of 1e10 sds refused
+    it.  The answer against the Laplace form about log 3: precision 1/v + (α+β)σσ at x = log 3, mean log 3."""
+    inc = {"x": Gaussian(np.array([1.0]), np.array([1.0])), "z": Beta(np.array([3e22]), np.array([1e22]))}
+    q = QuadratureOracle(get_factor("logistic")).belief(inc, "x")
+    x0 = np.log(3.0)
+    assert float(q.mean()[0]) == pytest.approx(x0, rel=1e-12)
+    assert float(q.var()[0]) == pytest.approx(1.0 / (1.0 + 4e22 * 0.75 * 0.25), rel=1e-5)
