@@ -88,7 +88,7 @@ def problems(args):
 
 
 def run_ep(operator, split, args, on_uncertain="warn"):
-    model = BayesianLogisticRegression(operator, max_iter=args.max_iter, tol=args.tol, schedule="parallel",
+    model = BayesianLogisticRegression(operator, max_iter=args.max_iter, tol=args.tol, schedule="parallel", damping=0.0,
                                        on_uncertain=on_uncertain)
     t0 = time.perf_counter()
     with warnings.catch_warnings():

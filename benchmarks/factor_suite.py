@@ -526,7 +526,9 @@ def problems(name, n_problems, rng):
     drawn would."""
     f = get_factor(name)
     if name == "logistic":
-        return f, _linear(BayesianLogisticRegression, f, _logistic_problem, "x", n_problems, rng)
+        # (undamped, as recorded since the first session: the model's default became "auto" in the thirty-ninth)
+        return f, _linear(lambda op, max_iter: BayesianLogisticRegression(op, max_iter=max_iter, damping=0.0), f,
+                          _logistic_problem, "x", n_problems, rng)
     if name == "probit_noise":
         f = get_factor(name, eps=0.05)
         return f, _linear(lambda op, max_iter: ProbitClassifier(op, max_iter=max_iter, schedule="sequential"), f,

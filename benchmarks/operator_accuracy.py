@@ -68,7 +68,8 @@ def record_logistic(n_problems, d, n, iters, seed):
     for p in range(n_problems):
         rec = RecordingOperator(quad)
         X, y, _ = synthetic_logistic(d=d, n=n, random_state=seed + p)
-        BayesianLogisticRegression(rec, max_iter=iters, compute_evidence=False, warn_unconverged=False).fit(X, y)
+        BayesianLogisticRegression(rec, max_iter=iters, compute_evidence=False, warn_unconverged=False,
+                                   damping=0.0).fit(X, y)
         per_problem.append(TrainingSet("logistic", "x", rec.incoming("x"), rec.beliefs("x")))
     return per_problem
 

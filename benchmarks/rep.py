@@ -326,7 +326,7 @@ def laplace(args):
         models = {}
         for label, op in (("ep", LogisticOperator()), ("laplace_propagation", LaplaceOperator(Logistic()))):
             t0 = time.perf_counter()
-            m = BayesianLogisticRegression(op, tol=1e-8, max_iter=200).fit(split.X_train, split.y_train)
+            m = BayesianLogisticRegression(op, tol=1e-8, max_iter=200, damping=0.0).fit(split.X_train, split.y_train)
             models[label] = m
             out[label] = {"converged": m.converged_, "iterations": m.n_iter_, "seconds": time.perf_counter() - t0,
                           "test_error": m.test_error(split.X_test, split.y_test),
