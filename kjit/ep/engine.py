@@ -451,6 +451,7 @@ class EPResult:
             "log_evidence": self.log_evidence,
             "error_bars": None if self.error_bars is None else self.error_bars.summary(),
             "schedule": self.schedule,
+            "damping": self.damping,
             "history": [r.as_dict() for r in self.history],
         }
 
@@ -702,7 +703,6 @@ class LinearEP:
         self.site_var = site_var
         self.prior_var = prior_var
         self.damping = damping
-        self._damping = 0.0 if isinstance(damping, str) else damping  # (the run's: "auto" raises it)
         self.max_iter = max_iter
         self.tol = tol
         self.schedule = schedule
@@ -1065,7 +1065,7 @@ class LinearEP:
             rec.mean_relaxation = tot / rec._relax_count
         return mr, vr, rh, rl
 
-    def _propose(self, cm, cv, qm, qv, h_old, lam_old, ok, skipped, sd=None, rec=None, keep=None):
+    def _propose(self, cm, cv, qm, qv, h_old, lam_old, ok, skipped, sd=None, rec=None, keep=None, damping=None):
         """Damped new sites, the mask of acceptable ones (before the PD check) and the undamped
         proposals ``(h_p, λ_p)`` (the old site where not acceptable), which the convergence test measures.
 
@@ -1106,7 +1106,8 @@ class LinearEP:
         bad = ok & ~fin
         skipped["invalid"] += int(np.count_nonzero(bad))
         ok = ok & fin
-        g = 1.0 - self._damping
+        # (``damping``: the run's — "auto" raises it; a local, not the engine's: one engine may run in two threads)
+        g = 1.0 - ((0.0 if isinstance(self.damping, str) else float(self.damping)) if damping is None else damping)
         lam_n = np.where(ok, lam_old + g * (lam_p - lam_old), lam_old)
         h_n = np.where(ok, h_old + g * (h_p - h_old), h_old)
         if not self.allow_negative_sites:
@@ -1156,11 +1157,11 @@ class LinearEP:
         v0 = np.einsum("ij,j,ij->i", A, 1.0 / prior_prec, A)
         failing = 0  # consecutive iterations in which the operator failed every update it was asked
         auto = isinstance(self.damping, str)
-        self._damping = 0.0 if auto else float(self.damping)
+        damping = 0.0 if auto else float(self.damping)
         best, stalled, raised = np.inf, 0, []  # ("auto": the best change, iterations since 10 % below it)
         for it in range(1, int(self.max_iter) + 1):
             t0 = time.perf_counter()
-            h_new, lam_new, state_new, rec = step(A, prior_prec, observed, h, lam, state)
+            h_new, lam_new, state_new, rec = step(A, prior_prec, observed, h, lam, state, damping)
             rec.iteration = it
             rec.seconds = time.perf_counter() - t0
             history.append(rec)
@@ -1183,13 +1184,13 @@ class LinearEP:
                 if done:
                     converged = True
                     break
-            if auto:
+            if auto and rec.n_skipped == 0:  # (an iteration that skipped updates — an operator's blip — says nothing
+                # of a stall: its largest change is over the updates made; found in review, one blip set best to 0)
                 stalled = 0 if rec.max_change < 0.9 * best else stalled + 1
                 best = min(best, rec.max_change)
-                if stalled >= AUTO_DAMPING_PATIENCE and self._damping < AUTO_DAMPING_MAX:
-                    d = self._damping
-                    self._damping = min(AUTO_DAMPING_MAX, 0.5 if d < 0.5 else 1.0 - (1.0 - d) / 2)
-                    raised.append((it, self._damping))
+                if stalled >= AUTO_DAMPING_PATIENCE and damping < AUTO_DAMPING_MAX:
+                    damping = min(AUTO_DAMPING_MAX, 0.5 if damping < 0.5 else 1.0 - (1.0 - damping) / 2)
+                    raised.append((it, damping))
                     best, stalled = np.inf, 0
         iterations = len(history)
         last = history[-1]
@@ -1251,13 +1252,13 @@ class LinearEP:
             schedule=self.schedule,
             outcome=outcome,
             diverged_at=None if diverged is None else diverged[0],
-            damping=self._damping,
+            damping=damping,
         )
         attach(self, result, lambda n_draws: linear_error_bars(self, A, observed, result, n_draws),
                f"EP with {type(self.operator).__name__}", learned_share({"op": self.operator}, {"op": n}))
         result.seconds = time.perf_counter() - t_start
         if self.warn_unconverged:
-            warn_unconverged(outcome, status, f"EP with {type(self.operator).__name__}", self._damping)
+            warn_unconverged(outcome, status, f"EP with {type(self.operator).__name__}", damping)
         return result
 
     # ------------------------------------------------------------------ schedules
@@ -1268,7 +1269,7 @@ class LinearEP:
             operator_calls=0, operator_seconds=0.0,
         )
 
-    def _parallel_iteration(self, A, prior_prec, observed, h, lam, state):
+    def _parallel_iteration(self, A, prior_prec, observed, h, lam, state, damping=None):
         rec = self._new_record()
         skipped = rec.skipped
         m, v = _marginals(A, state)
@@ -1292,7 +1293,7 @@ class LinearEP:
             rec.operator_calls += 1
             qm[idx], qv[idx], sd[idx] = qm_i, qv_i, sd_i
             ok[idx] = ok_i
-        h_n, lam_n, ok, h_p, lam_p = self._propose(cm, cv, qm, qv, h, lam, ok, skipped, sd, rec, keep)
+        h_n, lam_n, ok, h_p, lam_p = self._propose(cm, cv, qm, qv, h, lam, ok, skipped, sd, rec, keep, damping)
         # each update alone must keep the posterior positive definite: 1 + Δλ v > 0
         with np.errstate(invalid="ignore"):
             single = 1.0 + (lam_n - lam) * v > 0
@@ -1323,7 +1324,7 @@ class LinearEP:
         rec.n_skipped = int(sum(skipped.values()))
         return h_try, lam_try, new_state, rec
 
-    def _sequential_sweep(self, A, prior_prec, observed, h, lam, state):
+    def _sequential_sweep(self, A, prior_prec, observed, h, lam, state, damping=None):
         rec = self._new_record()
         skipped = rec.skipped
         h0, lam0 = h, lam
@@ -1363,7 +1364,7 @@ class LinearEP:
             if not ok[0]:
                 continue
             h_n, lam_n, ok, h_p, lam_p = self._propose(cm, cv, qm, qv, h[i : i + 1], lam[i : i + 1], ok, skipped, sd,
-                                                       rec, keep)
+                                                       rec, keep, damping)
             if not ok[0]:
                 continue
             dlam = float(lam_n[0] - lam[i])
