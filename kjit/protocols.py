@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import ConfigurationError
 from .families import Family
 
 __all__ = [
@@ -53,7 +54,7 @@ __all__ = [
     "log_var_is_variance",
     "reports_uncertainty",
     "answered_factor",
-    "factor_mismatch",
+    "check_same_factor",
 ]
 
 
@@ -160,14 +161,16 @@ def answered_factor(op, unknown=None):
     return f if callable(getattr(f, "mismatch", None)) else None
 
 
-def factor_mismatch(op, other, theirs: str, mine: str) -> str | None:
-    """A sentence saying how the factor ``op`` answers for differs from ``other``'s (an operator, or a
-    factor), or None — also where either says none (:func:`answered_factor`).  The one check that an
-    oracle, an operator and a model agree on their factor, for local and served operators alike (found
-    by an audit: the check read attributes only, and a RemoteOperator's factor, a property, went
-    unchecked — EP with a served gamma_rate(shape=1) on a shape-3 model "converged", 30 % off)."""
+def check_same_factor(op, other, theirs: str, mine: str) -> None:
+    """A :class:`~kjit.errors.ConfigurationError` saying how the factor ``op`` answers for differs from
+    ``other``'s (an operator, or a factor) — none where they agree or either says none
+    (:func:`answered_factor`).  The one check that an oracle, an operator and a model agree on their factor,
+    for local and served operators alike (found by an audit: the check read attributes only, and a
+    RemoteOperator's factor, a property, went unchecked — EP with a served gamma_rate(shape=1) on a shape-3
+    model "converged", 30 % off)."""
     f = answered_factor(op)
     g = other if callable(getattr(other, "mismatch", None)) else answered_factor(other)
-    if f is None or g is None:
-        return None
-    return g.mismatch(f, theirs, mine)
+    if f is not None and g is not None:
+        why = g.mismatch(f, theirs, mine)
+        if why is not None:
+            raise ConfigurationError(why)

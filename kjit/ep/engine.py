@@ -170,7 +170,7 @@ from scipy.linalg.blas import dger as _dger
 from ..families import Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
 from ..errors import ConfigurationError, OperatorUnavailableError, check_number, rows_of_batch, user_stacklevel
-from ..protocols import (factor_mismatch, has_log_partition, has_projection_kl, is_operator, log_var_is_variance,
+from ..protocols import (check_same_factor, has_log_partition, has_projection_kl, is_operator, log_var_is_variance,
                          reports_uncertainty, supports_power)
 from .error_bars import attach, learned_share, linear_error_bars, require_plain_ep
 
@@ -782,9 +782,7 @@ class LinearEP:
         if self.oracle is not None:
             # (found by an audit: an oracle for probit_noise(eps=0.3) answered every uncertain site of an eps=0.05
             # model, "converged" at eps=0.3's posterior, with no word)
-            why = factor_mismatch(self.oracle, self.operator, "`oracle`", "the operator")
-            if why is not None:
-                raise ConfigurationError(why)
+            check_same_factor(self.oracle, self.operator, "`oracle`", "the operator")
         for name in ("divergence_limit", "answer_rtol", "sign_z"):
             check_number(name, getattr(self, name), 0.0, low_open=True)
         return np.broadcast_to(1.0 / pv, (d,)).astype(float)

@@ -20,10 +20,10 @@ import numpy as np
 from scipy import special
 
 from ..certificates import certified
-from ..errors import ConfigurationError, user_stacklevel
+from ..errors import user_stacklevel
 from ..factors import Factor
 from ..families import NUMERIC_KINDS, Bernoulli, Beta, Gamma
-from ..protocols import factor_mismatch, has_log_partition
+from ..protocols import check_same_factor, has_log_partition
 from .engine import (EPResult, LinearEP, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain, oracle_rows,
                      uncertain_rows)
 
@@ -437,9 +437,7 @@ class CompoundGammaPrecision:
         msg = self.likelihood_message(xs)
         n = np.array([np.asarray(x).size for x in xs], dtype=float)
         if self.oracle is not None:  # (a served operator's factor too, asked once: __init__ reads attributes only)
-            why = factor_mismatch(self.oracle, self.operator, "`oracle`", "the operator")
-            if why is not None:
-                raise ConfigurationError(why)
+            check_same_factor(self.oracle, self.operator, "`oracle`", "the operator")
         incoming = {"tau": msg}
         q, cert = certified(self.operator, incoming, "tau")
         if not isinstance(q, Gamma) or q.shape != msg.shape:
