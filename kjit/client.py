@@ -281,7 +281,7 @@ class RemoteOperator:
             raise ValueError("`oracle` must have a belief(incoming, to) method")
         self.local_oracle = oracle
         self.consultations_ = 0
-        self.unlearned_ = 0  # oracle answers (client-side oracle) the server refused to learn: used, not learned
+        self.unlearned_ = 0  # oracle answers (client-side oracle) the server refused or left unlearned: used
 
         if mode not in _MODES:
             raise ValueError(f"`mode` must be one of {', '.join(_MODES)}, got {mode!r}")
@@ -894,8 +894,9 @@ class RemoteOperator:
         return bodies
 
     def _send_observations(self, key: str, bodies: list) -> dict:
-        """:meth:`observe`'s requests, in order; an error names the batch's rows (see there)."""
-        out = None
+        """:meth:`observe`'s requests, in order; an error names the batch's rows (see there).  The answer
+        is the last request's, with ``accepted`` and ``not_learned`` summed over the requests."""
+        out, accepted, not_learned = None, 0, 0
         for i, (s, m, content) in enumerate(bodies):
             part_key = key if len(bodies) == 1 else f"{key}-{i}"
             try:
@@ -913,7 +914,9 @@ class RemoteOperator:
                                 f"idempotency_key={key!r} and the same pairs to send the rest exactly once)",)
                 raise
             self.last_version_ = out["version"]
-        return out
+            accepted += int(out.get("accepted", 0))
+            not_learned += int(out.get("not_learned", 0))  # (a server before the density guard: none)
+        return {**out, "accepted": accepted, "not_learned": not_learned}
 
     def _observe_learnable(self, incoming: Mapping[str, Family], beliefs: Family) -> None:
         """:meth:`observe` for the just-in-time loop with a local oracle, one server batch at a time:
@@ -922,12 +925,14 @@ class RemoteOperator:
         a server without the factor's code cannot check a far row) — are left out and the rest sent
         again; the local oracle's answers are used either way (found in review: one such row discarded
         the whole batch's exact answers, every call, and EP never got past its first iterate).  The
-        rows left unlearned are counted in ``unlearned_`` and a warning names the reason."""
+        rows left unlearned are counted in ``unlearned_`` and a warning names the reason; so are the
+        rows the server acknowledged without learning them (``not_learned``: below its density guard,
+        no warning — the server's mode=jit leaves them unlearned the same way)."""
         n, step = len(beliefs), self.max_batch
         for s in range(0, n, step):
             inc, bel = {v: m[s:s + step] for v, m in incoming.items()}, beliefs[s:s + step]
             try:
-                self.observe(inc, bel)
+                self.unlearned_ += self.observe(inc, bel)["not_learned"]
             except RemoteValidationError as exc:
                 refused = getattr(exc, "refused_rows", None)
                 if refused is None:
@@ -938,7 +943,7 @@ class RemoteOperator:
                 # (the pairs before the refused request were learned; the refused request learned nothing)
                 keep = np.setdiff1d(np.arange(exc.applied_rows, len(bel)), refused)
                 if keep.size:
-                    self.observe({v: m[keep] for v, m in inc.items()}, bel[keep])
+                    self.unlearned_ += self.observe({v: m[keep] for v, m in inc.items()}, bel[keep])["not_learned"]
 
 
 class RemoteDraw:

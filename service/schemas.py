@@ -186,7 +186,12 @@ class MessagesResponse(BaseModel):
 
 class ObservationsResponse(BaseModel):
     operator: str
-    accepted: int
+    accepted: int = Field(description="the pairs learned")
+    not_learned: int = Field(0, description="the pairs acknowledged but not learned: their incoming messages lie "
+                                            "outside the data the operator learned (below its `density_guard` "
+                                            "or beyond its `input_margin`, in its detail), where one learned "
+                                            "pair moves every prediction while every predictive variance stays "
+                                            "small")
     version: int
     n_train: int = Field(description="the operator's training pairs at `version` (for a duplicate, at its first "
                                      "request's version)")
@@ -366,6 +371,19 @@ class OperatorDetail(OperatorSummary):
         None, description="the operator's noise floor (kjit.operators.JITOperator.threshold_floor): the least log "
                           "predictive variance of an answer however much is learned — below it every message is "
                           "consulted; null for an operator without one (epistemic uncertainty)")
+    density_guard: dict[str, float] | None = Field(
+        None, description="the operator's density guard (kjit.operators.JITOperator, `density_guard`): `value`, the "
+                          "mean kernel value to the learned pairs below which a message lies outside the data the "
+                          "operator learned, and `pairs`, the pairs learned when it was set (compared as a count: "
+                          "value × pairs); such a message is consulted in mode=jit whatever its variance, marked "
+                          "`uncertain` in mode=predict, and not learned, by mode=jit or as an observation "
+                          "(`not_learnable`); null for an operator without one (trained before the fortieth "
+                          "session, or on fewer than 100 pairs)")
+    input_margin: float | None = Field(
+        None, description="the operator's input margin (kjit.operators.JITOperator, `input_margin`): a message "
+                          "with a coordinate (a Gaussian's mean or log variance, a Beta's or Gamma's log "
+                          "parameters) more than this many widths of the learned pairs' range beyond it is outside "
+                          "the data, treated as one below the density guard; null for an operator without one")
     decision_weighting: Literal["range+density", "range", "none"] | None = Field(
         None, description="what the just-in-time rule weighs the log variances against (kjit/curvature.py): "
                           "`range+density` — an answer more concentrated than the beliefs learned, or between "

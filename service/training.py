@@ -28,6 +28,23 @@ threshold meets that target, the factor's ``default_threshold`` is used (the pap
 noise floor (:meth:`kjit.operators.JITOperator.threshold_floor`) makes every message consulted: the job's result
 and the operator's detail then say so in ``threshold_note`` (:func:`below_floor_note`, which says
 why the fallback is not raised to the floor).
+
+Outside the data
+----------------
+Every trained operator also knows where its data ends, two ways (``JITOperator.outside_rows``): a
+density guard (:func:`kjit.operators.density_guard`, share ``GUARD_SHARE``: the 1 % point of how much
+training data lies near a message, over the held-out pairs and the training pairs each left out of its
+own count) and an input margin (``INPUT_MARGIN``: a message coordinate — a Gaussian's mean or log
+variance, a Beta's or Gamma's log parameters — more than half the learned range's width beyond it; the
+density does not see a message much wider than any learned, whose mean embedding is near the learned
+ones').  A message outside lies where the operator's predictive variance means nothing (the random
+features of a far message are a generic vector, and the posterior is tight in every direction), so the
+just-in-time rule consults it whatever its variance, and neither ``mode=jit`` nor an observation learns
+it — learning such pairs moves the predictions everywhere while every variance stays small (measured,
+fortieth session: 24 logistic-regression EP runs in turn through one served default logistic → x
+operator, at prior variances 1e2–1e6, took its posteriors from 1e-9–0.005 sd off exact EP to 0.1–2.7 sd
+off with no message flagged; with the density guard every run converged within 9.3e-4 sd, consulting
+78 % of the messages, which lay outside the default training distribution).
 """
 
 from __future__ import annotations
@@ -41,7 +58,7 @@ import numpy as np
 
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
-from kjit.operators import JITOperator, KernelOperator, calibrate_threshold
+from kjit.operators import JITOperator, KernelOperator, calibrate_threshold, density_guard
 from kjit.oracles import ClientOracle, make_oracle, resolve_oracle_kind
 from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
@@ -55,11 +72,15 @@ __all__ = [
     "sampler_from_ranges",
     "train_operator",
     "FALLBACK_THRESHOLD",
+    "GUARD_SHARE",
+    "INPUT_MARGIN",
     "below_floor_note",
 ]
 
 TARGET_KL = 1e-3
 FALLBACK_THRESHOLD = -8.5  # when calibration finds none and the factor declares no default_threshold
+GUARD_SHARE = 0.01  # of in-distribution messages below the density guard (module docstring)
+INPUT_MARGIN = 0.5  # widths of the learned inputs' range beyond which a message is outside them (module docstring)
 # Hyperparameter grids of the default operators: a subset of KernelOperator's defaults that
 # keeps first-start training near a minute on two cores (the searches on the default
 # distributions selected inner factor 0.25 and width factors 1/8 .. 2).
@@ -269,7 +290,11 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
             else:
                 threshold = FALLBACK_THRESHOLD
                 how = "generic fallback (no threshold met the calibration target)"
-    jit = JITOperator(op, oracle, threshold=threshold, initial_batch=spec.initial_batch)
+    guard = density_guard(op, held_out=held_out, fitted=ts, groups=np.arange(len(ts)), share=GUARD_SHARE)
+    if np.isfinite(guard):  # (too few pairs for the share: no guard)
+        info["density_guard"] = guard
+    jit = JITOperator(op, oracle, threshold=threshold, initial_batch=spec.initial_batch,
+                      density_guard=guard if np.isfinite(guard) else None, input_margin=INPUT_MARGIN)
     floor = jit.threshold_floor()
     if np.isfinite(floor):
         info["threshold_floor"] = float(floor)

@@ -153,6 +153,26 @@ def _in_process(factor, pairs):
         TrainingSet(factor.name, "x", inc, bel, factor.params()))
 
 
+def _guard(remote) -> float:
+    """The served operator's density guard (its training set one, as service.training sets it)."""
+    g = remote.info(refresh=True)["density_guard"]
+    assert g is not None and g["pairs"] == 300
+    return g["value"]
+
+
+def _replayed(factor, pairs, guard, posts):
+    """The in-process operator that learned each post once, in version order, as the server did: but for
+    the pairs below its density guard (JITOperator.outside_rows)."""
+    jit = JITOperator(_in_process(factor, pairs), _sampler(factor, 0), threshold=THRESHOLD, density_guard=guard)
+    learned = []  # per post, the pairs learned
+    for _, inc, q in posts:
+        keep = np.flatnonzero(~jit.outside_rows(inc))
+        if keep.size:
+            jit.operator.partial_fit({v: m[keep] for v, m in inc.items()}, q[keep])
+        learned.append(keep.size)
+    return jit.operator, learned
+
+
 def _server(tmp_path, code_dir, **env):
     from service.testing import SubprocessServer
 
@@ -180,7 +200,9 @@ def test_client_oracle_ep_is_the_in_process_ep_and_consults_less_over_problems(c
             _create(c, "robust-logistic-x", initial_pairs)
         remote = RemoteOperator(srv.url, "robust-logistic-x", oracle=_sampler(factor, 7))
         created = _in_process(factor, initial_pairs)
-        local = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all")
+        guard = _guard(remote)
+        local = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all",
+                            density_guard=guard)
         consultations, unlearned, posts = [], [], 0
         n0 = remote.info(refresh=True)["n_train"]
         assert n0 == 300 and remote.info()["version"] == 0
@@ -197,7 +219,8 @@ def test_client_oracle_ep_is_the_in_process_ep_and_consults_less_over_problems(c
             np.testing.assert_array_equal(m_remote.posterior_.cov, m_local.posterior_.cov)
             posts += remote.version - v0
             # the control: the same problem with the operator as created (nothing learned before it)
-            fresh = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all")
+            fresh = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all",
+                                density_guard=guard)
             _ep(fresh, X, y)
             unlearned.append(fresh.counters()["consultations"])
             # ... and, within the Monte Carlo error, EP with the sampler answering every message.
@@ -218,7 +241,9 @@ def test_client_oracle_ep_is_the_in_process_ep_and_consults_less_over_problems(c
         assert sum(consultations[1:]) < 0.75 * sum(unlearned[1:]), (consultations, unlearned)
         assert consultations[0] == unlearned[0]
         info = remote.info(refresh=True)
-        assert info["n_train"] == n0 + sum(consultations)  # every answer the client computed, learned once
+        # every answer the client computed, learned once — but for those below the density guard, which the
+        # server acknowledged without learning them, as the local JIT left them unlearned
+        assert info["n_train"] == n0 + sum(consultations) - remote.unlearned_ == local.operator.n_train_
         assert info["version"] == posts
         remote.close()
     finally:
@@ -287,6 +312,8 @@ def test_several_clients_learning_one_client_oracle_operator_converge_on_one_sta
                 assert r.status_code == 200 and r.json()["version"] == len(posts), r.text
         n_rows = sum(len(q) for _, _, q in posts)
         assert n_rows == sum(cl.consultations_ for cl in clients)
+        n_rows -= sum(cl.unlearned_ for cl in clients)  # (acknowledged, not learned: below the density guard)
+        guard = _guard(clients[0])
         test = {"x": Gaussian(np.linspace(-6, 6, 40), np.geomspace(0.05, 20, 40)),
                 "z": Beta(np.where(np.arange(40) % 2, 2.0, 1.0), np.where(np.arange(40) % 2, 1.0, 2.0))}
         seen = []
@@ -301,19 +328,17 @@ def test_several_clients_learning_one_client_oracle_operator_converge_on_one_sta
                 np.testing.assert_array_equal(p, p0)
             np.testing.assert_array_equal(lv, seen[0][1])
         # the in-process operator that learned each post once, in version order
-        local = _in_process(factor, initial_pairs)
-        for _, inc, q in posts:
-            local.partial_fit(inc, q)
+        local, learned = _replayed(factor, initial_pairs, guard, posts)
+        assert local.n_train_ == 300 + n_rows
         q_loc, lv_loc = local.predict(test)
         np.testing.assert_array_equal(seen[0][0].mean(), q_loc.mean())
         np.testing.assert_array_equal(seen[0][0].var(), q_loc.var())
         # the served log variance is the one the JIT rule compares: weighted (Family.decision_weights, here
         # from the belief's parameters, the server's from its coordinates: atol 1e-12)
         np.testing.assert_allclose(seen[0][1], lv_loc + local.decision_log_weights(test, q_loc), rtol=0, atol=1e-12)
-        # ... and one post fewer gives other predictions (the comparison can fail)
-        skip = _in_process(factor, initial_pairs)
-        for _, inc, q in posts[:-1]:
-            skip.partial_fit(inc, q)
+        # ... and one post fewer (the last that learned a pair) gives other predictions (the comparison can fail)
+        last = max(i for i, n in enumerate(learned) if n)
+        skip = _replayed(factor, initial_pairs, guard, posts[:last] + posts[last + 1:])[0]
         assert not np.array_equal(skip.predict(test)[1], lv_loc)
     finally:
         for srv in {id(a): a, id(b): b}.values():

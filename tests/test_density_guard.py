@@ -505,17 +505,22 @@ def test_an_audit_learns_only_the_rows_it_can_and_keeps_every_rows_statistics(tm
            for v, m in inc.items()}
     truth = e.jit.oracle.belief(inc, "z")
     assert e.jit.operator.out_of_range_rows(inc, truth).tolist() == [False] * 4 + [True]
+    # (nor are rows outside the data learned: one of the 4 others here, below the density guard, and the far
+    # row — not below it, only z's message is far, but beyond the input margin)
+    sparse = e.jit.outside_rows(inc)
+    assert sparse.tolist() == [True, False, False, False, True]
+    n_learned = 3
     n0 = e.jit.operator.n_train_
     kl = [1e-6, 2e-6, 3e-6, 4e-6, 50.0]
     version = e.audit_update(inc, truth, lambda stats, threshold: {
         "kl": kl, "log_var": [-5.0] * 5, "confident": [True] * 5, "target": 0.1, "time": 0.0})
-    assert version == 1 and e.jit.operator.n_train_ == n0 + 4
+    assert version == 1 and e.jit.operator.n_train_ == n0 + n_learned
     assert e.audit_stats.count == 5 and e.audit_stats.max_kl == 50.0
     # an audit of that row alone learns nothing, and its record (no pairs) replays
     far = {v: m[4:] for v, m in inc.items()}
     assert e.audit_update(far, truth[4:], lambda stats, threshold: {
         "kl": [60.0], "log_var": [-5.0], "confident": [True], "target": 0.1, "time": 0.0}) == 2
-    assert e.jit.operator.n_train_ == n0 + 4 and e.audit_stats.count == 6
+    assert e.jit.operator.n_train_ == n0 + n_learned and e.audit_stats.count == 6
     served = e.jit.operator.belief(inc)
     store.close()
     again = OperatorStore(tmp_path / "store")  # the records replay to the same operator
@@ -552,3 +557,162 @@ def test_a_pending_initial_batch_keeps_its_requests_through_a_save(tmp_path):
     a.predict(part(60, 100))
     b.predict(part(60, 100))
     assert a.density_guard == b.density_guard
+
+
+# ---------------------------------------------------------------------- outside the data: not learned
+def _wide(n, rng, lo=300.0, hi=3e4):
+    """Messages with means inside the training rows' (±3) and variances 100–10 000× wider than any."""
+    from kjit.families import Beta, Gaussian
+
+    rng = np.random.default_rng(rng)
+    var = np.exp(rng.uniform(np.log(lo), np.log(hi), n))
+    label = rng.random(n) < 0.5
+    return {"x": Gaussian(rng.uniform(-3.0, 3.0, n), var),
+            "z": Beta(np.where(label, 2.0, 1.0), np.where(label, 1.0, 2.0))}
+
+
+def test_the_input_range_is_learned_widened_restored_and_undone(op, train, factor, oracle):
+    from kjit.learn.kernel_operator import input_coords
+
+    c = np.hstack([train.incoming["x"].to_coords(), train.incoming["z"].to_coords()])  # (mean, log var, log α, log β)
+    np.testing.assert_array_equal(op.input_range_, [c.min(axis=0), c.max(axis=0)])
+    np.testing.assert_array_equal(input_coords(op.feature_inputs(train.incoming)), c)
+    more = make_training_set(factor, "x", far, oracle, n=30, random_state=9)
+    op2 = copy.deepcopy(op)
+    undo = op2.online_undo()
+    op2.partial_fit(more)
+    c2 = np.vstack([c, np.hstack([more.incoming["x"].to_coords(), more.incoming["z"].to_coords()])])
+    np.testing.assert_array_equal(op2.input_range_, [c2.min(axis=0), c2.max(axis=0)])
+    assert op2.input_range_[1, 0] > op.input_range_[1, 0] or op2.input_range_[0, 0] < op.input_range_[0, 0]
+    back = KernelOperator.from_state_dict(op2.state_dict())
+    np.testing.assert_array_equal(back.input_range_, op2.input_range_)
+    undo()  # what a failed request of the JIT restores
+    np.testing.assert_array_equal(op2.input_range_, op.input_range_)
+    assert op2.blr_.n_ == op.blr_.n_
+    # the margin: widths of the range beyond it, per coordinate; an improper message is outside
+    from kjit.families import Beta, Gaussian
+
+    lo, hi = op.input_range_
+    w = hi[1] - lo[1]  # of the log variance
+    rows = {"x": Gaussian([0.0, 0.0, 0.0], np.exp([hi[1] + 0.4 * w, hi[1] + 0.6 * w, lo[1] - 0.6 * w])),
+            "z": Beta([2.0] * 3, [1.0] * 3)}
+    assert op.inputs_outside(rows, 0.5).tolist() == [False, True, True]
+    assert op.inputs_outside(rows, 1.0).tolist() == [False, False, False]
+    from kjit.learn.kernel_operator import _outside_range
+
+    assert _outside_range(np.array([[np.nan, 0.0, 0.0, 0.0]]), op.input_range_, 10.0).tolist() == [True]  # (NaN)
+    # a state saved before the range was kept: nothing is outside
+    old = copy.deepcopy(op.state_dict())
+    del old["fitted"]["input_range"]
+    legacy = KernelOperator.from_state_dict(old)
+    assert legacy.input_range_ is None and not legacy.inputs_outside(rows, 0.5).any()
+    bad = copy.deepcopy(op.state_dict())
+    bad["fitted"]["input_range"] = op.input_range_[::-1]
+    with pytest.raises(ValueError, match="input_range"):
+        KernelOperator.from_state_dict(bad)
+
+
+def test_learning_wide_messages_poisons_the_operator_and_the_input_margin_keeps_them_out(op, oracle):
+    """150 logistic → x messages 100–10 000× wider than the operator's 300 training pairs (variances
+    0.1–3): none lies below a 1 % density guard (their mean embeddings are near the learned ones'), and
+    learning them takes the in-distribution KL from ~2e-6 to ~4e-3 (measured; 3e-4 asserted) with every
+    log variance still small.  With the input margin they are consulted — the oracle's answers returned —
+    and not learned: the operator is unchanged, bit for bit."""
+    probe_rows = inside(400, 31)
+    exact = oracle.belief(probe_rows, "x")
+    guard = density_guard(op, held_out=inside(300, 41), share=0.01)
+    rows = _wide(150, 7)
+    kl_before = float(np.mean(exact.kl(op.belief(probe_rows))))
+    plain = JITOperator(copy.deepcopy(op), oracle, threshold=-50.0, selection="all", density_guard=guard)
+    assert not plain.outside_rows(rows).any()  # the density guard does not see them
+    plain.predict(rows)
+    assert plain.operator.n_train_ == op.n_train_ + 150
+    q_bad, lv_bad = plain.operator.predict(probe_rows)
+    kl_after = float(np.mean(exact.kl(q_bad)))
+    assert kl_before < 1e-5 and kl_after > 3e-4 and kl_after > 100 * kl_before
+    assert np.max(lv_bad) < -5.0  # and it does not know it
+    kept = JITOperator(copy.deepcopy(op), oracle, threshold=-50.0, selection="all", density_guard=guard,
+                       input_margin=0.5)
+    assert kept.outside_rows(rows).all()
+    q, _, consulted = kept.predict(rows)
+    assert consulted.all() and kept.operator.n_train_ == op.n_train_ and kept.last_learned_groups_ == []
+    np.testing.assert_array_equal(q.mean(), oracle.belief(rows, "x").mean())
+    np.testing.assert_array_equal(kept.operator.predict(probe_rows)[0].mean(), op.predict(probe_rows)[0].mean())
+
+
+def test_rows_outside_are_consulted_whatever_their_variance_and_the_rest_learned(op, oracle):
+    rows = {v: type(a).concatenate([a, b]) for (v, a), b in zip(inside(30, 51).items(), _wide(10, 52).values())}
+    base = JITOperator(copy.deepcopy(op), oracle, threshold=50.0)  # no variance reaches 50
+    jit = JITOperator(copy.deepcopy(op), oracle, threshold=50.0, input_margin=0.5, selection="all")
+    outside = jit.outside_rows(rows)
+    assert outside[30:].all() and not outside[:30].all()
+    np.testing.assert_array_equal(jit.screen(rows)[2], base.screen(rows)[2] | outside)
+    _, _, consulted = jit.predict(rows)
+    np.testing.assert_array_equal(consulted, base.screen(rows)[2] | outside)
+    learned = np.concatenate(jit.last_learned_groups_) if jit.last_learned_groups_ else np.array([], int)
+    np.testing.assert_array_equal(np.sort(learned), np.flatnonzero(consulted & ~outside))
+    back = JITOperator.from_state_dict(jit.state_dict())
+    assert back.input_margin == 0.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="input_margin"):
+            JITOperator(copy.deepcopy(op), oracle, input_margin=bad)
+
+
+def test_trained_operators_know_where_their_data_ends():
+    """service.training: a density guard from the held-out and left-out training densities at GUARD_SHARE,
+    and the input margin INPUT_MARGIN; about 1 % of fresh messages of the training distribution are
+    outside (the guard's conformal share; the margin adds none there)."""
+    from service.training import GUARD_SHARE, INPUT_MARGIN, TrainSpec, train_operator
+
+    jit, ts, info = train_operator(TrainSpec("logistic", "x", n=400, n_inner=50, n_outer=100, random_state=0))
+    assert info["density_guard"] == jit.density_guard and jit.guard_rows_ == 400 and jit.input_margin == INPUT_MARGIN
+    assert GUARD_SHARE == 0.01 and info["n_held_out"] == 200
+    fresh = jit.factor.default_incoming(4000, np.random.default_rng(17))
+    share = jit.outside_rows(fresh).mean()
+    # 600 pooled densities, k = 6: the guard's share of exchangeable messages is Beta(6, 595)-distributed
+    # (mean 1 %, 99.9 % below 2.6 %); 4 000 fresh messages add a binomial sd of 0.16 %
+    assert 0.002 <= share <= 0.03, share
+    assert not jit.operator.inputs_outside(fresh, INPUT_MARGIN).any()
+
+
+def test_the_service_acknowledges_pairs_outside_the_data_without_learning_them(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from service import Settings, create_app
+    from test_service_fixtures import small_store
+
+    small_store(tmp_path / "store", "logistic-x", "logistic", "x").close()
+    auth = {"Authorization": "Bearer t0ken"}
+    rows = {v: type(a).concatenate([a, b]) for (v, a), b in zip(inside(3, 61).items(), _wide(1, 62, 1e4, 2e4).values())}
+    inc = {v: {"family": type(m).__name__.lower(), **m.to_dict()} for v, m in rows.items()}
+    from kjit.factors import Logistic
+    from kjit.oracles import QuadratureOracle
+
+    q = QuadratureOracle(Logistic()).belief(rows, "x")
+    with TestClient(create_app(Settings(store=tmp_path / "store", token="t0ken")), raise_server_exceptions=False) as c:
+        for _ in range(500):
+            if c.get("/ready").status_code == 200:
+                break
+        d0 = c.get("/v1/operators/logistic-x").json()
+        assert d0["input_margin"] == 0.5 and d0["density_guard"]["pairs"] == 300.0
+        r = c.post("/v1/operators/logistic-x/observations", headers=auth,
+                   json={"incoming": inc, "beliefs": {"family": "gaussian", **q.to_dict()}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert (out["accepted"], out["not_learned"], out["version"], out["n_train"]) == (3, 1, 1, 303), out
+        # the same again under a key, twice: the duplicate answers as the first
+        hdr = {**auth, "Idempotency-Key": "k"}
+        body = {"incoming": inc, "beliefs": {"family": "gaussian", **q.to_dict()}}
+        a, b = (c.post("/v1/operators/logistic-x/observations", headers=hdr, json=body).json() for _ in range(2))
+        assert (a["accepted"], a["not_learned"], b["accepted"], b["not_learned"]) == (3, 1, 3, 1) and b["duplicate"]
+        # mode=predict marks the wide row uncertain whatever its variance
+        p = c.post("/v1/operators/logistic-x/messages?mode=predict",
+                   json={"to": "x", "incoming": inc}).json()
+        assert p["uncertain"][3] is True
+    from service.store import OperatorStore
+
+    st = OperatorStore(tmp_path / "store")  # the log holds what was learned, and replays to it
+    st.open()
+    st.load_all()
+    assert st.get("logistic-x").version == 2 and st.get("logistic-x").jit.operator.n_train_ == 306
+    st.close()

@@ -158,7 +158,11 @@ def test_plausible_observations_still_learn(app_client, name, factor, to):
     body = _obs({v: {"family": type(m).__name__.lower(), **m.to_dict()} for v, m in inc.items()},
                 {"family": type(q).__name__.lower(), **q.to_dict()})
     r = app_client.post(f"/v1/operators/{name}/observations", json=body, headers=AUTH)
-    assert r.status_code == 200 and r.json()["accepted"] == 200, r.text
+    assert r.status_code == 200, r.text
+    # and learned, but for the few below the density guard (1 % of such messages in expectation: at most 10
+    # of 200 unless the guard's share were several times its calibrated 1 %)
+    out = r.json()
+    assert out["accepted"] + out["not_learned"] == 200 and out["not_learned"] <= 10, r.text
 
 
 # ------------------------------------------------------------------------------ bodies and numbers

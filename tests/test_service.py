@@ -129,8 +129,12 @@ def test_messages_three_modes_match_the_library(live, store_dir, pristine_store)
         np.testing.assert_array_equal(np.transpose(r["log_var"]), lv_jit)
         assert r["version"] == 1  # one durable update record
         d = c.get("/v1/operators/logistic-x").json()
-        assert d["n_train"] == 300 + r["n_consulted"]
-        assert d["counters"]["consultations"] == r["n_consulted"] and d["updates"]["learned_pairs"] == r["n_consulted"]
+        # the consulted rows are learned but for those below the density guard (answered, not learned)
+        sparse = local.outside_rows(inc)
+        n_learned = r["n_consulted"] - int(sparse.sum())
+        assert cons[sparse].all() and d["n_train"] == 300 + n_learned == local.operator.n_train_
+        assert d["counters"]["consultations"] == r["n_consulted"] and d["updates"]["learned_pairs"] == n_learned
+        assert d["density_guard"] == {"value": local.density_guard, "pairs": 300.0}
         # the learned pairs changed the predictions exactly as they changed the local operator
         r2 = c.post("/v1/operators/logistic-x/messages", params={"mode": "predict"}, json=body(inc, "x")).json()
         np.testing.assert_array_equal(r2["beliefs"]["mean"], local.operator.predict(inc)[0].mean())
@@ -145,7 +149,9 @@ def test_observations_update_the_operator(live, store_dir, pristine_store):
         r = c.post("/v1/operators/logistic-x/observations", json={"incoming": body(inc, "x")["incoming"],
                                                                    "beliefs": beliefs_body(q)})
         assert r.status_code == 200, r.text
-        assert r.json() == {"operator": "logistic-x", "accepted": 12, "version": 1, "n_train": 312, "duplicate": False}
+        assert not local.outside_rows(inc).any()  # (none below the density guard: all learned)
+        assert r.json() == {"operator": "logistic-x", "accepted": 12, "not_learned": 0, "version": 1, "n_train": 312,
+                            "duplicate": False}
         local.operator.partial_fit(inc, q)
         test = probe("logistic", 30, seed=int(rng.integers(1000)))
         got = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(test, "x")).json()

@@ -80,12 +80,15 @@ def test_kill_9_mid_stream_loses_no_acknowledged_observation(store_dir, pristine
             d = c.get("/v1/operators/logistic-x").json()
             # every acknowledged observation is there; at most the one in flight on top
             assert n_acked <= d["version"] <= n_acked + 1, (n_acked, d["version"])
-            assert d["updates"]["observed_pairs"] == 2 * d["version"]
-            assert d["n_train"] == 300 + 2 * d["version"]
-            # and the state is exactly the pristine operator plus those pairs, in order
+            # and the state is exactly the pristine operator plus those pairs, in order (each learned but
+            # for the pairs below the density guard, as the server learned them: JITOperator.outside_rows)
             local = load_pristine(pristine_store, "logistic-x")
             for inc, q in pairs[:d["version"]]:
-                local.operator.partial_fit(inc, q)
+                keep = np.flatnonzero(~local.outside_rows(inc))
+                if keep.size:
+                    local.operator.partial_fit({v: m[keep] for v, m in inc.items()}, q[keep])
+            assert d["n_train"] == local.operator.n_train_ >= 300 + 1.9 * d["version"]
+            assert d["updates"]["observed_pairs"] == d["n_train"] - 300
             test = probe("logistic", 50, seed=77)
             got = c.post("/v1/operators/logistic-x/messages?mode=predict", json=body(test, "x")).json()
             q_loc, lv_loc = local.operator.predict(test)
@@ -293,12 +296,16 @@ def test_a_jit_request_whose_record_cannot_be_written_is_not_counted(store_dir, 
     from service.store.errors import PersistError
     from service.store.log import OperatorLog
 
-    far_x = {"to": "x", "incoming": {"x": {"family": "gaussian", "mean": [20.0, -25.0], "var": [1.0, 2.0]},
-                                     "z": {"family": "beta", "alpha": [2.0, 1.0], "beta": [1.0, 2.0]}}}
     with TestClient(create_app(settings_for(store_dir))) as c:
         poll(lambda: c.get("/ready"), lambda r: r.status_code == 200, timeout=120)
         before = c.get("/v1/operators/logistic-x").json()
-        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=far_x).json()["uncertain"] == [True, True]
+        # messages of the training distribution the operator is unsure of: consulted, and learned (a far
+        # message would be consulted and not learned — outside the data — so there would be no record)
+        inc = probe("logistic", 200, seed=31)
+        unsure = np.flatnonzero(c.post("/v1/operators/logistic-x/messages?mode=predict",
+                                       json=body(inc, "x")).json()["uncertain"])
+        assert unsure.size >= 2
+        far_x = body({v: m[unsure] for v, m in inc.items()}, "x")
 
         def full_disk(self, rec):
             raise PersistError("could not write the update log: [Errno 27] File too large")

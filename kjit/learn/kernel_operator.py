@@ -24,6 +24,7 @@ grid; the prior/noise grid costs one eigendecomposition per width factor.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import numbers
@@ -504,6 +505,7 @@ class KernelOperator(Operator):
             self.y_scale_ = np.maximum(self.y_scale_, MIN_TARGET_SCALE)
         Z = (Y - self.y_mean_) / self.y_scale_
         self.target_range_ = np.stack([Y.min(axis=0), Y.max(axis=0)])
+        self.input_range_ = _widened_range(None, input_coords(messages))
         self.curvature_top_ = curvature_top(curv)
         self.curvature_hist_ = curvature_hist(curv)
         families = [self.factor.families[v] for v in self.factor.variables]
@@ -642,11 +644,26 @@ class KernelOperator(Operator):
         if getattr(self, "target_range_", None) is not None and len(Y):
             self.target_range_ = np.stack([np.minimum(self.target_range_[0], Y.min(axis=0)),
                                            np.maximum(self.target_range_[1], Y.max(axis=0))])
+        if getattr(self, "input_range_", None) is not None and len(Y):
+            self.input_range_ = _widened_range(self.input_range_, input_coords(messages))
         if getattr(self, "curvature_top_", None) is not None and len(Y):
             self.curvature_top_ = curvature_top(curv, self.curvature_top_)
         if getattr(self, "curvature_hist_", None) is not None and len(Y):
             self.curvature_hist_ = curvature_hist(curv, self.curvature_hist_)
         return self
+
+    def online_undo(self):
+        """A callable that restores what :meth:`partial_fit` changes — the regression, the learned target
+        and input ranges, the curvatures — to their state now (partial_fit replaces those arrays)."""
+        blr = copy.deepcopy(self.blr_)
+        saved = {a: getattr(self, a, None) for a in ("target_range_", "input_range_", "curvature_top_",
+                                                     "curvature_hist_")}
+
+        def undo():
+            self.blr_ = blr
+            for a, v in saved.items():
+                setattr(self, a, v)
+        return undo
 
     def out_of_range_rows(self, data: TrainingSet | Mapping[str, Family], beliefs: Family | None = None) -> np.ndarray:
         """The pairs :meth:`partial_fit` refuses as too far out (a flat bool mask): their regression
@@ -672,6 +689,29 @@ class KernelOperator(Operator):
         pad = LEARN_RANGE_FACTOR * np.maximum(r[1] - r[0], self.y_scale_)
         with np.errstate(invalid="ignore"):
             return np.any((Y < r[0] - pad) | (Y > r[1] + pad), axis=-1)
+
+    def inputs_outside(self, incoming: Mapping[str, Family], margin: float) -> np.ndarray:
+        """Per message (a flat bool mask), whether some coordinate (:func:`input_coords`: what the
+        features see, in their frame) lies beyond the range of the learned pairs' by more than ``margin``
+        times its width (``input_range_``; a width under 1e-3 of the range's magnitude counts as that),
+        or is not a number (an improper message).  Mean embeddings do not tell such a message from the
+        data: a Gaussian message 100× wider than any learned has an inner embedding near 0, close to
+        the learned ones', so neither its predictive variance nor its density (:meth:`density`) is
+        low — and learning it moves the predictions everywhere (see ``JITOperator(input_margin=)``).
+        All False for an operator restored from a state saved before the range was kept."""
+        self._check_fitted()
+        r = getattr(self, "input_range_", None)
+        messages, _, _ = self._messages(incoming)
+        c = input_coords(messages)
+        if r is None:
+            return np.zeros(len(c), dtype=bool)
+        return _outside_range(c, r, margin)
+
+    def _inputs_outside_flat(self, flat: Mapping[str, Family], margin: float) -> np.ndarray:
+        """:meth:`inputs_outside` of flat incoming messages already checked (the JIT's hot path)."""
+        r = getattr(self, "input_range_", None)
+        c = input_coords(self.feature_inputs(flat))
+        return np.zeros(len(c), dtype=bool) if r is None else _outside_range(c, r, margin)
 
     def _unpack(self, data, beliefs):
         if isinstance(data, TrainingSet):
@@ -1626,6 +1666,8 @@ class KernelOperator(Operator):
         }
         if getattr(self, "target_range_", None) is not None:
             fitted["target_range"] = np.asarray(self.target_range_, float)
+        if getattr(self, "input_range_", None) is not None:
+            fitted["input_range"] = np.array(self.input_range_, float)
         if getattr(self, "curvature_top_", None) is not None:  # (copies: not the live arrays)
             fitted["curvature_top"] = np.array(self.curvature_top_, float)
         if getattr(self, "curvature_hist_", None) is not None:
@@ -1683,6 +1725,13 @@ class KernelOperator(Operator):
                                                  or np.any(op.target_range_[0] > op.target_range_[1])):
                 raise ValueError(f"operator state's target_range must be finite (lo, hi) rows of shape "
                                  f"(2, {op.y_mean_.size}), got {op.target_range_.tolist()}")
+            # (states saved before the input range was kept: no input check)
+            op.input_range_ = np.asarray(f["input_range"], float) if "input_range" in f else None
+            if op.input_range_ is not None and (op.input_range_.ndim != 2 or op.input_range_.shape[0] != 2
+                                                or not np.all(np.isfinite(op.input_range_))
+                                                or np.any(op.input_range_[0] > op.input_range_[1])):
+                raise ValueError(f"operator state's input_range must be finite (lo, hi) rows, got "
+                                 f"{op.input_range_.tolist()}")
             # (an operator saved before the curvatures were kept: None, its JIT rule unweighted)
             op.curvature_top_ = np.asarray(f["curvature_top"], float) if "curvature_top" in f else None
             if op.curvature_top_ is not None and (op.curvature_top_.shape != (CURVATURE_SUPPORT, op.y_mean_.size)
@@ -1803,6 +1852,42 @@ class TargetsNotFiniteError(ValueError):
     def __init__(self, message: str, rows=None):
         super().__init__(message)
         self.rows = None if rows is None else np.asarray(rows)
+
+
+def input_coords(messages) -> np.ndarray:
+    """(n, c) the coordinates (``Family.to_coords``: a Gaussian's mean and log variance, a Beta's or a
+    Gamma's log parameters) of flat messages (a tuple, one batch per variable, as the features see
+    them), side by side; NaN for an improper message."""
+    cols = []
+    for m in messages:
+        k = len(m.coord_names)
+        c = np.full((m.size, k), np.nan)
+        ok = np.asarray(m.is_proper, bool).reshape(-1)
+        if ok.any():
+            with np.errstate(all="ignore"):
+                c[ok] = (m if ok.all() else m[ok]).to_coords().reshape(-1, k)
+        cols.append(c)
+    return np.hstack(cols)
+
+
+def _widened_range(r, c) -> np.ndarray | None:
+    """The (2, c) range of coordinates ``c`` (n, c) and the range ``r`` (None: none yet), rows that are
+    not finite left out; None when a column has no finite value."""
+    c = np.asarray(c, float)
+    ok = np.isfinite(c).all(axis=1)
+    if not ok.any():
+        return r
+    lo, hi = c[ok].min(axis=0), c[ok].max(axis=0)
+    return np.stack([lo, hi]) if r is None else np.stack([np.minimum(r[0], lo), np.maximum(r[1], hi)])
+
+
+def _outside_range(c, r, margin: float) -> np.ndarray:
+    """Rows of ``c`` beyond ``margin`` widths of the range ``r`` in some coordinate, or not finite."""
+    lo, hi = r
+    width = np.maximum(hi - lo, 1e-3 * np.maximum(1.0, np.maximum(np.abs(lo), np.abs(hi))))
+    with np.errstate(invalid="ignore"):
+        inside = (c >= lo - margin * width) & (c <= hi + margin * width)
+    return ~inside.all(axis=1)
 
 
 def _require_finite_rows(Y: np.ndarray, what: str) -> None:

@@ -267,7 +267,8 @@ def observations(
         except Conflict as exc:
             raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
         if seen is not None:
-            return _observed(entry, *seen, True)
+            n_rows = len(getattr(req.beliefs, entry.jit.family.param_names[0], None) or [])
+            return _observed(entry, *seen, True, n_rows)
     factor = entry.jit.factor
     inc = to_families(factor, req.incoming, settings.max_batch)
     n_inc = len(next(iter(inc.values())))
@@ -298,10 +299,10 @@ def observations(
     if not dup:
         metrics.updates.labels(entry.name, "observations").inc(accepted)
         metrics.records.labels(entry.name).inc()
-    return _observed(entry, version, accepted, n_train, dup)
+    return _observed(entry, version, accepted, n_train, dup, len(beliefs))
 
 
-def _observed(entry: Entry, version: int, accepted: int, n_train: int | None, dup: bool) -> Response:
+def _observed(entry: Entry, version: int, accepted: int, n_train: int | None, dup: bool, n_rows: int) -> Response:
     """An observation's answer: ``n_train`` the operator's pairs at ``version``, taken under the lock that
     applied it (a second read after the update could see another request's update: found by an audit, 115
     of 160 answers under four writers); where that is not known (a key kept by an older server's
@@ -309,5 +310,5 @@ def _observed(entry: Entry, version: int, accepted: int, n_train: int | None, du
     if n_train is None:
         with entry.lock.read():
             n_train = int(entry.jit.operator.n_train_)
-    return json_response({"operator": entry.name, "accepted": accepted, "version": version,
-                          "n_train": n_train, "duplicate": dup})
+    return json_response({"operator": entry.name, "accepted": accepted, "not_learned": max(n_rows - accepted, 0),
+                          "version": version, "n_train": n_train, "duplicate": dup})

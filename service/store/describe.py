@@ -51,6 +51,9 @@ def detail(entry) -> dict:
             "hyperparameters": json.loads(json.dumps(op.hyperparameters(), default=lambda o: o.tolist())),
             "threshold": jit.threshold,
             "decision_weighting": op.decision_weighting,
+            "density_guard": (None if _finite(jit.density_guard) is None else
+                              {"value": jit.density_guard, "pairs": float(jit.guard_rows_)}),
+            "input_margin": jit.input_margin,
             "oracle": {"kind": oracle_kind(jit.oracle)},
             "audit": {"enabled": audit is not None and not isinstance(jit.oracle, ClientOracle),
                       "audited_pairs": entry.audited_pairs,

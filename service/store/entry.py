@@ -28,7 +28,7 @@ from .commit import ASIDE_ROWS, Replicated, Standalone
 from .errors import OracleFailure, PersistError, Unprocessable
 from .idempotency import IdempotencyKeys
 from .log import OperatorLog, generation as _generation
-from .records import messages_from_record, pairs_record, sha256
+from .records import messages_from_record, pairs_record, record_rows, sha256
 
 log = logging.getLogger("kjit.service.store")
 
@@ -377,25 +377,36 @@ class Entry:
         return q, None, np.ones(n, dtype=bool), version, 0, cert
 
     def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None):
-        """Add pairs durably; returns ``(version, n_accepted, duplicate, n_train)``: ``n_train`` the
-        operator's pairs at ``version`` (None for a duplicate whose key a snapshot of an older server kept)."""
-        dup = []
+        """Add pairs durably; returns ``(version, n_learned, duplicate, n_train)``: ``n_train`` the
+        operator's pairs at ``version`` (None for a duplicate whose key a snapshot of an older server kept).
+        Pairs whose incoming messages lie outside the data the operator learned (``JITOperator.outside_rows``:
+        below its density guard or beyond its input margin, where learning moves every prediction while every
+        variance stays small) are acknowledged but not learned: the record holds the learned ones."""
+        dup, learned = [], {}
 
         def make():
             seen = self.keys.seen(key, body_hash)
             if seen is not None:
                 dup.append(seen)
                 return None
-            rec = pairs_record("observe", incoming, beliefs)
+            outside = self.jit.outside_rows(incoming)  # (under the lock that applies them)
+            keep = np.flatnonzero(~outside)
+            learned["pairs"] = ({v: m.ravel()[keep] for v, m in incoming.items()}, beliefs.ravel()[keep]) \
+                if outside.any() else (incoming, beliefs)
+            rec = pairs_record("observe", *learned["pairs"])
             if key is not None:
                 rec["key"], rec["body_hash"] = key, body_hash
             return rec
 
-        rec = self.commit.update(make, lambda jit: jit.operator.partial_fit(incoming, beliefs),
-                                 aside=len(beliefs) >= ASIDE_ROWS)
+        def apply(jit):
+            inc, bel = learned["pairs"]
+            if len(bel):
+                jit.operator.partial_fit(inc, bel)
+
+        rec = self.commit.update(make, apply, aside=len(beliefs) >= ASIDE_ROWS)
         if rec is None:
             return dup[0][0], dup[0][1], True, dup[0][2]
-        return int(rec["seq"]), len(beliefs), False, rec.get("n_train")
+        return int(rec["seq"]), record_rows(rec), False, rec.get("n_train")
 
     def audit_update(self, incoming: dict[str, Family], beliefs: Family, make_payload) -> int | None:
         """Learn audited pairs (the oracle's beliefs) with their audit statistics, durably: one
@@ -409,7 +420,9 @@ class Entry:
             # pairs far outside what the operator has learned are audited (their KLs are in the payload:
             # they are the worst) but not learned (KernelOperator.out_of_range_rows; found in review: one
             # such row made the whole audit fail after a rebuild of the operator)
-            keep = np.flatnonzero(~self.jit.operator.out_of_range_rows(incoming, beliefs))
+            # (nor pairs outside the data: JITOperator.outside_rows)
+            keep = np.flatnonzero(~(self.jit.operator.out_of_range_rows(incoming, beliefs)
+                                    | self.jit.outside_rows(incoming)))
             learned["pairs"] = ({v: m[keep] for v, m in incoming.items()}, beliefs[keep])
             return pairs_record("audit", *learned["pairs"],
                                 audit=make_payload(self.audit_stats, float(self.jit.threshold)))
