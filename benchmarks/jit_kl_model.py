@@ -318,7 +318,7 @@ e^-10 as caught); over repeated use there 6 of 10 directions (9 counting those) 
 
     python benchmarks/jit_kl_model.py --pool run0.jsonl run1.jsonl ...
     python benchmarks/jit_kl_model.py [--quick] [--factors product gaussian] [--seed 0] [--max-iter 30]
-                                      [--density-guard] [--budget 0.1] [--rules learned_kl_static learned_kl_gated]
+                                      [--density-guard] [--input-margin 0.5] [--budget 0.1] [--rules learned_kl_static learned_kl_gated]
                                       [--unattainable always|conformal] [--confidence 0.975] [--relearn-every 500]
 """
 
@@ -582,7 +582,8 @@ def factor_rows(name, args):
 
         relearn = rule in RELEARN_RULES
         screened = {to: Screened(JITOperator(copy.deepcopy(ops[to]), exact, selection="all",
-                                             density_guard=guards.get(to), **rule_kw(to)), exact, keep_pairs=relearn)
+                                             density_guard=guards.get(to), input_margin=args.input_margin,
+                                             **rule_kw(to)), exact, keep_pairs=relearn)
                     for to in directions}
         states = {to: {"op": screened[to].jit.operator, "train": data_sets[to]["train"], "g_train": g_train,
                        "cal": data_sets[to]["cal"], "g_cal": g_cal, "learned": [], "labels": [],
@@ -610,7 +611,7 @@ def factor_rows(name, args):
                 st["n_relearns"] += 1
                 old = sc.jit
                 sc.jit = JITOperator(st["op"], exact, selection="all", density_guard=guards.get(to),
-                                     **{**rule_kw(to), "threshold": st["threshold"]})
+                                     input_margin=args.input_margin, **{**rule_kw(to), "threshold": st["threshold"]})
                 # (the old JIT's counters, and its density guard's row count: the guard compares a density times
                 # the rows learned now with the guard times the rows learned when it was set — found in review)
                 sc.jit.set_counters(old.raw_counters())
@@ -637,6 +638,7 @@ def factor_rows(name, args):
                # (the budget rule's: the threshold of its last request)
                "threshold": {to: float(screened[to].jit.threshold) for to in directions},
                "density_guard": {to: guards[to] for to in directions} if guards else None,
+               "input_margin": args.input_margin,
                **({"budget": args.budget, "budget_window": args.budget_window} if rule in BUDGET_RULES else {}),
                # (the floor and the level the budget rules rank between; None: none)
                **({"threshold_floor": {to: float(screened[to].jit.threshold_floor_) for to in directions},
@@ -721,6 +723,9 @@ def main(argv=None):
     ap.add_argument("--density-guard", action="store_true",
                     help="both rules' JITs also consult a message below a density guard (JITOperator(density_guard=): "
                          "the pooled rows' 1 %% least dense, as factor_suite.py --novelty); default off")
+    ap.add_argument("--input-margin", type=float, default=None,
+                    help="the JITs also consult, and do not learn, a message beyond this many widths of the "
+                         "training inputs' range (JITOperator(input_margin=); the service's is 0.5); default none")
     ap.add_argument("--max-iter", type=int, default=30,
                     help="EP's sweeps at most on the test problems, exact and through the JITs (default 30: "
                          "factor_suite.py's, at which the training problems are recorded)")

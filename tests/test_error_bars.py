@@ -170,6 +170,41 @@ def test_operators_that_cannot_be_drawn_are_named(exp_op):
     assert "error bars: no operator drawn" in res.status and res.error_bars.drawn == []
 
 
+class _Redeployed(_Learned):
+    """A served operator replaced under its name by another model: drawing it, or a draw's answer, says so."""
+
+    def __init__(self, op, when):
+        super().__init__(op)
+        self.when = when
+
+    def draws(self, n, random_state=None, mean=False):
+        from kjit.errors import ConfigurationError
+
+        if self.when == "draws":
+            raise ConfigurationError("the server's operator is now another model")
+        outer = self
+
+        class _Draw:
+            certificate_source = "learned"
+            factor, to = outer.op.factor, outer.op.to
+
+            def belief(self, incoming, to=None):
+                raise ConfigurationError("the server's operator is now another model")
+        return [_Draw() for _ in range(n + int(mean))]
+
+
+@pytest.mark.parametrize("when", ["draws", "answer"])
+def test_a_configuration_error_while_drawing_stops_the_bars_as_itself(exp_op, when):
+    """Not read as an operator that cannot be drawn (its bars left out) nor as a failed re-run (a RuntimeError):
+    the run's operator is no longer the model it used."""
+    from kjit.errors import ConfigurationError
+
+    ep = GraphEP(_exp_graph(5), {("exp", "x"): _Redeployed(exp_op, when)}, schedule="sequential")
+    res = ep.run()
+    with pytest.raises(ConfigurationError, match="another model"):
+        graph_error_bars(ep, res, n_draws=2)
+
+
 def test_a_posterior_from_a_learned_operator_is_within_its_error_bars(exp_op):
     """The posterior of exact-rule EP lies within a few error bars of the learned operator's: N = 6 and 20
     Poisson counts on one variable (the deviation over the bar, z, is of order 1 where the bars are calibrated;

@@ -41,7 +41,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import check_number, user_stacklevel
+from ..errors import ConfigurationError, check_number, user_stacklevel
 from ..protocols import reports_uncertainty
 
 __all__ = ["ErrorBars", "PosteriorErrorWarning", "graph_error_bars", "linear_error_bars"]
@@ -182,6 +182,8 @@ def _error_bars(operators: Mapping, rerun: Callable, own: Callable, n_draws, ran
             continue
         try:
             drawn[key] = fn(n_draws, rng, mean=True)
+        except ConfigurationError:
+            raise  # (a served operator that is no longer the one the run used: no bars of another model)
         except Exception as exc:  # noqa: BLE001 - the run stands; its bars name what they leave out
             # (a JIT before its first fit, a served operator in oracle mode or out of reach)
             not_drawn[key] = f"cannot be drawn: {type(exc).__name__}: {exc}"
@@ -198,6 +200,9 @@ def _error_bars(operators: Mapping, rerun: Callable, own: Callable, n_draws, ran
         ops = {**{k: copy.deepcopy(o) for k, o in frozen.items()},
                **{k: _Watched(d[i], errors) for k, d in drawn.items()}}
         outcome, post = _quiet(rerun, ops)
+        for exc in errors:  # (a served operator redeployed as another model: said as such)
+            if isinstance(exc, ConfigurationError):
+                raise exc
         if errors:
             raise RuntimeError(f"a re-run's operator failed for a reason other than its numbers "
                                f"({type(errors[0]).__name__}: {errors[0]}): the bars would count it as an error")
