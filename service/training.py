@@ -44,7 +44,10 @@ it — learning such pairs moves the predictions everywhere while every variance
 fortieth session: 24 logistic-regression EP runs in turn through one served default logistic → x
 operator, at prior variances 1e2–1e6, took its posteriors from 1e-9–0.005 sd off exact EP to 0.1–2.7 sd
 off with no message flagged; with the density guard every run converged within 9.3e-4 sd, consulting
-78 % of the messages, which lay outside the default training distribution).
+78 % of the messages, which lay outside the default training distribution.  Again with an operator trained
+by this code, in-process, `/tmp` scratch: without either, 14 of the 24 runs stopped unconverged at 300
+sweeps, 0.22 sd off at the median, 3.3 at worst; with both, all 24 converged, 1.2e-8 sd off at the median,
+9.4e-4 at worst).
 """
 
 from __future__ import annotations

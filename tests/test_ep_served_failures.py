@@ -6,6 +6,8 @@ is what the client reports next."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -255,6 +257,23 @@ def test_an_operator_that_never_answers_is_asked_a_bounded_number_of_times(sched
         assert "other 17 sites were not asked" in " ".join(r.history[0].errors)
 
 
+class _Revives:
+    """``dead`` for its first ``n`` iterations' calls (8 sites each, K answered calls at most), then the exact rule."""
+
+    def __init__(self, dead, n):
+        from kjit.oracles import QuadratureOracle
+
+        self.dead, self.n, self.factor = dead, n, dead.factor
+        self.exact = QuadratureOracle(dead.factor)
+
+    def belief(self, incoming, to=None):
+        from kjit.ep.engine import OPERATOR_FAILURE_ITERATIONS as K
+
+        if self.dead.calls < K * self.n:
+            return self.dead.belief(incoming, to)
+        return self.exact.belief(incoming, to)
+
+
 def test_graph_ep_stops_asking_an_operator_that_never_answers_within_an_iteration():
     """GraphEP's sequential schedule asks factor by factor: an operator that gave no answer to
     OPERATOR_FAILURE_ITERATIONS calls running is not asked again that iteration (the other factors' operators
@@ -279,10 +298,21 @@ def test_graph_ep_stops_asking_an_operator_that_never_answers_within_an_iteratio
 
     dead = _Dead()
     g = poisson_gamma([3, 5, 2, 7, 4, 6, 1, 0], shape=2.0)  # 8 gamma_rate factors; r's answers are the exact rule's
-    with pytest.warns(EPConvergenceWarning, match="8 update"):  # (r's updates go on: not "operator_failed")
-        r = GraphEP(g, operators={("gamma_rate", "x"): dead}, schedule="sequential", max_iter=4).run()
+    # r's updates go on, but x's operator answered nothing it was asked for K iterations running: its sites stay
+    # frozen and the run cannot converge, so it stops "operator_failed" naming it (before: ran to max_iter)
+    with pytest.warns(RuntimeWarning, match="operator\\(s\\) of gamma_rate→x failed every update"):
+        r = GraphEP(g, operators={("gamma_rate", "x"): dead}, schedule="sequential", max_iter=10).run()
+    assert r.outcome == "operator_failed" and r.iterations == K and "no answer" in r.status
     assert dead.calls == K * r.iterations  # (before: 8 an iteration)
-    assert all(h.skipped["operator_error"] == 8 for h in r.history)
+    assert all(h.skipped["operator_error"] == 8 and h.n_updated > 0 for h in r.history)
+    # an operator that answers again in time ends the run of failing iterations: the run goes on
+    dead2 = _Dead()
+    flaky = _Revives(dead2, K - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EPConvergenceWarning)
+        r = GraphEP(g, operators={("gamma_rate", "x"): flaky}, schedule="sequential", max_iter=30).run()
+    assert r.outcome == "converged" and r.iterations > K
+    assert [h.skipped["operator_error"] for h in r.history[:K]] == [8] * (K - 1) + [0]
 
 
 def test_a_server_that_cannot_be_reached_is_an_operator_unavailable_error():
@@ -325,14 +355,14 @@ def test_graph_ep_asks_a_hung_servers_factor_once_an_iteration():
     timeout), and before the stop on unanswered calls — 2.8× longer than before the check.  Now once an iteration,
     and the calls stop after OPERATOR_FAILURE_ITERATIONS."""
     from kjit.ep.engine import OPERATOR_FAILURE_ITERATIONS as K
-    from kjit.ep.engine import EPConvergenceWarning
     from kjit.ep.graph import GraphEP
     from kjit.ep.models import poisson_gamma
 
     hung = _Hung()
     g = poisson_gamma(list(range(12)), shape=2.0)
-    with pytest.warns(EPConvergenceWarning):
-        r = GraphEP(g, operators={("gamma_rate", "x"): hung}, schedule="sequential", max_iter=3).run()
+    with pytest.warns(RuntimeWarning, match="failed every update"):  # (stopped "operator_failed" at K)
+        r = GraphEP(g, operators={("gamma_rate", "x"): hung}, schedule="sequential", max_iter=10).run()
+    assert r.outcome == "operator_failed" and r.iterations == K
     assert hung.calls == K * r.iterations
     assert hung.lookups <= r.iterations + 1  # (one an iteration, one before the first)
 

@@ -204,9 +204,9 @@ def count_failing(failing: int, n_updated: int, operator_errors: int) -> int:
     return failing + 1 if n_updated == 0 and operator_errors > 0 else 0
 
 
-def operator_failure(failing: int, iterations: int, errors, who: str) -> str:
+def operator_failure(failing: int, iterations: int, errors, who: str, who_failed: str = "the operator") -> str:
     """The status of a run stopped by :data:`OPERATOR_FAILURE_ITERATIONS`, also warned (RuntimeWarning)."""
-    status = (f"stopped at iteration {iterations}: the operator failed every update of the last {failing} "
+    status = (f"stopped at iteration {iterations}: {who_failed} failed every update of the last {failing} "
               f"iterations ({errors[0] if errors else 'no message'})")
     warnings.warn(f"{who}: {status}; the posterior is the last state it could update", RuntimeWarning, stacklevel=user_stacklevel())
     return status

@@ -206,6 +206,9 @@ class GraphIteration:
     # per operator (id), its calls running that got no answer at all (OperatorUnavailableError): not asked again
     # this iteration at OPERATOR_FAILURE_ITERATIONS
     _unanswered: dict = field(default_factory=dict, repr=False, compare=False)
+    # per operator (id): whether it gave an answer this iteration, and, for those asked without one, their name
+    _answered: set = field(default_factory=set, repr=False, compare=False)
+    _failed: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -480,6 +483,8 @@ class GraphEP:
         history: list[GraphIteration] = []
         converged, diverged, calls = False, None, 0
         failing = 0  # consecutive iterations in which the operators failed every update they were asked
+        dead: dict = {}  # per operator (id): [its name, iterations running in which it answered nothing it was asked]
+        gone: list = []  # those of them at OPERATOR_FAILURE_ITERATIONS
         t_start = time.perf_counter()
         # divergence (divergence_limit): a site large against its variable's prior and posterior, or
         # large against the prior and still growing — not merely large against the prior: a precise
@@ -539,11 +544,25 @@ class GraphEP:
                 converged = True
                 break
             failing = count_failing(failing, rec.n_updated, rec.skipped["operator_error"])
-            if failing >= OPERATOR_FAILURE_ITERATIONS:
+            # one operator that answered nothing it was asked, iterations running, while others answered: its
+            # sites stay frozen and the run cannot converge (found in review: such a graph ran to max_iter)
+            for k in list(dead):
+                if k not in rec._failed or k in rec._answered:
+                    del dead[k]
+            for k, name in rec._failed.items():
+                if k not in rec._answered:
+                    dead[k] = [name, dead.get(k, [name, 0])[1] + 1]
+            gone = [d for d in dead.values() if d[1] >= OPERATOR_FAILURE_ITERATIONS]
+            if failing >= OPERATOR_FAILURE_ITERATIONS or gone:
                 break  # (as LinearEP: more iterations cannot help)
         n = len(history)
-        failed = diverged is None and not converged and failing >= OPERATOR_FAILURE_ITERATIONS
-        if failed:
+        failed = diverged is None and not converged and (failing >= OPERATOR_FAILURE_ITERATIONS or bool(gone))
+        if failed and failing < OPERATOR_FAILURE_ITERATIONS:
+            names = ", ".join(sorted(d[0] for d in gone))
+            errs = [e for e in history[-1].errors if any(e.startswith(d[0] + ":") for d in gone)] or history[-1].errors
+            outcome, status = "operator_failed", operator_failure(
+                gone[0][1], n, errs, "graph EP", who_failed=f"the operator(s) of {names}")
+        elif failed:
             outcome, status = "operator_failed", operator_failure(failing, n, history[-1].errors, "graph EP")
         elif diverged is not None:
             outcome, status = "diverged", f"diverged at iteration {diverged[0]}: {diverged[1]}; the beliefs are the last finite state"
@@ -678,6 +697,7 @@ class GraphEP:
                     # (no answer to that many calls running — a server down or hung: not asked again this
                     # iteration, each call would wait out its timeout and retries; found by an audit)
                     rec.skipped["operator_error"] += live.size
+                    rec._failed.setdefault(id(op), f"{f.name}→{to}")
                     if len(rec.errors) < 5:
                         rec.errors.append(f"{f.name}→{to}: the operator did not answer {OPERATOR_FAILURE_ITERATIONS} "
                                           f"calls running: {live.size} more updates not asked this iteration")
@@ -712,14 +732,17 @@ class GraphEP:
                         rec.skipped["operator_error"] += bad.size
                         live = np.delete(live, bad)
                 if q is None:
+                    rec._failed.setdefault(id(op), f"{f.name}→{to}")
                     continue
                 fam = f.families[to]
                 if not isinstance(q, fam) or q.shape != (live.size,):
+                    rec._failed.setdefault(id(op), f"{f.name}→{to}")
                     rec.skipped["operator_error"] += live.size
                     if len(rec.errors) < 5:
                         rec.errors.append(f"{f.name}→{to}: the operator returned {type(q).__name__} of shape "
                                           f"{getattr(q, 'shape', None)}, expected {fam.__name__} of shape ({live.size},)")
                     continue
+                rec._answered.add(id(op))
                 with np.errstate(all="ignore"):
                     qn = np.asarray(q.natural(), float).reshape(live.size, -1)
                     good = np.asarray(q.is_proper, bool) & np.all(np.isfinite(qn), axis=1)
