@@ -903,7 +903,8 @@ class RemoteOperator:
                 out = self._request("POST", f"{self._base}/observations", content=content,
                                     headers={"Idempotency-Key": part_key}, retry="connection")
             except RemoteOperatorError as exc:
-                exc.idempotency_key, exc.applied_rows = key, s
+                # (with the parts sent before it: their pairs acknowledged but not learned — found in review)
+                exc.idempotency_key, exc.applied_rows, exc.not_learned = key, s, not_learned
                 if isinstance(exc, RemoteValidationError):
                     refused = _refused_beliefs(exc)
                     exc.refused_rows = None if refused is None else refused + s
@@ -926,8 +927,9 @@ class RemoteOperator:
         again; the local oracle's answers are used either way (found in review: one such row discarded
         the whole batch's exact answers, every call, and EP never got past its first iterate).  The
         rows left unlearned are counted in ``unlearned_`` and a warning names the reason; so are the
-        rows the server acknowledged without learning them (``not_learned``: below its density guard,
-        no warning — the server's mode=jit leaves them unlearned the same way)."""
+        rows the server acknowledged without learning them (``not_learned``: outside the data its operator
+        learned — below its density guard or beyond its input margin; no warning: the server's mode=jit
+        leaves them unlearned the same way)."""
         n, step = len(beliefs), self.max_batch
         for s in range(0, n, step):
             inc, bel = {v: m[s:s + step] for v, m in incoming.items()}, beliefs[s:s + step]
@@ -935,6 +937,7 @@ class RemoteOperator:
                 self.unlearned_ += self.observe(inc, bel)["not_learned"]
             except RemoteValidationError as exc:
                 refused = getattr(exc, "refused_rows", None)
+                self.unlearned_ += int(getattr(exc, "not_learned", 0))  # (of the parts sent before it)
                 if refused is None:
                     raise
                 self.unlearned_ += int(refused.size)

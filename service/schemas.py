@@ -377,12 +377,12 @@ class OperatorDetail(OperatorSummary):
                           "operator learned, and `pairs`, the pairs learned when it was set (compared as a count: "
                           "value × pairs); such a message is consulted in mode=jit whatever its variance, marked "
                           "`uncertain` in mode=predict, and not learned, by mode=jit or as an observation "
-                          "(`not_learnable`); null for an operator without one (trained before the fortieth "
+                          "(`not_learned`); null for an operator without one (trained before the fortieth "
                           "session, or on fewer than 100 pairs)")
     input_margin: float | None = Field(
         None, description="the operator's input margin (kjit.operators.JITOperator, `input_margin`): a message "
                           "with a coordinate (a Gaussian's mean or log variance, a Beta's or Gamma's log "
-                          "parameters) more than this many widths of the learned pairs' range beyond it is outside "
+                          "parameters) more than this many widths of the training pairs' range beyond it is outside "
                           "the data, treated as one below the density guard; null for an operator without one")
     decision_weighting: Literal["range+density", "range", "none"] | None = Field(
         None, description="what the just-in-time rule weighs the log variances against (kjit/curvature.py): "

@@ -35,7 +35,7 @@ Every trained operator also knows where its data ends, two ways (``JITOperator.o
 density guard (:func:`kjit.operators.density_guard`, share ``GUARD_SHARE``: the 1 % point of how much
 training data lies near a message, over the held-out pairs and the training pairs each left out of its
 own count) and an input margin (``INPUT_MARGIN``: a message coordinate — a Gaussian's mean or log
-variance, a Beta's or Gamma's log parameters — more than half the learned range's width beyond it; the
+variance, a Beta's or Gamma's log parameters — more than half the training range's width beyond it; the
 density does not see a message much wider than any learned, whose mean embedding is near the learned
 ones').  A message outside lies where the operator's predictive variance means nothing (the random
 features of a far message are a generic vector, and the posterior is tight in every direction), so the

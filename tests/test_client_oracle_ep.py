@@ -153,17 +153,19 @@ def _in_process(factor, pairs):
         TrainingSet(factor.name, "x", inc, bel, factor.params()))
 
 
-def _guard(remote) -> float:
-    """The served operator's density guard (its training set one, as service.training sets it)."""
-    g = remote.info(refresh=True)["density_guard"]
-    assert g is not None and g["pairs"] == 300
-    return g["value"]
+def _guard(remote) -> dict:
+    """The served operator's density guard and input margin (as service.training sets them), as JITOperator
+    keywords."""
+    info = remote.info(refresh=True)
+    g = info["density_guard"]
+    assert g is not None and g["pairs"] == 300 and info["input_margin"] == 0.5
+    return {"density_guard": g["value"], "input_margin": info["input_margin"]}
 
 
 def _replayed(factor, pairs, guard, posts):
     """The in-process operator that learned each post once, in version order, as the server did: but for
     the pairs below its density guard (JITOperator.outside_rows)."""
-    jit = JITOperator(_in_process(factor, pairs), _sampler(factor, 0), threshold=THRESHOLD, density_guard=guard)
+    jit = JITOperator(_in_process(factor, pairs), _sampler(factor, 0), threshold=THRESHOLD, **guard)
     learned = []  # per post, the pairs learned
     for _, inc, q in posts:
         keep = np.flatnonzero(~jit.outside_rows(inc))
@@ -202,7 +204,7 @@ def test_client_oracle_ep_is_the_in_process_ep_and_consults_less_over_problems(c
         created = _in_process(factor, initial_pairs)
         guard = _guard(remote)
         local = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all",
-                            density_guard=guard)
+                            **guard)
         consultations, unlearned, posts = [], [], 0
         n0 = remote.info(refresh=True)["n_train"]
         assert n0 == 300 and remote.info()["version"] == 0
@@ -220,7 +222,7 @@ def test_client_oracle_ep_is_the_in_process_ep_and_consults_less_over_problems(c
             posts += remote.version - v0
             # the control: the same problem with the operator as created (nothing learned before it)
             fresh = JITOperator(copy.deepcopy(created), _sampler(factor, 7), threshold=THRESHOLD, selection="all",
-                                density_guard=guard)
+                                **guard)
             _ep(fresh, X, y)
             unlearned.append(fresh.counters()["consultations"])
             # ... and, within the Monte Carlo error, EP with the sampler answering every message.

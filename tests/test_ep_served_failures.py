@@ -467,3 +467,27 @@ def test_a_proxys_no_answer_is_an_operator_unavailable_error(status):
                 op.info()
     finally:
         srv.shutdown()
+
+
+def test_graph_ep_refuses_a_served_operators_client_side_oracle_for_other_factor_parameters():
+    """RemoteOperator(oracle=...) checks only that its oracle's variables and families match the server's; the
+    graph checks its factor: an oracle for gamma_rate(shape=5) beside an operator for the graph's shape 2."""
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+    from kjit.factors import get_factor
+
+    class _Served:  # (what GraphEP reads of a RemoteOperator: its factor, its client-side oracle)
+        factor = get_factor("gamma_rate", shape=2.0)
+
+        def __init__(self, oracle):
+            self.local_oracle = oracle
+            self.exact = QuadratureOracle(self.factor)
+
+        def belief(self, incoming, to=None):
+            return self.exact.belief(incoming, to)
+
+    g = poisson_gamma([3, 5, 2], shape=2.0)
+    other, same = (_Served(QuadratureOracle(get_factor("gamma_rate", shape=s))) for s in (5.0, 2.0))
+    with pytest.raises(ConfigurationError, match="shape"):
+        GraphEP(g, operators={("gamma_rate", "x"): other}).run()
+    assert GraphEP(g, operators={("gamma_rate", "x"): same}).run().outcome == "converged"

@@ -136,16 +136,20 @@ def test_a_moderately_wrong_belief_is_rejected_and_the_oracle_s_own_is_accepted(
     assert r.status_code == 422 and locs(r) == [("body", "beliefs", 0)], r.text
     assert "implausible" in r.text
     assert state(app_client) == before
-    # an honest but unusual observation (a very broad incoming message, outside the training
-    # distribution: its relative coordinates are far out) passes the oracle check
+    # an honest but unusual observation (a broad incoming message, beyond the training distribution) is accepted
+    # and learned
     from kjit.factors import Logistic
-    x, z = Gaussian([3.0], [3e3]), Beta([1.0], [2.0])
-    q = QuadratureOracle(Logistic()).belief({"x": x, "z": z}, "x")
-    inc = {"x": {"family": "gaussian", **x.to_dict()}, "z": {"family": "beta", **z.to_dict()}}
-    r = app_client.post("/v1/operators/logistic-x/observations",
-                        json=_obs(inc, {"family": "gaussian", **q.to_dict()}), headers=AUTH)
-    assert r.status_code == 200, r.text
-    assert r.json()["version"] == before[0]["version"] + 1
+    for var, learned in ((300.0, True), (3e3, False)):
+        x, z = Gaussian([3.0], [var]), Beta([1.0], [2.0])
+        q = QuadratureOracle(Logistic()).belief({"x": x, "z": z}, "x")
+        inc = {"x": {"family": "gaussian", **x.to_dict()}, "z": {"family": "beta", **z.to_dict()}}
+        r = app_client.post("/v1/operators/logistic-x/observations",
+                            json=_obs(inc, {"family": "gaussian", **q.to_dict()}), headers=AUTH)
+        assert r.status_code == 200, r.text
+        # (one much broader lies outside the data the operator learned — beyond its input margin: acknowledged,
+        # not learned; the version stays)
+        assert (r.json()["accepted"], r.json()["not_learned"]) == ((1, 0) if learned else (0, 1)), r.text
+        assert r.json()["version"] == before[0]["version"] + 1
 
 
 @pytest.mark.parametrize("name,factor,to", [("logistic-x", "logistic", "x"), ("logistic-z", "logistic", "z"),

@@ -77,7 +77,7 @@ def _assert_identical(a, b):
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
     for k in ("A", "b", "yy", "Sigma", "coef", "pending_X", "pending_Y", "x_sum", "target_range", "curvature_top",
-              "curvature_hist"):
+              "curvature_hist", "input_range"):
         np.testing.assert_array_equal(a[2][k], b[2][k], err_msg=k)
     assert a[2]["n"] == b[2]["n"] and a[2]["n_since_refactor"] == b[2]["n_since_refactor"]
 

@@ -271,6 +271,13 @@ def _checked(op, what: str, key, factor: Factor, checked: set, unknown: set):
         why = factor.mismatch(own, f"`{what}[{key!r}]`", "the graph's factor")
         if why is not None:
             raise ConfigurationError(why)
+    # a served operator's client-side oracle answers its uncertain rows: for the graph's factor too (found in
+    # review: RemoteOperator compared only its variables' families)
+    local = answered_factor(getattr(op, "local_oracle", None))
+    if local is not None:
+        why = factor.mismatch(local, f"the oracle of `{what}[{key!r}]`", "the graph's factor")
+        if why is not None:
+            raise ConfigurationError(why)
     checked.add(memo)
     return op
 

@@ -167,7 +167,7 @@ class JITOperator(Operator):
         oracle's noise counts as error.  The initial batch of a JIT started without an operator is learned
         whole.  ``float("inf")``: the operator stays as fitted but for a consulted row whose prediction was
         no belief (or whose KL is not a number), which is learned.  None (default): every consulted row is
-        learned (unless it lies far outside the learned range, or below the density guard).
+        learned (unless it lies far outside the learned range, or outside the data: :meth:`outside_rows`).
     density_guard : also consult a row whose :meth:`KernelOperator.density` (mean kernel value to
         the learned rows) is below this value, whatever its variance — a row far from every
         training row can have a small predictive variance and an arbitrary prediction (see
@@ -190,8 +190,8 @@ class JITOperator(Operator):
         None (default): keep ``density_guard``.
     input_margin : also consult, and do not learn, a row whose incoming messages have a coordinate
         (``Family.to_coords``: a Gaussian's mean and log variance, a Beta's or a Gamma's log parameters)
-        beyond the range of the pairs learned by more than this many times its width
-        (:meth:`KernelOperator.inputs_outside`; the range widens with every pair learned).  The density guard
+        beyond the range of the pairs the operator was fitted on by more than this many times its width
+        (:meth:`KernelOperator.inputs_outside`; learning online does not widen that range).  The density guard
         does not see such rows: a Gaussian message 100× wider than any learned has a mean embedding near
         the learned ones' (measured, fortieth session, a logistic → x operator of 300 pairs at cavity
         variances 0.1–3: 150 messages at variances 300–3e4 none below a 1 % density guard; learning them
@@ -448,9 +448,10 @@ class JITOperator(Operator):
         """The fitted operator's answer and the rows :meth:`predict` would send to the oracle, without
         consulting or learning: ``(belief, log predictive variance (…, k) weighted as the rule weighs
         it (see ``threshold``), uncertain mask)``.  The mask is this operator's rule — the threshold on
-        the variance its ``uncertainty`` names, an outgoing message whose precision's sign is undetermined, or a density below the guard — so a client whose oracle runs
-        elsewhere (a served operator's ``mode=predict``) consults exactly the rows ``predict`` with
-        ``selection="all"`` would."""
+        the variance its ``uncertainty`` names, an outgoing message whose precision's sign is undetermined,
+        or a message outside the data (:meth:`outside_rows`: below the density guard, beyond the input
+        margin) — so a client whose oracle runs elsewhere (a served operator's ``mode=predict``) consults
+        exactly the rows ``predict`` with ``selection="all"`` would."""
         q, var, _, uncertain, _, logw = self._screen(incoming, to)
         return q, np.log(var) + logw.reshape(var.shape), uncertain
 
@@ -673,17 +674,18 @@ class JITOperator(Operator):
             return np.repeat(s[:, None], np.shape(coords)[-1], axis=1)
         return self._decision_logvar(var) + logw
 
-    def outside_rows(self, incoming: Mapping[str, Family]) -> np.ndarray:
+    def outside_rows(self, incoming: Mapping[str, Family], density: bool = True) -> np.ndarray:
         """Per message (flat), whether it lies outside the data the operator learned — below the density
         guard (``density_guard``) or beyond the input margin (``input_margin``): what the operator
-        consults whatever its variance, and does not learn; all False without either."""
+        consults whatever its variance, and does not learn; all False without either.  ``density=False``:
+        beyond the input margin only — a fixed range, unlike the density, which learning moves."""
         flat, _ = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in flat.items()}
         n = next(iter(flat.values())).size
-        if self.operator is None or (self.density_guard is None and self.input_margin is None):
+        if self.operator is None or ((not density or self.density_guard is None) and self.input_margin is None):
             return np.zeros(n, dtype=bool)
         psi = None
-        if self.density_guard is not None:
+        if density and self.density_guard is not None:
             psi = self.operator.features_.transform(self.operator.feature_inputs(flat))
         return np.asarray(self._outside(flat, psi), bool).reshape(-1)
 

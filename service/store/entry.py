@@ -376,23 +376,34 @@ class Entry:
             version = self.version
         return q, None, np.ones(n, dtype=bool), version, 0, cert
 
-    def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None):
+    def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None,
+                checked=None):
         """Add pairs durably; returns ``(version, n_learned, duplicate, n_train)``: ``n_train`` the
         operator's pairs at ``version`` (None for a duplicate whose key a snapshot of an older server kept).
         Pairs whose incoming messages lie outside the data the operator learned (``JITOperator.outside_rows``:
         below its density guard or beyond its input margin, where learning moves every prediction while every
-        variance stays small) are acknowledged but not learned: the record holds the learned ones."""
-        dup, learned = [], {}
+        variance stays small) are acknowledged but not learned: the record holds the learned ones.  So are rows
+        not ``checked`` (a flat bool mask: the rows the request's plausibility checks saw, those within the
+        input margin — a fixed range, so all of them outside now too; None: all) and, as the audit's, pairs
+        far outside the learned targets' range (decided before the lock: the operator may have changed since,
+        found in review).  All decided under the lock, by the operator as it is: replaying the requests in
+        version order reproduces them."""
+        dup, learned, empty = [], {}, []
 
         def make():
             seen = self.keys.seen(key, body_hash)
             if seen is not None:
                 dup.append(seen)
                 return None
-            outside = self.jit.outside_rows(incoming)  # (under the lock that applies them)
-            keep = np.flatnonzero(~outside)
+            skip = self.jit.outside_rows(incoming) | self.jit.operator.out_of_range_rows(incoming, beliefs)
+            if checked is not None:  # (under the lock that applies them)
+                skip |= ~np.asarray(checked, bool).reshape(-1)
+            keep = np.flatnonzero(~skip)
+            if not keep.size and key is None:  # nothing to learn nor a key to keep: no record, the version stays
+                empty.append((self.version, int(self.jit.operator.n_train_)))
+                return None
             learned["pairs"] = ({v: m.ravel()[keep] for v, m in incoming.items()}, beliefs.ravel()[keep]) \
-                if outside.any() else (incoming, beliefs)
+                if skip.any() else (incoming, beliefs)
             rec = pairs_record("observe", *learned["pairs"])
             if key is not None:
                 rec["key"], rec["body_hash"] = key, body_hash
@@ -404,6 +415,8 @@ class Entry:
                 jit.operator.partial_fit(inc, bel)
 
         rec = self.commit.update(make, apply, aside=len(beliefs) >= ASIDE_ROWS)
+        if rec is None and empty:
+            return empty[-1][0], 0, False, empty[-1][1]
         if rec is None:
             return dup[0][0], dup[0][1], True, dup[0][2]
         return int(rec["seq"]), record_rows(rec), False, rec.get("n_train")
