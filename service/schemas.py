@@ -191,7 +191,8 @@ class ObservationsResponse(BaseModel):
                                             "outside the data the operator learned (below its `density_guard` "
                                             "or beyond its `input_margin`, in its detail), where one learned "
                                             "pair moves every prediction while every predictive variance stays "
-                                            "small")
+                                            "small — or whose targets lie far outside what it learned once the "
+                                            "update holds its lock (another update landed since the check)")
     version: int
     n_train: int = Field(description="the operator's training pairs at `version` (for a duplicate, at its first "
                                      "request's version)")

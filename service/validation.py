@@ -17,10 +17,10 @@ carry, and observations that are plausible data (service/README.md, "Hostile inp
   nats (KL[oracle ‖ observed]) of it.  Anything else (an oracle that cannot answer included)
   is rejected, and the whole request with it.  So is a belief, however right, whose regression
   targets lie far outside the range the operator has learned (``KernelOperator.out_of_range_rows``):
-  learning that one pair would move every prediction.  (A pair whose incoming messages lie outside the
-  data the operator learned — below its density guard or beyond its input margin,
-  ``JITOperator.outside_rows`` — is not checked: the request is acknowledged and the pair not learned,
-  ``Entry.observe``.)
+  learning that one pair would move every prediction.  (A pair whose incoming messages lie beyond the
+  operator's input margin — ``JITOperator.outside_rows(density=False)`` — is not checked: the request is
+  acknowledged and the pair not learned, ``Entry.observe``; one below its density guard is checked like any
+  other, and not learned either.)
 """
 
 from __future__ import annotations

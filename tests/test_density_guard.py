@@ -750,6 +750,9 @@ def test_the_service_acknowledges_pairs_outside_the_data_without_learning_them(t
             "beliefs": {"family": "gaussian", **q_far.to_dict()}})
         assert r.status_code == 200 and (r.json()["accepted"], r.json()["not_learned"]) == (0, 2), r.text
         assert r.json()["version"] == 2 and r.json()["n_train"] == 306  # (nothing learned, no key: no record)
+        records = [ln for ln in c.get("/metrics").text.splitlines()
+                   if ln.startswith('kjit_update_records_total{operator="logistic-x"}')]
+        assert records and float(records[0].split()[-1]) == 2.0  # (counted as written: found in review)
         # mode=predict marks the wide row uncertain whatever its variance
         p = c.post("/v1/operators/logistic-x/messages?mode=predict",
                    json={"to": "x", "incoming": inc}).json()

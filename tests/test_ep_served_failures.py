@@ -491,3 +491,56 @@ def test_graph_ep_refuses_a_served_operators_client_side_oracle_for_other_factor
     with pytest.raises(ConfigurationError, match="shape"):
         GraphEP(g, operators={("gamma_rate", "x"): other}).run()
     assert GraphEP(g, operators={("gamma_rate", "x"): same}).run().outcome == "converged"
+
+
+def test_one_object_serving_two_directions_is_declared_failed_for_the_one_it_never_answers():
+    """Found in review: the dead-operator check was per object, so an object answering r and failing x (GraphEP's
+    default oracle serves every direction of its factor) counted as answering, and the run went to max_iter."""
+    from kjit.ep.engine import OPERATOR_FAILURE_ITERATIONS as K
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+    from kjit.errors import OperatorUnavailableError
+    from kjit.factors import get_factor
+
+    class _Half:
+        factor = get_factor("gamma_rate", shape=2.0)
+
+        def __init__(self):
+            self.exact = QuadratureOracle(self.factor)
+
+        def belief(self, incoming, to=None):
+            if to == "x":
+                raise OperatorUnavailableError("no answer")
+            return self.exact.belief(incoming, to)
+
+    half = _Half()
+    g = poisson_gamma([3, 5, 2, 7], shape=2.0)
+    for schedule in ("sequential", "parallel"):
+        with pytest.warns(RuntimeWarning, match="operator\\(s\\) of gamma_rate→x failed"):
+            r = GraphEP(g, operators={("gamma_rate", "x"): half, ("gamma_rate", "r"): half}, schedule=schedule,
+                        max_iter=20).run()
+        assert r.outcome == "operator_failed" and r.iterations == K, (schedule, r.status)
+
+
+def test_linear_ep_refuses_a_served_operators_client_side_oracle_for_another_factor():
+    """LinearEP asks the operator's oracle for uncertain answers when none is passed — a RemoteOperator's is its
+    client-side oracle, which RemoteOperator checks by variables and families only (found in review)."""
+    from kjit.factors import get_factor
+    from kjit.families import Bernoulli
+
+    class _Served:
+        factor = get_factor("probit_noise", eps=0.05)
+
+        def __init__(self, oracle):
+            self.local_oracle = self.oracle = oracle
+            self.exact = QuadratureOracle(self.factor)
+
+        def belief(self, incoming, to=None):
+            return self.exact.belief(incoming, to)
+
+    rng = np.random.default_rng(0)
+    X = np.hstack([rng.normal(size=(20, 1)), np.ones((20, 1))])
+    obs = {"y": Bernoulli((X[:, 0] > 0).astype(float))}
+    wrong = _Served(QuadratureOracle(get_factor("probit_noise", eps=0.3)))
+    with pytest.raises(ConfigurationError, match="eps"):
+        LinearEP(wrong, prior_var=1.0, max_iter=5, site_var="f", warn_unconverged=False).run(X, obs)

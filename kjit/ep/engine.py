@@ -783,6 +783,10 @@ class LinearEP:
             # (found by an audit: an oracle for probit_noise(eps=0.3) answered every uncertain site of an eps=0.05
             # model, "converged" at eps=0.3's posterior, with no word)
             check_same_factor(self.oracle, self.operator, "`oracle`", "the operator")
+        elif getattr(self.operator, "local_oracle", None) is not None:
+            # (a served operator's client-side oracle, which RemoteOperator checks by variables and families only:
+            # found in review)
+            check_same_factor(self.operator.local_oracle, self.operator, "the operator's oracle", "the operator")
         for name in ("divergence_limit", "answer_rtol", "sign_z"):
             check_number(name, getattr(self, name), 0.0, low_open=True)
         return np.broadcast_to(1.0 / pv, (d,)).astype(float)

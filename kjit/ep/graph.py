@@ -206,7 +206,9 @@ class GraphIteration:
     # per operator (id), its calls running that got no answer at all (OperatorUnavailableError): not asked again
     # this iteration at OPERATOR_FAILURE_ITERATIONS
     _unanswered: dict = field(default_factory=dict, repr=False, compare=False)
-    # per operator (id): whether it gave an answer this iteration, and, for those asked without one, their name
+    # per (operator id, recipient): whether it gave an answer this iteration, and, for those asked without one, their
+    # name (per pair: one object may serve two directions — GraphEP's default oracle serves every direction of its
+    # factor — and answer one while failing the other: found in review)
     _answered: set = field(default_factory=set, repr=False, compare=False)
     _failed: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -490,7 +492,7 @@ class GraphEP:
         history: list[GraphIteration] = []
         converged, diverged, calls = False, None, 0
         failing = 0  # consecutive iterations in which the operators failed every update they were asked
-        dead: dict = {}  # per operator (id): [its name, iterations running in which it answered nothing it was asked]
+        dead: dict = {}  # per (operator id, recipient): [its name, iterations running it answered nothing it was asked]
         gone: list = []  # those of them at OPERATOR_FAILURE_ITERATIONS
         t_start = time.perf_counter()
         # divergence (divergence_limit): a site large against its variable's prior and posterior, or
@@ -704,7 +706,7 @@ class GraphEP:
                     # (no answer to that many calls running — a server down or hung: not asked again this
                     # iteration, each call would wait out its timeout and retries; found by an audit)
                     rec.skipped["operator_error"] += live.size
-                    rec._failed.setdefault(id(op), f"{f.name}→{to}")
+                    rec._failed.setdefault((id(op), to), f"{f.name}→{to}")
                     if len(rec.errors) < 5:
                         rec.errors.append(f"{f.name}→{to}: the operator did not answer {OPERATOR_FAILURE_ITERATIONS} "
                                           f"calls running: {live.size} more updates not asked this iteration")
@@ -739,17 +741,17 @@ class GraphEP:
                         rec.skipped["operator_error"] += bad.size
                         live = np.delete(live, bad)
                 if q is None:
-                    rec._failed.setdefault(id(op), f"{f.name}→{to}")
+                    rec._failed.setdefault((id(op), to), f"{f.name}→{to}")
                     continue
                 fam = f.families[to]
                 if not isinstance(q, fam) or q.shape != (live.size,):
-                    rec._failed.setdefault(id(op), f"{f.name}→{to}")
+                    rec._failed.setdefault((id(op), to), f"{f.name}→{to}")
                     rec.skipped["operator_error"] += live.size
                     if len(rec.errors) < 5:
                         rec.errors.append(f"{f.name}→{to}: the operator returned {type(q).__name__} of shape "
                                           f"{getattr(q, 'shape', None)}, expected {fam.__name__} of shape ({live.size},)")
                     continue
-                rec._answered.add(id(op))
+                rec._answered.add((id(op), to))
                 with np.errstate(all="ignore"):
                     qn = np.asarray(q.natural(), float).reshape(live.size, -1)
                     good = np.asarray(q.is_proper, bool) & np.all(np.isfinite(qn), axis=1)

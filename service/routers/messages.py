@@ -305,7 +305,7 @@ def observations(
         raise ApiError(422, ["body"], f"these observations cannot be learned: {exc}", "not_computable") from None
     except Exception as exc:  # the operator was rebuilt from the store: nothing was added
         raise internal_error("the update failed and was rolled back", exc, type_="update_failed") from None
-    if not dup:
+    if not dup and (accepted or idempotency_key is not None):  # (nothing learned and no key: no record written)
         metrics.updates.labels(entry.name, "observations").inc(accepted)
         metrics.records.labels(entry.name).inc()
     return _observed(entry, version, accepted, n_train, dup, len(beliefs))

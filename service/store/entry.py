@@ -385,9 +385,10 @@ class Entry:
         variance stays small) are acknowledged but not learned: the record holds the learned ones.  So are rows
         not ``checked`` (a flat bool mask: the rows the request's plausibility checks saw, those within the
         input margin — a fixed range, so all of them outside now too; None: all) and, as the audit's, pairs
-        far outside the learned targets' range (decided before the lock: the operator may have changed since,
-        found in review).  All decided under the lock, by the operator as it is: replaying the requests in
-        version order reproduces them."""
+        far outside the learned targets' range (the route checked them before the lock: the operator may have
+        changed since, found in review).  All decided under the lock, by the operator as it is: replaying the
+        requests in version order reproduces them.  Nothing to learn and no ``key``: no record, the version
+        and pairs as they are."""
         dup, learned, empty = [], {}, []
 
         def make():
