@@ -116,6 +116,9 @@ def add_args(ap):
     ap.add_argument("--guard-share", type=float, default=None,
                     help="also consult rows whose density to the learned rows is below this share of the initial "
                          "batch's (JITOperator(guard_share=...); default: no density guard)")
+    ap.add_argument("--input-margin", type=float, default=None,
+                    help="also consult, and do not learn, rows beyond this many widths of the initial batch's "
+                         "input range (JITOperator(input_margin=...); default: none)")
 
 
 def process_settings(args):
@@ -142,6 +145,7 @@ def run_sequence(problems, names, args, is_problems):
         None, ImportanceSamplingOracle(factor, n_samples=args.particles, random_state=args.seed + 1, reuse=reuse),
         threshold=args.threshold, initial_batch=args.initial_batch, to="x", target_kl=args.target_kl,
         selection=getattr(args, "selection", "greedy"), guard_share=getattr(args, "guard_share", None),
+        input_margin=getattr(args, "input_margin", None),
         operator_kwargs={"n_inner": args.d_in, "n_outer": args.d_out, "random_state": args.seed,
                          "dtype": "float32", "width_rules": tuple(getattr(args, "width_rules", WIDTH_RULES)),
                          "reference": getattr(args, "reference", "auto")},
@@ -198,6 +202,7 @@ def summarise(rows, per_msg, jit, first=1):
         "jit_over_quad_after_first": total("jit_seconds", later) / total("quad_seconds", later),
         "threshold_used": jit.threshold,
         **({"density_guard_used": jit.density_guard} if jit.guard_share is not None else {}),
+        **({"input_margin": jit.input_margin} if jit.input_margin is not None else {}),
         "consultation_rate": c["consultation_rate"],
         "consultation_rate_after_first": total("jit_consultations", later) / max(1.0, total("jit_requests", later)),
         "max_test_error_gap_vs_quad": float(max(abs(r["jit_test_error"] - r["quad_test_error"]) for r in rows)),

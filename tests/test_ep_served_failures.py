@@ -544,3 +544,23 @@ def test_linear_ep_refuses_a_served_operators_client_side_oracle_for_another_fac
     wrong = _Served(QuadratureOracle(get_factor("probit_noise", eps=0.3)))
     with pytest.raises(ConfigurationError, match="eps"):
         LinearEP(wrong, prior_var=1.0, max_iter=5, site_var="f", warn_unconverged=False).run(X, obs)
+
+
+def test_a_declared_factor_stands_for_any_factor_with_its_variables_and_families():
+    """A served operator for a client's factor (the server has only its declaration): the client-side oracle's
+    factor is the same factor when its variables and families are the declared ones, another otherwise."""
+    from kjit.factors import get_factor
+    from kjit.factors.base import SampledFactor
+    from kjit.families import Beta, Gaussian
+
+    decl = get_factor("declared", label="robust", variables={"x": "gaussian", "z": "beta"}, output="z")
+    same = SampledFactor("robust", inputs={"x": Gaussian}, output=("z", Beta), sampler=lambda v, rng: v["x"])
+    other = SampledFactor("robust", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, rng: v["x"])
+    assert decl.mismatch(same) is None and same.mismatch(decl) is None
+    assert "variables and families" in decl.mismatch(other, "the oracle", "the operator")
+    assert "variables and families" in other.mismatch(decl, "the operator", "the oracle")
+    # (all a declaration says: any factor with those variables and families, a built-in one too)
+    assert get_factor("logistic").mismatch(decl) is None
+    decl2 = get_factor("declared", label="robust", variables={"x": "gaussian", "z": "beta"}, output="z")
+    assert decl.mismatch(decl2) is None and "label" in decl.mismatch(
+        get_factor("declared", label="other", variables={"x": "gaussian", "z": "beta"}, output="z"))

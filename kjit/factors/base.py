@@ -320,6 +320,8 @@ class Factor:
         pairs labelled shape 3 (231 of 493 rows it then accepted at threshold -6 were > 0.1 nats off)."""
         if other is self:
             return None
+        if isinstance(other, Factor) and getattr(other, "declared", False) and not getattr(self, "declared", False):
+            return other.mismatch(self, mine, theirs)  # (a declaration decides what it stands for)
         if isinstance(other, Factor):
             if type(other) is not type(self):
                 return (f"{theirs} and {mine} are for different factors: {other!r} ({type(other).__name__}) "
@@ -663,6 +665,8 @@ class SampledFactor(Factor):
         factory built both (each :func:`get_factor` of a factory is a new object: a saved operator and its
         oracle are rebuilt so — found in review), else never: two sampled factors of one name may sample
         different things (a recorded ``(name, params)`` is compared as usual)."""
+        if isinstance(other, Factor) and getattr(other, "declared", False):
+            return other.mismatch(self, mine, theirs)  # (a declaration decides what it stands for)
         if isinstance(other, Factor) and other is not self and (
                 self._origin is None or getattr(other, "_origin", None) is not self._origin):
             return (f"{theirs} is for another sampled factor named {other.name!r} ({mine}'s is {self.name!r}): "

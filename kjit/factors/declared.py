@@ -15,7 +15,7 @@ from typing import Mapping
 
 from .base import Factor, register_factor
 from ..errors import quoted
-from ..families import FAMILIES
+from ..families import FAMILIES, family_name
 
 __all__ = ["DeclaredFactor"]
 
@@ -50,8 +50,25 @@ class DeclaredFactor(Factor):
         self.output = output
         self.families = {**{v: fams[v] for v in self.inputs}, output: fams[output]}
 
+    #: stands for a factor whose code is elsewhere (Factor.mismatch asks this side)
+    declared = True
+
     def params(self) -> dict:
         return {"label": self.label, "variables": dict(self._variables), "output": self.output}
+
+    def mismatch(self, other, theirs: str = "the other", mine: str = "this one") -> str | None:
+        """As :meth:`Factor.mismatch` for another declared factor or a recorded ``(name, params)``; a factor
+        with code — the client's own, which this declaration stands for — is this one when its variables and
+        their families are these, all a declaration says (found in review: a served declared operator's
+        client-side oracle was refused as "another factor")."""
+        if isinstance(other, Factor) and not getattr(other, "declared", False):
+            here = dict(self._variables)
+            there = {v: family_name(f) for v, f in other.families.items()}
+            if there == here:
+                return None
+            return (f"{theirs} and {mine} are for different factors: variables and families {there} for {theirs}, "
+                    f"{here} for {mine} (declared as {self.label!r})")
+        return super().mismatch(other, theirs, mine)
 
     def sample(self, inputs, size, rng):
         raise ValueError(f"factor {self.label!r} is declared by its variables only: its samples are drawn by its "
