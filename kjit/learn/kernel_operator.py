@@ -709,10 +709,22 @@ class KernelOperator(Operator):
         return _outside_range(c, r, margin)
 
     def _inputs_outside_flat(self, flat: Mapping[str, Family], margin: float) -> np.ndarray:
-        """:meth:`inputs_outside` of flat incoming messages already checked (the JIT's hot path)."""
+        """:meth:`inputs_outside` of flat incoming messages already checked, hence proper (the JIT's hot
+        path: the bounds kept per margin, the coordinates without the properness masks)."""
         r = getattr(self, "input_range_", None)
-        c = input_coords(self.feature_inputs(flat))
-        return np.zeros(len(c), dtype=bool) if r is None else _outside_range(c, r, margin)
+        messages = self.feature_inputs(flat)
+        if r is None:
+            return np.zeros(next(iter(flat.values())).size, dtype=bool)
+        cached = getattr(self, "_input_bounds", None)
+        if cached is None or cached[0] != margin or cached[1] is not r:
+            cached = self._input_bounds = (margin, r, *_range_bounds(r, margin))
+        try:
+            with np.errstate(all="ignore"):
+                c = np.hstack([m.to_coords().reshape(m.size, -1) for m in messages])
+        except ValueError:  # (an improper message after all: the general path, NaN for it)
+            c = input_coords(messages)
+        with np.errstate(invalid="ignore"):
+            return ~((c >= cached[2]) & (c <= cached[3])).all(axis=1)
 
     def _unpack(self, data, beliefs):
         if isinstance(data, TrainingSet):
@@ -1886,14 +1898,22 @@ def _input_range(c) -> np.ndarray | None:
     return np.stack([lo, hi])
 
 
-def _outside_range(c, r, margin: float) -> np.ndarray:
-    """Rows of ``c`` beyond ``margin`` widths of the range ``r`` in some coordinate, or NaN there (an
-    unchecked column, (−inf, inf), holds every number)."""
+def _range_bounds(r, margin: float):
+    """(low, high): the range ``r`` widened by ``margin`` widths on each side (a width under 1e-3 of the
+    range's magnitude counts as that; an unchecked column, (−inf, inf), stays so)."""
     lo, hi = r
     with np.errstate(invalid="ignore", over="ignore"):
         width = np.maximum(hi - lo, 1e-3 * np.maximum(1.0, np.maximum(np.abs(lo), np.abs(hi))))
         pad = np.where(np.isfinite(width), margin * width, np.inf)
-        inside = (c >= lo - pad) & (c <= hi + pad)
+        return lo - pad, hi + pad
+
+
+def _outside_range(c, r, margin: float) -> np.ndarray:
+    """Rows of ``c`` beyond ``margin`` widths of the range ``r`` in some coordinate, or NaN there (an
+    unchecked column, (−inf, inf), holds every number)."""
+    low, high = _range_bounds(r, margin)
+    with np.errstate(invalid="ignore"):
+        inside = (c >= low) & (c <= high)
     return ~inside.all(axis=1)
 
 
