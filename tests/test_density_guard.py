@@ -575,7 +575,7 @@ def _wide(n, rng, lo=300.0, hi=3e4):
 
 
 def test_the_input_range_is_the_fits_kept_restored_and_checked(op, train, factor, oracle):
-    from kjit.learn.kernel_operator import _outside_range, input_coords
+    from kjit.learn.kernel_operator import _outside_bounds, _range_bounds, input_coords
 
     c = np.hstack([train.incoming["x"].to_coords(), train.incoming["z"].to_coords()])  # (mean, log var, log α, log β)
     np.testing.assert_array_equal(op.input_range_, [c.min(axis=0), c.max(axis=0)])
@@ -595,7 +595,8 @@ def test_the_input_range_is_the_fits_kept_restored_and_checked(op, train, factor
             "z": Beta([2.0] * 3, [1.0] * 3)}
     assert op.inputs_outside(rows, 0.5).tolist() == [False, True, True]
     assert op.inputs_outside(rows, 1.0).tolist() == [False, False, False]
-    assert _outside_range(np.array([[np.nan, 0.0, 0.0, 0.0]]), op.input_range_, 10.0).tolist() == [True]
+    nan_row = np.array([[np.nan, 0.0, 0.0, 0.0]])
+    assert _outside_bounds(nan_row, *_range_bounds(op.input_range_, 10.0)).tolist() == [True]
     # a state saved before the range was kept: nothing is outside; a malformed one is refused
     old = copy.deepcopy(op.state_dict())
     del old["fitted"]["input_range"]

@@ -701,30 +701,25 @@ class KernelOperator(Operator):
         low — and learning it moves the predictions everywhere (see ``JITOperator(input_margin=)``).
         All False for an operator restored from a state saved before the range was kept."""
         self._check_fitted()
-        r = getattr(self, "input_range_", None)
-        messages, _, _ = self._messages(incoming)
-        c = input_coords(messages)
-        if r is None:
-            return np.zeros(len(c), dtype=bool)
-        return _outside_range(c, r, margin)
+        inc, _ = self.factor.check_incoming(incoming, self.to)
+        return self._inputs_outside_flat({v: m.ravel() for v, m in inc.items()}, margin)
 
     def _inputs_outside_flat(self, flat: Mapping[str, Family], margin: float) -> np.ndarray:
         """:meth:`inputs_outside` of flat incoming messages already checked, hence proper (the JIT's hot
         path: the bounds kept per margin, the coordinates without the properness masks)."""
         r = getattr(self, "input_range_", None)
-        messages = self.feature_inputs(flat)
         if r is None:
             return np.zeros(next(iter(flat.values())).size, dtype=bool)
         cached = getattr(self, "_input_bounds", None)
         if cached is None or cached[0] != margin or cached[1] is not r:
             cached = self._input_bounds = (margin, r, *_range_bounds(r, margin))
+        messages = self.feature_inputs(flat)
         try:
             with np.errstate(all="ignore"):
                 c = np.hstack([m.to_coords().reshape(m.size, -1) for m in messages])
         except ValueError:  # (an improper message after all: the general path, NaN for it)
             c = input_coords(messages)
-        with np.errstate(invalid="ignore"):
-            return ~((c >= cached[2]) & (c <= cached[3])).all(axis=1)
+        return _outside_bounds(c, cached[2], cached[3])
 
     def _unpack(self, data, beliefs):
         if isinstance(data, TrainingSet):
@@ -1908,13 +1903,10 @@ def _range_bounds(r, margin: float):
         return lo - pad, hi + pad
 
 
-def _outside_range(c, r, margin: float) -> np.ndarray:
-    """Rows of ``c`` beyond ``margin`` widths of the range ``r`` in some coordinate, or NaN there (an
-    unchecked column, (−inf, inf), holds every number)."""
-    low, high = _range_bounds(r, margin)
+def _outside_bounds(c, low, high) -> np.ndarray:
+    """Rows of ``c`` below ``low`` or above ``high`` in some coordinate, or NaN there."""
     with np.errstate(invalid="ignore"):
-        inside = (c >= low) & (c <= high)
-    return ~inside.all(axis=1)
+        return ~((c >= low) & (c <= high)).all(axis=1)
 
 
 def _require_finite_rows(Y: np.ndarray, what: str) -> None:
