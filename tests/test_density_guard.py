@@ -685,6 +685,8 @@ def test_rows_outside_are_consulted_whatever_their_variance_and_the_rest_learned
     np.testing.assert_array_equal(consulted, base.screen(rows)[2] | outside)
     learned = np.concatenate(jit.last_learned_groups_) if jit.last_learned_groups_ else np.array([], int)
     np.testing.assert_array_equal(np.sort(learned), np.flatnonzero(consulted & ~outside))
+    c = jit.counters()  # (the consultations of messages outside the data, counted apart)
+    assert c["consultations"] == consulted.sum() and c["consultations_outside"] == outside.sum() >= 10
     back = JITOperator.from_state_dict(jit.state_dict())
     assert back.input_margin == 0.5
     for bad in (-1.0, float("nan"), float("inf")):

@@ -200,7 +200,9 @@ class JITOperator(Operator):
         margin; the service's training sets ``service.training.INPUT_MARGIN``.
 
     Counters (``counters()``): calls, requests (messages), consultations (messages sent to the
-    oracle), seconds in prediction, in the oracle, in updates and in the initial fit.
+    oracle), of them ``consultations_outside`` (messages outside the data, :meth:`outside_rows`: answered,
+    not learned — a share near the consultation rate says the traffic lies beyond what the operator was
+    trained on), seconds in prediction, in the oracle, in updates and in the initial fit.
     """
 
     def __init__(self, operator: KernelOperator | None, oracle, threshold: float | None = None,
@@ -307,7 +309,7 @@ class JITOperator(Operator):
         self._keep_undo = False
         self._oracle_certs: list = []  # (rows of the request, certificates) of this request's oracle answers
         self.last_learned_groups_: list = []  # rows each partial_fit of the last request learned
-        self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0,
+        self._counts = {"calls": 0, "requests": 0, "consultations": 0, "updates": 0, "consultations_outside": 0,
                         "seconds_predict": 0.0, "seconds_oracle": 0.0, "seconds_update": 0.0,
                         "seconds_initial_fit": 0.0}
 
@@ -579,6 +581,7 @@ class JITOperator(Operator):
             outside = self._outside(sub, psi[idx])
             if outside is not None:
                 learn &= ~outside
+                self._counts["consultations_outside"] += int(outside.sum())
             if self.learn_above_kl is not None:
                 learn &= ~self._near_exact(coords[idx], sub, q_or)
             answers.append((idx, q_or, idx[learn]))
