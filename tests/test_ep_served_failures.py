@@ -20,6 +20,7 @@ from kjit.oracles import QuadratureOracle
 from test_service_fixtures import (  # noqa: F401 - fixtures
     TOKEN,
     live,
+    load_pristine,
     pristine_store,
     probe,
     settings_for,
@@ -564,3 +565,38 @@ def test_a_declared_factor_stands_for_any_factor_with_its_variables_and_families
     decl2 = get_factor("declared", label="robust", variables={"x": "gaussian", "z": "beta"}, output="z")
     assert decl.mismatch(decl2) is None and "label" in decl.mismatch(
         get_factor("declared", label="other", variables={"x": "gaussian", "z": "beta"}, output="z"))
+
+
+def test_ep_through_a_served_operator_on_messages_outside_its_data_consults_instead_of_guessing(live, pristine_store):
+    """Broad priors (variance 1e4, features at scale 5) send cavities far wider than the served logistic → x
+    operator's training messages (variances ≤ 31.6).  Its predictive variance does not say so: without the
+    guards, over 4 problems in turn, EP stops unconverged on 3 and ends 0.13–0.96 sd off exact-rule EP
+    (measured); served as trained (density guard and input margin) every such message goes to the oracle,
+    unlearned, and the runs converge within 0.05 sd (measured; 0.1 asserted, the largest over 6 problems
+    was 0.073 — the rows inside the data the operator still answers)."""
+    from kjit.ep import BayesianLogisticRegression
+
+    def problem(seed, n=30, d=3):
+        rng = np.random.default_rng(seed)
+        X = np.hstack([rng.normal(size=(n, d - 1)) * 5.0, np.ones((n, 1))])
+        return X, (X @ rng.normal(size=d) + 0.3 * rng.normal(size=n) > 0).astype(float)
+
+    exact = QuadratureOracle(Logistic())
+    plain = load_pristine(pristine_store, "logistic-x")
+    assert plain.density_guard is not None and plain.input_margin == 0.5  # (as service.training set them)
+    plain.density_guard = plain.input_margin = None
+    gaps = {"served": [], "unguarded": []}
+    with RemoteOperator(live.url, "logistic-x", token=TOKEN, mode="jit") as remote:
+        for seed in range(4):
+            X, y = problem(seed)
+            ref = BayesianLogisticRegression(exact, prior_var=1e4, max_iter=300).fit(X, y)
+            sd = np.sqrt(np.diag(ref.posterior_.cov))
+            for name, op in (("served", remote), ("unguarded", plain)):
+                m = BayesianLogisticRegression(op, prior_var=1e4, max_iter=300, warn_unconverged=False).fit(X, y)
+                assert m.converged_ or name == "unguarded"
+                gaps[name].append(float(np.max(np.abs(m.coef_ - ref.coef_) / sd)))
+        c = remote.counters()
+    assert max(gaps["served"]) < 0.1 and max(gaps["unguarded"]) > 0.5, gaps
+    # the messages outside were answered and not learned
+    assert c["consultations_outside"] > 0 and c["n_train"] - 300 <= c["consultations"] - c["consultations_outside"]
+    assert plain.counters()["consultations_outside"] == 0
