@@ -385,6 +385,9 @@ class OperatorDetail(OperatorSummary):
                           "with a coordinate (a Gaussian's mean or log variance, a Beta's or Gamma's log "
                           "parameters) more than this many widths of the training pairs' range beyond it is outside "
                           "the data, treated as one below the density guard; null for an operator without one")
+    guard_note: str | None = Field(
+        None, description="for an operator with neither a density guard nor an input margin (trained before the "
+                          "fortieth session, or not by the service): what that means and what to do; null otherwise")
     decision_weighting: Literal["range+density", "range", "none"] | None = Field(
         None, description="what the just-in-time rule weighs the log variances against (kjit/curvature.py): "
                           "`range+density` — an answer more concentrated than the beliefs learned, or between "

@@ -78,6 +78,7 @@ __all__ = [
     "GUARD_SHARE",
     "INPUT_MARGIN",
     "below_floor_note",
+    "unguarded_note",
 ]
 
 TARGET_KL = 1e-3
@@ -309,6 +310,17 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
     if progress:
         progress("fit", 1, 1)
     return jit, ts, info
+
+
+def unguarded_note(jit) -> str | None:
+    """What a user should know about an operator without a density guard or an input margin (trained before
+    the fortieth session, or published without service.training): None for one with either."""
+    if getattr(jit, "density_guard", None) is not None or getattr(jit, "input_margin", None) is not None:
+        return None
+    return ("no density guard and no input margin (trained before they existed, or not by the service): "
+            "messages outside its training data are answered by its regression, whose variance does not say "
+            "so, and learned by mode=jit and observations, which can move every prediction; train it again "
+            "(POST /v1/operators) to have both")
 
 
 def below_floor_note(jit, how: str | None = None) -> str | None:

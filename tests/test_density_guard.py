@@ -775,3 +775,32 @@ def test_the_service_acknowledges_pairs_outside_the_data_without_learning_them(t
     np.testing.assert_array_equal(e.jit.operator.predict(probe_rows)[0].mean(),
                                   ref.operator.predict(probe_rows)[0].mean())
     st.close()
+
+
+def test_an_operator_without_guards_is_said_so_at_load_and_in_its_detail(tmp_path, caplog):
+    """A store trained before the guards keeps operators without them: the server says so (a warning when it
+    loads one, `guard_note` in its detail) instead of serving them silently; an operator trained now has none."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from service import Settings, create_app
+    from test_service_fixtures import small_store
+
+    def unguarded(jit):
+        jit.density_guard = jit.input_margin = None
+
+    small_store(tmp_path / "store", "old-x", "logistic", "x", prepare=unguarded).close()
+    store = small_store(tmp_path / "store2", "new-x", "logistic", "x")
+    store.close()
+    for root, name, old in ((tmp_path / "store", "old-x", True), (tmp_path / "store2", "new-x", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            with TestClient(create_app(Settings(store=root, token="t0ken"))) as c:
+                for _ in range(500):
+                    if c.get("/ready").status_code == 200:
+                        break
+                note = c.get(f"/v1/operators/{name}").json()["guard_note"]
+        warned = [r for r in caplog.records if "no density guard and no input margin" in r.getMessage()]
+        assert (note is not None and "train it again" in note and len(warned) == 1) if old else \
+            (note is None and not warned)

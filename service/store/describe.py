@@ -7,7 +7,7 @@ import json
 from kjit.families import family_name
 from kjit.oracles import ClientOracle, ImportanceSamplingOracle, MessageImportanceSampler
 
-from ..training import below_floor_note
+from ..training import below_floor_note, unguarded_note
 
 __all__ = ["summary", "detail", "oracle_kind"]
 
@@ -54,6 +54,7 @@ def detail(entry) -> dict:
             "density_guard": (None if _finite(jit.density_guard) is None else
                               {"value": jit.density_guard, "pairs": float(jit.guard_rows_)}),
             "input_margin": jit.input_margin,
+            "guard_note": unguarded_note(jit),
             "oracle": {"kind": oracle_kind(jit.oracle)},
             "audit": {"enabled": audit is not None and not isinstance(jit.oracle, ClientOracle),
                       "audited_pairs": entry.audited_pairs,

@@ -35,6 +35,7 @@ from kjit.persistence import dumps_state, loads_state
 from ..files import fsync_dir, write_atomic
 from ..names import NAME_RE
 from ..shared import SharedLog, SharedLogError
+from ..training import unguarded_note
 from . import blas
 from .entry import Entry, self_test
 from .errors import Conflict, NotFound, NotReady
@@ -201,6 +202,9 @@ class OperatorStore:
             self.loading.discard(name)
             self.retry.discard(name)
         log.info("operator %s loaded (version %d) in %.2fs", name, entry.version, time.perf_counter() - t)
+        note = unguarded_note(entry.jit)
+        if note is not None:  # (an operator of a store trained before the guards: said once, at load)
+            log.warning("operator %s: %s", name, note)
 
     def _adopt(self, name: str) -> None:
         """Write another replica's operator into this store from its shared base."""
