@@ -183,8 +183,8 @@ def test_observation_answer_names_the_pairs_at_its_version(app_client, monkeypat
     real = Entry.observe
     pending = [other]
 
-    def observe(self, incoming, beliefs, key, body_hash, checked=None):
-        out = real(self, incoming, beliefs, key, body_hash, checked)
+    def observe(self, incoming, beliefs, key, body_hash):
+        out = real(self, incoming, beliefs, key, body_hash)
         while pending:  # another request's update, applied before this one's answer is formed
             real(self, *pending.pop(), None, None)
         return out

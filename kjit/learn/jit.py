@@ -692,6 +692,12 @@ class JITOperator(Operator):
             psi = self.operator.features_.transform(self.operator.feature_inputs(flat))
         return np.asarray(self._outside(flat, psi), bool).reshape(-1)
 
+    def unlearnable_rows(self, incoming: Mapping[str, Family], beliefs: Family) -> np.ndarray:
+        """Per pair (flat), whether it is answered but not learned: its targets far outside the learned range
+        (:meth:`KernelOperator.out_of_range_rows`) or its messages outside the data (:meth:`outside_rows`) —
+        what the service's observations and audit leave out of what they learn, as :meth:`predict` does."""
+        return np.asarray(self.operator.out_of_range_rows(incoming, beliefs), bool) | self.outside_rows(incoming)
+
     def _outside(self, flat, psi):
         """Rows of the flat (checked) messages ``flat`` (features ``psi``, or None: no density guard)
         outside the data: below the density guard or beyond the input margin; None without either."""

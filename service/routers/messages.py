@@ -281,8 +281,7 @@ def observations(
     # the rows beyond the operator's input margin are acknowledged and never learned (Entry.observe): not checked
     # either (found in review: a far one could refuse the whole request it would not be learned from).  Those
     # below its density guard are checked: learning elsewhere can move a row above the guard before the lock
-    checked = ~np.asarray(jit.outside_rows(inc, density=False), bool)
-    idx = np.flatnonzero(checked)
+    idx = np.flatnonzero(~np.asarray(jit.outside_rows(inc, density=False), bool))
     bad = []
     if idx.size:
         sub = ((inc, beliefs) if idx.size == n_inc else
@@ -293,7 +292,7 @@ def observations(
         raise ApiError.many(422, [{"loc": ["body", "beliefs", i], "type": kind,
                                    "msg": f"row {i}: {why}"} for i, why, kind in bad])
     try:
-        version, accepted, dup, n_train = entry.observe(inc, beliefs, idempotency_key, body_hash, checked)
+        version, accepted, dup, n_train = entry.observe(inc, beliefs, idempotency_key, body_hash)
     except Conflict as exc:
         raise ApiError(409, ["header", "Idempotency-Key"], str(exc), "idempotency_conflict") from None
     except PersistError as exc:

@@ -376,19 +376,17 @@ class Entry:
             version = self.version
         return q, None, np.ones(n, dtype=bool), version, 0, cert
 
-    def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None,
-                checked=None):
+    def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None):
         """Add pairs durably; returns ``(version, n_learned, duplicate, n_train)``: ``n_train`` the
         operator's pairs at ``version`` (None for a duplicate whose key a snapshot of an older server kept).
         Pairs whose incoming messages lie outside the data the operator learned (``JITOperator.outside_rows``:
         below its density guard or beyond its input margin, where learning moves every prediction while every
-        variance stays small) are acknowledged but not learned: the record holds the learned ones.  So are rows
-        not ``checked`` (a flat bool mask: the rows the request's plausibility checks saw, those within the
-        input margin — a fixed range, so all of them outside now too; None: all) and, as the audit's, pairs
-        far outside the learned targets' range (the route checked them before the lock: the operator may have
-        changed since, found in review).  All decided under the lock, by the operator as it is: replaying the
-        requests in version order reproduces them.  Nothing to learn and no ``key``: no record, the version
-        and pairs as they are."""
+        variance stays small) are acknowledged but not learned: the record holds the learned ones.  So are, as
+        the audit's, pairs far outside the learned targets' range (the route checked them before the lock: the
+        operator may have changed since, found in review); the rows the route did not check, beyond the input
+        margin (a fixed range), are among the outside ones.  All decided under the lock, by the operator as it
+        is (``JITOperator.unlearnable_rows``): replaying the requests in version order reproduces them.
+        Nothing to learn and no ``key``: no record, the version and pairs as they are."""
         dup, learned, empty = [], {}, []
 
         def make():
@@ -396,9 +394,7 @@ class Entry:
             if seen is not None:
                 dup.append(seen)
                 return None
-            skip = self.jit.outside_rows(incoming) | self.jit.operator.out_of_range_rows(incoming, beliefs)
-            if checked is not None:  # (under the lock that applies them)
-                skip |= ~np.asarray(checked, bool).reshape(-1)
+            skip = self.jit.unlearnable_rows(incoming, beliefs)  # (under the lock that applies them)
             keep = np.flatnonzero(~skip)
             if not keep.size and key is None:  # nothing to learn nor a key to keep: no record, the version stays
                 empty.append((self.version, int(self.jit.operator.n_train_)))
@@ -434,9 +430,8 @@ class Entry:
             # pairs far outside what the operator has learned are audited (their KLs are in the payload:
             # they are the worst) but not learned (KernelOperator.out_of_range_rows; found in review: one
             # such row made the whole audit fail after a rebuild of the operator)
-            # (nor pairs outside the data: JITOperator.outside_rows)
-            keep = np.flatnonzero(~(self.jit.operator.out_of_range_rows(incoming, beliefs)
-                                    | self.jit.outside_rows(incoming)))
+            # (nor pairs outside the data: JITOperator.unlearnable_rows)
+            keep = np.flatnonzero(~self.jit.unlearnable_rows(incoming, beliefs))
             learned["pairs"] = ({v: m[keep] for v, m in incoming.items()}, beliefs[keep])
             return pairs_record("audit", *learned["pairs"],
                                 audit=make_payload(self.audit_stats, float(self.jit.threshold)))
