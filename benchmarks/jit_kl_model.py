@@ -335,7 +335,8 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from factor_suite import BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, problems, record, split  # noqa: E402
+from factor_suite import (BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, REFERENCE_GATES, problems,  # noqa: E402
+                          record, split)
 
 from kjit.operators import (UNATTAINABLE, JITOperator, KernelOperator, PredictionOverflowError,  # noqa: E402
                             TargetsNotFiniteError, TargetsOutOfRangeError, budget_threshold, density_guard,
@@ -544,7 +545,8 @@ def factor_rows(name, args):
     for to in directions:
         data = data_sets[to] = {s: TrainingSet(f.name, to, inc, exact.belief(inc, to), factor_params=f.params())
                                 for s, inc in (("train", train), ("cal", cal))}
-        op = KernelOperator(f, to, random_state=args.seed).fit(data["train"])
+        op = KernelOperator(f, to, random_state=args.seed,
+                            reference_gate=REFERENCE_GATES[args.reference_gate]).fit(data["train"])
         op.fit_error_model(data["train"], g_train, mode="auto", held_out=data["cal"])
         thr_var = budget_threshold(op, data["cal"].incoming, 0.1, fitted=data["train"], groups=g_train,
                                    confidence=args.confidence, problems=n_test_problems,
@@ -717,6 +719,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="factor_suite.py's quick sizes")
     ap.add_argument("--factors", nargs="*", default=list(FACTORS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reference-gate", choices=tuple(REFERENCE_GATES), default="auto",
+                    help="KernelOperator(reference_gate=), as factor_suite.py's")
     ap.add_argument("--n-train", type=int, default=5000)
     ap.add_argument("--n-cal", type=int, default=1000)
     ap.add_argument("--n-test", type=int, default=3000)

@@ -94,7 +94,8 @@ class KernelEnsemble:
         kw = dict(n_inner=base.n_inner, n_outer=base.n_outer, treatment=base.treatment,
                   inner_factors=base.inner_factors, width_factors=base.width_factors,
                   prior_vars=base.prior_vars, noise_vars=base.noise_vars, dtype=base.dtype, target=base.target,
-                  canonical=base.canonical, width_rules=base.width_rules, reference=base.reference)
+                  canonical=base.canonical, width_rules=base.width_rules, reference=base.reference,
+                  reference_gate=getattr(base, "reference_gate", "auto"))
         if self.hyperparameters == "shared":
             kw.update(inner_factors=[base.inner_factor_], width_factors=[base.width_factor_],
                       prior_vars=[base.prior_var_], noise_vars=[base.noise_var_],
