@@ -43,3 +43,32 @@ def test_sampler_and_default_distribution():
 def test_power_ep_refused_with_the_reason():
     with pytest.raises(ValueError, match="deterministic constraint"):
         QuadratureOracle(get_factor("exp")).belief({"x": Gaussian(0.0, 1.0), "y": Gamma(2.0, 1.0)}, "x", power=0.5)
+
+
+@pytest.mark.parametrize("scale", [1e10, 1e20, 1e50, 1e100])
+def test_a_far_broad_x_message_keeps_its_slope(scale):
+    """x ~ N(s, s) with y ~ Gamma(1, 1): near the tilted density's mode (x ≈ 0) x's message is
+    e^{x·m/v − x²/(2v)} = e^x up to a constant and 1e-s, so the tilted density is e^{x − e^x}: x is the
+    log of an Exp(1) variable, mean −γ (Euler's constant) and variance π²/6 — a closed form.  The rule
+    expanded (x − m)² directly and lost the slope for s ≥ 1e20 (found by a hostile-input audit: mean 0,
+    variance 0.37 — as if the message were flat, KL 1.4).  log Z = −m²/(2v) − ½ log(2πv) + log ∫ e^{x − e^x} dx,
+    the last term 0.  Tolerances: the rule's panels resolve the integrand to ~1e-12 relative."""
+    inc = {"x": Gaussian(np.array([scale]), np.array([scale])), "y": Gamma(np.array([1.0]), np.array([1.0]))}
+    q = exact.belief("x", inc)
+    np.testing.assert_allclose(q.mean(), -np.euler_gamma, rtol=1e-9)
+    np.testing.assert_allclose(q.var(), np.pi**2 / 6, rtol=1e-9)
+    np.testing.assert_allclose(exact.log_partition(inc), -0.5 * scale - 0.5 * np.log(2 * np.pi * scale), rtol=1e-12)
+    y = exact.belief("y", inc)  # y = e^x ~ Exp(1) = Gamma(1, 1) exactly
+    np.testing.assert_allclose([y.shape_param[0], y.rate[0]], [1.0, 1.0], rtol=1e-9)
+
+
+def test_a_message_narrower_than_doubles_resolve_is_refused_by_row():
+    """x ~ N(−1e100, 1e100): the tilted density sits at −1e100 with width 1e50, where doubles are ~1e84
+    apart — no node grid exists; the rule used to answer variance 3.8e168.  Refused, naming the row."""
+    from kjit.errors import OracleError
+    inc = {"x": Gaussian(np.array([0.0, -1e100]), np.array([1.0, 1e100])), "y": Gamma(np.array([1.0, 1.0]),
+                                                                                       np.array([1.0, 1.0]))}
+    with pytest.raises(OracleError, match="resolution of doubles") as err:
+        exact.belief("x", inc)
+    assert err.value.rows.tolist() == [1]
+    assert np.isfinite(exact.belief("x", {v: m[:1] for v, m in inc.items()}).var()).all()

@@ -64,20 +64,30 @@ def _no_power(power):
         )
 
 
-def _rule(m, v, a, b, k: int = 0):
+def _rule(m, v, a, b, k: int = 0, centre=None):
     """Panel rule for exp(−(x−m)²/(2v) + a x − b e^x − c + (k−1) x), c the Gamma exponent's value at
     its mode (:func:`~kjit.exact._common.gamma_shift`, given back by the normaliser
     :func:`~kjit.exact._common.gamma_normaliser`; the power k − 1 kept apart from a, which cannot
-    carry it beyond shape 1e16); returns (t, lw, raw log integral)."""
+    carry it beyond shape 1e16); returns (t, lw, raw log integral without −(m − centre)²/(2v), that
+    constant, the centre).  ``centre``: where x's log density is expanded (default: the mode) — rules
+    whose log integrals are differenced share one, so the constant cancels exactly."""
     am1 = a - 1.0 + k  # (for the mode only)
     logb = np.log(b)
     u0 = gamma_shift(a, b)
     extra = np.full_like(a, k - 1.0)
 
+    given = centre  # (else the mode, set below: x's log density is expanded about it)
+
     def logf(t, rows=None):
-        mm, vv, aa, ee, uu = (col(p, t, rows) for p in (m, v, a, extra, u0))
+        # −(t − m)²/(2v) about the mode c: −(m − c)²/(2v) + (t − c)(m − c)/v − (t − c)²/(2v) — the same
+        # number, but where |m| ≫ |t| (a message N(1e20, 1e20): slope m/v = 1 near the mode) the
+        # direct form loses t in t − m and with it the slope (found by a hostile-input audit: the
+        # belief came out as if x's message were flat, KL 1.4)
+        # (the constant, which would swamp the rest there, is added to the log integral instead)
+        mm, vv, aa, ee, uu, cc = (col(p, t, rows) for p in (m, v, a, extra, u0, centre))
+        d = t - cc
         with np.errstate(over="ignore"):
-            return -0.5 * (t - mm) ** 2 / vv + gamma_exponent(t, aa, uu, ee)
+            return (d * ((mm - cc) / vv) - 0.5 * d * d / vv) + gamma_exponent(t, aa, uu, ee)
 
     def dlogf(t, rows=None):
         mm, vv, cc, lb = (col(p, t, rows) for p in (m, v, am1, logb))
@@ -85,10 +95,27 @@ def _rule(m, v, a, b, k: int = 0):
             return -(t - mm) / vv + cc - np.exp(t + lb)
 
     c = m + v * am1
-    lo = c - np.logaddexp(0.0, np.log(v) + logb + c)
-    mode = log_concave_mode(dlogf, lo, c)
+    # the mode lies in [c − softplus(s), c], s = log v + log b + c; for a large s, c − softplus(s) is
+    # −(log v + log b) − softplus(−s), which does not cancel c away
+    s_ = np.log(v) + logb + c
+    with np.errstate(over="ignore"):
+        lo = np.where(s_ > 0.0, -(np.log(v) + logb) - np.logaddexp(0.0, -s_), c - np.logaddexp(0.0, s_))
+    mode = log_concave_mode(dlogf, np.minimum(lo, c), c)
     step = 1.0 / np.sqrt(1.0 / v + np.exp(mode + logb))
-    return rule(NAME, logf, mode[:, None], step)
+    # nodes a step apart about the mode must be distinct doubles: a message N(−1e100, 1e100) puts them
+    # at −1e100 ± 1e50, where the doubles are 1e84 apart (the audit: variance 3.8e168 came back)
+    coarse = ~(step > _MIN_RELATIVE_STEP * np.abs(mode))
+    if coarse.any():
+        raise_bad_rows(NAME, np.flatnonzero(coarse), "the tilted density's width is below the resolution of doubles "
+                       f"at its mode ({_MIN_RELATIVE_STEP:g} of it): its nodes cannot be placed")
+    centre = mode if given is None else given
+    t, lw, log_z = rule(NAME, logf, mode[:, None], step)
+    with np.errstate(over="ignore"):
+        return t, lw, log_z, -0.5 * (m - centre) ** 2 / v, centre
+
+
+#: the smallest node spacing, relative to the mode, the rule places (doubles are 2.2e-16 apart relatively)
+_MIN_RELATIVE_STEP = 1e-12
 
 
 #: a y message of a larger shape pins y (and x = log y) to ~1/√shape, beyond what the rule's nodes
@@ -119,11 +146,11 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
     if is_empty(shape):
         return empty_belief(FAMILIES[to], shape)
     m, v, a, b = _params(flat)
-    t, lw, lz0 = _rule(m, v, a, b)
+    t, lw, lz0, _, c0 = _rule(m, v, a, b)
     if to == "x":
         mean, var = gaussian_from_nodes(t, lw)
         return gaussian_belief(NAME, mean, var).reshape(shape)
-    return gamma_belief(NAME, t, lw, lambda k: _rule(m, v, a, b, k)[2] - lz0, projection).reshape(shape)
+    return gamma_belief(NAME, t, lw, lambda k: _rule(m, v, a, b, k, centre=c0)[2] - lz0, projection).reshape(shape)
 
 
 def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndarray:
@@ -133,7 +160,8 @@ def log_partition(incoming: Mapping[str, Family], power: float = 1.0) -> np.ndar
     if is_empty(shape):
         return np.zeros(shape)
     m, v, a, b = _params(flat)
-    lz = _rule(m, v, a, b)[2] - 0.5 * np.log(2.0 * np.pi * v) + gamma_normaliser(a)
+    _, _, raw, const, _ = _rule(m, v, a, b)
+    lz = raw + const - 0.5 * np.log(2.0 * np.pi * v) + gamma_normaliser(a)
     return lz.reshape(shape)
 
 
