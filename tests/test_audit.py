@@ -404,6 +404,37 @@ def test_a_request_without_the_token_is_not_audited(store_dir):
         assert d["version"] == 1 and d["audit"]["count"] == 30
 
 
+def test_a_refused_predict_request_is_not_audited(store_dir, monkeypatch):
+    """A mode=predict answer the route refuses (a row whose belief or log variance is not finite: 422 naming
+    it) was offered to the audit first, which then learned every row of it — a 4xx that changed the version
+    and the training set (found by a hostile-input audit; the non-finite row injected, as a user factor's
+    could give one).  Refused answers are not offered; the same request without the bad row is."""
+    import kjit.learn.jit as jit_module
+    orig = jit_module.JITOperator.screen_certified
+
+    def last_row_overflows(self, incoming, to=None, version=None):
+        q, cert, unc = orig(self, incoming, to, version)
+        lv = np.array(cert.log_var, float)
+        lv[-1] = np.inf
+        return q, cert.with_(log_var=lv), unc
+
+    inc = probe("logistic", 3)
+    with TestClient(_audit_app(store_dir), headers=AUTH) as c:
+        wait_ready(c)
+        store = c.app.state.store
+        with monkeypatch.context() as m:
+            m.setattr(jit_module.JITOperator, "screen_certified", last_row_overflows)
+            r = c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "incoming", 2], r.text
+        assert store.audit.drain()
+        d = c.get("/v1/operators/logistic-x").json()
+        assert d["version"] == 0 and d["audit"]["count"] == 0 and d["audit"]["server"]["offered"] == 0
+        assert _records(store_dir) == []
+        assert c.post("/v1/operators/logistic-x/messages?mode=predict", json=_body(inc)).status_code == 200
+        assert store.audit.drain()
+        assert c.get("/v1/operators/logistic-x").json()["audit"]["count"] == 3
+
+
 def test_one_refused_row_does_not_sink_its_audit_batch(store_dir):
     """The oracle's refusal of one row (naming it) failed the whole batch — other clients' rows too, so a
     row sent every second blinded the audit.  The named rows are counted as failed, the others audited."""

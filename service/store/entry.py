@@ -21,7 +21,7 @@ from ..audit import AuditStats
 from ..files import write_atomic
 from ..locks import RWLock
 from ..schemas import PARAM_MAX
-from ..validation import NUMERIC_ERRORS
+from ..validation import NUMERIC_ERRORS, bad_output_rows
 from . import describe
 from .blas import one_blas_thread
 from .commit import ASIDE_ROWS, Replicated, Standalone
@@ -321,8 +321,10 @@ class Entry:
         # by JITOperator.certified in mode=jit — not read here, after an audit may have changed it)
         if cert.version != version:  # (mode=predict's are issued with it)
             cert = cert.with_(version=version)
-        if mode != "oracle" and self.audit is not None and audit:
-            self.audit.offer(self, incoming, q, cert)  # a background re-check of a sample (never blocks)
+        # a background re-check of a sample (never blocks) — not of an answer the route refuses as not finite
+        # (found by a hostile-input audit: a 422 naming a row, and the audit then learned every row of it)
+        if mode != "oracle" and self.audit is not None and audit and (mode == "jit" or not bad_output_rows(q, logvar)):
+            self.audit.offer(self, incoming, q, cert)
         return q, logvar, consulted, version, n_learned, cert, uncertain
 
     def _screen(self, incoming: dict[str, Family], wait: bool):
