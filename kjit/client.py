@@ -66,7 +66,7 @@ from .reductions import all_finite
 from .transport import HttpxSession, ResponseTooLarge, Session, TransportError
 
 __all__ = ["RemoteOperator", "RemoteOperatorError", "RemoteUnavailableError", "RemoteValidationError",
-           "UnknownOperatorError"]
+           "UnauthorizedError", "UnknownOperatorError"]
 
 _MODES = ("predict", "jit", "oracle")
 #: idempotency keys whose split :meth:`RemoteOperator.observe` keeps for retries (the latest)
@@ -99,6 +99,13 @@ class RemoteUnavailableError(RemoteOperatorError, OperatorUnavailableError):
 
 class UnknownOperatorError(RemoteValidationError, ConfigurationError):
     """The server has no operator of this name (404): EP raises it at once (a ConfigurationError)."""
+
+
+class UnauthorizedError(RemoteOperatorError, ConfigurationError):
+    """The server refuses this client (401: no token or the wrong one; 403): no retry fixes it, so EP
+    raises it at once (a ConfigurationError) — it used to be a passing failure, and EP through a server
+    with a token, the client without it, ended at max_iter with the prior and a RuntimeWarning (found by
+    a new-user audit)."""
 
 
 def _dumps(obj) -> bytes:
@@ -298,6 +305,7 @@ class RemoteOperator:
         self.retries = int(retries)
         self.backoff = float(backoff)
         headers = {"Accept": "application/json"}
+        self._has_token = bool(token)
         if token:
             headers["Authorization"] = f"Bearer {token}"
         # kjit.transport: one keep-alive connection (measured 0.44 ms a request less than httpx's
@@ -395,6 +403,11 @@ class RemoteOperator:
             cls = RemoteUnavailableError
         if resp.status_code == 404 and path.startswith(self._base) and _types(detail) == {"not_found"}:
             cls = UnknownOperatorError
+        if resp.status_code in (401, 403):
+            cls = UnauthorizedError
+            msg += (" — give RemoteOperator the server's token (token=..., the server's KJIT_TOKEN), or use "
+                    "mode='predict', which needs none" if not getattr(self, "_has_token", False) else
+                    " — the token given is not the server's (KJIT_TOKEN)")
         exc = cls(msg, resp.status_code, detail, method, path)
         if cls is RemoteValidationError and resp.status_code == 422:
             exc.rows = _incoming_rows(detail)

@@ -85,6 +85,24 @@ def test_a_served_operator_misnamed_or_asked_for_the_wrong_recipient_raises(live
             op.belief(probe("logistic", 3), to="z")
 
 
+def test_a_server_refusing_the_client_raises_at_once(live):
+    """EP through a server with a token, the client without it (mode=jit needs it) or with another: every
+    request 401 — a passing failure until the forty-first session, so EP ended at max_iter with the prior and
+    a RuntimeWarning (found by a new-user audit).  Now an UnauthorizedError (a ConfigurationError) on the
+    first call, saying what to do."""
+    from kjit.client import UnauthorizedError
+    X, obs = _problem()
+    with RemoteOperator(live.url, "logistic-x") as op:  # mode=jit, no token
+        with pytest.raises(UnauthorizedError, match=r"401.*token=.*mode='predict'") as ei:
+            LinearEP(op, site_var="x", max_iter=50).run(X, obs)
+    assert isinstance(ei.value, ConfigurationError) and ei.value.status == 401
+    with RemoteOperator(live.url, "logistic-x", token="not-the-token") as op:
+        with pytest.raises(UnauthorizedError, match="not the server's"):
+            LinearEP(op, site_var="x", max_iter=50).run(X, obs)
+    with RemoteOperator(live.url, "logistic-x", token=TOKEN) as op:  # the right token: EP runs
+        assert LinearEP(op, site_var="x", max_iter=50).run(X, obs).outcome == "converged"
+
+
 def test_a_422_naming_a_row_skips_that_row_only(live):
     """A cavity beyond what JSON requests may carry (variance > 1e100) is refused by row; the other
     rows are answered, and EP's posterior is that of exact EP on the other rows (row 3's site stays
