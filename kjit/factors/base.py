@@ -801,7 +801,9 @@ def get_factor(name: str, **params) -> Factor:
         load_entry_points()
         factory = _REGISTRY.get(name)
     if factory is None:
-        msg = f"unknown factor {quoted(name)}; registered: {', '.join(sorted(_REGISTRY))}"
+        msg = (f"unknown factor {quoted(name)}; registered: {', '.join(sorted(_REGISTRY))} (a factor of your own "
+               "module: load it with KJIT_FACTORS=module / `kjit serve --factors module`, or a `kjit.factors` "
+               "entry point)")
         if _PLUGIN_ERRORS:
             msg += "; plugins that failed to load: " + "; ".join(f"{k} ({v})" for k, v in _PLUGIN_ERRORS.items())
         raise UnknownFactorError(name, msg)
