@@ -148,7 +148,7 @@ def _demo(args) -> int:
     from .datasets import PAPER_TRAIN_SIZES, paper_split
     from .ep.models import BayesianLogisticRegression
     from .factors import Logistic
-    from .operators import JITOperator, KernelOperator, calibrate_threshold
+    from .operators import JITOperator, KernelOperator, calibrate_threshold, calibration_support
     from .oracles import QuadratureOracle
     from .factors import logistic_incoming
     from .training import make_training_set
@@ -168,7 +168,7 @@ def _demo(args) -> int:
     train, held_out = ts.split(args.n_train, random_state=args.seed)
     op = KernelOperator(factor, "x", n_inner=args.d_in, n_outer=args.d_out, random_state=args.seed,
                         dtype="float32").fit(train)
-    threshold = calibrate_threshold(op, held_out, args.target_kl)
+    threshold = calibrate_threshold(op, held_out, args.target_kl, min_support=calibration_support(len(held_out)))
     if not np.isfinite(threshold):
         threshold = -8.95  # the paper's UCI threshold when the target is unreachable
     jit = JITOperator(op, QuadratureOracle(factor), threshold=threshold)
@@ -225,7 +225,7 @@ def _train(args) -> int:
     import time
 
     from .factors import get_factor, import_factor_modules
-    from .operators import JITOperator, KernelOperator, calibrate_threshold
+    from .operators import JITOperator, KernelOperator, calibrate_threshold, calibration_support
     from .oracles import make_oracle
     from .persistence import save_operator
     from .training import TrainingSet, make_training_set
@@ -287,7 +287,7 @@ def _train(args) -> int:
           f"prior var {hp['prior_var']:g}, noise var {hp['noise_var']:g}")
     out = op
     if args.jit:
-        threshold = calibrate_threshold(op, held, args.target_kl)
+        threshold = calibrate_threshold(op, held, args.target_kl, min_support=calibration_support(len(held)))
         kl = held.beliefs.kl(op.belief(held.incoming))
         print(f"held-out mean KL {kl.mean():.3g} (median {np.median(kl):.3g}); JIT threshold {threshold:.3f}")
         if not np.isfinite(threshold):

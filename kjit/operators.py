@@ -19,8 +19,9 @@ from .learn.kernel_operator import (ApproximationOverflowError, DEFAULT_NOISE_VA
                                     TargetsOutOfRangeError, UNCERTAINTY_CHOICES, UNCERTAINTY_SCALARS, WIDTH_RULES,
                                     fit_log_variance, flagged_share_needed, flagged_share_to_catch, group_index,
                                     predict_log_variance, respect_factor_bounds, sign_undetermined)
-from .learn.calibration import (UNATTAINABLE, BudgetUnattainableWarning, budget_threshold, calibrate_threshold,
-                                density_guard, kl_model_threshold, tolerance_threshold)
+from .learn.calibration import (CALIBRATION_MIN_ROWS, CALIBRATION_SUPPORT, UNATTAINABLE, BudgetUnattainableWarning,
+                                budget_threshold, calibrate_threshold, calibration_support, density_guard,
+                                kl_model_threshold, tolerance_threshold)
 from .learn.kl_model import KLModel
 from .learn.ensemble import ENSEMBLE_HYPERPARAMETERS, KernelEnsemble
 from .learn.consultation import greedy_consultations
@@ -32,7 +33,7 @@ __all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VA
            "REFERENCES", "SEARCH_SIZE", "SIGN_Z", "TARGET_RANGE_MARGIN", "TargetsNotFiniteError", "TargetsOutOfRangeError",
            "UNCERTAINTY_CHOICES", "UNCERTAINTY_SCALARS", "WIDTH_RULES", "fit_log_variance", "flagged_share_needed",
            "flagged_share_to_catch", "group_index", "predict_log_variance", "respect_factor_bounds", "sign_undetermined",
-           "budget_threshold",
+           "budget_threshold", "CALIBRATION_MIN_ROWS", "CALIBRATION_SUPPORT", "calibration_support",
            "calibrate_threshold", "density_guard", "kl_model_threshold", "KLModel", "tolerance_threshold",
            "BudgetUnattainableWarning", "UNATTAINABLE",
            "ENSEMBLE_HYPERPARAMETERS", "KernelEnsemble", "greedy_consultations", "INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS"]

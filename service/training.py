@@ -22,7 +22,11 @@ Threshold
 Unless a request gives one, the just-in-time threshold is calibrated with
 :func:`kjit.operators.calibrate_threshold` on held-out oracle pairs (a quarter as many as the
 training pairs, at least 200, drawn from the same distribution): the largest log predictive
-variance at which the confident predictions still have a mean KL[q ‖ q̂] ≤ 1e-3.  If no
+variance at which the confident predictions still have a mean KL[q ‖ q̂] ≤ 1e-3 — and at least
+5 % of the held-out pairs, and at least 20, are confident
+(:func:`kjit.operators.calibration_support`): a threshold admitting fewer saves little and its mean rests on a handful of rows (a
+gaussian → m operator, 2 000 pairs at D 300/500, was calibrated on 7 of 500; EP through it learned,
+answered its messages confidently and ended 0.46 sd off exact EP, found by a new-user audit).  If no
 threshold meets that target, the factor's ``default_threshold`` is used (the paper's value:
 −8.95 logistic, −6 compound gamma), else −8.5.  A threshold more than log 2 below the operator's
 noise floor (:meth:`kjit.operators.JITOperator.threshold_floor`) makes every message consulted: the job's result
@@ -61,7 +65,7 @@ import numpy as np
 
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
-from kjit.operators import JITOperator, KernelOperator, calibrate_threshold, density_guard
+from kjit.operators import JITOperator, KernelOperator, calibrate_threshold, calibration_support, density_guard
 from kjit.oracles import ClientOracle, make_oracle, resolve_oracle_kind
 from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
 
@@ -280,7 +284,7 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
     else:
         threshold = -np.inf
         if held_out is not None:
-            threshold = calibrate_threshold(op, held_out, TARGET_KL)
+            threshold = calibrate_threshold(op, held_out, TARGET_KL, min_support=calibration_support(len(held_out)))
             info["n_held_out"] = len(held_out)
             if held_out.meta and held_out.meta.get("failures"):
                 info["held_out_failures"] = held_out.meta["failures"]

@@ -493,6 +493,19 @@ def test_calibrate_threshold_on_known_numbers():
     assert calibrate_threshold(stub, _stub_set(5), 0.5) == pytest.approx(4.5)  # prefix means 0,1,.67,.5,1.3
 
 
+def test_calibrate_threshold_needs_its_support():
+    """``min_support``: a threshold admitting fewer pairs is no evidence (a served operator's threshold
+    admitted 7 of 500 held-out pairs, and EP through it ended 0.46 sd off): the largest threshold meeting
+    the target among those admitting at least that many, else −inf.  The service's support: 5 % of its
+    held-out pairs, at least 20."""
+    from kjit.operators import calibration_support
+    stub = _StubOperator([0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0])  # prefix mean KL 0, .25, .83, 1.75
+    assert calibrate_threshold(stub, _stub_set(4), 0.3, min_support=2) == pytest.approx(2.5)
+    assert calibrate_threshold(stub, _stub_set(4), 0.3, min_support=3) == -np.inf
+    assert calibrate_threshold(stub, _stub_set(4), 1.0, min_support=3) == pytest.approx(3.5)
+    assert [calibration_support(n) for n in (10, 200, 400, 500, 1000)] == [20, 20, 20, 25, 50]
+
+
 def test_calibrate_threshold_with_tied_uncertainties():
     # KL 0, 0.5, 4.5 at uncertainties 1, 2, 2: the only honest answer admits the first pair alone
     # (prefix means 0, .25, 1.67; but the 2nd and 3rd pairs cannot be separated by a threshold).

@@ -96,3 +96,30 @@ def test_good_input_is_answered_in_every_mode(client):
     r = client.post("/v1/operators/exp-x/messages?mode=oracle", headers=AUTH,
                     json={"to": "x", "incoming": {"x": GOOD["x"], "y": {"family": "gamma", "shape": [3.0], "rate": [1.0]}}})
     assert r.status_code == 200, r.text
+
+
+def test_a_threshold_without_support_falls_back_and_ep_through_the_operators_is_right():
+    """The new-user audit's case: gaussian → m and → τ trained as POST /v1/operators trains them (default
+    distribution, 2 000 pairs, D 300/500).  Their calibrated thresholds admitted 7 (m) of 500 held-out
+    pairs; EP on 30 points (normal_mean_precision, obs_var 0.3) through the two just-in-time operators,
+    learning as mode=jit does, ended at max_iter 0.46 / 0.58 sd off exact-rule EP, then 'converged' 0.49 /
+    0.57 sd off on a second run — no warning.  Now a threshold must admit 5 % of the held-out pairs
+    (calibration_support): these fall back, the operators say every message will be consulted, and EP
+    through them is exact-rule EP (bit for bit: every answer is the oracle's)."""
+    import numpy as np
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import normal_mean_precision
+
+    jits = {}
+    for to in ("m", "tau"):
+        jit, _, info = train_operator(TrainSpec("gaussian", to, n=2000, n_inner=300, n_outer=500))
+        assert info["threshold_source"].startswith("generic fallback") and "every message" in info["threshold_note"]
+        jits[to] = jit
+    x = np.random.default_rng(0).normal(1.5, 2.0, 30)
+    g = normal_mean_precision(x, obs_var=0.3)
+    exact = GraphEP(g, operators={}).run()
+    for _ in range(2):
+        r = GraphEP(g, operators={("gaussian", v): jits[v] for v in jits}).run()
+        assert r.outcome == "converged"
+        for v in ("m", "tau"):
+            np.testing.assert_allclose(r.beliefs[v].to_coords(), exact.beliefs[v].to_coords(), rtol=1e-12, atol=1e-12)
