@@ -777,6 +777,46 @@ def test_the_service_acknowledges_pairs_outside_the_data_without_learning_them(t
     st.close()
 
 
+def test_a_far_row_whose_features_are_not_finite_is_acknowledged_not_refusing_its_batch(tmp_path):
+    """exp → x: an observation of two ordinary rows and one beyond the input margin whose random features are
+    not finite numbers (x ~ N(1e100, 1e100)) was refused whole (422 not_computable naming it; the features
+    were checked before the margin), then, checked after, failed inside the update on those features (500):
+    the far row is acknowledged, counted in not_learned, and the log replays to the same operator (found by
+    a hostile-input audit)."""
+    from fastapi.testclient import TestClient
+
+    from kjit.families import Gamma, Gaussian
+    from kjit.factors import get_factor
+    from kjit.oracles import QuadratureOracle
+    from service import Settings, create_app
+    from service.store import OperatorStore
+    from test_service_fixtures import probe, small_store
+
+    small_store(tmp_path / "store", "exp-x", "exp", "x").close()
+    ok = probe("exp", 2, seed=3)
+    rows = {"x": Gaussian.concatenate([ok["x"], Gaussian(np.array([1e100]), np.array([1e100]))]),
+            "y": Gamma.concatenate([ok["y"], Gamma(np.array([1.0]), np.array([1.0]))])}
+    q = QuadratureOracle(get_factor("exp")).belief(rows, "x")
+    body = {"incoming": {v: {"family": type(m).__name__.lower(), **m.to_dict()} for v, m in rows.items()},
+            "beliefs": {"family": "gaussian", **q.to_dict()}}
+    auth = {"Authorization": "Bearer t0ken"}
+    with TestClient(create_app(Settings(store=tmp_path / "store", token="t0ken")), raise_server_exceptions=False) as c:
+        for _ in range(500):
+            if c.get("/ready").status_code == 200:
+                break
+        r = c.post("/v1/operators/exp-x/messages?mode=predict", json={"to": "x", "incoming": body["incoming"]})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "incoming", 2]  # (its features)
+        r = c.post("/v1/operators/exp-x/observations", headers=auth, json=body)
+        assert r.status_code == 200, r.text
+        assert (r.json()["accepted"], r.json()["not_learned"], r.json()["version"]) == (2, 1, 1)
+        n_train = r.json()["n_train"]
+    st = OperatorStore(tmp_path / "store")
+    st.open()
+    st.load_all()
+    assert st.get("exp-x").version == 1 and st.get("exp-x").jit.operator.n_train_ == n_train
+    st.close()
+
+
 def test_an_operator_without_guards_is_said_so_at_load_and_in_its_detail(tmp_path, caplog):
     """A store trained before the guards keeps operators without them: the server says so (a warning when it
     loads one, `guard_note` in its detail) instead of serving them silently; an operator trained now has none."""

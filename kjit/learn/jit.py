@@ -687,10 +687,19 @@ class JITOperator(Operator):
         n = next(iter(flat.values())).size
         if self.operator is None or ((not density or self.density_guard is None) and self.input_margin is None):
             return np.zeros(n, dtype=bool)
-        psi = None
+        out = (np.asarray(self.operator._inputs_outside_flat(flat, self.input_margin), bool).reshape(-1)
+               if self.input_margin is not None else np.zeros(n, dtype=bool))
         if density and self.density_guard is not None:
-            psi = self.operator.features_.transform(self.operator.feature_inputs(flat))
-        return np.asarray(self._outside(flat, psi), bool).reshape(-1)
+            # the density of the rows within the margin only: a row beyond it is outside whatever its density,
+            # and its features may not even be finite (found by a hostile-input audit: an observation batch with
+            # one far exp → x row was refused whole, then failed on those features)
+            idx = np.flatnonzero(~out)
+            if idx.size:
+                sub = flat if idx.size == n else {v: m[idx] for v, m in flat.items()}
+                psi = self.operator.features_.transform(self.operator.feature_inputs(sub))
+                out = out.copy()
+                out[idx] |= np.asarray(self._guarded(psi), bool).reshape(-1)
+        return out
 
     def unlearnable_rows(self, incoming: Mapping[str, Family], beliefs: Family) -> np.ndarray:
         """Per pair (flat), whether it is answered but not learned: its targets far outside the learned range

@@ -274,14 +274,16 @@ def observations(
     n_inc = len(next(iter(inc.values())))
     beliefs = beliefs_from(req.beliefs, entry.jit.family, n_inc, ["body", "beliefs"], recipient=entry.jit.to)
     jit = entry.jit
-    rows = bad_feature_rows(jit.operator, inc)
+    # the rows beyond the operator's input margin are acknowledged and never learned (Entry.observe): not checked
+    # either — not their plausibility, not their features (found in review, and again by a hostile-input audit: a
+    # far one could refuse the whole request it would not be learned from).  Those below its density guard are
+    # checked: learning elsewhere can move a row above the guard before the lock
+    far = np.asarray(jit.outside_rows(inc, density=False), bool).reshape(-1)
+    rows = [r for r in bad_feature_rows(jit.operator, inc) if not far[r]]
     if rows:
         raise row_errors(rows, ["body", "incoming"], "the operator cannot evaluate these messages (their random "
                          "features are not finite numbers)", "not_computable")
-    # the rows beyond the operator's input margin are acknowledged and never learned (Entry.observe): not checked
-    # either (found in review: a far one could refuse the whole request it would not be learned from).  Those
-    # below its density guard are checked: learning elsewhere can move a row above the guard before the lock
-    idx = np.flatnonzero(~np.asarray(jit.outside_rows(inc, density=False), bool))
+    idx = np.flatnonzero(~far)
     bad = []
     if idx.size:
         sub = ((inc, beliefs) if idx.size == n_inc else
