@@ -123,3 +123,23 @@ def test_a_threshold_without_support_falls_back_and_ep_through_the_operators_is_
         assert r.outcome == "converged"
         for v in ("m", "tau"):
             np.testing.assert_allclose(r.beliefs[v].to_coords(), exact.beliefs[v].to_coords(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_job_result_says_how_much_its_operator_will_consult():
+    """held_out_consulted_share: the held-out pairs' share the just-in-time rule consults (what mode=jit will
+    ask the oracle for); at half or more a consultation_note says so (a new-user audit's own factor consulted
+    95 % of its messages with nothing said).  Default messages, 600 pairs, D 30/60: gamma_rate → x consults
+    ~1 %; gaussian → m all (no threshold has the support: the fallback, below its floor); product → x at 200
+    pairs, D 20/40, ~55 % with the fallback below the floor too — its reference gate answers the rest, and its threshold_note says
+    so rather than "every message"."""
+    for fac, to, n, lo, hi in (("gamma_rate", "x", 600, 0.0, 0.1), ("gaussian", "m", 600, 0.99, 1.0),
+                               ("product", "x", 200, 0.5, 0.7)):
+        d = 30 if n == 600 else 20
+        jit, _, info = train_operator(TrainSpec(fac, to, n=n, n_inner=d, n_outer=2 * d))
+        share = info["held_out_consulted_share"]
+        assert lo <= share <= hi, (fac, to, share)
+        assert ("consultation_note" in info) == (share >= 0.5), info
+        if share >= 0.5:
+            assert f"{share:.0%}" in info["consultation_note"]
+        if fac == "product":
+            assert "the factor's checked reference does not answer" in info["threshold_note"], info

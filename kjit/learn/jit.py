@@ -658,6 +658,11 @@ class JITOperator(Operator):
         least = floor - np.log(2.0)
         if not (np.isfinite(floor) and self.threshold < least):
             return None
+        if getattr(self.operator, "reference_gate_", None) is not None:  # (its gated answers are the reference's)
+            return (f"the threshold {self.threshold:.4g} is below this operator's noise floor {floor:.4g}, and below "
+                    f"{least:.4g}, the least log predictive variance any answer of its regression has however much is "
+                    "learned: no regression answer is confident, so every message the factor's checked reference "
+                    "does not answer (the reference gate) will be consulted")
         return (f"the threshold {self.threshold:.4g} is below this operator's noise floor {floor:.4g}, and below "
                 f"{least:.4g}, the least log predictive variance any answer has however much is learned: no answer "
                 "is confident, so every message will be consulted")
