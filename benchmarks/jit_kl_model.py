@@ -335,8 +335,8 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from factor_suite import (BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS, REFERENCE_GATES, problems,  # noqa: E402
-                          record, split)
+from factor_suite import (BUDGET975P_CONFIDENCE, FACTORS, GUARD_SHARE, PROBLEMS,  # noqa: E402
+                          REFERENCE_GATES, problems, record, split)
 
 from kjit.operators import (UNATTAINABLE, JITOperator, KernelOperator, PredictionOverflowError,  # noqa: E402
                             TargetsNotFiniteError, TargetsOutOfRangeError, budget_threshold, density_guard,

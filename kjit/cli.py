@@ -168,7 +168,8 @@ def _demo(args) -> int:
     train, held_out = ts.split(args.n_train, random_state=args.seed)
     op = KernelOperator(factor, "x", n_inner=args.d_in, n_outer=args.d_out, random_state=args.seed,
                         dtype="float32").fit(train)
-    threshold = calibrate_threshold(op, held_out, args.target_kl, min_support=calibration_support(len(held_out)))
+    support = calibration_support(np.count_nonzero(~op.gated_rows(held_out.incoming)))
+    threshold = calibrate_threshold(op, held_out, args.target_kl, min_support=support)
     if not np.isfinite(threshold):
         threshold = -8.95  # the paper's UCI threshold when the target is unreachable
     jit = JITOperator(op, QuadratureOracle(factor), threshold=threshold)
@@ -287,11 +288,13 @@ def _train(args) -> int:
           f"prior var {hp['prior_var']:g}, noise var {hp['noise_var']:g}")
     out = op
     if args.jit:
-        threshold = calibrate_threshold(op, held, args.target_kl, min_support=calibration_support(len(held)))
+        support = calibration_support(np.count_nonzero(~op.gated_rows(held.incoming)))
+        threshold = calibrate_threshold(op, held, args.target_kl, min_support=support)
         kl = held.beliefs.kl(op.belief(held.incoming))
         print(f"held-out mean KL {kl.mean():.3g} (median {np.median(kl):.3g}); JIT threshold {threshold:.3f}")
         if not np.isfinite(threshold):
-            raise ValueError(f"no threshold meets --target-kl {args.target_kl:g}; train on more pairs or relax it")
+            raise ValueError(f"no threshold meets --target-kl {args.target_kl:g} on at least {support} held-out "
+                             "pairs; train on more pairs or relax it")
         out = JITOperator(op, oracle, threshold=threshold)
     save_operator(out, args.out)
     print(f"saved {type(out).__name__} to {args.out}")

@@ -24,9 +24,10 @@ Unless a request gives one, the just-in-time threshold is calibrated with
 training pairs, at least 200, drawn from the same distribution): the largest log predictive
 variance at which the confident predictions still have a mean KL[q ‖ q̂] ≤ 1e-3 — and at least
 5 % of the held-out pairs, and at least 20, are confident
-(:func:`kjit.operators.calibration_support`): a threshold admitting fewer saves little and its mean rests on a handful of rows (a
-gaussian → m operator, 2 000 pairs at D 300/500, was calibrated on 7 of 500; EP through it learned,
-answered its messages confidently and ended 0.46 sd off exact EP, found by a new-user audit).  If no
+(:func:`kjit.operators.calibration_support`; of the pairs the regression answers, those its reference
+gate answers left out): a threshold admitting fewer saves little and its mean rests on a handful of
+rows (a gaussian → m operator, 2 000 pairs at D 300/500, was calibrated on 7 of 500; EP through it
+learned, answered its messages confidently and ended 0.46 sd off exact EP, found by a new-user audit).  If no
 threshold meets that target, the factor's ``default_threshold`` is used (the paper's value:
 −8.95 logistic, −6 compound gamma), else −8.5.  A threshold more than log 2 below the operator's
 noise floor (:meth:`kjit.operators.JITOperator.threshold_floor`) makes every message consulted: the job's result
@@ -290,7 +291,8 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
     else:
         threshold = -np.inf
         if held_out is not None:
-            threshold = calibrate_threshold(op, held_out, TARGET_KL, min_support=calibration_support(len(held_out)))
+            n_regression = int(np.count_nonzero(~op.gated_rows(held_out.incoming)))  # (what the threshold decides)
+            threshold = calibrate_threshold(op, held_out, TARGET_KL, min_support=calibration_support(n_regression))
             info["n_held_out"] = len(held_out)
             if held_out.meta and held_out.meta.get("failures"):
                 info["held_out_failures"] = held_out.meta["failures"]
@@ -300,10 +302,11 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
         if not np.isfinite(threshold):
             if factor.default_threshold is not None:
                 threshold = float(factor.default_threshold)
-                how = "the factor's default (paper value; no threshold met the calibration target)"
+                how = ("the factor's default (paper value; no threshold met the calibration target on enough "
+                       "held-out pairs)")
             else:
                 threshold = FALLBACK_THRESHOLD
-                how = "generic fallback (no threshold met the calibration target)"
+                how = "generic fallback (no threshold met the calibration target on enough held-out pairs)"
     guard = density_guard(op, held_out=held_out, fitted=ts, groups=np.arange(len(ts)), share=GUARD_SHARE)
     if np.isfinite(guard):  # (too few pairs for the share: no guard)
         info["density_guard"] = guard

@@ -72,3 +72,16 @@ def test_a_message_narrower_than_doubles_resolve_is_refused_by_row():
         exact.belief("x", inc)
     assert err.value.rows.tolist() == [1]
     assert np.isfinite(exact.belief("x", {v: m[:1] for v, m in inc.items()}).var()).all()
+
+
+def test_a_far_message_keeps_a_finite_log_partition_and_a_narrow_one_is_answered():
+    """Found in review of the rule above: (m − c)² overflowed past |m − c| ~ 1.3e154 and log Z came out −inf for
+    x ~ N(1e160, 1e160) (now −m²/(2v) − ½ log(2πv), as in the test above); and the refusal's cut at 1e-12 of the
+    mode refused x ~ N(−30, 1e-23) (width 3e-12 at −30, resolved by doubles), which the rule answers: there
+    y's message is flat (e^x ~ 1e-13), so the belief is x's message itself."""
+    inc = {"x": Gaussian(np.array([1e160]), np.array([1e160])), "y": Gamma(np.array([1.0]), np.array([1.0]))}
+    np.testing.assert_allclose(exact.log_partition(inc), -0.5e160 - 0.5 * np.log(2 * np.pi * 1e160), rtol=1e-12)
+    narrow = {"x": Gaussian(np.array([-30.0]), np.array([1e-23])), "y": Gamma(np.array([1.0]), np.array([1.0]))}
+    q = exact.belief("x", narrow)
+    np.testing.assert_allclose(q.mean(), -30.0, rtol=1e-14)
+    np.testing.assert_allclose(q.var(), 1e-23, rtol=1e-5)

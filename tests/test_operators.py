@@ -503,7 +503,7 @@ def test_calibrate_threshold_needs_its_support():
     assert calibrate_threshold(stub, _stub_set(4), 0.3, min_support=2) == pytest.approx(2.5)
     assert calibrate_threshold(stub, _stub_set(4), 0.3, min_support=3) == -np.inf
     assert calibrate_threshold(stub, _stub_set(4), 1.0, min_support=3) == pytest.approx(3.5)
-    assert [calibration_support(n) for n in (10, 200, 400, 500, 1000)] == [20, 20, 20, 25, 50]
+    assert [calibration_support(n) for n in (10, 16, 30, 200, 400, 500, 1000)] == [5, 8, 15, 20, 20, 25, 50]
 
 
 def test_calibrate_threshold_with_tied_uncertainties():

@@ -130,8 +130,8 @@ def test_a_job_result_says_how_much_its_operator_will_consult():
     ask the oracle for); at half or more a consultation_note says so (a new-user audit's own factor consulted
     95 % of its messages with nothing said).  Default messages, 600 pairs, D 30/60: gamma_rate → x consults
     ~1 %; gaussian → m all (no threshold has the support: the fallback, below its floor); product → x at 200
-    pairs, D 20/40, ~55 % with the fallback below the floor too — its reference gate answers the rest, and its threshold_note says
-    so rather than "every message"."""
+    pairs, D 20/40, ~55 % with the fallback below the floor too — its reference gate answers the rest, and
+    its threshold_note says so rather than "every message"."""
     for fac, to, n, lo, hi in (("gamma_rate", "x", 600, 0.0, 0.1), ("gaussian", "m", 600, 0.99, 1.0),
                                ("product", "x", 200, 0.5, 0.7)):
         d = 30 if n == 600 else 20

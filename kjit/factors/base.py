@@ -1049,6 +1049,38 @@ def _laplace_mode_one(dlog, ti, li, hi_, d_old, max_iter, tol):
 
 #: Gauss–Hermite nodes of the factors' quadrature references (product, gamma_rate, exp)
 GH_NODES = 16
+#: nodes of the finer rule that estimates such a reference's error (``Factor.reference_error``); on product's
+#: references 20, 24 and 32 ranked the actual errors alike (rank correlation 0.99)
+REFERENCE_CHECK_NODES = 24
+
+
+def reference_change(factor, incoming, to: str, fine, reference=None) -> np.ndarray:
+    """The body of a :meth:`Factor.reference_error` by a finer rule: the squared change, per row (n, k), in
+    the recipient family's coordinates relative to the reference (``Family.to_relative``), of the reference
+    (its coordinates ``reference``, or :meth:`Factor.approximate_belief` now) under ``fine`` — the finer
+    rule's belief, with NaN parameters where its statistics are not finite (never a fallback: a row where
+    both rules fell back to the same answer would read as checked).  +inf where either is not finite."""
+    fam = factor.families[to]
+    k = len(fam.coord_names)
+
+    def coords(q):
+        flat = q.ravel()
+        out = np.full((flat.size, k), np.nan)
+        ok = np.asarray(flat.proper_and_finite(), bool)
+        if ok.any():
+            out[ok] = flat[ok].to_coords() if not ok.all() else flat.to_coords()
+        return out
+
+    with np.errstate(all="ignore"):
+        base = coords(factor.approximate_belief(incoming, to)) if reference is None else np.asarray(reference, float)
+        err = fam.to_relative(coords(fine), base) ** 2
+    return np.where(np.isfinite(err), err, np.inf)
+
+
+def nan_like(q):
+    """A belief of ``q``'s family and shape with NaN parameters (a finer rule's "no answer" for
+    :func:`reference_change`)."""
+    return type(q)._unchecked(*(np.full(np.shape(p), np.nan) for p in q.params))
 
 
 @functools.lru_cache(maxsize=8)

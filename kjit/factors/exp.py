@@ -15,8 +15,9 @@ import numpy as np
 
 from ..exact import exp as _exact
 from ..families import Family, Gamma, Gaussian
-from .base import (GH_NODES, Factor, capped_log_var, check_projection, exact_rules, gamma_from_log_nodes,
-                   gauss_hermite, gauss_hermite_log_base, gaussian_from_nodes, register_factor, tilted_laplace)
+from .base import (GH_NODES, REFERENCE_CHECK_NODES, Factor, capped_log_var, check_projection, exact_rules,
+                   gamma_from_log_nodes, gauss_hermite, gauss_hermite_log_base, gaussian_from_nodes, nan_like,
+                   reference_change, register_factor, tilted_laplace)
 
 __all__ = ["Exp", "exp_incoming"]
 
@@ -65,17 +66,35 @@ class Exp(Factor):
         rule on the factor suite's Poisson-regression messages and on the default messages: see
         ``tests/test_factor_approximation.py``.
         """
+        return self._gauss_hermite(incoming, to, GH_NODES)
+
+    def _gauss_hermite(self, incoming, to, nodes, fallback: bool = True):
+        """:meth:`approximate_belief`'s rule with ``nodes`` nodes; rows whose statistics are not finite keep
+        the Laplace answer (``fallback``) or get NaN parameters."""
         to = self.check_to(to)
         t0, s0, laplace = self._laplace(incoming, to)
         m, v = (np.asarray(p, dtype=float).ravel()[:, None] for p in (incoming["x"].mean(), incoming["x"].var()))
         a, b = (np.broadcast_to(np.asarray(p, dtype=float), laplace.shape).ravel()[:, None] for p in incoming["y"].params)
-        xi = gauss_hermite(GH_NODES)[0]
+        xi = gauss_hermite(nodes)[0]
         with np.errstate(all="ignore"):
             t = t0.ravel()[:, None] + np.sqrt(2.0 * s0.ravel())[:, None] * xi
-            lw = gauss_hermite_log_base(GH_NODES) - 0.5 * (t - m) ** 2 / v + (a - 1.0) * t - b * np.exp(t)
+            lw = gauss_hermite_log_base(nodes) - 0.5 * (t - m) ** 2 / v + (a - 1.0) * t - b * np.exp(t)
+        back = laplace if fallback else nan_like(laplace)
         if to == "y":
-            return gamma_from_log_nodes(t, lw, self.projection, laplace)
-        return gaussian_from_nodes(lw, t, 0.0, laplace)
+            return gamma_from_log_nodes(t, lw, self.projection, back)
+        return gaussian_from_nodes(lw, t, 0.0, back)
+
+    def reference_error(self, incoming, to, revision=None, reference=None):
+        """The squared change of :meth:`approximate_belief` (revision 2) under the same rule with
+        :data:`~kjit.factors.base.REFERENCE_CHECK_NODES` nodes and no fallback to Laplace's answer
+        (:func:`~kjit.factors.base.reference_change`): the tilted density is log-concave, so the finer
+        rule on the same Laplace Gaussian sees what the coarser one's nodes resolve poorly (its tails).
+        Earlier revisions (Laplace's alone): None."""
+        to = self.check_to(to)
+        if revision is not None and int(revision) != self.approximation_revision:
+            return None
+        return reference_change(self, incoming, to, self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, False),
+                                reference)
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation (2026-11-26); 1: Laplace's alone
     approximation_revision = 2

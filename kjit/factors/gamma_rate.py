@@ -18,9 +18,9 @@ from scipy.special import expit
 
 from ..exact import gamma_rate as _exact
 from ..families import Family, Gamma
-from .base import (GH_NODES, Factor, FactorParamError, capped_log_var, check_projection, exact_rules,
-                   gamma_from_log_nodes, gauss_hermite, gauss_hermite_log_base, laplace_mode, number_param,
-                   register_factor)
+from .base import (GH_NODES, REFERENCE_CHECK_NODES, Factor, FactorParamError, capped_log_var, check_projection,
+                   exact_rules, gamma_from_log_nodes, gauss_hermite, gauss_hermite_log_base, laplace_mode, nan_like,
+                   number_param, reference_change, register_factor)
 
 __all__ = ["GammaRate", "gamma_rate_incoming"]
 
@@ -63,12 +63,28 @@ class GammaRate(Factor):
         −128, −115.  Used as the reference of a JIT operator on the Poisson–Gamma model
         (``benchmarks/ep_models.py``), EP with the reference alone is within 0.001 sd of exact-rule EP.
         """
+        return self._gauss_hermite(incoming, to, GH_NODES)
+
+    def _gauss_hermite(self, incoming, to, nodes, fallback: bool = True):
+        """:meth:`approximate_belief`'s rule with ``nodes`` nodes; rows where it is improper or not finite keep
+        the Laplace answer (``fallback``) or get NaN parameters."""
         u, h, (c, B, K, D), proper, laplace = self._laplace(incoming, to)
-        xi = gauss_hermite(GH_NODES)[0]
+        xi = gauss_hermite(nodes)[0]
         with np.errstate(all="ignore"):
             t = u[:, None] + np.sqrt(2.0 / h)[:, None] * xi
             g = c[:, None] * t - B[:, None] * np.exp(t) - K[:, None] * np.logaddexp(t, np.log(D)[:, None])
-        return gamma_from_log_nodes(t, gauss_hermite_log_base(GH_NODES) + g, self.projection, laplace, rows_ok=proper)
+        return gamma_from_log_nodes(t, gauss_hermite_log_base(nodes) + g, self.projection,
+                                    laplace if fallback else nan_like(laplace), rows_ok=proper)
+
+    def reference_error(self, incoming, to, revision=None, reference=None):
+        """The squared change of :meth:`approximate_belief` (revision 2) under the same rule with
+        :data:`~kjit.factors.base.REFERENCE_CHECK_NODES` nodes and no fallback to Laplace's answer
+        (:func:`~kjit.factors.base.reference_change`).  Earlier revisions: None."""
+        to = self.check_to(to)
+        if revision is not None and int(revision) != self.approximation_revision:
+            return None
+        return reference_change(self, incoming, to, self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, False),
+                                reference)
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation with r's exponent s + a − 1
     #: (2026-11-26); 1: Laplace's alone, with r's exponent s + a

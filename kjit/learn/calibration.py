@@ -14,8 +14,9 @@ import numpy as np
 from ..training import TrainingSet
 from .kernel_operator import KernelOperator, UNCERTAINTY_SCALARS, group_index
 
-__all__ = ["BudgetUnattainableWarning", "CALIBRATION_MIN_ROWS", "CALIBRATION_SUPPORT", "UNATTAINABLE", "budget_threshold",
-           "calibrate_threshold", "calibration_support", "density_guard", "kl_model_threshold", "tolerance_threshold"]
+__all__ = ["BudgetUnattainableWarning", "CALIBRATION_MIN_ROWS", "CALIBRATION_SUPPORT", "UNATTAINABLE",
+           "budget_threshold", "calibrate_threshold", "calibration_support", "density_guard", "kl_model_threshold",
+           "tolerance_threshold"]
 
 #: what a threshold read with a ``confidence`` is where no threshold keeps the budget at that confidence —
 #: the rows flagged at every threshold (the sign test's) alone exceed it in too many batches:
@@ -95,11 +96,14 @@ CALIBRATION_MIN_ROWS = 20
 def calibration_support(n_held_out: int) -> int:
     """The fewest of ``n_held_out`` pairs a threshold calibrated to serve an operator must admit
     (:func:`calibrate_threshold`'s ``min_support``): ``CALIBRATION_SUPPORT`` of them, at least
-    ``CALIBRATION_MIN_ROWS``.  A threshold under which fewer in-distribution messages are confident saves
-    little consultation, and its mean KL rests on a handful of rows; where none admits as many the
-    operator's caller falls back (the service: the factor's default threshold, else one that consults
-    everything, and says so)."""
-    return max(CALIBRATION_MIN_ROWS, math.ceil(CALIBRATION_SUPPORT * int(n_held_out)))
+    ``CALIBRATION_MIN_ROWS`` — or half of them where they are fewer than twice that (a small file of pairs).
+    A threshold under which fewer in-distribution messages are confident saves little consultation, and its
+    mean KL rests on a handful of rows; where none admits as many the operator's caller falls back (the
+    service: the factor's default threshold, else one that consults everything, and says so).  ``n_held_out``:
+    the rows the threshold chooses among — an operator's gated rows (:meth:`KernelOperator.gated_rows`) left
+    out, as :func:`calibrate_threshold` leaves them out."""
+    n = int(n_held_out)
+    return max(min(CALIBRATION_MIN_ROWS, n // 2), math.ceil(CALIBRATION_SUPPORT * n))
 
 
 def calibrate_threshold(operator: KernelOperator, held_out: TrainingSet | None, target_kl: float,

@@ -289,6 +289,11 @@ class KernelEnsemble:
             raise ValueError("no uncertainty chosen yet: call choose_uncertainty() first")
         return self._candidate(sel["uncertainty"])
 
+    def gated_rows(self, incoming: Mapping[str, Family]) -> np.ndarray:
+        """The operator's (:meth:`KernelOperator.gated_rows`): every member gates the same rows to the same
+        reference, so the ensemble answers them by it too."""
+        return self.operator.gated_rows(incoming)
+
     def mean_belief(self, incoming: Mapping[str, Family]) -> Family:
         """The members' average prediction: the mean of their regressed coordinates, as a belief
         (clipped to the factor's bound as the operator's are)."""

@@ -825,7 +825,7 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
         if err is None:
             return np.zeros(n, bool)
-        return np.all(np.asarray(err) < gate, axis=-1) & np.all(np.isfinite(base), axis=-1)
+        return _gated(err, gate, self.noise_var_ * self.y_scale_**2) & np.all(np.isfinite(base), axis=-1)
 
     def reference_ok(self, incoming) -> np.ndarray:
         """Rows (of the flat validated batch ``incoming``) whose reference of relative targets is finite."""
@@ -930,7 +930,7 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
             gate = getattr(self, "reference_gate_", None)
             if err is not None and gate is not None:
-                gated = np.all(err < gate, axis=-1)  # (NaN / inf estimates: not gated)
+                gated = _gated(err, gate, self.noise_var_ * self.y_scale_**2)
                 if gated.any():  # the reference checked out: answered by it (REFERENCE_GATE)
                     coords = np.where(gated[:, None], base, coords)
                 else:
@@ -1863,6 +1863,16 @@ class KernelOperator(Operator):
             raise ValueError(f"operator state is inconsistent: the regression has {op.blr_.coef_.shape[1]} outputs, "
                              f"the targets {op.y_mean_.size}")
         return op
+
+
+def _gated(err, gate: float, floor) -> np.ndarray:
+    """Rows (n,) a reference gate answers by the reference: its estimated squared error ``err`` (n, k) below the
+    gate and below the regression's noise floor ``floor`` (k,) — under which the regression's answers cannot be
+    expected to be better — in every coordinate, and above 0: an estimate of exactly 0 is two rules that fell
+    back to the same answer (product's stand-in where every node's weight underflows — found in review: such
+    a row was answered at log variance −74, KL 118), not a check.  NaN / inf estimates: not gated."""
+    err = np.asarray(err, np.float64)
+    return np.all((err > 0.0) & (err < np.minimum(gate, floor)), axis=-1)
 
 
 def _state_json(d: Mapping, key: str, where: str, kind: type | None = None, default: str | None = None):
