@@ -441,8 +441,12 @@ rows flagged.  Timings share the machine; the ratio oracle/predict is the compar
     python benchmarks/factor_suite.py [--quick] [--factors logistic exp] [--n-train 5000 --n-test 3000]
                                       [--calibration pooled|calset] [--seed 0]
                                       [--ensemble K [--ensemble-hyperparameters shared|own] [--choose-uncertainty]]
-                                      [--novelty] [--kl-model] [--problems-scale S]
+                                      [--novelty] [--kl-model] [--problems-scale S] [--reference-gate auto|none]
     python benchmarks/factor_suite.py --pool run_seed0.jsonl run_seed1.jsonl ...
+
+``--reference-gate none`` fits the operators without the reference gate (``KernelOperator(reference_gate=None)``:
+every row answered by the regression, as before the forty-first session); the default answers a row whose
+reference the factor's own check confirms by the reference (product, exp, gamma_rate; see the README).
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def test_held_out_density_is_the_other_groups():
     lam = np.select([groups == 2, groups == 3], [1e4, 1e6], rng.uniform(0.5, 30, n))
     inc = {"r": Gamma(rng.uniform(5, 40, n), rng.uniform(2, 40, n)), "x": Gamma(rng.poisson(lam) + 1.0, np.ones(n))}
     ts = make_training_set(f, "x", inc, QuadratureOracle(f))
-    op = KernelOperator(f, "x", n_inner=50, n_outer=100, random_state=0).fit(ts)
+    op = KernelOperator(f, "x", n_inner=50, n_outer=100, random_state=0, reference_gate=None).fit(ts)
     lc = op.held_out_learned_curvature(ts, groups)
     curv = op.family.decision_weights(ts.beliefs.to_coords(), op._reference(op.factor.flat_incoming(inc, "x")[0]))
     np.testing.assert_array_equal(op.curvature_hist_, curvature_hist(curv))

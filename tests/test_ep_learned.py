@@ -165,7 +165,10 @@ def test_jit_with_a_sampled_oracle_stops_consulting_a_flat_message():
     whose sign neither the learned operator nor a sampled answer determines.  The JIT used to
     consult such a row on every call forever (each time feeding EP a fresh draw; measured on
     the rank-one model of benchmarks/ep_models.py: 2 rows a sweep for 200 sweeps, no
-    convergence); once the operator has learned as much as an oracle answer could tell, it answers."""
+    convergence); once the operator has learned as much as an oracle answer could tell, it answers.
+    (The regression's answer: the reference gate, which answers this row by the product's quadrature
+    reference — its check passes, the outgoing precision's sign settled — is off here; with it on, the
+    row is never consulted past the initial batch.)"""
     from kjit.factors import get_factor
     from kjit.oracles import MessageImportanceSampler
 
@@ -175,10 +178,15 @@ def test_jit_with_a_sampled_oracle_stops_consulting_a_flat_message():
     xm, ym = rng.normal(0, 1, n), rng.normal(0, 1, n)
     train = {"x": Gaussian(xm, np.exp(rng.uniform(-3, 0, n))), "y": Gaussian(ym, np.exp(rng.uniform(-3, 0, n))),
              "z": Gaussian(xm * ym + rng.normal(0, 0.5, n), np.exp(rng.uniform(-2, 0, n)))}  # where x·y lands
-    jit = JITOperator(None, MessageImportanceSampler(f, target_se=0.03, random_state=0), to="x", initial_batch=200,
-                      threshold=-8.0, uncertainty="epistemic", operator_kwargs={"random_state": 0})
-    jit.predict(train)
     flat_case = {"x": Gaussian(0.2, 0.05), "y": Gaussian(0.0, 0.02), "z": Gaussian(0.3, 0.25)}
+    gated = JITOperator(None, MessageImportanceSampler(f, target_se=0.03, random_state=0), to="x", initial_batch=200,
+                        threshold=-8.0, uncertainty="epistemic", operator_kwargs={"random_state": 0})
+    gated.predict(train)
+    assert gated.operator.gated_rows(flat_case).all()  # (its check passes: answered by the reference)
+    assert not any(bool(gated.predict(flat_case)[2]) for _ in range(5))
+    jit = JITOperator(None, MessageImportanceSampler(f, target_se=0.03, random_state=0), to="x", initial_batch=200,
+                      threshold=-8.0, uncertainty="epistemic", operator_kwargs={"random_state": 0, "reference_gate": None})
+    jit.predict(train)
     consulted = [bool(jit.predict(flat_case)[2]) for _ in range(30)]
     assert jit.operator is not None  # past the initial batch: the learned operator decides
     assert sum(consulted[-10:]) == 0, consulted

@@ -33,7 +33,9 @@ def _exp_inputs(n, rng):
 def exp_op():
     f = get_factor("exp")
     ts = make_training_set(f, "x", _exp_inputs, QuadratureOracle(f), n=500, random_state=0)
-    return KernelOperator(f, "x", n_inner=60, n_outer=150, random_state=0).fit(ts)
+    # (the regression's answers: with the reference gate most of these are the checked quadrature reference's,
+    # whose bars are its ~1e-12 error — below EP's own convergence tolerance)
+    return KernelOperator(f, "x", n_inner=60, n_outer=150, random_state=0, reference_gate=None).fit(ts)
 
 
 def _relative(op, q, incoming):

@@ -616,7 +616,9 @@ def test_reference_gate_answers_checked_rows_by_the_reference(name, to):
     op = KernelOperator(f, to, n_inner=30, n_outer=60, random_state=0).fit(train)
     plain = KernelOperator(f, to, n_inner=30, n_outer=60, random_state=0, reference_gate=None).fit(train)
     assert op.reference_gate_ == REFERENCE_GATE and plain.reference_gate_ is None
+    w = op.reference_weights(test.incoming)
     g = op.gated_rows(test.incoming)
+    np.testing.assert_array_equal(g, w >= 1.0)
     assert 0.2 < g.mean() < 1.0, g.mean()
     (c, v), (c0, v0) = op.predict_coords(test.incoming), plain.predict_coords(test.incoming)
     ref = f.approximate_belief(test.incoming, to).to_coords()
@@ -624,8 +626,15 @@ def test_reference_gate_answers_checked_rows_by_the_reference(name, to):
     assert err.shape == c.shape and np.all(err >= 0)
     np.testing.assert_array_equal(c[g], ref[g])
     np.testing.assert_array_equal(v[g], np.maximum(err[g], 1e-32))
-    np.testing.assert_array_equal(c[~g], c0[~g])
-    np.testing.assert_array_equal(v[~g], v0[~g])
+    off = w == 0.0  # the regression's, bit for bit
+    np.testing.assert_array_equal(c[off], c0[off])
+    np.testing.assert_array_equal(v[off], v0[off])
+    band = ~g & ~off  # between: the blend (REFERENCE_GATE_BAND), the weight linear in the log of the estimate
+    np.testing.assert_allclose(c[band], c0[band] + w[band, None] * (ref[band] - c0[band]), rtol=1e-12, atol=1e-15)
+    floor = np.minimum(REFERENCE_GATE, op.noise_var_ * op.y_scale_**2)
+    over = np.max(np.log(err) - np.log(floor), axis=-1)
+    np.testing.assert_allclose(w[band], -over[band] / np.log(100.0), rtol=1e-12)
+    assert np.all(over[g] <= -np.log(100.0)) and np.all(over[off & np.isfinite(over)] >= 0.0)
     # without variances the same answer (the regression's mean by another BLAS call, the belief's
     # coordinates through its parameters: to rounding)
     np.testing.assert_allclose(op.belief(test.incoming).to_coords(), c, rtol=1e-12, atol=1e-12)
@@ -646,15 +655,16 @@ def test_reference_gate_answers_checked_rows_by_the_reference(name, to):
 
 
 def test_a_row_where_both_rules_fell_back_is_not_gated():
-    """Product's reference and its finer check both fall back to the Gaussian stand-in where every node's weight
-    underflows: the estimate is then exactly 0, and the gate answered such a row by the stand-in at log
-    variance −74 while the exact belief is N(1.40, 7.4e-4) — KL 118 (found in review).  An estimate of exactly
-    0 is no check: the row is the regression's, its variance as without the gate."""
+    """Product's reference and its finer check both fell back to the Gaussian stand-in where every node's weight
+    underflows: the estimate was then exactly 0, and the gate answered such a row by the stand-in at log
+    variance −74 while the exact belief is N(1.40, 7.4e-4) — KL 118 (found in review).  The check no longer
+    falls back: no answer, an estimate of +inf; the row is the regression's, as without the gate, its variance
+    raised by UNKNOWN_REFERENCE_ERROR (1e6: flagged at any threshold, a finite number)."""
     f = get_factor("product")
     row = {"x": Gaussian(np.array([-9.593]), np.array([0.030199723377763398])),
            "y": Gaussian(np.array([-8.789]), np.array([0.09111531658577615])),
            "z": Gaussian(np.array([-14.364]), np.array([0.022922374172600242]))}
-    np.testing.assert_array_equal(f.reference_error(row, "y"), [[0.0, 0.0]])
+    np.testing.assert_array_equal(f.reference_error(row, "y"), [[np.inf, np.inf]])
     assert f.exact_belief(row, "y").kl(f.approximate_belief(row, "y"))[0] > 10.0
     train = _data(f, "y", 400, 1)
     op = KernelOperator(f, "y", n_inner=30, n_outer=60, random_state=0).fit(train)
@@ -663,6 +673,7 @@ def test_a_row_where_both_rules_fell_back_is_not_gated():
     (c, v), (c0, v0) = op.predict_coords(row), plain.predict_coords(row)
     np.testing.assert_array_equal(c, c0)
     np.testing.assert_array_equal(v, v0)
+    assert np.all(np.isfinite(v)) and np.all(v >= 1e6)
 
 
 def test_reference_gate_choice_and_refusals():

@@ -46,8 +46,10 @@ def test_ep_runs_through_both_rules_and_the_flags_are_the_consultations(capsys):
         # by the static rule's JITs
         consulted = round(r["consultation_rate"] * r["requests"])
         assert consulted > 0 and (r["n_learned"] == 0 if r["rule"] == "learned_kl_static" else
-                                  0 < r["n_learned"] < consulted)
+                                  0 < r["n_learned"] <= consulted)
         assert r.get("learn_above_kl") == ("inf" if r["rule"] == "learned_kl_static" else None)
+    # (the guard held some consulted rows back somewhere: which rule's EP path meets them varies with the operators)
+    assert any(0 < r["n_learned"] < round(r["consultation_rate"] * r["requests"]) for r in rows)
     for s, r in zip(summaries, rows):
         assert s["n_met"] == int(r["worst1pct_flagged"] >= 0.95 and r["consultation_rate"] <= 0.1)
         assert s["n_met_or_below_target"] == int((r["worst1pct_flagged"] >= 0.95 or r["kl_p99"] < np.exp(-10))

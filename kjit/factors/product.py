@@ -15,7 +15,7 @@ import numpy as np
 from ..exact import product as _exact
 from ..families import Family, Gaussian
 from .base import (GH_NODES, REFERENCE_CHECK_NODES, Factor, exact_rules, gauss_hermite, gauss_hermite_log_base,
-                   gaussian_from_nodes, register_factor)
+                   gaussian_from_nodes, nan_like, register_factor)
 
 __all__ = ["Product", "product_incoming"]
 
@@ -56,9 +56,10 @@ class Product(Factor):
         # falling back there cost the learned operators 1.6 nats of mean log KL on x.)
         return self._gauss_hermite(incoming, to, GH_NODES, max_node_weight=0.9)
 
-    def _gauss_hermite(self, incoming, to, nodes, max_node_weight):
+    def _gauss_hermite(self, incoming, to, nodes, max_node_weight, fallback: bool = True):
         """:meth:`approximate_belief`'s rule with ``nodes`` nodes; rows with one node holding at least
-        ``max_node_weight`` of the weight (or non-finite moments) take the stand-in."""
+        ``max_node_weight`` of the weight (or non-finite moments, or no positive variance) take the stand-in —
+        or, without ``fallback``, NaN parameters."""
         over = "y" if to == "y" else "x"
         other = "x" if over == "y" else "y"
         a, b, z = incoming[over], incoming[other], incoming["z"]
@@ -71,15 +72,18 @@ class Product(Factor):
             t = np.asarray(c.mean(), dtype=float)[..., None] + s * xi
             lw = gauss_hermite_log_base(nodes) + _exact.log_weight(t, m1, v1, m2, v2, mz, vz)
             mu, var = _exact.z_given(t, m2, v2, mz, vz) if to == "z" else (t, 0.0)
-        return gaussian_from_nodes(lw, mu, var, c if to != "z" else self.stand_in(incoming, "z"),
-                                   max_node_weight=max_node_weight)
+        back = c if to != "z" else self.stand_in(incoming, "z")
+        return gaussian_from_nodes(lw, mu, var, back if fallback else nan_like(back), max_node_weight=max_node_weight)
 
     def reference_error(self, incoming, to, revision=None, reference=None):
         """The squared change of :meth:`approximate_belief` (revision 2) under a finer rule, in
         coordinates relative to it (mean in its standard deviations, log variance): the finer rule
         has :data:`REFERENCE_CHECK_NODES` nodes on the same stand-in and no max-node-weight
         fallback, so where the reference fell back to the stand-in the estimate is the stand-in's
-        distance to the nodes' answer, not 0.  The reference fails where w is bimodal and the
+        distance to the nodes' answer, not 0; where the finer rule itself has no answer (every node's weight
+        underflows, or one holds it all) the estimate is +inf — it fell back to the stand-in too, and the
+        two agreeing said nothing (found in review: such a row, estimated 0, was answered by the stand-in at
+        log variance −74, KL 118).  The reference fails where w is bimodal and the
         stand-in sits on one mode — abruptly, so a learned correction cannot follow; the finer
         rule's outer nodes reach further and see part of the missed mass.  On the factor suite's
         rank-one messages its rank correlation with the reference's actual squared error is 0.99
@@ -89,7 +93,7 @@ class Product(Factor):
         to = self.check_to(to)
         if revision is not None and int(revision) != self.approximation_revision:
             return None
-        fine = self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, max_node_weight=1.0)
+        fine = self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, max_node_weight=1.0, fallback=False)
         with np.errstate(all="ignore"):
             if reference is None:
                 ref = self.approximate_belief(incoming, to)

@@ -85,6 +85,13 @@ TARGET_RANGE_MARGIN = 0.25
 #: 3 000 fresh messages of its default distribution, `/tmp` scratch): on the rows passed, the largest exact KL
 #: 3.9e-13 / 5.1e-13 / 4.2e-13 (x / y / z) at 1e-12; at 1e-8 y's reached 1.1e-4 (the check stops being reliable)
 REFERENCE_GATE = 1e-12
+#: the band below the gate over which a gated answer passes from the regression's to the reference's (linearly
+#: in the log of the estimate: the reference's alone from a hundredth of the gate down)
+REFERENCE_GATE_BAND = 100.0
+#: what a reference error estimate with no answer (+inf: the factor's finer rule failed on the row) adds to an
+#: operator's variance: a squared error of 1e6 in the reference's units (its mean 1 000 sds off) — flagged at any
+#: threshold, and a finite number (an infinite log variance is no answer a service can send)
+UNKNOWN_REFERENCE_ERROR = 1e6
 #: the smallest variance a gated answer reports: the squared rounding of the reference's moments
 REFERENCE_GATE_FLOOR = 1e-32
 #: a pair whose regression target lies outside the learned targets' range by more than this many
@@ -811,21 +818,29 @@ class KernelOperator(Operator):
         return c
 
     def gated_rows(self, incoming: Mapping[str, Family]) -> np.ndarray:
-        """Flat mask of the rows this operator answers by its reference alone (``reference_gate_``:
-        the factor's check of the reference passed), not by the regression; all False without a gate."""
+        """Flat mask of the rows this operator answers by its reference alone (``reference_gate_``: the factor's
+        check of the reference passed, :meth:`reference_weights` 1), not by the regression; all False without a
+        gate."""
+        return self.reference_weights(incoming) >= 1.0
+
+    def reference_weights(self, incoming: Mapping[str, Family]) -> np.ndarray:
+        """Per flat row, the weight of the reference in this operator's answer (``reference_gate_``; the rest is
+        the regression's): 1 where the factor's check of it passed, 0 where it did not, between in a band (see
+        ``REFERENCE_GATE_BAND``); all 0 without a gate."""
         self._check_fitted()
         inc, shape = self.factor.check_incoming(incoming, self.to)
         n = math.prod(shape)
         gate = getattr(self, "reference_gate_", None)
         if gate is None or self.target != "relative" or getattr(self, "reference_", "incoming") != "approximation":
-            return np.zeros(n, bool)
+            return np.zeros(n)
         flat = {v: m.ravel() for v, m in inc.items()}
         base = self._reference(flat)
         with np.errstate(all="ignore"):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
         if err is None:
-            return np.zeros(n, bool)
-        return _gated(err, gate, self.noise_var_ * self.y_scale_**2) & np.all(np.isfinite(base), axis=-1)
+            return np.zeros(n)
+        w = _gate_weight(err, gate, self.noise_var_ * self.y_scale_**2)
+        return np.where(np.all(np.isfinite(base), axis=-1), w, 0.0)
 
     def reference_ok(self, incoming) -> np.ndarray:
         """Rows (of the flat validated batch ``incoming``) whose reference of relative targets is finite."""
@@ -930,9 +945,10 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
             gate = getattr(self, "reference_gate_", None)
             if err is not None and gate is not None:
-                gated = _gated(err, gate, self.noise_var_ * self.y_scale_**2)
-                if gated.any():  # the reference checked out: answered by it (REFERENCE_GATE)
-                    coords = np.where(gated[:, None], base, coords)
+                gated = _gate_weight(err, gate, self.noise_var_ * self.y_scale_**2)
+                if gated.any():  # the reference checked out: answered by it (REFERENCE_GATE), blended in a band
+                    w = gated[:, None]
+                    coords = np.where(w >= 1.0, base, coords + w * (base - coords))
                 else:
                     gated = None
         coords = coords.reshape(shape + (len(self.y_mean_),))
@@ -947,15 +963,17 @@ class KernelOperator(Operator):
         var = v * self.y_scale_**2
         if err is not None:
             # where the reference fails abruptly the smooth correction cannot follow, and the
-            # regression's variance (distance to the training inputs) does not see it
-            var = var + err
+            # regression's variance (distance to the training inputs) does not see it; an estimate with no
+            # answer (+inf) counts as UNKNOWN_REFERENCE_ERROR — flagged at any threshold, and a finite number
+            var = var + np.minimum(err, UNKNOWN_REFERENCE_ERROR)
         if outside is not None:
             p = np.asarray(psi[outside], np.float64)
             prior = (self.prior_var_ * np.einsum("ij,ij->i", p, p) + self.noise_var_)[:, None] * self.y_scale_**2
             var = np.array(var, dtype=np.float64)  # (not a view of the caller's arrays)
             var[outside] = np.maximum(var[outside], prior)
         if gated is not None:  # a gated answer is the reference: its error is the reference's
-            var = np.where(gated[:, None], np.maximum(err, REFERENCE_GATE_FLOOR), var)
+            w = gated[:, None]
+            var = np.where(w > 0.0, w * np.maximum(err, REFERENCE_GATE_FLOOR) + (1.0 - w) * var, var)
         var = var.reshape(shape + (len(self.y_mean_),))
         out = (coords, var, psi) if return_features else (coords, var)
         if return_weights:
@@ -1865,14 +1883,22 @@ class KernelOperator(Operator):
         return op
 
 
-def _gated(err, gate: float, floor) -> np.ndarray:
-    """Rows (n,) a reference gate answers by the reference: its estimated squared error ``err`` (n, k) below the
-    gate and below the regression's noise floor ``floor`` (k,) — under which the regression's answers cannot be
-    expected to be better — in every coordinate, and above 0: an estimate of exactly 0 is two rules that fell
-    back to the same answer (product's stand-in where every node's weight underflows — found in review: such
-    a row was answered at log variance −74, KL 118), not a check.  NaN / inf estimates: not gated."""
+def _gate_weight(err, gate: float, floor) -> np.ndarray:
+    """Per row (n,), the weight of the reference in a gated operator's answer (the rest the regression's): 1 where
+    the reference's estimated squared error ``err`` (n, k) is at most ``REFERENCE_GATE_BAND`` times below the gate
+    and the regression's noise floor ``floor`` (k,) — under which the regression's answers cannot be expected to
+    be better — in every coordinate, 0 where it reaches either in some coordinate, linear in the log between:
+    a switch would make the answer jump where a message crosses the gate, and EP through it could cycle there
+    (found by the README's Poisson regression: 100 sweeps unconverged at site changes of 3e-5, against 8).
+    0 also where an estimate is not finite (a check with no answer — e.g. product's finer rule where every
+    node's weight underflows).  An estimate of exactly 0 (the two rules agree to the last bit) is 1: reading it
+    as "no check" made exp's converged rows flip between the two answers from sweep to sweep."""
     err = np.asarray(err, np.float64)
-    return np.all((err > 0.0) & (err < np.minimum(gate, floor)), axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        above = np.max(np.log(err) - np.log(np.minimum(gate, floor)), axis=-1)  # (log of how far over, worst)
+        w = np.clip(-above / math.log(REFERENCE_GATE_BAND), 0.0, 1.0)
+    ok = np.all(np.isfinite(err) & (err >= 0.0), axis=-1)
+    return np.where(ok & ~np.isnan(w), w, 0.0)
 
 
 def _state_json(d: Mapping, key: str, where: str, kind: type | None = None, default: str | None = None):
