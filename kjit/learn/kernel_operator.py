@@ -1733,6 +1733,7 @@ class KernelOperator(Operator):
         self._check_fitted()
         return {"width_rule": getattr(self, "width_rule_", "mean_variance"), "canonical": bool(self.canonical_),
                 "reference": getattr(self, "reference_", "incoming"),
+                "reference_gate": getattr(self, "reference_gate_", None),
                 "inner_factor": self.inner_factor_, "width_factor": self.width_factor_, "prior_var": self.prior_var_,
                 "noise_var": self.noise_var_, "gamma2": float(self.features_.gamma2_),
                 "inner_widths": np.asarray(self.features_.sigma2_).tolist(),
