@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kjit.factors import get_factor
-from kjit.families import Gaussian
+from kjit.families import Gamma, Gaussian
 from kjit.operators import ApproximationOverflowError, KernelOperator
 from kjit.persistence import dumps_state, loads_state
 
@@ -625,14 +625,16 @@ def test_reference_gate_answers_checked_rows_by_the_reference(name, to):
     err = f.reference_error(test.incoming, to)
     assert err.shape == c.shape and np.all(err >= 0)
     np.testing.assert_array_equal(c[g], ref[g])
-    np.testing.assert_array_equal(v[g], np.maximum(err[g], 1e-32))
+    from kjit.learn.kernel_operator import _reference_rounding
+    rounding = _reference_rounding(op.family, ref)  # (the reference's own rounding, in the regressed units)
+    np.testing.assert_array_equal(v[g], np.maximum(err[g], rounding[g]))
     off = w == 0.0  # the regression's, bit for bit
     np.testing.assert_array_equal(c[off], c0[off])
     np.testing.assert_array_equal(v[off], v0[off])
     band = ~g & ~off  # between: the blend (REFERENCE_GATE_BAND), the weight linear in the log of the estimate
     np.testing.assert_allclose(c[band], c0[band] + w[band, None] * (ref[band] - c0[band]), rtol=1e-12, atol=1e-15)
     floor = np.minimum(REFERENCE_GATE, op.noise_var_ * op.y_scale_**2)
-    over = np.max(np.log(err) - np.log(floor), axis=-1)
+    over = np.max(np.log(np.maximum(err, rounding)) - np.log(floor), axis=-1)
     np.testing.assert_allclose(w[band], -over[band] / np.log(100.0), rtol=1e-12)
     assert np.all(over[g] <= -np.log(100.0)) and np.all(over[off & np.isfinite(over)] >= 0.0)
     # without variances the same answer (the regression's mean by another BLAS call, the belief's
@@ -674,6 +676,34 @@ def test_a_row_where_both_rules_fell_back_is_not_gated():
     np.testing.assert_array_equal(c, c0)
     np.testing.assert_array_equal(v, v0)
     assert np.all(np.isfinite(v)) and np.all(v >= 1e6)
+
+
+def test_the_gate_does_not_pass_what_doubles_cannot_check():
+    """Found in review of the gate: (1) exp → y with a very narrow x message — the Gamma statistic
+    log E[y] − E[log y] ≈ Var(x)/2 sinks into the rounding of E[x], which both rules share, so they agreed
+    (estimate ~0) on a shape 1.37e16 against the exact 1.00e16 (KL 0.03 on a gated answer at log variance −35):
+    the estimate is no smaller than that shared rounding (gamma_stat_rounding), so such rows are not gated and
+    their variance says so (≥ 1); (2) product → x at x ~ N(−1e100, 1e100): the reference's mean is rounded to
+    ~1 sd, and a gated answer claimed variance 1e-32 — the coordinates' own rounding bounds what any check
+    passes: the regression answers, as without the gate."""
+    f = get_factor("exp")
+    train = _data(f, "y", 300, 1)
+    op = KernelOperator(f, "y", n_inner=30, n_outer=60, random_state=0).fit(train)
+    narrow = {"x": Gaussian(np.array([0.1, 0.0, 0.3]), np.array([1e-16, 1e-30, 0.5])),
+              "y": Gamma(np.array([1.0, 0.5, 2.0]), np.array([1.0, 1000.0, 1.0]))}
+    err = f.reference_error(narrow, "y")
+    assert np.all(err[:2] >= 1.0) and np.all(err[2] < 1e-12)
+    w = op.reference_weights(narrow)
+    assert w[0] == 0.0 and w[1] == 0.0 and w[2] > 0.5  # (an ordinary row: its estimate near the band)
+    assert np.all(op.predict_coords(narrow)[1][:2] >= 1.0)
+    p = get_factor("product")
+    pop = KernelOperator(p, "x", n_inner=30, n_outer=60, random_state=0).fit(_data(p, "x", 300, 1))
+    far = {"x": Gaussian(np.array([-1e100]), np.array([1e100])), "y": Gaussian(np.array([-1000.0]), np.array([1e-6])),
+           "z": Gaussian(np.array([0.0]), np.array([1.0]))}
+    assert pop.reference_weights(far)[0] == 0.0
+    plain = KernelOperator(p, "x", n_inner=30, n_outer=60, random_state=0, reference_gate=None).fit(_data(p, "x", 300, 1))
+    for a, b in zip(pop.predict_coords(far), plain.predict_coords(far)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_reference_gate_choice_and_refusals():

@@ -17,7 +17,7 @@ from ..exact import exp as _exact
 from ..families import Family, Gamma, Gaussian
 from .base import (GH_NODES, REFERENCE_CHECK_NODES, Factor, capped_log_var, check_projection, exact_rules,
                    gamma_from_log_nodes, gauss_hermite, gauss_hermite_log_base, gaussian_from_nodes, nan_like,
-                   reference_change, register_factor, tilted_laplace)
+                   gamma_stat_rounding, reference_change, register_factor, tilted_laplace)
 
 __all__ = ["Exp", "exp_incoming"]
 
@@ -93,8 +93,10 @@ class Exp(Factor):
         to = self.check_to(to)
         if revision is not None and int(revision) != self.approximation_revision:
             return None
-        return reference_change(self, incoming, to, self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, False),
-                                reference)
+        fine = self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, False)
+        err = reference_change(self, incoming, to, fine, reference)
+        # (y's statistic carries a rounding both rules share: the estimate is no smaller than it)
+        return np.maximum(err, gamma_stat_rounding(fine)) if to == "y" else err
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation (2026-11-26); 1: Laplace's alone
     approximation_revision = 2

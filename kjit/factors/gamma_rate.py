@@ -20,7 +20,7 @@ from ..exact import gamma_rate as _exact
 from ..families import Family, Gamma
 from .base import (GH_NODES, REFERENCE_CHECK_NODES, Factor, FactorParamError, capped_log_var, check_projection,
                    exact_rules, gamma_from_log_nodes, gauss_hermite, gauss_hermite_log_base, laplace_mode, nan_like,
-                   number_param, reference_change, register_factor)
+                   gamma_stat_rounding, number_param, reference_change, register_factor)
 
 __all__ = ["GammaRate", "gamma_rate_incoming"]
 
@@ -83,8 +83,9 @@ class GammaRate(Factor):
         to = self.check_to(to)
         if revision is not None and int(revision) != self.approximation_revision:
             return None
-        return reference_change(self, incoming, to, self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, False),
-                                reference)
+        fine = self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, False)
+        # (the statistic carries a rounding both rules share: the estimate is no smaller than it)
+        return np.maximum(reference_change(self, incoming, to, fine, reference), gamma_stat_rounding(fine))
 
     #: 2: Gauss–Hermite quadrature on Laplace's approximation with r's exponent s + a − 1
     #: (2026-11-26); 1: Laplace's alone, with r's exponent s + a

@@ -839,7 +839,8 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
         if err is None:
             return np.zeros(n)
-        w = _gate_weight(err, gate, self.noise_var_ * self.y_scale_**2)
+        w = _gate_weight(np.maximum(err, _reference_rounding(self.family, base)), gate,
+                         self.noise_var_ * self.y_scale_**2)
         return np.where(np.all(np.isfinite(base), axis=-1), w, 0.0)
 
     def reference_ok(self, incoming) -> np.ndarray:
@@ -945,10 +946,11 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
             gate = getattr(self, "reference_gate_", None)
             if err is not None and gate is not None:
-                gated = _gate_weight(err, gate, self.noise_var_ * self.y_scale_**2)
+                rounding = _reference_rounding(self.family, base)
+                gated = _gate_weight(np.maximum(err, rounding), gate, self.noise_var_ * self.y_scale_**2)
                 if gated.any():  # the reference checked out: answered by it (REFERENCE_GATE), blended in a band
-                    w = gated[:, None]
-                    coords = np.where(w >= 1.0, base, coords + w * (base - coords))
+                    w = gated[:, None]  # ((1 − w) c + w b: an infinite c stays infinite, not NaN)
+                    coords = np.where(w >= 1.0, base, np.where(w > 0.0, (1.0 - w) * coords + w * base, coords))
                 else:
                     gated = None
         coords = coords.reshape(shape + (len(self.y_mean_),))
@@ -973,7 +975,7 @@ class KernelOperator(Operator):
             var[outside] = np.maximum(var[outside], prior)
         if gated is not None:  # a gated answer is the reference: its error is the reference's
             w = gated[:, None]
-            var = np.where(w > 0.0, w * np.maximum(err, REFERENCE_GATE_FLOOR) + (1.0 - w) * var, var)
+            var = np.where(w > 0.0, w * np.maximum(err, rounding) + (1.0 - w) * var, var)
         var = var.reshape(shape + (len(self.y_mean_),))
         out = (coords, var, psi) if return_features else (coords, var)
         if return_weights:
@@ -1882,6 +1884,19 @@ class KernelOperator(Operator):
             raise ValueError(f"operator state is inconsistent: the regression has {op.blr_.coef_.shape[1]} outputs, "
                              f"the targets {op.y_mean_.size}")
         return op
+
+
+def _reference_rounding(family, base) -> np.ndarray:
+    """(n, k): the squared rounding of the reference's coordinates ``base`` in the regressed (relative) units —
+    what no check of it resolves, and the least variance a gated answer reports (at least
+    ``REFERENCE_GATE_FLOOR``): a double's relative spacing times the coordinate's size, over the relative
+    coordinates' unit (a Gaussian mean in its standard deviations).  Found in review: product → x at
+    x ~ N(−1e100, 1e100) had a reference whose mean is rounded to ~1 sd, and an estimate of exactly 0 — a
+    gated answer at variance 1e-32 claimed what no double can hold."""
+    b = np.asarray(base, np.float64)
+    with np.errstate(all="ignore"):
+        r = np.finfo(np.float64).eps * np.maximum(1.0, np.abs(b)) / family.relative_scale(b)
+    return np.maximum(np.where(np.isfinite(r), r * r, np.inf), REFERENCE_GATE_FLOOR)
 
 
 def _gate_weight(err, gate: float, floor) -> np.ndarray:

@@ -181,13 +181,11 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
             raise ApiError(422, ["body", "source", "path"], f"{quoted(src.path)} is not a usable file name "
                                                             f"({type(exc).__name__})", "value_error") from None
         if not p.is_relative_to(base):
-            raise ApiError(422, ["body", "source", "path"], f"{quoted(src.path)} is outside the training-set directory "
-                           "(`training-sets/` in the server's store; paths are relative to it)", "value_error")
+            raise ApiError(422, ["body", "source", "path"], f"{quoted(src.path)} is outside the training-set directory",
+                           "value_error")
         if not p_is_file:
             raise ApiError(422, ["body", "source", "path"], f"no training-set file {quoted(src.path)} in the store's "
-                                                            "training-set directory (`training-sets/` in the server's "
-                                                            "store: put the file there, e.g. one `kjit train --save-pairs` "
-                                                            "wrote)", "value_error")
+                                                            f"training-set directory", "value_error")
         # read now: a file that is not a training set of this factor and recipient is a 422, not a
         # 202 and a failed job (found by an audit: EOFError, KeyError, ... in the job's error)
         try:
