@@ -185,7 +185,8 @@ def test_jit_with_a_sampled_oracle_stops_consulting_a_flat_message():
     assert gated.operator.gated_rows(flat_case).all()  # (its check passes: answered by the reference)
     assert not any(bool(gated.predict(flat_case)[2]) for _ in range(5))
     jit = JITOperator(None, MessageImportanceSampler(f, target_se=0.03, random_state=0), to="x", initial_batch=200,
-                      threshold=-8.0, uncertainty="epistemic", operator_kwargs={"random_state": 0, "reference_gate": None})
+                      threshold=-8.0, uncertainty="epistemic",
+                      operator_kwargs={"random_state": 0, "reference_gate": None})
     jit.predict(train)
     consulted = [bool(jit.predict(flat_case)[2]) for _ in range(30)]
     assert jit.operator is not None  # past the initial batch: the learned operator decides

@@ -701,7 +701,8 @@ def test_the_gate_does_not_pass_what_doubles_cannot_check():
     far = {"x": Gaussian(np.array([-1e100]), np.array([1e100])), "y": Gaussian(np.array([-1000.0]), np.array([1e-6])),
            "z": Gaussian(np.array([0.0]), np.array([1.0]))}
     assert pop.reference_weights(far)[0] == 0.0
-    plain = KernelOperator(p, "x", n_inner=30, n_outer=60, random_state=0, reference_gate=None).fit(_data(p, "x", 300, 1))
+    plain = KernelOperator(p, "x", n_inner=30, n_outer=60, random_state=0,
+                           reference_gate=None).fit(_data(p, "x", 300, 1))
     for a, b in zip(pop.predict_coords(far), plain.predict_coords(far)):
         np.testing.assert_array_equal(a, b)
 

@@ -971,7 +971,8 @@ def _counts_operator():
     inc = {"r": Gamma(rng.uniform(5, 40, n), rng.uniform(2, 40, n)),
            "x": Gamma(rng.poisson(rng.uniform(0.5, 30, n)) + 1.0, np.ones(n))}
     exact = QuadratureOracle(f)
-    return f, exact, KernelOperator(f, "x", random_state=0, reference_gate=None).fit(make_training_set(f, "x", inc, exact))
+    return f, exact, KernelOperator(f, "x", random_state=0,  # (the regression's own answers: no reference gate)
+                                    reference_gate=None).fit(make_training_set(f, "x", inc, exact))
 
 
 def test_a_concentrated_gamma_belief_weighs_its_error_by_its_shape():

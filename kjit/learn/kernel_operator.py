@@ -839,9 +839,15 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
         if err is None:
             return np.zeros(n)
-        w = _gate_weight(np.maximum(err, _reference_rounding(self.family, base)), gate,
-                         self.noise_var_ * self.y_scale_**2)
-        return np.where(np.all(np.isfinite(base), axis=-1), w, 0.0)
+        return np.where(np.all(np.isfinite(base), axis=-1), self._gate(err, base)[0], 0.0)
+
+    def _gate(self, err, base):
+        """``(w (n,), rounding (n, k))``: the reference's weight in the answer (:func:`_gate_weight`) for its
+        estimated error ``err`` at its coordinates ``base``, and their rounding (:func:`_reference_rounding`),
+        which no estimate is taken below."""
+        rounding = _reference_rounding(self.family, base)
+        floor = self.noise_var_ * self.y_scale_**2
+        return _gate_weight(np.maximum(err, rounding), self.reference_gate_, floor), rounding
 
     def reference_ok(self, incoming) -> np.ndarray:
         """Rows (of the flat validated batch ``incoming``) whose reference of relative targets is finite."""
@@ -946,8 +952,7 @@ class KernelOperator(Operator):
             err = self.factor.reference_error(flat, self.to, getattr(self, "reference_revision_", 1), reference=base)
             gate = getattr(self, "reference_gate_", None)
             if err is not None and gate is not None:
-                rounding = _reference_rounding(self.family, base)
-                gated = _gate_weight(np.maximum(err, rounding), gate, self.noise_var_ * self.y_scale_**2)
+                gated, rounding = self._gate(err, base)
                 if gated.any():  # the reference checked out: answered by it (REFERENCE_GATE), blended in a band
                     w = gated[:, None]  # ((1 − w) c + w b: an infinite c stays infinite, not NaN)
                     coords = np.where(w >= 1.0, base, np.where(w > 0.0, (1.0 - w) * coords + w * base, coords))
