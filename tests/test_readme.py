@@ -72,10 +72,12 @@ def test_python_blocks_run(pristine_store, tmp_path, monkeypatch, capsys):  # no
     assert info["factor"] == "my_noisy_product" and info["oracle"] == {"kind": "message_sampler"}
     assert info["families"] == {"x": "gaussian", "y": "gaussian", "z": "gaussian"}
     assert ns["q_z"].shape == () and np.isfinite(ns["q_z"].mean()) and ns["q_z"].var() > 0
-    # … and with the factor kept in the client: the far row went to the client's sampler and was learned
+    # … and with the factor kept in the client: the far row went to the client's sampler and was sent back —
+    # beyond the operator's input margin, acknowledged and not learned (as the README's comment says)
     mine = ns["mine"]
     assert mine.info()["oracle"] == {"kind": "client"}  # (as read during the run: the server has stopped)
     assert mine.consultations_ == 1 and mine.last_version_ == mine.info()["version"] + 1  # one observation
+    assert mine.unlearned_ == 1
     assert ns["q_mine"].shape == () and abs(ns["q_mine"].mean() - 12.0) < 3 * np.sqrt(ns["q_mine"].var())
 
 
