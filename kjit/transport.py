@@ -428,6 +428,14 @@ class Session:
         if c is not None:
             c.close()
 
+    def __del__(self):
+        # a session dropped without close() closes its socket (found by a new-user audit: a RemoteOperator
+        # garbage-collected unclosed left it open, a ResourceWarning)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - (interpreter shutdown: nothing to report to)
+            pass
+
     def _connection(self) -> _Connection:
         c = self._conn
         if c is not None:
