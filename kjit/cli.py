@@ -266,7 +266,11 @@ def _train(args) -> int:
                 raise ValueError(f"--pairs holds {len(ts)} pairs: too few to fit and hold out pairs for --jit")
     else:
         if factor.default_incoming is None:
-            raise ValueError(f"no default input distribution for factor {factor.name!r}: give --pairs FILE")
+            raise ValueError(f"no default input distribution for factor {factor.name!r}: give --pairs FILE (a "
+                             "TrainingSet saved with TrainingSet.save, e.g. make_training_set(factor, to, sampler, "
+                             "oracle, n) with your own sampler of incoming messages), or give the factor a "
+                             "default_incoming(n, rng) -> {variable: message batch} in its module (an attribute, "
+                             "as the built-in factors have)")
         with _dask_backend(args.scheduler):
             ts = make_training_set(factor, args.to, factor.default_incoming, oracle, n=args.n + n_held,
                                    n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)

@@ -339,3 +339,17 @@ def test_serve_on_an_address_it_cannot_listen_on_is_a_one_line_error_before_any_
             assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
             assert lines[0].startswith(f"kjit serve: error: cannot listen on {host}:{p}"), lines[0]
             assert not (tmp_path / "s").exists()  # nothing trained, no store made
+
+
+def test_train_of_a_factor_without_a_default_distribution_says_what_to_give(tmp_path, capsys, restore_registry):
+    """A factor of one's own module without ``default_incoming``: `kjit train` said only "give --pairs FILE"
+    (a new-user audit: how to make that file, or what else would do, was nowhere); now it says both."""
+    (tmp_path / "my_sum_factor.py").write_text(
+        "from kjit.factors import SampledFactor, register_factor\n"
+        "from kjit.families import Gaussian\n"
+        "register_factor(SampledFactor('my_sum_cli_test', inputs={'x': Gaussian, 'y': Gaussian},\n"
+        "                              output=('z', Gaussian), sampler=lambda v, rng: v['x'] + v['y']), replace=True)\n")
+    sys.path.insert(0, str(tmp_path))
+    rc = main(["train", "my_sum_cli_test", "--factors", "my_sum_factor", "--to", "z", "--n", "50", "--quiet",
+               "--out", str(tmp_path / "op.npz")])
+    _one_line_error(capsys, rc, "give --pairs FILE", "TrainingSet.save", "default_incoming(n, rng)")
