@@ -121,6 +121,7 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
             for mode in ("jit", "oracle"):
                 r = c.post("/v1/operators/client-product-z/messages", params={"mode": mode}, json=body)
                 assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "mode"], r.text
+                assert "RemoteOperator(url, name, oracle=your_oracle)" in r.json()["detail"][0]["msg"]  # (what to do)
 
         # the jit loop across the wire: 30 rows like the training ones and 6 far outside
         plain = RemoteOperator(srv.url, "client-product-z", mode="predict")

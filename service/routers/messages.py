@@ -158,7 +158,9 @@ def _messages(entry: Entry, settings: Settings, store: OperatorStore, metrics: M
     if mode != "predict" and isinstance(entry.jit.oracle, ClientOracle):
         raise ApiError(422, ["query", "mode"], f"operator {entry.name!r} has no oracle on the server (its clients run "
                                                f"it): use mode=predict and send the oracle's answers to "
-                                               f"/v1/operators/{entry.name}/observations", "no_server_oracle")
+                                               f"/v1/operators/{entry.name}/observations — what "
+                                               f"kjit.client.RemoteOperator(url, name, oracle=your_oracle) does",
+                     "no_server_oracle")
     _check_to(entry, store, req.to)
     inc = to_families(entry.jit.factor, req.incoming, settings.max_batch)
     n_rows = len(next(iter(inc.values())))
