@@ -15,7 +15,7 @@ import numpy as np
 from ..exact import product as _exact
 from ..families import Family, Gaussian
 from .base import (GH_NODES, REFERENCE_CHECK_NODES, Factor, exact_rules, gauss_hermite, gauss_hermite_log_base,
-                   gaussian_from_nodes, nan_like, register_factor)
+                   gaussian_from_nodes, nan_like, reference_change, register_factor)
 
 __all__ = ["Product", "product_incoming"]
 
@@ -94,15 +94,7 @@ class Product(Factor):
         if revision is not None and int(revision) != self.approximation_revision:
             return None
         fine = self._gauss_hermite(incoming, to, REFERENCE_CHECK_NODES, max_node_weight=1.0, fallback=False)
-        with np.errstate(all="ignore"):
-            if reference is None:
-                ref = self.approximate_belief(incoming, to)
-                base = np.stack([ref.mean(), np.log(ref.var())], axis=-1)
-            else:
-                base = np.asarray(reference, dtype=float)
-            alt = np.stack([fine.mean(), np.log(fine.var())], axis=-1)
-            err = Gaussian.to_relative(alt, base) ** 2
-        return np.where(np.isnan(err), np.inf, err)
+        return reference_change(self, incoming, to, fine, reference)
 
     #: 2: Gauss–Hermite quadrature on the stand-ins (2026-11-26); 1: the stand-ins alone
     approximation_revision = 2
