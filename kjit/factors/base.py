@@ -1073,6 +1073,17 @@ def gamma_stat_rounding(q) -> np.ndarray:
     return np.stack([r2, r2], axis=-1)
 
 
+def reference_coords(q, fam) -> np.ndarray:
+    """(n, k): the coordinates (``Family.to_coords``) of the flattened belief ``q`` of family ``fam``, NaN on rows
+    that are not proper and finite."""
+    flat = q.ravel()
+    out = np.full((flat.size, len(fam.coord_names)), np.nan)
+    ok = np.asarray(flat.proper_and_finite(), bool)
+    if ok.any():
+        out[ok] = flat[ok].to_coords() if not ok.all() else flat.to_coords()
+    return out
+
+
 def reference_change(factor, incoming, to: str, fine, reference=None) -> np.ndarray:
     """The body of a :meth:`Factor.reference_error` by a finer rule: the squared change, per row (n, k), in
     the recipient family's coordinates relative to the reference (``Family.to_relative``), of the reference
@@ -1080,19 +1091,10 @@ def reference_change(factor, incoming, to: str, fine, reference=None) -> np.ndar
     rule's belief, with NaN parameters where its statistics are not finite (never a fallback: a row where
     both rules fell back to the same answer would read as checked).  +inf where either is not finite."""
     fam = factor.families[to]
-    k = len(fam.coord_names)
-
-    def coords(q):
-        flat = q.ravel()
-        out = np.full((flat.size, k), np.nan)
-        ok = np.asarray(flat.proper_and_finite(), bool)
-        if ok.any():
-            out[ok] = flat[ok].to_coords() if not ok.all() else flat.to_coords()
-        return out
-
     with np.errstate(all="ignore"):
-        base = coords(factor.approximate_belief(incoming, to)) if reference is None else np.asarray(reference, float)
-        err = fam.to_relative(coords(fine), base) ** 2
+        base = (reference_coords(factor.approximate_belief(incoming, to), fam) if reference is None
+                else np.asarray(reference, float))
+        err = fam.to_relative(reference_coords(fine, fam), base) ** 2
     return np.where(np.isfinite(err), err, np.inf)
 
 
