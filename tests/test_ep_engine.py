@@ -393,3 +393,38 @@ def test_improper_cavity_is_skipped_and_counted(grid_op):
     assert rec.skipped["cavity"] == 1 and rec.n_updated == 1
     assert res.site_precision[0] == 3.0 and res.site_precision[1] != -3.5
     assert np.all(np.isfinite(res.mean)) and res.cov[0, 0] > 0
+
+
+def test_one_precise_datum_is_no_divergence():
+    """A site far more precise than its predictor's prior is no divergence when the posterior is as precise:
+    one count of 2e8 under a prior N(0, 1e4) (site ~2e12 times the prior's precision after one exact update), and
+    20 measurements of noise sd 3e-4 under prior sd 1000, were stopped as diverged and the prior returned (found
+    by an audit).  One factor: EP is exact after one update (against quadrature); a Gaussian likelihood through
+    the Laplace operator: exact Bayesian linear regression (against the closed form)."""
+    from scipy import integrate, stats
+
+    from kjit.ep import GaussianLogDensity, LaplaceOperator, PoissonRegression
+
+    k, pv = 2e8, 1e4
+    for kw in ({}, {"damping": 0.5}, {"schedule": "sequential"}):
+        m = PoissonRegression(prior_var=pv, **kw).fit([[1.0]], [k])
+        assert m.result_.outcome == "converged", (kw, m.result_.status)
+        lw = lambda w: stats.norm.logpdf(w, 0, np.sqrt(pv)) + k * w - np.exp(w)  # noqa: E731
+        mode, s = np.log(k), 1 / np.sqrt(k)
+        with warnings.catch_warnings():  # (quad's own error estimate at epsrel 1e-12: roundoff, said as a warning)
+            warnings.simplefilter("ignore", integrate.IntegrationWarning)
+            moments = [integrate.quad(lambda w: (w - mode) ** j * np.exp(lw(w) - lw(mode)), mode - 12 * s,
+                                      mode + 12 * s, epsabs=0, epsrel=1e-12)[0] for j in range(3)]
+        mean = mode + moments[1] / moments[0]
+        var = moments[2] / moments[0] - (moments[1] / moments[0]) ** 2
+        # (relative 1e-6 of the variance: the exact rule's and quad's tolerances; the mean to 1e-3 sd)
+        assert abs(m.coef_[0] - mean) < 1e-3 * np.sqrt(var) and abs(m.posterior_.cov[0, 0] / var - 1) < 1e-6
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(20, 3))
+    s2, pv = 9e-8, 1e6
+    y = A @ np.array([12.3, -4.1, 0.7]) + np.sqrt(s2) * rng.normal(size=20)
+    r = LinearEP(LaplaceOperator(GaussianLogDensity()), prior_var=pv).run(A, {"y": Gaussian(y, np.full(20, s2))})
+    S = np.linalg.inv(np.eye(3) / pv + A.T @ A / s2)
+    assert r.outcome == "converged", r.status
+    np.testing.assert_allclose(r.posterior.mean, S @ (A.T @ y / s2), rtol=0, atol=1e-6 * np.sqrt(S.diagonal().min()))
+    np.testing.assert_allclose(r.posterior.cov, S, rtol=1e-6)

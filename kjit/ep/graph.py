@@ -49,8 +49,9 @@ import numpy as np
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError, OperatorUnavailableError, check_number, user_stacklevel
 from .error_bars import ErrorBars, attach, graph_error_bars, learned_share, require_plain_ep
-from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain,
-                     count_failing, operator_failure, oracle_rows, uncertain_rows, warn_unconverged)
+from .engine import (DIVERGENCE_STREAK, OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning,
+                     check_on_uncertain, count_failing, operator_failure, oracle_rows, runaway, uncertain_rows,
+                     warn_unconverged)
 from ..factors import Factor, get_factor
 from ..families import Family, Gaussian
 from ..protocols import answered_factor, reports_uncertainty
@@ -295,7 +296,6 @@ def _change(old: Family, new: Family) -> float:
 
 
 #: iterations running in which a site large against its prior must grow by > 1 % to be divergent
-DIVERGENCE_STREAK = 30
 
 
 class GraphEP:
@@ -316,9 +316,9 @@ class GraphEP:
         parameters exceed this many times (1 + the largest natural parameter of its variable's prior
         or posterior) — sites growing against each other while the posterior they sum to does not —
         or exceed this many times (1 + the prior's) and either more than doubled since the last
-        iteration (having exceeded it then too) or grew by more than 1 % in each of
-        :data:`DIVERGENCE_STREAK` iterations running — sites and posterior growing together (a site
-        approaching a large fixed point, even damped, stops growing long before).
+        iteration (having exceeded it then too) or grew by more than 1 %, its increment not shrinking, in each
+        of :data:`DIVERGENCE_STREAK` iterations running — sites and posterior growing together (a site
+        approaching a large fixed point, even damped, grows by ever smaller increments: ``engine.runaway``).
     power : power EP's u > 0 (1 = EP): the cavity removes the fraction u of each site, the operator
         answers for f^u (``belief(incoming, to, power=u)``; operators must have ``supports_power``:
         the exact rules of logistic, probit_noise, gaussian, gamma_rate do, product and exp refuse
@@ -501,7 +501,8 @@ class GraphEP:
         # prior's scale alone called divergent (found by an audit: N(2e4, 1e-8) reported "diverged",
         # the prior returned)
         prior_scale = {v: float(np.max(np.abs(p))) for v, p in prior_nat.items()}
-        streak = dict.fromkeys(sites, 0)  # iterations running a large site grew by > 1 %
+        streak = dict.fromkeys(sites, 0)  # iterations running a large site grew by > 1 % (engine.runaway)
+        increment = dict.fromkeys(sites, 0.0)  # its last growth
         for it in range(1, self.max_iter + 1):
             t0 = time.perf_counter()
             self._factor_unknown.clear()
@@ -526,14 +527,12 @@ class GraphEP:
                     size, before = float(np.max(np.abs(site))), float(np.max(np.abs(prev[0][(j, fv)])))
                     against = size > lim * (1.0 + max(prior_scale[v], float(np.max(np.abs(post[v])))))
                     # (a streak, not one doubling: a slow runaway — 1.8× an iteration — went unseen,
-                    # found in review; a damped approach to a large fixed point also grows at first)
-                    large_at = lim * (1.0 + prior_scale[v])
-                    large = size > large_at
-                    streak[(j, fv)] = streak[(j, fv)] + 1 if (large and size > 1.01 * before) else 0
-                    # and a fast one: large in two sweeps running and more than doubled (a runaway
-                    # whose next cavities are improper freezes at once: caught here at sweep 8)
-                    fast = large and before > large_at and size > 2.0 * before
-                    growing = fast or streak[(j, fv)] >= DIVERGENCE_STREAK
+                    # found in review; a damped approach to a large fixed point also grows at first, its
+                    # increments shrinking; and a fast one: a runaway whose next cavities are improper
+                    # freezes at once, caught at sweep 8)
+                    grows, streak[(j, fv)], increment[(j, fv)] = runaway(
+                        size, before, increment[(j, fv)], streak[(j, fv)], lim * (1.0 + prior_scale[v]))
+                    growing = bool(grows)
                 if not np.all(np.isfinite(site)) or against or growing:
                     cause = (f"the site of factor {j} ({g.factors[j][0].name}) on {v!r} grew beyond "
                              f"divergence_limit={lim:g} times its variable's "
