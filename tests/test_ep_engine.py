@@ -428,3 +428,63 @@ def test_one_precise_datum_is_no_divergence():
     assert r.outcome == "converged", r.status
     np.testing.assert_allclose(r.posterior.mean, S @ (A.T @ y / s2), rtol=0, atol=1e-6 * np.sqrt(S.diagonal().min()))
     np.testing.assert_allclose(r.posterior.cov, S, rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["parallel", "sequential"])
+def test_a_row_of_zeros_carries_no_information_and_is_no_skip(schedule):
+    """A design row of zeros (a datum with no active feature: x_i = 0 whatever w) was skipped as an improper cavity
+    every iteration, so a run at its fixed point ended at max_iter with a warning (found by an audit).  Now it is
+    never updated and not counted: the run converges as the fit without the row, to the same posterior; its
+    evidence is not computed, saying why."""
+    from kjit.ep import PoissonRegression
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(30, 3))
+    k = rng.poisson(np.exp(0.3 * X @ [1.0, -0.5, 0.2]))
+    X0, k0 = np.vstack([X[:10], np.zeros((1, 3)), X[10:]]), np.concatenate([k[:10], [2], k[10:]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EPConvergenceWarning)
+        a = PoissonRegression(schedule=schedule).fit(X, k)
+        b = PoissonRegression(schedule=schedule).fit(X0, k0)
+    assert b.result_.outcome == "converged" and b.n_iter_ == a.n_iter_ and b.result_.n_skipped == 0
+    np.testing.assert_allclose(b.coef_, a.coef_, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(b.posterior_.cov, a.posterior_.cov, rtol=1e-12)
+    assert b.result_.site_precision[10] == 0 and b.result_.log_evidence is None
+    assert "all zero" in b.result_.log_evidence_note and "10" in b.result_.log_evidence_note
+
+
+def test_a_wrong_recipient_or_observed_variable_raises_before_the_first_update():
+    """README: a wrong recipient raises at once (ConfigurationError).  LinearEP with a local operator and a
+    mistyped site_var or observed name, or a message of another family, ran three iterations and returned the
+    prior as "operator_failed" (found by an audit); now it raises before asking the operator anything.  Its
+    own inputs are named too: init_sites of the wrong length or arity, a complex A."""
+    from kjit.errors import ConfigurationError
+    from kjit.ep import LaplaceOperator
+    from kjit.factors import get_factor
+    from kjit.oracles import QuadratureOracle
+
+    A = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    z = Beta(np.array([2.0, 1.0, 2.0]), np.array([1.0, 2.0, 1.0]))
+
+    class Counting(QuadratureOracle):
+        calls = 0
+
+        def belief(self, *a, **k):
+            Counting.calls += 1
+            return super().belief(*a, **k)
+
+    for op in (Counting(get_factor("logistic")), LaplaceOperator(get_factor("logistic"))):
+        for kw, obs, match in (({"site_var": "w"}, {"z": z}, "unknown recipient variable `to`='w'"),
+                               ({}, {"label": z}, "unknown variable\\(s\\) 'label'"),
+                               ({}, {"z": Gaussian(np.zeros(3), np.ones(3))}, "`incoming\\['z'\\]` must be a Beta")):
+            with pytest.raises(ConfigurationError, match=match):
+                LinearEP(op, **kw).run(A, obs)
+    assert Counting.calls == 0
+    assert LinearEP(Counting(get_factor("logistic"))).run(A, {"z": z}).outcome == "converged"
+    ep = LinearEP(Counting(get_factor("logistic")))
+    with pytest.raises(ValueError, match=r"`init_sites\[0\]` must have shape \(3,\)"):
+        ep.run(A, {"z": z}, init_sites=(np.zeros(2), np.zeros(2)))
+    with pytest.raises(ValueError, match="`init_sites` must be a pair"):
+        ep.run(A, {"z": z}, init_sites=(np.zeros(3),))
+    with pytest.raises(ValueError, match="`A` must be real numbers"):
+        ep.run(A * (1 + 5j), {"z": z})

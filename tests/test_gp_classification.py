@@ -227,3 +227,24 @@ def test_conflicting_duplicates_are_divergence_not_convergence():
     for schedule, damping in (("sequential", 0.0), ("parallel", 0.5)):
         g = GPClassifier(eps=0.0, schedule=schedule, damping=damping, max_iter=200).fit(X, y)
         assert not g.converged_ and g.result_.outcome == "diverged" and g.log_evidence_ is None
+
+
+def test_predictions_refuse_inputs_that_are_not_finite_and_a_kernel_of_the_wrong_shape():
+    """GPClassifier.predict took NaN / inf rows and answered label 0 for them (predict_proba NaN, counted by
+    test_error; found by an audit) — the linear models refuse such X; a user's kernel returning the wrong shape
+    was reported as the engine's internal `observed['y']`."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(20, 2))
+    y = (X[:, 0] > 0).astype(int)
+    g = GPClassifier().fit(X, y)
+    bad = np.array([[np.nan, 0.0], [np.inf, 1.0], [5.0, 0.0]])
+    for call in (g.predict_latent, g.predict_proba, g.predict, lambda X: g.test_error(X, np.ones(3))):
+        with pytest.raises(ValueError, match="`X` must be finite"):
+            call(bad)
+    with pytest.raises(ValueError, match="`y` must contain only 0 and 1"):
+        g.test_error(X, np.full(20, 2))
+    with pytest.raises(ValueError, match="kernel 'mine' returned a matrix of shape \\(3, 3\\) for 20 and 20 rows"):
+        def mine(A, B, length_scale, amplitude):
+            return np.eye(3)
+        GPClassifier(kernel=mine).fit(X, y)
+    assert np.array_equal(g.predict(X[:3]), g.predict(X[:3].tolist()))

@@ -167,11 +167,11 @@ import numpy as np
 from scipy import linalg
 from scipy.linalg.blas import dger as _dger
 
-from ..families import Family, Gaussian
+from ..families import NUMERIC_KINDS, Family, Gaussian
 from ..certificates import Certificates, above_threshold, certified, count_answers, last_certificates, outgoing_proper
 from ..errors import ConfigurationError, OperatorUnavailableError, check_number, rows_of_batch, user_stacklevel
-from ..protocols import (check_same_factor, has_log_partition, has_projection_kl, is_operator, log_var_is_variance,
-                         reports_uncertainty, supports_power)
+from ..protocols import (answered_factor, check_same_factor, has_log_partition, has_projection_kl, is_operator,
+                         log_var_is_variance, reports_uncertainty, supports_power)
 from .error_bars import attach, learned_share, linear_error_bars, require_plain_ep
 
 __all__ = [
@@ -606,6 +606,15 @@ def _log_gauss_integral(mc, vc, h, lam):
     p = 1.0 / vc + lam
     b = mc / vc + h
     return -0.5 * np.log(vc) - 0.5 * np.log(p) + 0.5 * b * b / p - 0.5 * mc * mc / vc
+
+
+def _real_array(what: str, x) -> np.ndarray:
+    """``x`` as a float array, or a ValueError naming ``what`` where it is not real numbers (a cast would drop
+    an imaginary part with only numpy's ComplexWarning, or read strings as numbers)."""
+    x = np.asarray(x)
+    if x.dtype.kind not in NUMERIC_KINDS:
+        raise ValueError(f"`{what}` must be real numbers, got an array of {x.dtype}")
+    return x.astype(float, copy=False)
 
 
 def _as_messages(observed: Mapping[str, Family], n: int) -> dict[str, Family]:
@@ -1159,6 +1168,22 @@ class LinearEP:
             ok = ok & ~neg
         return h_n, lam_n, ok, np.where(ok, h_p, h_old), np.where(ok, lam_p, lam_old)
 
+    def _check_variables(self, observed, n):
+        """A ConfigurationError, before the first update, where the operator says its factor (``answered_factor``;
+        a served one's from its server) and ``site_var`` or ``observed`` do not fit it: a recipient it has not, an
+        observed variable it has not or lacks, a message of another family.  Found by an audit: a mistyped
+        ``site_var`` or observed name ran three iterations and returned the prior as "operator_failed" (the
+        README says such a run raises at once)."""
+        factor = answered_factor(self.operator)
+        if factor is None:
+            return
+        probe = {self.site_var: Gaussian._unchecked(np.zeros(n), np.ones(n)), **observed}
+        try:
+            factor.check_incoming(probe, self.site_var)
+        except ValueError as exc:
+            raise ConfigurationError(f"{type(self.operator).__name__} answers for factor {factor.name!r} "
+                                     f"(site_var={self.site_var!r}, observed {sorted(observed)}): {exc}") from None
+
     # ------------------------------------------------------------------ run
     def run(self, A, observed: Mapping[str, Family], init_sites=None) -> EPResult:
         """Run EP on design matrix ``A`` (n × d) with fixed messages ``observed`` (batch (n,)).
@@ -1166,7 +1191,7 @@ class LinearEP:
         ``init_sites``: optional ``(shift, precision)`` arrays to start from (default zeros,
         i.e. the prior).
         """
-        A = np.asarray(A, dtype=float)
+        A = _real_array("A", A)
         if A.ndim != 2 or A.shape[0] < 1 or A.shape[1] < 1:
             raise ValueError(f"`A` must be a non-empty 2-D array (n, d), got shape {A.shape}")
         if not np.all(np.isfinite(A)):
@@ -1176,13 +1201,20 @@ class LinearEP:
         observed = _as_messages(observed, n)
         if self.site_var in observed:
             raise ValueError(f"`observed` must not contain the site variable {self.site_var!r}")
+        self._check_variables(observed, n)
         if self.relax_c is not None and self.relax_reading.startswith("appendix"):
             self._check_appendix(observed, n)
         if init_sites is None:
             h = np.zeros(n)
             lam = np.zeros(n)
         else:
-            h, lam = (np.array(np.broadcast_to(np.asarray(s, float), (n,))) for s in init_sites)
+            if not isinstance(init_sites, (tuple, list)) or len(init_sites) != 2:
+                raise ValueError("`init_sites` must be a pair (shift, precision) of arrays, one value per row of A")
+            h, lam = (_real_array(f"init_sites[{k}]", s) for k, s in enumerate(init_sites))
+            for k, s in enumerate((h, lam)):
+                if s.shape not in ((), (n,)):
+                    raise ValueError(f"`init_sites[{k}]` must have shape ({n},) (one per row of A), got {s.shape}")
+            h, lam = (np.array(np.broadcast_to(s, (n,))) for s in (h, lam))
             if not (np.all(np.isfinite(h)) and np.all(np.isfinite(lam))):
                 raise ValueError("`init_sites` must be finite")
         state = _posterior_from_sites(A, prior_prec, h, lam)
@@ -1315,7 +1347,8 @@ class LinearEP:
         skipped = rec.skipped
         m, v = _marginals(A, state)
         cm, cv, ok = _cavity(m, v, h, lam, self.power)
-        skipped["cavity"] += int(np.count_nonzero(~ok))
+        # (a row of zeros — x_i = 0 whatever w — carries no information: never updated, and no skip)
+        skipped["cavity"] += int(np.count_nonzero(~ok & np.any(A != 0, axis=1)))
         idx = np.flatnonzero(ok)
         qm = np.zeros_like(m)
         qv = np.ones_like(m)
@@ -1390,7 +1423,7 @@ class LinearEP:
             v_i = float(a @ s)
             cm, cv, ok = _cavity(np.array([m_i]), np.array([v_i]), h[i : i + 1], lam[i : i + 1], self.power)
             if not ok[0]:
-                skipped["cavity"] += 1
+                skipped["cavity"] += int(np.any(a != 0))  # (a row of zeros: no information, no skip)
                 continue
             t0 = time.perf_counter()
             keep = None
@@ -1461,6 +1494,11 @@ class LinearEP:
         u = float(self.power)
         m, v = _marginals(A, state)
         cm, cv, ok = _cavity(m, v, h, lam, u)
+        zero = ~np.any(A != 0, axis=1)
+        if zero.any():
+            return None, (f"not computed: {int(zero.sum())} row(s) of A are all zero (rows "
+                          f"{', '.join(map(str, np.flatnonzero(zero)[:5]))}): the factor's value at x = 0 is no "
+                          "tilted normaliser the operator gives")
         if not ok.all():
             return None, f"{int(np.count_nonzero(~ok))} cavity(ies) improper at the final sites"
         incoming = {self.site_var: Gaussian._unchecked(cm, cv), **observed}

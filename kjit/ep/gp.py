@@ -40,6 +40,7 @@ from scipy import linalg, special
 
 from ..errors import check_number
 from .engine import RELAX_READINGS, EPResult, LinearEP
+from .models import _check_X, _check_y01
 from .operators import ProbitNoiseOperator
 
 __all__ = ["GPClassifier", "rbf_kernel", "linear_kernel", "kernel_factor"]
@@ -76,18 +77,8 @@ def kernel_factor(K, eig_rtol: float = 1e-10):
 
 
 def _check_Xy(X, y):
-    X = np.asarray(X, float)
-    if X.ndim != 2 or X.shape[0] < 1 or X.shape[1] < 1:
-        raise ValueError(f"`X` must be a non-empty 2-D array, got shape {X.shape}")
-    if not np.all(np.isfinite(X)):
-        raise ValueError("`X` must be finite")
-    y = np.asarray(y)
-    if y.shape != (X.shape[0],):
-        raise ValueError(f"`y` must have shape ({X.shape[0]},), got {y.shape}")
-    yf = y.astype(float)
-    if not np.all((yf == 0) | (yf == 1)):
-        raise ValueError("`y` must contain only 0 and 1")
-    return X, yf.astype(np.int64)
+    X = _check_X(X)
+    return X, _check_y01(y, X.shape[0]).astype(np.int64)
 
 
 class GPClassifier:
@@ -171,7 +162,14 @@ class GPClassifier:
             raise ValueError(f"unknown kernel {k!r}; use 'rbf', 'linear' or a callable")
         check_number("length_scale", self.length_scale, 0.0, low_open=True)
         check_number("amplitude", self.amplitude, 0.0, low_open=True)
-        return fn(X1, X2, self.length_scale, self.amplitude)
+        K = np.asarray(fn(X1, X2, self.length_scale, self.amplitude))
+        want = (np.shape(X1)[0], np.shape(X2)[0])
+        if K.shape != want:  # (a user's kernel: named, not a shape error deep in the engine)
+            raise ValueError(f"the kernel {getattr(fn, '__name__', fn)!r} returned a matrix of shape {K.shape} for "
+                             f"{want[0]} and {want[1]} rows; it must be {want}")
+        if not np.all(np.isfinite(K)):
+            raise ValueError(f"the kernel {getattr(fn, '__name__', fn)!r} returned values that are not finite")
+        return K
 
     def _check_options(self):
         """Every option, whichever ``method`` uses it (found by an audit: ``method="ep"`` with ``power=-5``,
@@ -252,9 +250,7 @@ class GPClassifier:
     def predict_latent(self, X, batch: int = 4096):
         """Mean and variance of the latent ``f(x*)`` under the EP posterior, per row of ``X``."""
         self._check_fitted()
-        X = np.asarray(X, float)
-        if X.ndim != 2 or X.shape[1] != self.X_train_.shape[1]:
-            raise ValueError(f"`X` must have shape (m, {self.X_train_.shape[1]}), got {X.shape}")
+        X = _check_X(X, self.X_train_.shape[1])
         mu, Sigma = self.result_.posterior
         means, vars_ = [], []
         for s in range(0, X.shape[0], batch):
@@ -281,7 +277,7 @@ class GPClassifier:
         return (self.predict_proba(X) >= 0.5).astype(np.int64)
 
     def test_error(self, X, y) -> float:
-        y = np.asarray(y)
+        X, y = _check_Xy(X, y)
         return float(np.mean(self.predict(X) != y))
 
     # ------------------------------------------------------------------ model selection

@@ -49,7 +49,7 @@ import numpy as np
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError, OperatorUnavailableError, check_number, user_stacklevel
 from .error_bars import ErrorBars, attach, graph_error_bars, learned_share, require_plain_ep
-from .engine import (DIVERGENCE_STREAK, OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning,
+from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning,
                      check_on_uncertain, count_failing, operator_failure, oracle_rows, runaway, uncertain_rows,
                      warn_unconverged)
 from ..factors import Factor, get_factor
@@ -295,7 +295,6 @@ def _change(old: Family, new: Family) -> float:
     return float(np.max(d))
 
 
-#: iterations running in which a site large against its prior must grow by > 1 % to be divergent
 
 
 class GraphEP:
@@ -317,7 +316,7 @@ class GraphEP:
         or posterior) — sites growing against each other while the posterior they sum to does not —
         or exceed this many times (1 + the prior's) and either more than doubled since the last
         iteration (having exceeded it then too) or grew by more than 1 %, its increment not shrinking, in each
-        of :data:`DIVERGENCE_STREAK` iterations running — sites and posterior growing together (a site
+        of :data:`~kjit.ep.engine.DIVERGENCE_STREAK` iterations running — sites and posterior growing together (a site
         approaching a large fixed point, even damped, grows by ever smaller increments: ``engine.runaway``).
     power : power EP's u > 0 (1 = EP): the cavity removes the fraction u of each site, the operator
         answers for f^u (``belief(incoming, to, power=u)``; operators must have ``supports_power``:

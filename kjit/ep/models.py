@@ -24,8 +24,8 @@ from ..errors import user_stacklevel
 from ..factors import Factor
 from ..families import NUMERIC_KINDS, Bernoulli, Beta, Gamma
 from ..protocols import check_same_factor, has_log_partition
-from .engine import (EPResult, LinearEP, UncertainAnswerError, UncertainAnswerWarning, check_on_uncertain, oracle_rows,
-                     uncertain_rows)
+from .engine import (EPResult, LinearEP, UncertainAnswerError, UncertainAnswerWarning, _real_array, check_on_uncertain,
+                     oracle_rows, uncertain_rows)
 
 __all__ = [
     "BayesianLogisticRegression",
@@ -41,10 +41,7 @@ __all__ = [
 
 
 def _check_X(X, d=None, what="X"):
-    X = np.asarray(X)
-    if X.dtype.kind not in NUMERIC_KINDS:  # (a cast would drop an imaginary part, or read "2" as a number)
-        raise ValueError(f"`{what}` must be real numbers, got an array of {X.dtype}")
-    X = X.astype(float, copy=False)
+    X = _real_array(what, X)
     if X.ndim == 1 and d is not None and X.shape[0] == d:
         X = X[None, :]
     if X.ndim != 2 or X.shape[0] < 1 or X.shape[1] < 1:
