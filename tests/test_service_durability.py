@@ -181,6 +181,29 @@ def test_torn_tail_is_cut_and_damage_elsewhere_is_refused(store_dir, pristine_st
         assert m.status_code == 503 and m.json()["detail"][0]["loc"] == ["path", "name"]
 
 
+def test_a_damaged_complete_last_record_is_cut_and_said_as_a_possible_loss(store_dir, caplog):
+    """A last record whose line is whole (its newline written) but fails its check may be an acknowledged update
+    damaged, not only a torn write (found by an audit: it was cut as "never acknowledged" at warning level).  It is
+    cut — a torn write must be, to serve at all — and logged as an error that says it may be a lost update."""
+    import logging
+
+    _observe_then_crash(store_dir, _pairs(3))
+    log_path = store_dir / "operators" / "logistic-x" / "log-00000000.jsonl"
+    lines = log_path.read_bytes().splitlines(keepends=True)
+    lines[2] = lines[2][:30] + (b"Y" if lines[2][30:31] != b"Y" else b"Z") + lines[2][31:]
+    log_path.write_bytes(b"".join(lines))
+    store = OperatorStore(store_dir)
+    store.open()
+    with caplog.at_level(logging.WARNING, logger="kjit.service.store"):
+        store.load_all()
+    try:
+        assert not store.failed and store.get("logistic-x").version == 2
+    finally:
+        store.abandon()
+    said = [r for r in caplog.records if "fails its check" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR and "acknowledged update" in said[0].getMessage()
+
+
 def test_a_newest_snapshot_that_does_not_load_keeps_the_older_generation(store_dir, pristine_store):
     """A crash between writing snapshot G and deleting the generations below it leaves both; if
     snapshot G then does not load (damaged), the operator is reported failed and the older
@@ -461,6 +484,32 @@ def test_a_missing_log_after_the_newest_snapshot_is_refused_not_served_older(sto
     with TestClient(create_app(settings_for(store_dir, snapshot_every=2))) as c:
         r = poll(lambda: c.get("/ready"), lambda r: "logistic-x" in r.json().get("failed", {}), timeout=120)
         assert r.status_code == 503 and "has no log" in r.json()["failed"]["logistic-x"]
+
+
+def test_a_missing_first_log_is_refused_too(store_dir, tmp_path):
+    """Generation 0 was not checked (found by an audit): with log-00000000.jsonl deleted, the operator was served
+    at version 0, every acknowledged update of a new operator's first snapshot_every gone.  A new operator's
+    directory now holds its empty log from the start, so its absence is damage at every generation."""
+    pairs = _pairs(2)
+    _observe_then_crash(store_dir, pairs)
+    d = store_dir / "operators" / "logistic-x"
+    assert sorted(p.name for p in d.glob("*-*")) == ["log-00000000.jsonl", "snapshot-00000000.npz"]
+    (d / "log-00000000.jsonl").unlink()
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
+    try:
+        assert "has no log-00000000.jsonl" in store.failed["logistic-x"] and "logistic-z" in store.names()
+    finally:
+        store.abandon()
+    # a new operator's directory holds its empty log before it is ever loaded (what _install writes: bytes)
+    fresh = OperatorStore(tmp_path / "fresh")
+    fresh.open()
+    try:
+        path = fresh._install("new-x", {"factor": "logistic"}, b"a snapshot")
+        assert (path / "log-00000000.jsonl").read_bytes() == b"" and (path / "snapshot-00000000.npz").exists()
+    finally:
+        fresh.abandon()
 
 
 @pytest.mark.parametrize("where", ["_replay", "_self_test"])

@@ -14,7 +14,8 @@ from .errors import Conflict
 
 __all__ = ["IdempotencyKeys", "MAX_IDEMPOTENCY_KEYS"]
 
-#: the most recent keys kept per operator (older ones are forgotten, oldest first)
+#: the most recent keys kept per operator (older ones are forgotten, oldest first: a retry beyond them is
+#: applied again — documented in service/README.md and RemoteOperator.observe)
 MAX_IDEMPOTENCY_KEYS = 10_000
 
 

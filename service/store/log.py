@@ -73,12 +73,16 @@ class OperatorLog:
         if not snaps:
             raise ValueError(f"operator {self.name!r}: no snapshot in {self.path}")
         g = max(snaps)
-        if g > 0 and g not in logs:
+        if g not in logs:
             # log-G is created and made durable before snapshot-G is written (a rotation, a final
-            # snapshot): without it, the records after that snapshot were lost — serving the snapshot
-            # would reuse acknowledged versions and forget their idempotency keys (found by an audit)
+            # snapshot; log-0 with the operator, or at its first load before 2026-11-29): without it, the
+            # records after that snapshot were lost — serving the snapshot would reuse acknowledged versions
+            # and forget their idempotency keys (found by audits: generation 0 was not checked, and a new
+            # operator's first 500 updates were dropped with its log)
             raise ValueError(f"operator {self.name!r}: {snaps[g].name} has no log-{g:08d}.jsonl after it (deleted?): "
-                             f"refusing to serve a state that may lack acknowledged updates")
+                             f"refusing to serve a state that may lack acknowledged updates (an operator that was "
+                             f"never updated, installed by a kjit before 2026-11-29 and never loaded: create the "
+                             f"log empty)")
         stale = [p for old, p in list(snaps.items()) + list(logs.items()) if old < g]
         replay = sorted(k for k in logs if k >= g)
         return snaps[g], [logs[k] for k in replay], stale
@@ -127,8 +131,17 @@ class OperatorLog:
         if bad_at is not None:
             if not last:
                 raise ValueError(f"{path}: damaged update record at byte {bad_at} in a closed log")
-            log.warning("operator %s: cutting an incomplete update record off %s (%d bytes; never acknowledged)",
-                        self.name, path.name, len(data) - good_end)
+            if data.endswith(b"\n"):
+                # a whole line (its newline written) that fails its check: a write torn out of order, or damage
+                # to a record that was acknowledged (found by an audit: one flipped bit in the last acknowledged
+                # record, cut as "never acknowledged" at warning level, its version then reused) — cut, as a torn
+                # write must be to serve at all, and said as what it may be
+                log.error("operator %s: the last update record of %s (%d bytes, a complete line) fails its check and "
+                          "is cut off: a write torn out of order (never acknowledged), or damage to an acknowledged "
+                          "update, which is then lost", self.name, path.name, len(data) - good_end)
+            else:
+                log.warning("operator %s: cutting an incomplete update record off %s (%d bytes; never acknowledged)",
+                            self.name, path.name, len(data) - good_end)
             with open(path, "r+b") as fh:
                 fh.truncate(good_end)
                 fh.flush()
