@@ -25,7 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from .certificates import Certificates, projection_convention
-from .errors import LowESSError, OracleError, SamplerOutputError
+from .errors import LowESSError, OracleError, SamplerOutputError, check_number
 from .factors.base import PASSED_THROUGH, Factor, FactorCodeError, factor_code_error
 from .families import Family, kernel_limits
 from .oracle_kinds import ORACLE_KINDS
@@ -227,12 +227,12 @@ class ImportanceSamplingOracle(Oracle):
 
     def __init__(self, factor: Factor, n_samples: int = 500_000, proposal=None, min_ess: float = 50.0,
                  random_state=None, chunk: int = 16, reuse: int = 1):
-        if int(n_samples) < 2:
-            raise ValueError("`n_samples` must be >= 2")
-        if not min_ess >= 1:
-            raise ValueError("`min_ess` must be >= 1")
-        if int(reuse) < 1:
-            raise ValueError("`reuse` must be >= 1")
+        # (each named, integers of integral value: found by an audit, n_samples=2.9 ran as 2 and chunk=0 failed
+        # with range()'s own error at the first call, chunk=-1 as a misleading low-ESS error)
+        n_samples = check_number("n_samples", n_samples, 2, integer=True)
+        min_ess = check_number("min_ess", min_ess, 1)
+        reuse = check_number("reuse", reuse, 1, integer=True)
+        chunk = check_number("chunk", chunk, 1, integer=True)
         self.reuse = int(reuse)
         self._pool = None          # (stats, log_r, U, undefined, aside) of the current draw
         self._pool_calls = 0       # calls it has served
@@ -532,16 +532,14 @@ class MessageImportanceSampler(Oracle):
     def __init__(self, factor: Factor, target_se: float = 1e-2, min_ess: float = 50.0, target_ess: float | None = None,
                  n_initial: int = 2000, max_samples: int = 256_000, growth: int = 2,
                  chunk_elements: int = 16_384, random_state=None):
-        if not (np.isfinite(target_se) and target_se > 0):
-            raise ValueError(f"`target_se` must be a positive number, got {target_se!r}")
-        if not (np.isfinite(min_ess) and min_ess >= 1):
-            raise ValueError(f"`min_ess` must be >= 1, got {min_ess!r}")
-        if target_ess is not None and not (np.isfinite(target_ess) and target_ess >= min_ess):
-            raise ValueError("`target_ess` must be None or a number >= min_ess")
-        if int(n_initial) < 10 or int(max_samples) < int(n_initial):
-            raise ValueError("need 10 <= n_initial <= max_samples")
-        if int(growth) < 2:
-            raise ValueError("`growth` must be an integer >= 2")
+        target_se = check_number("target_se", target_se, 0.0, low_open=True)
+        min_ess = check_number("min_ess", min_ess, 1)
+        if target_ess is not None:
+            target_ess = check_number("target_ess", target_ess, min_ess)
+        n_initial = check_number("n_initial", n_initial, 10, integer=True)
+        max_samples = check_number("max_samples", max_samples, n_initial, integer=True)
+        growth = check_number("growth", growth, 2, integer=True)
+        chunk_elements = check_number("chunk_elements", chunk_elements, 1, integer=True)
         self.factor = factor
         self.target_se = float(target_se)
         self.min_ess = float(min_ess)

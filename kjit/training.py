@@ -21,6 +21,7 @@ import numpy as np
 from joblib import Parallel, delayed
 
 from . import __version__
+from .errors import check_number
 from .factors import Factor, get_factor, param_mismatch, registered_factors
 from .families import Family, family_by_name, family_name
 from .oracles import ImportanceSamplingOracle, LowESSError, OracleError
@@ -315,8 +316,9 @@ def make_training_set(
         factor = get_factor(factor)
     factor.check_to(to)
     factor.check_same(oracle.factor, "`oracle`", "`factor`")
-    if int(chunk_size) < 1:
-        raise ValueError("`chunk_size` must be >= 1")
+    chunk_size = check_number("chunk_size", chunk_size, 1, integer=True)
+    if n is not None:  # (n=2.5 ran as 2: found by an audit)
+        n = check_number("n", n, 1, integer=True)
     if isinstance(random_state, np.random.SeedSequence):
         seed = random_state
     elif isinstance(random_state, np.random.Generator):
@@ -327,10 +329,16 @@ def make_training_set(
     if callable(incoming):
         if n is None or int(n) < 1:
             raise ValueError("`n` (a positive count) is required when `incoming` is a sampler")
+        sampler = incoming
         incoming = incoming(int(n), np.random.default_rng(sampler_seed))
+    else:
+        sampler = None
     incoming, shape = factor.check_incoming(incoming, to)
     if len(shape) != 1:
         raise ValueError(f"`incoming` must be 1-D batches, got batch shape {shape}")
+    if sampler is not None and shape[0] != n:  # (found by an audit: a sampler's 5 messages for n=3 were taken)
+        raise ValueError(f"the `incoming` sampler {getattr(sampler, '__name__', sampler)!r} returned {shape[0]} "
+                         f"messages for n={n}")
     total = shape[0]
     if n is not None and int(n) != total:
         if int(n) > total:

@@ -1719,3 +1719,67 @@ def test_held_out_answers_are_weighted_by_the_curvatures_of_the_other_groups():
     assert np.mean(w_held[last].max(-1)) > 0.3 and np.mean(w_full[last].max(-1)) < 0.1 * np.mean(w_held[last].max(-1))
     u, _ = calibration._pooled(op, None, ts, groups, labels=False)
     np.testing.assert_allclose(u, (lv + w_held).max(-1), rtol=1e-12)
+
+
+def test_a_refused_fit_leaves_the_operator_as_it_was(op, data):
+    """A refit that raises changes nothing (found by an audit: two identical pairs were refused only after the
+    targets' scale and range were replaced and the error and KL models dropped — predictions of the fitted
+    operator moved 100×); a targets' spread that overflows is refused by name, naming the row (it fitted with an
+    infinite scale, and every prediction was then refused as far outside the data)."""
+    mine = copy.deepcopy(op)
+    test = data["test"].incoming
+    q0, lv0 = mine.predict(test)
+    state = {k: copy.deepcopy(v) for k, v in mine.__dict__.items()}
+    tr = data["train"]
+    same = {v: type(m).concatenate([m[:1], m[:1]]) for v, m in tr.incoming.items()}
+    with pytest.raises(ValueError, match="every pair of the training set is the same"):
+        mine.fit(same, type(tr.beliefs).concatenate([tr.beliefs[:1], tr.beliefs[:1]]))
+    m = np.array(tr.beliefs.mean())
+    m[7] = 1e200
+    with pytest.raises(ValueError, match=r"spread \('mean'\) overflows: the beliefs of rows \[7\]"):
+        mine.fit(tr.incoming, Gaussian(m, tr.beliefs.var()))
+    assert mine.__dict__.keys() == state.keys()
+    for k, v in state.items():
+        got = mine.__dict__[k]
+        if isinstance(v, np.ndarray):
+            np.testing.assert_array_equal(got, v, err_msg=k)
+        elif isinstance(v, (int, float, str, bool, type(None))):
+            assert got == v or (got != got and v != v), k
+    q1, lv1 = mine.predict(test)
+    np.testing.assert_array_equal(q1.params, q0.params)
+    np.testing.assert_array_equal(lv1, lv0)
+
+
+def test_constructor_options_are_checked_by_name():
+    """Found by an audit: counts of non-integral value were truncated (n_samples=2.9, n_inner=2.5, make_training_set
+    n=2.5), chunk=0 failed at the first call with range()'s error and chunk=-1 as a low effective sample size,
+    chunk_elements=0 was taken, a threshold "-9" was numpy's TypeError, an oracle None an AttributeError, and a
+    sampler returning other than n messages was taken."""
+    from kjit.learn.jit import JITOperator
+    from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler
+
+    f = Logistic()
+    for kw, name in (({"n_samples": 2.9}, "n_samples"), ({"chunk": 0}, "chunk"), ({"chunk": -1}, "chunk"),
+                     ({"reuse": 0}, "reuse"), ({"min_ess": 0.5}, "min_ess")):
+        with pytest.raises(ValueError, match=f"`{name}` must be"):
+            ImportanceSamplingOracle(f, **kw)
+    for kw, name in (({"chunk_elements": 0}, "chunk_elements"), ({"n_initial": 10.7}, "n_initial"),
+                     ({"n_initial": 5000, "max_samples": 4000}, "max_samples"), ({"growth": 1}, "growth"),
+                     ({"target_se": 0.0}, "target_se"), ({"target_ess": 10.0}, "target_ess")):
+        with pytest.raises(ValueError, match=f"`{name}` must be"):
+            MessageImportanceSampler(f, **kw)
+    for kw, name in (({"n_inner": 2.5}, "n_inner"), ({"n_outer": 0}, "n_outer")):
+        with pytest.raises(ValueError, match=f"`{name}` must be"):
+            KernelOperator(f, "x", **kw)
+    oracle = QuadratureOracle(f)
+    with pytest.raises(ValueError, match="`n` must be an integer"):
+        make_training_set(f, "x", f.default_incoming, oracle, n=2.5)
+    with pytest.raises(ValueError, match="returned 5 messages for n=3"):
+        make_training_set(f, "x", lambda n, rng: f.default_incoming(5, rng), oracle, n=3)
+    for threshold in ("-9", float("nan"), True):
+        with pytest.raises(ValueError, match="`threshold` must be a finite real number"):
+            JITOperator(None, oracle, to="x", threshold=threshold)
+    with pytest.raises(ValueError, match="`oracle` must be an oracle of the factor"):
+        JITOperator(None, None, to="x")
+    assert JITOperator(None, oracle, to="x", threshold=np.float64(-9)).threshold == -9.0
+    assert ImportanceSamplingOracle(f, n_samples=1000.0).n_samples == 1000

@@ -229,6 +229,11 @@ class JITOperator(Operator):
             raise ValueError("`to` is required when starting without an operator")
         if operator is not None and to is not None and to != operator.to:
             raise ValueError(f"`to`={to!r} contradicts the operator's recipient {operator.to!r}")
+        if not callable(getattr(oracle, "belief", None)) or getattr(oracle, "factor", None) is None:
+            raise ValueError(f"`oracle` must be an oracle of the factor (with belief(incoming, to) and a factor), got "
+                             f"{type(oracle).__name__}")
+        if threshold is not None:  # (threshold="-9" was numpy's TypeError: found by an audit)
+            threshold = check_number("threshold", threshold)
         self.factor = oracle.factor
         self.to = self.factor.check_to(operator.to if operator is not None else to)
         if operator is not None:

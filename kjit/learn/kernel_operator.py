@@ -39,7 +39,7 @@ from ..certificates import Certificates, projection_convention
 from ..draws import SEED_MAX, Transient
 from ..curvature import (CURVATURE_BINS, CURVATURE_SUPPORT, LearnedCurvature, curvature_hist, curvature_top,
                          gap_edges, log_weights)
-from ..errors import ConfigurationError, rows_of_batch
+from ..errors import ConfigurationError, check_number, rows_of_batch
 from ..factors import Factor, get_factor
 from ..families import Family, family_name
 from ..features import TwoStageFeatures, check_random_state, component_moments
@@ -449,8 +449,9 @@ class KernelOperator(Operator):
         self.target = target
         self.factor = get_factor(factor) if isinstance(factor, str) else factor
         self.to = self.factor.check_to(to)
-        self.n_inner = int(n_inner)
-        self.n_outer = int(n_outer)
+        # (integers >= 1, named here: found by an audit, n_inner=2.5 ran as 2 and 0 was refused only at fit)
+        self.n_inner = check_number("n_inner", n_inner, 1, integer=True)
+        self.n_outer = check_number("n_outer", n_outer, 1, integer=True)
         self.treatment = treatment
         auto = [isinstance(v, str) for v in (inner_factors, width_factors)]
         if any(auto) and not all(auto):
@@ -510,7 +511,18 @@ class KernelOperator(Operator):
 
     # ------------------------------------------------------------------ fitting
     def fit(self, data: TrainingSet | tuple, beliefs: Family | None = None) -> "KernelOperator":
-        """Fit on a :class:`TrainingSet` (or ``incoming`` dict and ``beliefs``)."""
+        """Fit on a :class:`TrainingSet` (or ``incoming`` dict and ``beliefs``).  A fit that raises leaves the
+        operator as it was (found by an audit: a refused refit had already replaced the targets' scale and
+        range, and dropped the error and KL models, of a fitted operator — its predictions moved 100×)."""
+        before = dict(self.__dict__)  # (fit binds new objects; it changes none of the old ones in place)
+        try:
+            return self._fit(data, beliefs)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+
+    def _fit(self, data, beliefs):
         incoming, beliefs = self._unpack(data, beliefs)
         inc, shape = self.factor.check_incoming(incoming, self.to)
         # models of the previous fit's errors describe another regression (found in review: a refit kept
@@ -530,8 +542,17 @@ class KernelOperator(Operator):
         Y, curv = self._targets(beliefs, shape[0], incoming, curvature=True)
         t0 = time.perf_counter()
         n = shape[0]
-        self.y_mean_ = Y.mean(axis=0)
-        sd = Y.std(axis=0)
+        with np.errstate(all="ignore"):
+            self.y_mean_ = Y.mean(axis=0)
+            sd = Y.std(axis=0)
+        if not (np.all(np.isfinite(self.y_mean_)) and np.all(np.isfinite(sd))):
+            # (found by an audit: one belief of mean 1e200 among 200 fitted with an infinite scale, and then
+            # every prediction was refused as "far outside what it learned")
+            k = int(np.flatnonzero(~(np.isfinite(self.y_mean_) & np.isfinite(sd)))[0])
+            dev = np.abs(Y[:, k] - np.median(Y[:, k]))
+            far = np.flatnonzero(dev >= 1e-3 * dev.max())[:5]  # (the rows that make it overflow)
+            raise ValueError(f"the regression targets' spread ({self.family.coord_names[k]!r}) overflows: the "
+                             f"beliefs of rows {sorted(far.tolist())} lie too far from the rest to be learned together")
         self.y_scale_ = np.where(sd > 0, sd, 1.0)
         if self.target == "relative":
             # far from the training inputs the regression's prior is the only error scale, and it is
