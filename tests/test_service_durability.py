@@ -488,12 +488,16 @@ def test_a_missing_log_after_the_newest_snapshot_is_refused_not_served_older(sto
 
 def test_a_missing_first_log_is_refused_too(store_dir, tmp_path):
     """Generation 0 was not checked (found by an audit): with log-00000000.jsonl deleted, the operator was served
-    at version 0, every acknowledged update of a new operator's first snapshot_every gone.  A new operator's
-    directory now holds its empty log from the start, so its absence is damage at every generation."""
-    pairs = _pairs(2)
-    _observe_then_crash(store_dir, pairs)
+    at version 0, every acknowledged update of a new operator's first snapshot_every gone.  A server marks an
+    operator's directory when it first opens its log (SERVED_MARK); from then on a missing log is damage at every
+    generation.  A directory with snapshot 0 and meta alone — an operator published by hand, as the training
+    notebook does — is new: served, its log and mark made."""
+    from service.store.log import SERVED_MARK
+
+    _observe_then_crash(store_dir, _pairs(2))
     d = store_dir / "operators" / "logistic-x"
-    assert sorted(p.name for p in d.glob("*-*")) == ["log-00000000.jsonl", "snapshot-00000000.npz"]
+    assert sorted(p.name for p in d.iterdir() if p.name != "meta.json") == [
+        "log-00000000.jsonl", "served", "snapshot-00000000.npz"] and SERVED_MARK == "served"
     (d / "log-00000000.jsonl").unlink()
     store = OperatorStore(store_dir)
     store.open()
@@ -502,14 +506,19 @@ def test_a_missing_first_log_is_refused_too(store_dir, tmp_path):
         assert "has no log-00000000.jsonl" in store.failed["logistic-x"] and "logistic-z" in store.names()
     finally:
         store.abandon()
-    # a new operator's directory holds its empty log before it is ever loaded (what _install writes: bytes)
-    fresh = OperatorStore(tmp_path / "fresh")
-    fresh.open()
+    # published by hand: snapshot 0 and meta, nothing else
+    z = store_dir / "operators" / "logistic-z"
+    for p in z.iterdir():
+        if p.name not in ("meta.json", "snapshot-00000000.npz"):
+            p.unlink()
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
     try:
-        path = fresh._install("new-x", {"factor": "logistic"}, b"a snapshot")
-        assert (path / "log-00000000.jsonl").read_bytes() == b"" and (path / "snapshot-00000000.npz").exists()
+        assert "logistic-z" in store.names() and store.get("logistic-z").version == 0
     finally:
-        fresh.abandon()
+        store.abandon()
+    assert (z / "log-00000000.jsonl").exists() and (z / "served").exists()
 
 
 @pytest.mark.parametrize("where", ["_replay", "_self_test"])

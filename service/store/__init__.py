@@ -12,6 +12,8 @@ Layout (``<store>`` is ``Settings.store``)::
     <store>/operators/<name>/meta.json     factor, direction, how it was trained (written once)
     <store>/operators/<name>/snapshot-G.npz   operator state after every update of logs < G
     <store>/operators/<name>/log-G.jsonl      update records appended after snapshot G
+    <store>/operators/<name>/served           empty: a server has opened its log (from then on every
+                                           snapshot's log must exist, generation 0 too)
     <store>/training-sets/                 training-set files (default operators' and jobs')
 
 Durability.  Every update — an ``observations`` request, or a ``jit`` request that consulted

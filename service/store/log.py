@@ -5,6 +5,7 @@
     <store>/operators/<name>/meta.json          factor, direction, how it was trained (written once)
     <store>/operators/<name>/snapshot-G.npz     operator state after every update of logs < G
     <store>/operators/<name>/log-G.jsonl        update records appended after snapshot G
+    <store>/operators/<name>/served             empty: a server has opened its log (SERVED_MARK)
 
 A record is appended and fsync'ed before the update it holds is acknowledged
 (:func:`service.files.append_durably`: a failed write is cut off again).  Reading a log back
@@ -30,6 +31,9 @@ log = logging.getLogger("kjit.service.store")
 
 __all__ = ["OperatorLog"]
 
+#: an empty file a server writes in an operator's directory when it first opens its log: from then on every
+#: snapshot generation, 0 included, must have its log
+SERVED_MARK = "served"
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
 
@@ -73,16 +77,14 @@ class OperatorLog:
         if not snaps:
             raise ValueError(f"operator {self.name!r}: no snapshot in {self.path}")
         g = max(snaps)
-        if g not in logs:
+        if g not in logs and (g > 0 or (self.path / SERVED_MARK).exists()):
             # log-G is created and made durable before snapshot-G is written (a rotation, a final
-            # snapshot; log-0 with the operator, or at its first load before 2026-11-29): without it, the
-            # records after that snapshot were lost — serving the snapshot would reuse acknowledged versions
-            # and forget their idempotency keys (found by audits: generation 0 was not checked, and a new
-            # operator's first 500 updates were dropped with its log)
+            # snapshot), and log-0 when a server first opens the operator (SERVED_MARK says one did): without
+            # it, the records after that snapshot were lost — serving the snapshot would reuse acknowledged
+            # versions and forget their idempotency keys (found by audits: generation 0 was not checked at all).
+            # A snapshot 0 with neither (an operator published by hand, as the training notebook does) is new.
             raise ValueError(f"operator {self.name!r}: {snaps[g].name} has no log-{g:08d}.jsonl after it (deleted?): "
-                             f"refusing to serve a state that may lack acknowledged updates (an operator that was "
-                             f"never updated, installed by a kjit before 2026-11-29 and never loaded: create the "
-                             f"log empty)")
+                             f"refusing to serve a state that may lack acknowledged updates")
         stale = [p for old, p in list(snaps.items()) + list(logs.items()) if old < g]
         replay = sorted(k for k in logs if k >= g)
         return snaps[g], [logs[k] for k in replay], stale
@@ -163,6 +165,11 @@ class OperatorLog:
             self._fh = open(p, "ab", buffering=0)
             if created:
                 os.fsync(self._fh.fileno())
+                fsync_dir(self.path)
+            mark = self.path / SERVED_MARK
+            if not mark.exists():  # (after the log is durable: from now on a missing log is damage, at generation 0 too)
+                with open(mark, "ab") as fh:
+                    os.fsync(fh.fileno())
                 fsync_dir(self.path)
         except OSError:
             self.close()

@@ -218,14 +218,12 @@ class OperatorStore:
         log.info("operator %s adopted from the shared store %s", name, self.shared.url)
 
     def _install(self, name: str, meta: Mapping[str, Any], snapshot: bytes) -> Path:
-        """Create ``operators/<name>`` (meta, snapshot 0, its empty log, nothing else) atomically."""
+        """Create ``operators/<name>`` (meta, snapshot 0, nothing else) atomically."""
         final = self.operators_dir / name
         tmp = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=self.operators_dir))
         try:
             write_atomic(tmp / "meta.json", json.dumps(dict(meta), indent=1, default=str).encode())
             write_atomic(tmp / "snapshot-00000000.npz", snapshot)
-            # (its log, empty: a snapshot without the log after it is a store that lost acknowledged updates)
-            write_atomic(tmp / "log-00000000.jsonl", b"")
             with self._lock:
                 if final.exists():
                     raise Conflict(f"an operator named {name!r} already exists")
