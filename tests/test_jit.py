@@ -321,7 +321,7 @@ def test_greedy_counters_match_the_consulted_mask(op, oracle):
     jit = fresh_jit(op, oracle)
     q, lv, consulted = jit.predict(concat(far(40, 33), inside(20, 34)))
     c = jit.counters()
-    assert c["consultations"] == c["updates"] == consulted.sum() > 0
+    assert c["consultations"] == c["updates"] == consulted.sum() > 0 and c["consultations_surprising"] == 0
     assert jit.operator.n_train_ == op.n_train_ + consulted.sum()
 
 
@@ -1115,3 +1115,68 @@ def test_a_failed_round_restores_the_learned_curvature(monkeypatch):
     np.testing.assert_array_equal(jit.operator.curvature_hist_, op.curvature_hist_)  # (and the density)
     assert not np.array_equal(ok.operator.curvature_hist_, op.curvature_hist_)
     assert jit.operator.n_train_ == op.n_train_
+
+
+def _probit_stream(surprise_z):
+    """A JIT started from nothing on probit_noise → f (1 000 default pairs), then 8 × 500 default messages; its
+    confident answers' KLs on 3 000 fresh default messages, and the JIT."""
+    f = get_factor("probit_noise")
+    orc = QuadratureOracle(f)
+    jit = JITOperator(None, orc, to="f", target_kl=1e-4, initial_batch=1000, operator_kwargs={"random_state": 0},
+                      learn_surprise_z=surprise_z)
+    rng = np.random.default_rng(3)
+    for _ in range(8):
+        jit.predict(f.default_incoming(500, rng))
+    test = f.default_incoming(3000, np.random.default_rng(99))
+    kl = orc.belief(test, "f").kl(jit.operator.predict(test)[0])
+    uncertain = JITOperator(jit.operator, orc, threshold=jit.threshold, learn_surprise_z=None).screen(test)[2]
+    return kl[~uncertain], jit
+
+
+def test_a_jit_does_not_learn_answers_its_regression_cannot_represent():
+    """Found by an audit: the JIT above learned 68 consulted exact answers and its confident answers went from
+    mean KL 1.9e-4 (largest 0.058) to 1.19 (largest 417, 218 rows above KL 0.1) — rows 4–8 predictive sd from the
+    regression's predictions where the learned rows claim the region; its features cannot represent them at the
+    noise the evidence chose, and learning them shrank the variance around them without a fit between them.
+    With learn_surprise_z=4 (opt-in) such a row is answered and not learned: measured 30 learned, 160 held back,
+    confident mean KL 0.011, 25 rows above 0.1; asserted < 0.05 and < 60 (without the gate > 0.5 and > 150)."""
+    from kjit.learn.jit import SURPRISE_Z
+
+    kl, jit = _probit_stream(SURPRISE_Z)
+    c = jit.counters()
+    assert kl.mean() < 0.05 and np.sum(kl > 0.1) < 60, (kl.mean(), np.sum(kl > 0.1))
+    # (the initial batch's 1 000 are consulted and fitted; the rest consulted are learned or held back)
+    assert c["consultations"] == 1000 + c["updates"] + c["consultations_surprising"]
+    assert c["consultations_surprising"] > 100 and jit.operator.n_train_ == 1000 + c["updates"]
+    kl_off, jit_off = _probit_stream(None)
+    assert kl_off.mean() > 0.5 and np.sum(kl_off > 0.1) > 150, (kl_off.mean(), np.sum(kl_off > 0.1))
+    assert jit_off.counters()["consultations_surprising"] == 0
+
+
+def test_the_surprise_gate_is_kept_checked_and_held_back_rows_are_not_learned(tmp_path):
+    """learn_surprise_z is persisted (a state saved before it loads without it), checked by name, and a row it holds
+    back is answered by the oracle and not learned."""
+    from kjit.learn.jit import SURPRISE_Z
+
+    f = Logistic()
+    orc = QuadratureOracle(f)
+    op = KernelOperator(f, "x", n_inner=20, n_outer=40, random_state=0).fit(
+        make_training_set(f, "x", f.default_incoming, orc, n=200, random_state=0))
+    for z in (0.0, -1.0, "4", float("nan")):
+        with pytest.raises(ValueError, match="`learn_surprise_z` must be"):
+            JITOperator(op, orc, threshold=-9.0, learn_surprise_z=z)
+    for z in (SURPRISE_Z, 2.5, None):
+        jit = JITOperator(copy.deepcopy(op), orc, threshold=-9.0, learn_surprise_z=z)
+        save_operator(jit, tmp_path / "j.npz")
+        assert load_operator(tmp_path / "j.npz").learn_surprise_z == z
+    assert JITOperator(copy.deepcopy(op), orc, threshold=-9.0).learn_surprise_z is None  # (opt-in)
+    state = JITOperator(copy.deepcopy(op), orc, threshold=-9.0, learn_surprise_z=SURPRISE_Z).state_dict()
+    del state["params"]["learn_surprise_z"]
+    assert JITOperator.from_state_dict(state).learn_surprise_z is None  # (a state saved before it: off)
+    # a tiny gate holds back every consulted row: answered by the oracle, nothing learned
+    jit = JITOperator(copy.deepcopy(op), orc, threshold=-40.0, learn_surprise_z=1e-9, selection="all")
+    inc = f.default_incoming(30, np.random.default_rng(5))
+    q, _, consulted = jit.predict(inc)
+    assert consulted.all() and jit.operator.n_train_ == 200
+    assert jit.counters()["consultations_surprising"] == 30 and jit.counters()["updates"] == 0
+    np.testing.assert_array_equal(q.params, orc.belief(inc, "x").params)
