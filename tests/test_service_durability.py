@@ -202,6 +202,21 @@ def test_a_damaged_complete_last_record_is_cut_and_said_as_a_possible_loss(store
         store.abandon()
     said = [r for r in caplog.records if "fails its check" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.ERROR and "acknowledged update" in said[0].getMessage()
+    # ... and so when a torn write follows it (found in review: the level was read off the file's last byte)
+    lines = log_path.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1][:30] + (b"Y" if lines[1][30:31] != b"Y" else b"Z") + lines[1][31:]
+    log_path.write_bytes(b"".join(lines) + b'0badc0de {"seq": 3, "kind": "observe", "incom')
+    caplog.clear()
+    store = OperatorStore(store_dir)
+    store.open()
+    with caplog.at_level(logging.WARNING, logger="kjit.service.store"):
+        store.load_all()
+    try:
+        assert store.get("logistic-x").version == 1
+    finally:
+        store.abandon()
+    said = [r for r in caplog.records if "fails its check" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
 
 
 def test_a_newest_snapshot_that_does_not_load_keeps_the_older_generation(store_dir, pristine_store):

@@ -530,7 +530,7 @@ class GraphEP:
                     # increments shrinking; and a fast one: a runaway whose next cavities are improper
                     # freezes at once, caught at sweep 8)
                     grows, streak[(j, fv)], increment[(j, fv)] = runaway(
-                        size, before, increment[(j, fv)], streak[(j, fv)], lim * (1.0 + prior_scale[v]))
+                        size, before, increment[(j, fv)], streak[(j, fv)], lim * (1.0 + prior_scale[v]), self.damping)
                     growing = bool(grows)
                 if not np.all(np.isfinite(site)) or against or growing:
                     cause = (f"the site of factor {j} ({g.factors[j][0].name}) on {v!r} grew beyond "

@@ -514,12 +514,21 @@ class KernelOperator(Operator):
         """Fit on a :class:`TrainingSet` (or ``incoming`` dict and ``beliefs``).  A fit that raises leaves the
         operator as it was (found by an audit: a refused refit had already replaced the targets' scale and
         range, and dropped the error and KL models, of a fitted operator — its predictions moved 100×)."""
-        before = dict(self.__dict__)  # (fit binds new objects; it changes none of the old ones in place)
+        before = dict(self.__dict__)  # (fit binds new objects; it changes none of the old ones in place ...)
+        rs = self.random_state  # (... but a generator it draws from: found in review)
+        bit = getattr(rs, "bit_generator", None)
+        rng_state = copy.deepcopy(bit.state if bit is not None else rs.get_state()) if isinstance(
+            rs, (np.random.Generator, np.random.RandomState)) else None
         try:
             return self._fit(data, beliefs)
         except BaseException:
             self.__dict__.clear()
             self.__dict__.update(before)
+            if rng_state is not None:
+                if bit is not None:
+                    bit.state = rng_state
+                else:
+                    rs.set_state(rng_state)
             raise
 
     def _fit(self, data, beliefs):

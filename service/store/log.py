@@ -133,8 +133,9 @@ class OperatorLog:
         if bad_at is not None:
             if not last:
                 raise ValueError(f"{path}: damaged update record at byte {bad_at} in a closed log")
-            if data.endswith(b"\n"):
-                # a whole line (its newline written) that fails its check: a write torn out of order, or damage
+            if b"\n" in data[good_end:]:
+                # a whole line (its newline written) among the bytes cut — the last, or one before a torn write —
+                # that fails its check: a write torn out of order, or damage
                 # to a record that was acknowledged (found by an audit: one flipped bit in the last acknowledged
                 # record, cut as "never acknowledged" at warning level, its version then reused) — cut, as a torn
                 # write must be to serve at all, and said as what it may be
