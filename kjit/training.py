@@ -327,10 +327,10 @@ def make_training_set(
         seed = np.random.SeedSequence(random_state)
     sampler_seed, oracle_seed = seed.spawn(2)
     if callable(incoming):
-        if n is None or int(n) < 1:
+        if n is None:
             raise ValueError("`n` (a positive count) is required when `incoming` is a sampler")
         sampler = incoming
-        incoming = incoming(int(n), np.random.default_rng(sampler_seed))
+        incoming = incoming(n, np.random.default_rng(sampler_seed))
     else:
         sampler = None
     incoming, shape = factor.check_incoming(incoming, to)
@@ -340,12 +340,11 @@ def make_training_set(
         raise ValueError(f"the `incoming` sampler {getattr(sampler, '__name__', sampler)!r} returned {shape[0]} "
                          f"messages for n={n}")
     total = shape[0]
-    if n is not None and int(n) != total:
-        if int(n) > total:
+    if n is not None and n != total:
+        if n > total:
             raise ValueError(f"`n`={n} exceeds the {total} recorded messages")
-        incoming = {v: m[: int(n)] for v, m in incoming.items()}
-        total = int(n)
-    chunk_size = int(chunk_size)
+        incoming = {v: m[:n] for v, m in incoming.items()}
+        total = n
     starts = list(range(0, total, chunk_size))
     child_seeds = oracle_seed.spawn(len(starts))
     # each task carries only its own slice of the messages and its own child seed (a few kB), not
@@ -374,7 +373,7 @@ def make_training_set(
     fam = factor.families[to]
     meta = {
         "n_requested": int(total), "n_failed": int((~ok).sum()), "oracle": repr(oracle),
-        "chunk_size": int(chunk_size), "failures": failures,
+        "chunk_size": chunk_size, "failures": failures,
     }
     keep = np.flatnonzero(ok)
     return TrainingSet(

@@ -265,8 +265,6 @@ class JITOperator(Operator):
         if not callable(getattr(oracle, "belief", None)) or getattr(oracle, "factor", None) is None:
             raise ValueError(f"`oracle` must be an oracle of the factor (with belief(incoming, to) and a factor), got "
                              f"{type(oracle).__name__}")
-        if threshold is not None:  # (threshold="-9" was numpy's TypeError: found by an audit)
-            threshold = check_number("threshold", threshold)
         self.factor = oracle.factor
         self.to = self.factor.check_to(operator.to if operator is not None else to)
         if operator is not None:
@@ -314,8 +312,7 @@ class JITOperator(Operator):
                 raise ValueError("`threshold` is required with `uncertainty`='learned_kl' (a log KL: "
                                  "kjit.operators.kl_model_threshold gives one)")
             threshold = DEFAULT_THRESHOLD
-        if not np.isfinite(threshold):
-            raise ValueError("`threshold` must be finite")
+        threshold = check_number("threshold", threshold)  # (a string was numpy's TypeError: found by an audit)
         if int(initial_batch) < 2:
             raise ValueError("`initial_batch` must be >= 2")
         if target_kl is not None and not (np.isfinite(target_kl) and target_kl > 0):
