@@ -35,7 +35,10 @@ and p50/p99 per N.  Then reads during a
 long update: one client posts observations of ``--update-rows`` rows (a long exclusive update:
 features, BLR update, fsync) back to back while another sends batch-1 predictions to the same
 operator and a third to a second operator; reported: the update's duration and the readers'
-p50/p99/max, with the readers' p50/p99 when no update runs for comparison.
+p50/p99/max, with the readers' p50/p99 when no update runs for comparison.  The same with ``mode=jit`` requests of
+``--update-rows`` messages whose means are moved 6 beyond the training range (every row consulted: the oracle runs
+for the whole batch; since the forty-third session a batch of ``ASIDE_ROWS`` rows or more is answered on a copy,
+so the readers of that operator go on meanwhile), ``service_reads_during_jit``.
 
 BLAS runs on ``--blas-threads`` threads (default 1) in this process and in the server.
 ``inprocess_to_floor`` is a floor's ratio at batch 1 only: for a larger batch the floor's variance is
@@ -321,7 +324,9 @@ def clients(args, store: Path) -> None:
         obs_inc = logistic_incoming(rows, rng)
         beliefs = QuadratureOracle(_load_local(store).factor).belief(obs_inc, "x")
 
-        def run_readers(seconds, with_update):
+        jit_inc = {**obs_inc, "x": type(obs_inc["x"])(obs_inc["x"].mean() + 6.0, obs_inc["x"].var())}
+
+        def run_readers(seconds, with_update, mode="observe"):
             stop = threading.Event()
             same, other, upd = [], [], []
             ts = [threading.Thread(target=_reader, args=(srv.url, "logistic-x", inc, stop, same)),
@@ -332,11 +337,14 @@ def clients(args, store: Path) -> None:
             same.clear()
             other.clear()
             if with_update:
-                with RemoteOperator(srv.url, "logistic-x", mode="predict") as w:
+                with RemoteOperator(srv.url, "logistic-x", mode="predict" if mode == "observe" else "jit") as w:
                     t_end = time.perf_counter() + seconds
                     while time.perf_counter() < t_end:
                         t = time.perf_counter()
-                        w.observe(obs_inc, beliefs)
+                        if mode == "observe":
+                            w.observe(obs_inc, beliefs)
+                        else:
+                            w.belief(jit_inc)
                         upd.append((t, time.perf_counter() - t))
             else:
                 time.sleep(seconds)
@@ -358,6 +366,12 @@ def clients(args, store: Path) -> None:
                           "update_p50_ms": round(float(np.median(u)) * 1e3, 3),
                           **row("idle_same_op", same0), **row("idle_other_op", other0),
                           **row("during_same_op", same1), **row("during_other_op", other1)}), flush=True)
+        same2, other2, upd = run_readers(duration, True, mode="jit")
+        u = [d for _, d in upd]
+        print(json.dumps({"bench": "service_reads_during_jit", "jit_rows": rows, "jit_requests": len(u),
+                          "jit_p50_ms": round(float(np.median(u)) * 1e3, 3),
+                          **row("idle_same_op", same0), **row("idle_other_op", other0),
+                          **row("during_same_op", same2), **row("during_other_op", other2)}), flush=True)
 
 
 def main(argv=None) -> int:

@@ -149,3 +149,86 @@ def test_a_long_observation_that_cannot_be_learned_changes_nothing(root, monkeyp
     assert e.jit is served and e.version == version
     _assert_same(_blr(e.jit.operator), before)
     s.abandon()
+
+
+def _far(n, seed):
+    """Default logistic messages, a fifth of them moved beyond the training means (consulted by the JIT)."""
+    inc = DEFAULT_DISTRIBUTIONS["logistic"](n, np.random.default_rng(seed))
+    x = inc["x"]
+    shift = np.where(np.arange(n) % 5 == 0, 6.0, 0.0)
+    return {**inc, "x": type(x)(x.mean() + shift, x.var())}
+
+
+def test_a_long_jit_request_is_answered_aside_bit_identically_and_durably(root, pristine_store, monkeypatch):
+    """A mode=jit batch of ASIDE_ROWS rows consults its oracle on a copy: a prediction issued while the oracle
+    runs is answered at once with the operator before, and the result — answers, record, state — is the in-place
+    JIT's (the pristine one answering the same batch), replayed to the same state after a crash."""
+    from kjit.operators import JITOperator
+
+    inc = _far(ASIDE_ROWS, 11)
+    probe = DEFAULT_DISTRIBUTIONS["logistic"](16, np.random.default_rng(5))
+    ref = load_pristine(pristine_store, "logistic-x")
+    with one_blas_thread():
+        q_ref, cert_ref = ref.certified(inc, "x")
+    consulted_ref = cert_ref.source != "learned"
+    assert 0 < ref.counters()["updates"] <= consulted_ref.sum()
+
+    s = _open(root)
+    e = s.entries["logistic-x"]
+    served_before, version_before = e.jit, e.version
+    q_before, _ = e.jit.operator.predict(probe)
+    inside, go = threading.Event(), threading.Event()
+    real = JITOperator._oracle_beliefs
+
+    def slow(self, *a, **k):
+        inside.set()
+        assert go.wait(30)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(JITOperator, "_oracle_beliefs", slow)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=e.predict(inc, "jit")))
+    t.start()
+    assert inside.wait(30)
+    q_mid, _, _, version_mid, _ = e.predict(probe, "predict", wait=False)  # not blocked: the state before
+    assert version_mid == version_before and e.jit is served_before
+    np.testing.assert_array_equal(q_mid.mean(), q_before.mean())
+    go.set()
+    t.join(60)
+    monkeypatch.setattr(JITOperator, "_oracle_beliefs", real)
+    q, _, consulted, version, n_learned = out["r"]
+    assert version == version_before + 1 and n_learned == ref.counters()["updates"]
+    np.testing.assert_array_equal(consulted, consulted_ref)
+    for a, b in zip(q.params, q_ref.params):
+        np.testing.assert_array_equal(a, b)
+    assert e.jit is not served_before
+    _assert_same(_blr(e.jit.operator), _blr(ref.operator))
+    assert e.jit.counters()["consultations"] == ref.counters()["consultations"]
+    s.abandon()  # a crash: no final snapshot
+
+    s = _open(root)
+    assert s.entries["logistic-x"].version == version
+    _assert_same(_blr(s.entries["logistic-x"].jit.operator), _blr(ref.operator))
+    s.abandon()
+
+
+def test_a_long_jit_request_whose_oracle_fails_changes_nothing(root, monkeypatch):
+    from kjit.operators import JITOperator
+    from kjit.oracles import OracleError
+    from service.store import OracleFailure
+
+    inc = _far(ASIDE_ROWS, 12)
+    s = _open(root)
+    e = s.entries["logistic-x"]
+    served, version, counters = e.jit, e.version, e.jit.raw_counters()
+    before = _blr(e.jit.operator)
+
+    def boom(self, *a, **k):
+        raise OracleError("the oracle is down")
+
+    monkeypatch.setattr(JITOperator, "_oracle_beliefs", boom)
+    with pytest.raises(OracleFailure):
+        e.predict(inc, "jit")
+    assert e.jit is served and e.version == version and e.jit.raw_counters() == counters
+    _assert_same(_blr(e.jit.operator), before)
+    s.abandon()

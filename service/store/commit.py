@@ -11,7 +11,7 @@ memory never runs ahead of the source of truth — and the same interface:
 
 :class:`Standalone`: the operator's own log (:class:`service.store.log.OperatorLog`) is the source
 of truth: apply, append and fsync, then acknowledge; a failure rebuilds the operator from disk.
-Large observations are learned aside (on a copy) so predictions are not held up.
+Large observations and `mode=jit` requests are learned aside (on a copy) so predictions are not held up.
 
 :class:`Replicated` (``KJIT_SHARED_STORE``, :mod:`service.shared`): the shared log is: a record
 is appended there (compare-and-set on the version) before it is applied and acknowledged; the
@@ -39,8 +39,9 @@ log = logging.getLogger("kjit.service.store")
 
 __all__ = ["Standalone", "Replicated", "ASIDE_ROWS"]
 
-#: observations of at least this many rows are learned aside (``Standalone.update``): predictions
-#: are not held up behind them; smaller ones are learned in place (a copy costs more than they do)
+#: observations and ``mode=jit`` requests of at least this many rows are learned aside (``Standalone.update``,
+#: ``Standalone.jit``): predictions are not held up behind them; smaller ones are learned in place (a copy costs
+#: more than they do)
 ASIDE_ROWS = 256
 
 #: ``make`` builds a record (None: nothing to add); ``apply(jit)`` is the in-memory update it stands for
@@ -86,6 +87,8 @@ class Standalone:
             return rec
 
     def jit(self, incoming):
+        if len(next(iter(incoming.values()))) >= ASIDE_ROWS:
+            return self._jit_aside(incoming)
         e = self.entry
         with e.lock.write():
             jit = e.jit
@@ -106,6 +109,36 @@ class Standalone:
                     rec["oracle_state"] = oracle
                 self._commit(rec, None, counters)  # JITOperator.predict already learned the pairs
             return q, logvar, consulted, e.version, n_learned, cert
+
+    def _jit_aside(self, incoming):
+        """A long ``mode=jit`` request (``ASIDE_ROWS`` rows or more): answered and learned by a copy of the JIT while
+        predictions go on with the served one — its oracle calls took the operator's exclusive lock for as long as
+        they ran (a hostile batch at the size cap: ~55 s of predictions held up) — and swapped in once its record
+        is on disk: the same record and state as in place (the copy's oracle, a sampler's generator included,
+        continues as the served one's would).  A failure before the swap leaves the served JIT as it was."""
+        e = self.entry
+        with e.lock.update():
+            new = copy.deepcopy(e.jit)
+            q, cert, logvar, consulted = _answer(new, incoming)  # (raises: nothing served has changed)
+            rec, n_learned = jit_record(new, incoming, q)
+            if rec is not None:
+                rec["seq"] = e.version + 1
+                rec["counters"] = new.raw_counters()
+                oracle = new.oracle_state()
+                if oracle is not None:
+                    rec["oracle_state"] = oracle
+                try:
+                    e.log.append(rec)
+                except PersistError:
+                    with e.lock.upgrade():
+                        e._recover("an update could not be written")
+                    raise
+            with e.lock.upgrade():
+                e.jit = new  # (with nothing learned, for its counters and its oracle's state)
+                if rec is not None:
+                    e._account(rec, record_rows(rec))
+                    e._snapshot_if_due()
+                return q, logvar, consulted, e.version, n_learned, cert
 
     def _commit(self, rec: dict, apply: Callable[[], None] | None, counters: dict | None = None) -> None:
         """Apply (if ``apply``) and log ``rec`` atomically w.r.t. readers; exclusive lock held.
