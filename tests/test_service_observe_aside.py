@@ -232,3 +232,54 @@ def test_a_long_jit_request_whose_oracle_fails_changes_nothing(root, monkeypatch
     assert e.jit is served and e.version == version and e.jit.raw_counters() == counters
     _assert_same(_blr(e.jit.operator), before)
     s.abandon()
+
+
+def test_a_sampling_oracle_answers_aside_and_its_stream_goes_on(tmp_path, monkeypatch):
+    """mode=oracle with a sampling oracle (its generator is the operator's state) runs on a copy of the sampler
+    while predictions go on, and the copy, its generator advanced, replaces it: two requests answer bit for bit
+    as one local sampler answering both in turn; a request whose sampler fails leaves the generator where it was."""
+    import copy
+
+    from kjit.oracles import ImportanceSamplingOracle, OracleError
+    from service.store import OracleFailure
+    from test_service_fixtures import probe, small_store
+
+    store = small_store(tmp_path / "store", "is-x", "logistic", "x", oracle="importance_sampling", n_samples=20000)
+    e = store.get("is-x")
+    local = copy.deepcopy(e.jit.oracle)
+    a, b, c = (probe("logistic", 8, seed=s) for s in (61, 62, 63))
+    q_probe, version = e.jit.operator.predict(a)[0], e.version
+
+    inside, go = threading.Event(), threading.Event()
+    real = ImportanceSamplingOracle.certified
+
+    def slow(self, *args, **kw):
+        inside.set()
+        assert go.wait(30)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(ImportanceSamplingOracle, "certified", slow)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=e.predict(a, "oracle")))
+    t.start()
+    assert inside.wait(30)
+    q_mid, _, _, version_mid, _ = e.predict(a, "predict", wait=False)  # not blocked by the sampler's run
+    assert version_mid == version
+    np.testing.assert_array_equal(q_mid.mean(), q_probe.mean())
+    go.set()
+    t.join(60)
+    monkeypatch.setattr(ImportanceSamplingOracle, "certified", real)
+    q2 = e.predict(b, "oracle")[0]
+    for got, batch in ((out["r"][0], a), (q2, b)):
+        np.testing.assert_array_equal(got.mean(), local.belief(batch, "x").mean())
+
+    def boom(self, *args, **kw):
+        self._rng.standard_normal(100)  # (draws, then fails: the served generator must not have moved)
+        raise OracleError("the sampler failed")
+
+    monkeypatch.setattr(ImportanceSamplingOracle, "certified", boom)
+    with pytest.raises(OracleFailure):
+        e.predict(c, "oracle")
+    monkeypatch.setattr(ImportanceSamplingOracle, "certified", real)
+    np.testing.assert_array_equal(e.predict(c, "oracle")[0].mean(), local.belief(c, "x").mean())
+    store.close()

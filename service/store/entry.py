@@ -4,6 +4,7 @@ How its updates become durable is its commit strategy (:mod:`service.store.commi
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -367,15 +368,21 @@ class Entry:
         if mode != "oracle":
             return self.commit.jit(incoming)
         n = len(next(iter(incoming.values())))
-        # the importance sampler draws from a generator that is part of the state
+        # the importance sampler draws from a generator that is part of the state: it runs on a copy, under the lock
+        # that excludes other updates but not predictions (before the forty-third session the exclusive lock, held
+        # for the sampler's whole run), and the copy — its generator advanced — replaces it for an instant
         sampling = isinstance(self.jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler))
-        with (self.lock.write() if sampling else self.lock.read()):
+        with (self.lock.update() if sampling else self.lock.read()):
+            oracle = copy.deepcopy(self.jit.oracle) if sampling else self.jit.oracle
             try:
-                q, cert = certified(self.jit.oracle, incoming, self.jit.to)
+                q, cert = certified(oracle, incoming, self.jit.to)
                 cert = cert.with_(threshold=self.jit.threshold)
             except (OracleError, *NUMERIC_ERRORS) as exc:
                 raise OracleFailure(str(exc), getattr(exc, "rows", None)) from None
             version = self.version
+            if sampling:
+                with self.lock.upgrade():
+                    self.jit.oracle = oracle
         return q, None, np.ones(n, dtype=bool), version, 0, cert
 
     def observe(self, incoming: dict[str, Family], beliefs: Family, key: str | None, body_hash: str | None):
