@@ -224,15 +224,22 @@ class TrainSpec:
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+#: what the held-out pairs' seeds add to the run's ``random_state`` (their own streams: :func:`_oracle_pairs`)
+HELD_OUT_STREAM = 0x48454C44
 
 
 def _oracle_pairs(spec: TrainSpec, factor, oracle, incoming: Mapping[str, Family], progress: Progress | None,
                   stage: str, chunk: int = 256) -> TrainingSet:
-    """make_training_set in slices, so progress can be reported pair by pair."""
+    """make_training_set in slices, so progress can be reported pair by pair.  The held-out pairs' oracle draws
+    from streams of their own (``HELD_OUT_STREAM``): drawn from the training pairs' seeds, a sampling oracle gave
+    them the same particles, hence the same errors, which the operator had learned — a new-user audit's factor
+    (z = 1 − x, Beta, the shared-proposal sampler at 100 particles) reported a held-out mean KL of 7.7e-6 and a
+    calibrated threshold where the truth was 1.2e-2."""
     n = len(next(iter(incoming.values())))
     block = chunk * max(1, spec.n_jobs if spec.n_jobs > 0 else 2)
     parts = []
-    seeds = np.random.SeedSequence(spec.random_state).spawn(max(1, -(-n // block)))
+    entropy = spec.random_state if stage != "held_out" else [spec.random_state, HELD_OUT_STREAM]
+    seeds = np.random.SeedSequence(entropy).spawn(max(1, -(-n // block)))
     if progress:
         progress(stage, 0, n)
     for i, s in enumerate(range(0, n, block)):
