@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import fields
 
+from .names import NAME_RE
 from .settings import Settings
 from .shared import SharedLogError, open_shared
 from .store import Conflict, OperatorStore
@@ -56,6 +57,14 @@ def ensure_defaults(settings: Settings, out=sys.stderr, progress: bool = True) -
     unknown = [n for n in names if n not in specs]
     if unknown:
         raise ValueError(f"unknown default operator(s) {', '.join(unknown)}; known: {', '.join(specs)}")
+    # (checked before anything is trained: a plugin factor named "MyShift" serving x trained MyShift-x, then the
+    # store refused the name and the server exited — every start, the built-in defaults never trained; audit)
+    bad = [n for n in names if not NAME_RE.match(n)]
+    if bad:
+        factor, to = specs[bad[0]]
+        raise ValueError(f"default operator {bad[0]!r} (factor {factor!r}, its served recipient {to!r}) is not a valid "
+                         f"operator name (lower-case letters, digits, '_', '.' and '-', at most 64 characters, "
+                         f"{NAME_RE.pattern}): register the factor under a lower-case name")
     shared = open_shared(settings.shared_store) if settings.shared_store else None
     store = OperatorStore(settings.store, snapshot_every=settings.snapshot_every, shared=shared, merge_interval=0)
     store.open()

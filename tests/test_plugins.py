@@ -396,3 +396,22 @@ def test_a_factory_that_normalises_a_parameter_still_comes_back_as_itself(monkey
     monkeypatch.setitem(F._REGISTRY, "weights_case", Lowercase)
     assert F.get_factor("weights_tuple", w=(1, 3)).w == [1.0, 3.0]
     assert F.get_factor("weights_case", kind="SUM").kind == "sum"  # (rebuilt from params(): the same)
+
+
+def test_a_served_default_whose_name_no_operator_can_have_is_refused_before_training(tmp_path, clean_registry):
+    """A plugin factor named "MyShift" that serves x by default: its operator name "MyShift-x" breaks the store's
+    naming rule.  Before, the server trained it, then exited on the name — at every start, the built-in defaults
+    never trained (audit, forty-third session).  Now the start is refused at once, naming the factor."""
+    from service.server import ensure_defaults
+    from service.settings import Settings
+
+    plugins = tmp_path / "plugins"
+    _write_plugin(plugins, "kjit_test_plugin_upper", "MyShift", entry_point=False)
+    sys.path.insert(0, str(plugins))
+    store = tmp_path / "store"
+    settings = Settings(store=store, factors=("kjit_test_plugin_upper",), default_n_train=60, default_n_inner=20,
+                        default_n_outer=40)
+    with pytest.raises(ValueError, match=r"'MyShift-x' \(factor 'MyShift', its served recipient 'x'\) is not a valid "
+                                         r"operator name.*lower-case name"):
+        ensure_defaults(settings, progress=False)
+    assert not (store / "operators").exists() or not any((store / "operators").iterdir())  # nothing trained
