@@ -241,13 +241,44 @@ def bad_output_rows(q: Family, logvar) -> list[int]:
 
 
 def spot_oracle(jit) -> Any:
-    """A deterministic oracle for the factor that shares no state with the served one."""
+    """An oracle for the served operator's recipient that shares no state with the served one: the factor's exact
+    rule where it has one for that recipient, else a private copy of the served sampler (a factor with rules for
+    other recipients only refused every observation the check reached as "the oracle cannot check it" — audit)."""
     if isinstance(jit.oracle, (ImportanceSamplingOracle, MessageImportanceSampler)):
-        try:
+        if jit.factor.has_exact(jit.to):
             return QuadratureOracle(jit.factor)
-        except ValueError:
-            return copy.deepcopy(jit.oracle)  # a user factor: a private copy of its sampler
+        return copy.deepcopy(jit.oracle)
     return jit.oracle
+
+
+def _spot_kl(oracle, sub: dict[str, Family], obs: Family, to: str) -> tuple[np.ndarray, list[str | None]]:
+    """Per row, KL[oracle's belief ‖ observed belief] (+inf where the oracle cannot answer) and why it could not
+    (None where it did).  An oracle that names the rows it failed on (OracleError.rows: a sampler's low effective
+    sample size) is asked again without them: one such row made every row of the request uncheckable (audit)."""
+    n = len(obs)
+    kl, why = np.full(n, np.inf), [None] * n
+    rows = np.arange(n)
+    for _ in range(2):
+        try:
+            with np.errstate(all="ignore"):
+                ref = oracle.belief({v: m[rows] for v, m in sub.items()}, to)
+                kl[rows] = np.asarray(ref.kl(obs[rows]), float).ravel()
+            return kl, why
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the oracle cannot vouch for these rows
+            named = getattr(exc, "rows", None)
+            failed = rows if named is None else rows[np.asarray(named, int)]
+            for i in failed:
+                why[int(i)] = f"the oracle cannot check it ({type(exc).__name__})"
+            if named is None:
+                return kl, why
+            rows = np.setdiff1d(rows, failed)
+            if not rows.size:
+                return kl, why
+    for i in rows:  # (failed again on the rest)
+        why[int(i)] = why[int(i)] or "the oracle cannot check it"
+    return kl, why
 
 
 _NOT_PRODUCIBLE = "not a belief the factor can produce from these incoming messages: "
@@ -278,21 +309,12 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
     if far.size:
         sub = {v: m.ravel()[far] for v, m in incoming.items()}
         obs = beliefs.ravel()[far]
-        try:
-            with (slot() if slot is not None else nullcontext()), np.errstate(all="ignore"):
-                ref = spot_oracle(jit).belief(sub, jit.to)
-                kl = np.asarray(ref.kl(obs), float).ravel()
-        except ApiError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the oracle cannot vouch for these rows
-            kl = np.full(far.size, np.inf)
-            why = f"the oracle cannot check it ({type(exc).__name__})"
-        else:
-            why = None
+        with (slot() if slot is not None else nullcontext()):
+            kl, why = _spot_kl(spot_oracle(jit), sub, obs, jit.to)
         for j, i in enumerate(far):
             if not (kl[j] <= max_kl):
                 zmax = float(np.max(np.abs(Z[i])))
-                bad.append((int(i), _NOT_PRODUCIBLE + (why or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
+                bad.append((int(i), _NOT_PRODUCIBLE + (why[j] or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
                                            f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
                                            f"away (> {max_kl:g})"), _IMPLAUSIBLE))
     # a plausible pair far outside what the operator has learned moves every prediction, however right it

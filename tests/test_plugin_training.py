@@ -12,6 +12,7 @@ the belief's sd, far inside the sampler's target_se = 1e-2).
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -207,3 +208,52 @@ def test_held_out_pairs_are_answered_with_draws_of_their_own(monkeypatch):
     true_kl = float(np.mean(Beta(b + c - 1, a + d - 1).kl(jit.operator.belief(held))))
     assert info["n_held_out"] == len(a) and true_kl > 3e-3  # (the sampler's noise at 100 particles, learned)
     assert info["held_out_mean_kl"] > true_kl / 10, (info["held_out_mean_kl"], true_kl)
+
+
+def test_observations_of_a_factor_with_a_rule_for_another_recipient_are_checked_by_its_sampler(monkeypatch):
+    """The plausibility check of observations asks an oracle that shares no state with the served one: the
+    factor's exact rule — but only where it has one for the operator's recipient.  A factor z = x + y with a rule
+    for z alone, served to x by the per-message sampler, had every checked observation refused as "the oracle
+    cannot check it" (audit, forty-third session).  Exact beliefs (closed form) are now checked by a copy of the
+    sampler and accepted; a wrong one is still refused; a row the sampler cannot answer is refused alone."""
+    from kjit.factors import Factor, base, rule
+    from kjit.families import Gaussian
+    from kjit.oracles import MessageImportanceSampler, QuadratureOracle
+    from service.training import TrainSpec, train_operator
+    from service.validation import implausible_rows, spot_oracle
+
+    class PartialSum(Factor):
+        name = "partial_sum_test"
+        inputs, output = ("x", "y"), "z"
+        families = {"x": Gaussian, "y": Gaussian, "z": Gaussian}
+
+        def sample(self, inputs, size, rng):
+            return inputs["x"] + inputs["y"]
+
+        @rule("z")
+        def _z(self, incoming, to, power=1.0):
+            m0, v0 = incoming["x"].mean() + incoming["y"].mean(), incoming["x"].var() + incoming["y"].var()
+            v = 1 / (1 / v0 + 1 / incoming["z"].var())
+            return Gaussian(v * (m0 / v0 + incoming["z"].mean() / incoming["z"].var()), v)
+
+    monkeypatch.setitem(base._REGISTRY, "partial_sum_test", PartialSum)
+    ranges = {v: {"mean": {"low": -2, "high": 2}, "var": {"low": 0.1, "high": 2, "scale": "log"}} for v in "xyz"}
+    jit, _, _ = train_operator(TrainSpec(factor="partial_sum_test", to="x", n=300, distribution=ranges,
+                                         oracle="auto", threshold=-3.0, n_inner=50, n_outer=100))
+    assert isinstance(jit.oracle, MessageImportanceSampler)
+    assert isinstance(spot_oracle(jit), MessageImportanceSampler) and spot_oracle(jit) is not jit.oracle
+    z_jit = copy.copy(jit)
+    z_jit.to = "z"
+    assert isinstance(spot_oracle(z_jit), QuadratureOracle)  # (the rule where there is one for the recipient)
+    rng = np.random.default_rng(0)
+    mx, my, mz = (rng.uniform(-2, 2, 12) for _ in range(3))
+    vx, vy, vz = (np.exp(rng.uniform(np.log(0.1), np.log(2), 12)) for _ in range(3))
+    v = 1 / (1 / vx + 1 / (vz + vy))
+    inc = {"x": Gaussian(mx, vx), "y": Gaussian(my, vy), "z": Gaussian(mz, vz)}
+    exact = Gaussian(v * (mx / vx + (mz - my) / (vz + vy)), v)
+    # (max_z 0: every row checked; the sampler's effective sample size stays under its minimum on row 3 at its cap
+    # of particles — that row alone cannot be checked, and is refused; before, one such row made all 12 uncheckable)
+    refused = implausible_rows(jit, inc, exact, max_z=0.0, max_kl=0.05)
+    assert [r for r, *_ in refused] == [3] and "the oracle cannot check it (LowESSError)" in refused[0][1]
+    wrong = Gaussian(exact.mean() + 5 * np.sqrt(v), v)
+    assert [r for r, *_ in implausible_rows(jit, inc, wrong, max_z=0.0, max_kl=0.05)] == list(range(12))
