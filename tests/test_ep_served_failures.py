@@ -567,7 +567,7 @@ def test_linear_ep_refuses_a_served_operators_client_side_oracle_for_another_fac
 
 def test_a_declared_factor_stands_for_any_factor_with_its_variables_and_families():
     """A served operator for a client's factor (the server has only its declaration): the client-side oracle's
-    factor is the same factor when its variables and families are the declared ones, another otherwise."""
+    factor is the same factor when its variables, families and output are the declared ones, another otherwise."""
     from kjit.factors import get_factor
     from kjit.factors.base import SampledFactor
     from kjit.families import Beta, Gaussian
@@ -578,7 +578,15 @@ def test_a_declared_factor_stands_for_any_factor_with_its_variables_and_families
     assert decl.mismatch(same) is None and same.mismatch(decl) is None
     assert "variables and families" in decl.mismatch(other, "the oracle", "the operator")
     assert "variables and families" in other.mismatch(decl, "the operator", "the oracle")
-    # (all a declaration says: any factor with those variables and families, a built-in one too)
+    # the output is part of it: a sampler of x from z is not the oracle of z from x (audit, forty-third session: it was
+    # taken, and its answers learned)
+    flipped = get_factor("declared", label="robust", variables={"x": "gaussian", "y": "gaussian", "z": "gaussian"},
+                         output="z")
+    wrong_way = SampledFactor("robust", inputs={"y": Gaussian, "z": Gaussian}, output=("x", Gaussian),
+                              sampler=lambda v, rng: v["y"] * v["z"])
+    assert "output 'x'" in flipped.mismatch(wrong_way, "the oracle", "the operator")
+    assert "output" in wrong_way.mismatch(flipped, "the operator", "the oracle")
+    # (all a declaration says: any factor with those variables, families and output, a built-in one too)
     assert get_factor("logistic").mismatch(decl) is None
     decl2 = get_factor("declared", label="robust", variables={"x": "gaussian", "z": "beta"}, output="z")
     assert decl.mismatch(decl2) is None and "label" in decl.mismatch(

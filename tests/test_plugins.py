@@ -352,6 +352,8 @@ def test_a_user_sampler_or_approximation_that_raises_is_named(monkeypatch):
     ({"inputs": {"a.b": Gaussian}}, "variable name 'a.b' .* identifier"),
     ({"output": ("z", type("MyGaussian", (Gaussian,), {}))}, "family of variable 'z' must be one of kjit's"),
     ({"sampler": None}, "`sampler` must be a callable"),
+    ({"output": "z"}, r"`output` must be a \(name, Family\) pair"),  # (was: "not enough values to unpack")
+    ({"output": "zz"}, r"`output` must be a \(name, Family\) pair"),  # (was: "family of variable 'z' … got 'z'")
 ])
 def test_a_sampled_factor_that_could_not_be_served_is_refused_at_once(kwargs, match):
     """Found by an audit: each of these was accepted, then failed later — a 500 at POST /v1/operators

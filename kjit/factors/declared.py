@@ -59,15 +59,19 @@ class DeclaredFactor(Factor):
     def mismatch(self, other, theirs: str = "the other", mine: str = "this one") -> str | None:
         """As :meth:`Factor.mismatch` for another declared factor or a recorded ``(name, params)``; a factor
         with code — the client's own, which this declaration stands for — is this one when its variables and
-        their families are these, all a declaration says (found in review: a served declared operator's
+        their families and its output are these, all a declaration says (found in review: a served declared operator's
         client-side oracle was refused as "another factor")."""
         if isinstance(other, Factor) and not getattr(other, "declared", False):
             here = dict(self._variables)
             there = {v: family_name(f) for v, f in other.families.items()}
-            if there == here:
-                return None
-            return (f"{theirs} and {mine} are for different factors: variables and families {there} for {theirs}, "
-                    f"{here} for {mine} (declared as {self.label!r})")
+            if there != here:
+                return (f"{theirs} and {mine} are for different factors: variables and families {there} for {theirs}, "
+                        f"{here} for {mine} (declared as {self.label!r})")
+            if getattr(other, "output", None) != self.output:
+                # (a sampler of x = y·z taken as the oracle of z = x·y, its answers learned: audit)
+                return (f"{theirs} and {mine} are for different factors: output {getattr(other, 'output', None)!r} for "
+                        f"{theirs}, {self.output!r} for {mine} (declared as {self.label!r})")
+            return None
         return super().mismatch(other, theirs, mine)
 
     def sample(self, inputs, size, rng):
