@@ -1698,7 +1698,11 @@ class Gamma(Family):
             lq = np.where(np.abs(q) < 0.5, np.log1p(q),
                           (np.log(np.where(big, a2, 1e3)) - np.log(x)) - (np.log(b2) - np.log(b1)))
             hq = np.where(np.abs(q) < 0.5, log1p_minus(q), lq - q) + q * lq
-            series = x * br * hq - 0.5 * lm + corr  # (the whole KL, rate part included)
+            # (x b₂/b₁ h(q) = a₂ ln(1 + q) − a₂ + x b₂/b₁ where q is far from 0: there b₂/b₁ may underflow, and
+            # x · 0 · (∞ − ∞) was a NaN for Gamma(50, 1e160) ‖ Gamma(60, 1e-160) — found by an audit)
+            ya = np.where(big, a2, 1e3)
+            main = np.where(np.abs(q) < 0.5, x * br * hq, ya * lq - ya + x * br)
+            series = main - 0.5 * lm + corr  # (the whole KL, rate part included)
             # a₁ beyond 1e3, a₂ not: −ln Γ(a₁) − d ψ(a₁) = a₁ψ(a₁) − ln Γ(a₁) − a₂ψ(a₁), whose first two
             # terms (~a₁ ln a₁ each) are a₁ − a₁(ln a₁ − ψ(a₁)) − ½ ln(2π/a₁) − R̃(a₁); that a₁ and the
             # rate part's a₁ρ (~ −a₁ where b₂ ≪ b₁) are taken together: a₁(1 + ρ) = a₁ b₂/b₁

@@ -36,6 +36,8 @@ def _gamma_kl(a1, b1, a2, b2):
     # mean-matched below 1e3 (the second review: 3.8e-10 relative), about the series' threshold 30
     (877.1863, 3.96e11, 777.4589, 3.96e11 * 777.4589 / 877.1863, None), (645.29, 2.53e-16, 711.69, 2.79e-16, None),
     (31.0, 1.0, 29.0, 1.0, None), (30.5, 1.0, 31.5, 1.03, None),
+    # the rates' ratio underflowing in the Stirling form (forty-third session's audit: NaN)
+    (50.0, 1e160, 60.0, 1e-160, None), (1e5, 1e300, 1e5, 1e-300, None), (1e6, 1e200, 1e6, 1e-120, None),
 ])
 def test_gamma_kl_against_mpmath(a1, b1, a2, b2, was):
     got = float(Gamma(a1, b1).kl(Gamma(a2, b2)))
