@@ -31,7 +31,7 @@ def _check_options(args, **rules) -> None:
 
 
 def _oracles(args) -> int:
-    _check_options(args, seed=(0, True), particles=(1, True))
+    _check_options(args, seed=(0, True), particles=(2, True))  # (the sampler's least: 2)
     from .factors import Logistic
     from .families import Beta, Gaussian
     from .oracles import ImportanceSamplingOracle, QuadratureOracle
@@ -108,6 +108,9 @@ def _audit(args) -> int:
     from .client import RemoteOperator
 
     url = args.url or os.environ.get("KJIT_URL") or "http://127.0.0.1:8000"
+    _check_options(args, timeout=(0.0, False))
+    if not url.startswith(("http://", "https://")):  # (named by its flag: it was the client's `url`)
+        raise ValueError(f"{'--url' if args.url else 'KJIT_URL'} {url!r}: give the server as http://HOST:PORT")
     with RemoteOperator(url, args.name, timeout=args.timeout, retries=1) as op:
         detail = op.info()
     if args.json:
@@ -227,7 +230,7 @@ def _train(args) -> int:
 
     from .factors import get_factor, import_factor_modules
     from .operators import JITOperator, KernelOperator, calibrate_threshold, calibration_support
-    from .oracles import make_oracle
+    from .oracles import make_oracle, resolve_oracle_kind
     from .persistence import save_operator
     from .training import TrainingSet, make_training_set
 
@@ -235,6 +238,8 @@ def _train(args) -> int:
                    **({} if args.pairs else {"n": (2, True)}))
     if args.jobs == 0:  # (joblib's words were "n_jobs == 0 in Parallel has no meaning")
         raise ValueError("--jobs 0: give a number of jobs >= 1, or -1 for one per core")
+    if not -MAX_JOBS <= args.jobs <= MAX_JOBS:  # (joblib's words: "Numeric literal 2000000 is too large")
+        raise ValueError(f"--jobs {args.jobs}: at most {MAX_JOBS} (or -1 for one per core)")
     if args.factors:  # your own factors' modules (they register them), as `kjit serve --factors`
         import_factor_modules(args.factors)
     try:
@@ -242,9 +247,25 @@ def _train(args) -> int:
     except TypeError as exc:  # a factor that needs parameters (`declared`): a message, not a traceback
         raise ValueError(f"factor {args.factor!r} cannot be built without parameters: {exc}") from None
     factor.check_to(args.to)
+    if not args.pairs and args.to in factor.default_untrainable:  # (as the service refuses it: named, at once)
+        raise ValueError(f"--to {args.to}: no operator for {factor.name!r} -> {args.to!r} can be trained from its "
+                         f"default messages: {factor.default_untrainable[args.to]}; give --pairs FILE")
+    # the oracle's sizes by their flags (its own checks named n_samples / n_initial / target_se — an audit): the
+    # shared-proposal sampler draws --particles a call (at least 2), the per-message one starts from
+    # min(2 000, --particles) (at least 10)
+    kind = resolve_oracle_kind(ORACLE_ALIASES.get(args.oracle, args.oracle), factor, args.to)
+    _check_options(args, target_se=(0.0, False),
+                   particles={"importance_sampling": (2, True), "message_sampler": (10, True)}.get(kind, (1, True)))
     # (before any work: a quadrature oracle for a recipient without an exact rule is refused here)
-    oracle = make_oracle(ORACLE_ALIASES.get(args.oracle, args.oracle), factor, args.to,
-                         n_samples=args.particles, target_se=args.target_se, random_state=args.seed)
+    oracle = make_oracle(kind, factor, args.to, n_samples=args.particles, target_se=args.target_se,
+                         random_state=args.seed)
+    paths = {flag: Path(path).expanduser().resolve() for flag, path in
+             (("--out", args.out), ("--save-pairs", args.save_pairs), ("--pairs", args.pairs)) if path}
+    named = list(paths.items())
+    for i, (flag, path) in enumerate(named):
+        for other, path2 in named[i + 1:]:
+            if path == path2:  # (an audit: --out X --save-pairs X wrote the pairs, then the operator over them, exit 0)
+                raise ValueError(f"{flag} and {other} name the same file {path}: give each its own")
     for flag, path in (("--out", args.out), ("--save-pairs", args.save_pairs)):
         # before the training run, not after it (found by an audit: an error naming a temporary file)
         if path is not None and (not path.strip() or path.endswith(("/", os.sep)) or Path(path).expanduser().is_dir()):
@@ -331,6 +352,8 @@ _REGISTERED_FACTORS_HELP = "registered factor, or your own (--factors)"
 #: ``kjit train --oracle`` names beside :data:`kjit.oracles.ORACLE_KINDS` (which the choices are read
 #: from, so a new kind is offered here as in the service), and the kind each stands for
 ORACLE_ALIASES = {"sampling": "importance_sampling"}
+#: the most parallel oracle jobs `kjit train --jobs` takes
+MAX_JOBS = 1024
 
 
 class _RegistryHelpFormatter(argparse.HelpFormatter):

@@ -274,6 +274,16 @@ def no_oracle_run(monkeypatch):
     (["demo", "--show", "-1"], "`--show`"),
     (["demo", "--target-kl", "0"], "`--target-kl`"),
     (["oracles", "--seed", "-1"], "`--seed`"),
+    # the forty-third session's audit: named `n_samples`, `n_initial`, `target_se`, joblib's literal, the client's url
+    (["train", "logistic", "--to", "x", "--oracle", "sampling", "--particles", "1"], "`--particles`"),
+    (["train", "logistic", "--to", "x", "--oracle", "message_sampler", "--particles", "7"], "`--particles`"),
+    (["train", "logistic", "--to", "x", "--oracle", "message_sampler", "--target-se", "0"], "`--target-se`"),
+    (["train", "logistic", "--to", "x", "--target-se", "nan"], "`--target-se`"),  # (accepted, unused, before)
+    (["train", "logistic", "--to", "x", "--jobs", "1000000"], "--jobs 1000000"),
+    (["train", "probit_noise", "--to", "y"], "--to y: no operator"),  # (it blamed the approximation's overflow)
+    (["oracles", "--particles", "1"], "`--particles`"),
+    (["audit", "logistic-x", "--timeout", "0"], "`--timeout`"),
+    (["audit", "logistic-x", "--url", "notaurl"], "--url 'notaurl'"),
 ])
 def test_sizes_and_targets_are_refused_before_any_work_naming_the_flag(tmp_path, capsys, no_oracle_run, argv, flag):
     """Found by an audit: they were refused after the oracle run and the fit, under internal names (`n_inner`,
@@ -283,6 +293,21 @@ def test_sizes_and_targets_are_refused_before_any_work_naming_the_flag(tmp_path,
         argv = argv + ["--out", str(tmp_path / "op.npz")]
     rc = main(argv)
     _one_line_error(capsys, rc, flag)
+
+
+@pytest.mark.parametrize("flags", [("--out", "--save-pairs"), ("--out", "--pairs"), ("--save-pairs", "--pairs")])
+def test_two_flags_naming_one_file_are_refused_before_training(tmp_path, capsys, no_oracle_run, flags):
+    """Found by an audit: --out X --save-pairs X saved the pairs, then the operator over them, and exited 0 (a later
+    --pairs X: "not a kjit training set"); --pairs X with --out X would overwrite the pairs it reads."""
+    same = str(tmp_path / "same.npz")
+    argv = ["train", "logistic", "--to", "x", "--out", str(tmp_path / "op.npz")]
+    for flag in flags:
+        if flag == "--out":
+            argv[argv.index("--out") + 1] = same
+        else:
+            argv += [flag, same]
+    rc = main(argv)
+    _one_line_error(capsys, rc, " and ", "name the same file")
 
 
 @pytest.mark.parametrize("out", ["dir", "dir/", ""])
@@ -353,3 +378,14 @@ def test_train_of_a_factor_without_a_default_distribution_says_what_to_give(tmp_
     rc = main(["train", "my_sum_cli_test", "--factors", "my_sum_factor", "--to", "z", "--n", "50", "--quiet",
                "--out", str(tmp_path / "op.npz")])
     _one_line_error(capsys, rc, "give --pairs FILE", "TrainingSet.save", "default_incoming(n, rng)")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_server_default_training_size_below_four_is_refused_before_the_first_start(tmp_path, n):
+    """`kjit serve --n-train 1…3` was accepted by the settings (>= 1), then refused after the first-start banner as
+    "`n` (at least 4 training pairs)" (audit, forty-third session): now refused with the settings, naming the flag."""
+    from service.settings import Settings
+
+    with pytest.raises(ValueError, match=r"`default_n_train` \(--n-train, KJIT_DEFAULT_N_TRAIN\) must be >= 4"):
+        Settings(store=tmp_path / "store", default_n_train=n)
+    assert Settings(store=tmp_path / "store", default_n_train=4).default_n_train == 4
