@@ -1255,7 +1255,10 @@ class Beta(Family):
         return beta_log_pdf_logit(t, self._alpha, self._beta)
 
     def mean(self):
-        return self._alpha / (self._alpha + self._beta)
+        # (α + β overflows beyond ~9e307: Beta(1e308, 1e308)'s mean was 0, found by an audit; halves do not)
+        a, b = self._alpha, self._beta
+        with np.errstate(over="ignore"):
+            return np.where(np.isfinite(a + b), a / (a + b), (0.5 * a) / (0.5 * a + 0.5 * b))[()]
 
     def var(self):
         s = self._alpha + self._beta

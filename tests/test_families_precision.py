@@ -322,3 +322,8 @@ def test_beta_kl_is_positive_and_close_to_mpmath_over_random_pairs(kind):
     want = np.array([_beta_kl(*p[i], *q[i]) for i in range(len(p))])
     assert np.all(np.isfinite(got)) and np.all(got > 0)
     np.testing.assert_allclose(got, want, rtol=tol, atol=0)
+
+
+def test_beta_mean_where_the_parameters_sum_overflows():
+    """α + β overflows beyond ~9e307 (audit, forty-third session: Beta(1e308, 1e308).mean() was 0.0)."""
+    np.testing.assert_allclose(Beta([1e308, 1e308, 2.0], [1e308, 1e307, 3.0]).mean(), [0.5, 10 / 11, 0.4], rtol=1e-15)
