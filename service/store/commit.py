@@ -62,6 +62,16 @@ def _answer(jit, incoming, revertible: bool = False):
     return q, cert, cert.log_var, cert.source != "learned"
 
 
+def _stamp_jit_record(rec: dict, jit, seq: int) -> None:
+    """A jit record's place and what it carries beyond its pairs: the JIT's counters and its sampler's generator
+    (a replay continues its stream exactly)."""
+    rec["seq"] = seq
+    rec["counters"] = jit.raw_counters()
+    oracle = jit.oracle_state()
+    if oracle is not None:
+        rec["oracle_state"] = oracle
+
+
 class Standalone:
     """Updates are made durable in the operator's own log."""
 
@@ -102,11 +112,7 @@ class Standalone:
                 raise
             rec, n_learned = jit_record(jit, incoming, q)
             if rec is not None:
-                rec["seq"] = e.version + 1
-                rec["counters"] = jit.raw_counters()
-                oracle = jit.oracle_state()
-                if oracle is not None:  # a sampler's generator: a replay continues its stream exactly
-                    rec["oracle_state"] = oracle
+                _stamp_jit_record(rec, jit, e.version + 1)
                 self._commit(rec, None, counters)  # JITOperator.predict already learned the pairs
             return q, logvar, consulted, e.version, n_learned, cert
 
@@ -122,23 +128,26 @@ class Standalone:
             q, cert, logvar, consulted = _answer(new, incoming)  # (raises: nothing served has changed)
             rec, n_learned = jit_record(new, incoming, q)
             if rec is not None:
-                rec["seq"] = e.version + 1
-                rec["counters"] = new.raw_counters()
-                oracle = new.oracle_state()
-                if oracle is not None:
-                    rec["oracle_state"] = oracle
-                try:
-                    e.log.append(rec)
-                except PersistError:
-                    with e.lock.upgrade():
-                        e._recover("an update could not be written")
-                    raise
-            with e.lock.upgrade():
-                e.jit = new  # (with nothing learned, for its counters and its oracle's state)
-                if rec is not None:
-                    e._account(rec, record_rows(rec))
-                    e._snapshot_if_due()
-                return q, logvar, consulted, e.version, n_learned, cert
+                _stamp_jit_record(rec, new, e.version + 1)
+            self._append_and_swap(rec, new)  # (with nothing learned too: its counters and its oracle's state)
+            return q, logvar, consulted, e.version, n_learned, cert  # (the update lock: no other update since)
+
+    def _append_and_swap(self, rec: dict | None, new) -> None:
+        """Under the update lock: make ``rec`` durable (None: nothing to write), then serve ``new`` — the copy that
+        learned it — exclusively for an instant.  A record that cannot be written rebuilds the operator from disk."""
+        e = self.entry
+        if rec is not None:
+            try:
+                e.log.append(rec)
+            except PersistError:
+                with e.lock.upgrade():
+                    e._recover("an update could not be written")
+                raise
+        with e.lock.upgrade():
+            e.jit = new
+            if rec is not None:
+                e._account(rec, record_rows(rec))
+                e._snapshot_if_due()
 
     def _commit(self, rec: dict, apply: Callable[[], None] | None, counters: dict | None = None) -> None:
         """Apply (if ``apply``) and log ``rec`` atomically w.r.t. readers; exclusive lock held.
@@ -177,16 +186,7 @@ class Standalone:
                     apply(new)
             except NUMERIC_ERRORS as exc:  # nothing changed: the served operator is untouched
                 raise Unprocessable.of(exc) from exc
-            try:
-                e.log.append(rec)
-            except PersistError:
-                with e.lock.upgrade():
-                    e._recover("an update could not be written")
-                raise
-            with e.lock.upgrade():
-                e.jit = new
-                e._account(rec, record_rows(rec))
-                e._snapshot_if_due()
+            self._append_and_swap(rec, new)
             return rec
 
 
