@@ -283,3 +283,28 @@ def test_a_sampling_oracle_answers_aside_and_its_stream_goes_on(tmp_path, monkey
     monkeypatch.setattr(ImportanceSamplingOracle, "certified", real)
     np.testing.assert_array_equal(e.predict(c, "oracle")[0].mean(), local.belief(c, "x").mean())
     store.close()
+
+
+def test_a_prediction_adds_no_attribute_a_concurrent_copy_could_see_change(root):
+    """Long updates and jit requests deep-copy the served JIT while predictions go on: a prediction must not add a
+    key to any object's __dict__ (a lazily created cache, KernelOperator._input_bounds, made such a copy fail with
+    "dictionary changed size during iteration" — review, forty-third session, 8 of 60 racing trials)."""
+    def keys(o, path="jit", seen=None, out=None):
+        seen, out = (set() if seen is None else seen), ({} if out is None else out)
+        if id(o) in seen or not hasattr(o, "__dict__") or isinstance(o, type):
+            return out
+        seen.add(id(o))
+        out[path] = set(vars(o))
+        for k, v in vars(o).items():
+            keys(v, f"{path}.{k}", seen, out)
+        return out
+
+    s = _open(root)
+    e = s.entries["logistic-x"]
+    before = keys(e.jit)
+    probe = DEFAULT_DISTRIBUTIONS["logistic"](16, np.random.default_rng(5))
+    e.predict(probe, "predict")
+    e.predict_certified(probe, "predict")
+    after = keys(e.jit)
+    assert {p: after[p] - before.get(p, set()) for p in after if after[p] - before.get(p, set())} == {}
+    s.abandon()

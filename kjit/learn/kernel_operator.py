@@ -478,6 +478,7 @@ class KernelOperator(Operator):
         # review; the range's cache had it before the gap table)
         self._range_cache = None
         self._gaps_cache = None
+        self._input_bounds = None  # (the input margin's bounds: added lazily, it raced a long jit request's copy)
         self._draw_cache = Transient()  # (likewise: the square-root factor of draws, :meth:`draw`)
         self.last_certificates_ = None  # (likewise: each prediction's certificates)
 
