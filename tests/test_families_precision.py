@@ -281,9 +281,10 @@ def test_log_beta_outside_its_domain_is_betalns():
 
 
 def _beta_kl(a1, b1, a2, b2):
-    a1, b1, a2, b2 = (mp.mpf(float(x)) for x in (a1, b1, a2, b2))
-    return float(mp.log(mp.beta(a2, b2)) - mp.log(mp.beta(a1, b1)) + (a1 - a2) * mp.digamma(a1)
-                 + (b1 - b2) * mp.digamma(b1) + (a2 - a1 + b2 - b1) * mp.digamma(a1 + b1))
+    with mp.workdps(150):  # (terms ~1e100 · ψ cancel to the KL: 50 digits gave 0 for 676)
+        a1, b1, a2, b2 = (mp.mpf(float(x)) for x in (a1, b1, a2, b2))
+        return float(mp.log(mp.beta(a2, b2)) - mp.log(mp.beta(a1, b1)) + (a1 - a2) * mp.digamma(a1)
+                     + (b1 - b2) * mp.digamma(b1) + (a2 - a1 + b2 - b1) * mp.digamma(a1 + b1))
 
 
 @pytest.mark.parametrize("p,q,tol", [
@@ -294,6 +295,10 @@ def _beta_kl(a1, b1, a2, b2):
     ((1e12, 1e12), (1e12 * (1 + 1e-5), 1e12 * (1 + 1e-5)), 1e-6),
     # found in review of the fix: far pairs from parameters ~1e14 (the exact difference's products cancelled)
     ((1.49294818e14, 2.06210539e14), (0.03880323, 0.29307947), 0.01),
+    # and of the second: a mixed near pair (0 for 1.3e-5), tiny parameters taken as near (0 for 1e130), a ratio that
+    # overflows in the far form (NaN)
+    ((0.01, 1e15), (0.01, 0.95e15), 1e-10), ((1e-170, 1e-300), (1e-20, 1e-170), 1e-10),
+    ((1e-6, 1e100), (1e-300, 1e16), 1e-10), ((1.0, 1.0), (1e-300, 1e10), 1e-10),
 ])
 def test_beta_kl_audit_cases_against_mpmath(p, q, tol):
     """Relative tolerances: where a parameter changes by 16 orders the rounding of the huge terms (~1e14 each,
@@ -303,19 +308,28 @@ def test_beta_kl_audit_cases_against_mpmath(p, q, tol):
     assert np.isfinite(got) and got > 0 and abs(got - want) <= tol * want, (got, want)
 
 
-@pytest.mark.parametrize("kind", ["near", "mean_matched", "far"])
+@pytest.mark.parametrize("kind", ["near", "mean_matched", "near_wide", "lopsided", "far"])
 def test_beta_kl_is_positive_and_close_to_mpmath_over_random_pairs(kind):
     """60 pairs a kind (seeded): near pairs at parameters 0.1–100 (relative changes 1e-9–1e-5) to 1e-11 relative
     (the general form's absolute 1e-14 made 7.6 % of them negative); mean-matched pairs at 1e-3–1e14 (both
-    parameters scaled by 1 + 1e-8…1e-2) to 5 %, measured ≤ 1.2e-2 (the Stirling form; up to 2e4 before); far
-    pairs at 1e-6–1e16 to 5 %, measured ≤ 1.1e-2 (up to 5.6e11 before, 3 % inf or NaN)."""
-    rng = np.random.default_rng({"near": 1, "mean_matched": 2, "far": 3}[kind])
+    parameters scaled by 1 + 1e-8…1e-2) to 1e-10, measured ≤ 2.6e-13 over 300 (up to 2e4 before); near pairs at
+    1e-3–1e14 (changes 1e-8–0.1) to 1e-3, measured ≤ 4.2e-5 over 300 (8.2 before); one parameter 0.01–30, the other
+    1e3–1e15, both moved within a tenth (review of the first rewrite: 0 for 1.3e-5) to 1e-10, measured ≤ 1.2e-12;
+    far pairs at 1e-6–1e16 to 5 %, measured ≤ 1.1e-2 (up to 5.6e11 before, 3 % inf or NaN) — there the terms are
+    ~1e16 and the KL ~20."""
+    rng = np.random.default_rng({"near": 1, "mean_matched": 2, "near_wide": 4, "lopsided": 5, "far": 3}[kind])
     if kind == "near":
         p = 10 ** rng.uniform(-1, 2, (60, 2))
         q, tol = p * (1 + 10 ** rng.uniform(-9, -5, p.shape) * rng.choice([-1, 1], p.shape)), 1e-11
     elif kind == "mean_matched":
         p = 10 ** rng.uniform(-3, 14, (60, 2))
-        q, tol = p * (1 + 10 ** rng.uniform(-8, -2, (60, 1))), 0.05
+        q, tol = p * (1 + 10 ** rng.uniform(-8, -2, (60, 1))), 1e-10
+    elif kind == "near_wide":
+        p = 10 ** rng.uniform(-3, 14, (60, 2))
+        q, tol = p * (1 + 10 ** rng.uniform(-8, -1, p.shape) * rng.choice([-1, 1], p.shape)), 1e-3
+    elif kind == "lopsided":
+        p = np.column_stack([10 ** rng.uniform(-2, np.log10(30), 60), 10 ** rng.uniform(3, 15, 60)])
+        q, tol = p * (1 + rng.uniform(-0.09, 0.09, p.shape)), 1e-10
     else:
         p, q, tol = 10 ** rng.uniform(-6, 16, (60, 2)), 10 ** rng.uniform(-6, 16, (60, 2)), 0.05
     got = Beta(p[:, 0], p[:, 1]).kl(Beta(q[:, 0], q[:, 1]))
