@@ -1106,7 +1106,8 @@ def _beta_kl_bregman(a1, b1, a2, b2) -> np.ndarray:
     delta = (ta - tb) / m  # (1 + t_α)/(1 + t_s) − 1 = (1 − w)δ, (1 + t_β)/(1 + t_s) − 1 = −wδ
     u1, u2 = (1.0 - w) * delta, -w * delta
     # w(1 + t_α) ln(1 + u1) + (1 − w)(1 + t_β) ln(1 + u2), its first-order terms together: w(1 − w) m δ²
-    gap = w * (1.0 - w) * m * delta * delta + w * (1.0 + ta) * log1p_minus(u1) + (1.0 - w) * (1.0 + tb) * log1p_minus(u2)
+    gap = (w * (1.0 - w) * m * delta * delta + w * (1.0 + ta) * log1p_minus(u1)
+           + (1.0 - w) * (1.0 + tb) * log1p_minus(u2))
     half = -0.5 * (log1p_minus(ta) + log1p_minus(tb) - log1p_minus(ts))
     corr = 0.0
     for n, c in _STIRLING:

@@ -167,8 +167,8 @@ class Settings:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"setting `{name}` must be >= 1, got {getattr(self, name)!r}")
         if int(self.default_n_train) < 4:  # (the training run's least; it was refused after the first-start banner)
-            raise ValueError(f"setting `default_n_train` (--n-train, KJIT_DEFAULT_N_TRAIN) must be >= 4 training pairs, "
-                             f"got {self.default_n_train!r}")
+            raise ValueError(f"setting `default_n_train` (--n-train, KJIT_DEFAULT_N_TRAIN) must be >= 4 training "
+                             f"pairs, got {self.default_n_train!r}")
         if self.shared_store is not None and self.shared_store == "":
             object.__setattr__(self, "shared_store", None)
         for name in ("head_timeout", "body_timeout"):

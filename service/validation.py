@@ -314,9 +314,10 @@ def implausible_rows(jit, incoming: dict[str, Family], beliefs: Family, max_z: f
         for j, i in enumerate(far):
             if not (kl[j] <= max_kl):
                 zmax = float(np.max(np.abs(Z[i])))
-                bad.append((int(i), _NOT_PRODUCIBLE + (why[j] or f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
-                                           f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
-                                           f"away (> {max_kl:g})"), _IMPLAUSIBLE))
+                reason = why[j] or (f"its standardised regression coordinates reach {zmax:.3g} (> {max_z:g}) "
+                                    f"and the oracle's belief for its incoming messages is {kl[j]:.3g} nats "
+                                    f"away (> {max_kl:g})")
+                bad.append((int(i), _NOT_PRODUCIBLE + reason, _IMPLAUSIBLE))
     # a plausible pair far outside what the operator has learned moves every prediction, however right it
     # is (KernelOperator.targets_out_of_range): refused too, as not_learnable (an implausible one says so)
     refused = {i for i, *_ in bad}

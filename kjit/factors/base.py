@@ -631,7 +631,8 @@ class SampledFactor(Factor):
         if not isinstance(inputs, Mapping) or not inputs:
             # (the sampler is told the sample size only through its inputs' draws)
             raise ValueError("`inputs` must map at least one input variable to its Family")
-        if not (isinstance(output, (tuple, list)) and len(output) == 2):  # ("zz" unpacked as a variable z of family "z")
+        # ("zz" was unpacked as a variable z of family "z")
+        if not (isinstance(output, (tuple, list)) and len(output) == 2):
             raise ValueError(f"`output` must be a (name, Family) pair such as ('z', Gaussian), got {output!r}")
         out_name, out_family = output
         for v, fam in list(inputs.items()) + [(out_name, out_family)]:
