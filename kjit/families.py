@@ -419,6 +419,11 @@ class Family:
             raise TypeError(
                 f"cannot {op} {type(self).__name__} and {type(other).__name__} messages"
             )
+        try:  # (batches of 2 and 3 messages met numpy's broadcast error in the middle of a formula: an audit)
+            np.broadcast_shapes(self.shape, other.shape)
+        except ValueError:
+            raise ValueError(f"cannot {op} {type(self).__name__} batches of shapes {self.shape} and {other.shape}: "
+                             f"they do not broadcast") from None
 
     def __mul__(self, other):
         self._same_family(other, "multiply")
@@ -626,6 +631,8 @@ class Family:
         precision; the bound keeps what no correlation can cancel."""
         c = np.asarray(coords, np.float64)
         v = np.asarray(var, np.float64)
+        if np.any(v < 0):  # (a NaN variance stays a NaN: never confident)
+            raise ValueError(f"least_expected_kl: `var` must be >= 0 (variances), got {v[v < 0].ravel()[:3].tolist()}")
         if base is not None:
             v = v * cls.relative_scale(base) ** 2
         k = c.shape[-1]

@@ -341,3 +341,17 @@ def test_beta_kl_is_positive_and_close_to_mpmath_over_random_pairs(kind):
 def test_beta_mean_where_the_parameters_sum_overflows():
     """α + β overflows beyond ~9e307 (audit, forty-third session: Beta(1e308, 1e308).mean() was 0.0)."""
     np.testing.assert_allclose(Beta([1e308, 1e308, 2.0], [1e308, 1e307, 3.0]).mean(), [0.5, 10 / 11, 0.4], rtol=1e-15)
+
+
+def test_batches_that_do_not_broadcast_and_negative_variances_are_named():
+    """Audit (forty-third session): KL between batches of 2 and 3 messages met numpy's broadcast error mid-formula;
+    least_expected_kl with a negative variance returned NaN."""
+    with pytest.raises(ValueError, match=r"cannot compare Gaussian batches of shapes \(2,\) and \(3,\)"):
+        Gaussian([0.0, 1.0], [1.0, 1.0]).kl(Gaussian([0.0, 1.0, 2.0], [1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"cannot multiply Beta batches of shapes \(2,\) and \(3,\)"):
+        Beta([1.0, 2.0], [1.0, 1.0]) * Beta([1.0, 2.0, 3.0], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match=r"`var` must be >= 0"):
+        Gaussian.least_expected_kl([[0.0, 0.0]], [[-1.0, 1.0]])
+    # (a batch against one message still broadcasts; a NaN variance stays NaN: never confident)
+    np.testing.assert_allclose(Gaussian([0.0, 1.0], [1.0, 2.0]).kl(Gaussian(0.5, 1.0)), [0.125, 0.27842641], rtol=1e-7)
+    assert np.isnan(Gaussian.least_expected_kl([[0.0, 0.0]], [[np.nan, 1.0]]))[0]
