@@ -6,6 +6,7 @@ answered at once, at the version before."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -40,6 +41,31 @@ def root(pristine_store, tmp_path):
 def _pairs(n, seed):
     inc = DEFAULT_DISTRIBUTIONS["logistic"](n, np.random.default_rng(seed))
     return inc, QuadratureOracle(Logistic()).belief(inc, "x")
+
+
+@contextlib.contextmanager
+def _held(monkeypatch, owner, name, request):
+    """Run ``request()`` in a thread with ``owner.name`` held at its first call; yield (a dict whose "r" will be the
+    request's result) once it is held; on leaving, release it, join the thread and restore the method."""
+    inside, go = threading.Event(), threading.Event()
+    real = getattr(owner, name)
+
+    def slow(self, *a, **k):
+        inside.set()
+        assert go.wait(30)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(owner, name, slow)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=request()))
+    t.start()
+    try:
+        assert inside.wait(30)
+        yield out
+    finally:
+        go.set()
+        t.join(60)
+        monkeypatch.setattr(owner, name, real)
 
 
 def _blr(op):
@@ -98,26 +124,11 @@ def test_a_long_observation_is_learned_aside_bit_identically_and_durably(root, p
     q_before, _ = e.jit.operator.predict(probe)
 
     # hold the copy's partial_fit until a prediction has been answered meanwhile
-    inside, go = threading.Event(), threading.Event()
-    real = KernelOperator.partial_fit
-
-    def slow(self, *a, **k):
-        inside.set()
-        assert go.wait(30)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(KernelOperator, "partial_fit", slow)
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=e.observe(inc, q, "k1", "h1")))
-    t.start()
-    assert inside.wait(30)
-    q_mid, _, _, version_mid, _ = e.predict(probe, "predict", wait=False)  # not blocked, the state before
-    assert version_mid == 1
-    np.testing.assert_array_equal(q_mid.mean(), q_before.mean())
-    assert e.jit is served_before
-    go.set()
-    t.join(60)
-    monkeypatch.setattr(KernelOperator, "partial_fit", real)
+    with _held(monkeypatch, KernelOperator, "partial_fit", lambda: e.observe(inc, q, "k1", "h1")) as out:
+        q_mid, _, _, version_mid, _ = e.predict(probe, "predict", wait=False)  # not blocked, the state before
+        assert version_mid == 1
+        np.testing.assert_array_equal(q_mid.mean(), q_before.mean())
+        assert e.jit is served_before
     assert out["r"][:3] == (2, learned[1], False)
     assert out["r"][3] == int(e.jit.operator.n_train_)  # the pairs at version 2 (the aside copy's)
     assert e.jit is not served_before
@@ -177,25 +188,10 @@ def test_a_long_jit_request_is_answered_aside_bit_identically_and_durably(root, 
     e = s.entries["logistic-x"]
     served_before, version_before = e.jit, e.version
     q_before, _ = e.jit.operator.predict(probe)
-    inside, go = threading.Event(), threading.Event()
-    real = JITOperator._oracle_beliefs
-
-    def slow(self, *a, **k):
-        inside.set()
-        assert go.wait(30)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(JITOperator, "_oracle_beliefs", slow)
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=e.predict(inc, "jit")))
-    t.start()
-    assert inside.wait(30)
-    q_mid, _, _, version_mid, _ = e.predict(probe, "predict", wait=False)  # not blocked: the state before
-    assert version_mid == version_before and e.jit is served_before
-    np.testing.assert_array_equal(q_mid.mean(), q_before.mean())
-    go.set()
-    t.join(60)
-    monkeypatch.setattr(JITOperator, "_oracle_beliefs", real)
+    with _held(monkeypatch, JITOperator, "_oracle_beliefs", lambda: e.predict(inc, "jit")) as out:
+        q_mid, _, _, version_mid, _ = e.predict(probe, "predict", wait=False)  # not blocked: the state before
+        assert version_mid == version_before and e.jit is served_before
+        np.testing.assert_array_equal(q_mid.mean(), q_before.mean())
     q, _, consulted, version, n_learned = out["r"]
     assert version == version_before + 1 and n_learned == ref.counters()["updates"]
     np.testing.assert_array_equal(consulted, consulted_ref)
@@ -250,25 +246,10 @@ def test_a_sampling_oracle_answers_aside_and_its_stream_goes_on(tmp_path, monkey
     a, b, c = (probe("logistic", 8, seed=s) for s in (61, 62, 63))
     q_probe, version = e.jit.operator.predict(a)[0], e.version
 
-    inside, go = threading.Event(), threading.Event()
-    real = ImportanceSamplingOracle.certified
-
-    def slow(self, *args, **kw):
-        inside.set()
-        assert go.wait(30)
-        return real(self, *args, **kw)
-
-    monkeypatch.setattr(ImportanceSamplingOracle, "certified", slow)
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=e.predict(a, "oracle")))
-    t.start()
-    assert inside.wait(30)
-    q_mid, _, _, version_mid, _ = e.predict(a, "predict", wait=False)  # not blocked by the sampler's run
-    assert version_mid == version
-    np.testing.assert_array_equal(q_mid.mean(), q_probe.mean())
-    go.set()
-    t.join(60)
-    monkeypatch.setattr(ImportanceSamplingOracle, "certified", real)
+    with _held(monkeypatch, ImportanceSamplingOracle, "certified", lambda: e.predict(a, "oracle")) as out:
+        q_mid, _, _, version_mid, _ = e.predict(a, "predict", wait=False)  # not blocked by the sampler's run
+        assert version_mid == version
+        np.testing.assert_array_equal(q_mid.mean(), q_probe.mean())
     q2 = e.predict(b, "oracle")[0]
     for got, batch in ((out["r"][0], a), (q2, b)):
         np.testing.assert_array_equal(got.mean(), local.belief(batch, "x").mean())
@@ -277,10 +258,10 @@ def test_a_sampling_oracle_answers_aside_and_its_stream_goes_on(tmp_path, monkey
         self._rng.standard_normal(100)  # (draws, then fails: the served generator must not have moved)
         raise OracleError("the sampler failed")
 
-    monkeypatch.setattr(ImportanceSamplingOracle, "certified", boom)
-    with pytest.raises(OracleFailure):
-        e.predict(c, "oracle")
-    monkeypatch.setattr(ImportanceSamplingOracle, "certified", real)
+    with monkeypatch.context() as m:
+        m.setattr(ImportanceSamplingOracle, "certified", boom)
+        with pytest.raises(OracleFailure):
+            e.predict(c, "oracle")
     np.testing.assert_array_equal(e.predict(c, "oracle")[0].mean(), local.belief(c, "x").mean())
     store.close()
 
