@@ -110,6 +110,10 @@ def _cached_propriety(compute):
 
 #: numpy dtype kinds a family's parameters may be given in: real floats, integers, booleans
 NUMERIC_KINDS = frozenset("fiub")
+#: the smallest positive normal double: a Beta or Gamma parameter below it (a subnormal number, whose reciprocal
+#: and digamma overflow) is refused — accepted before, it gave NaN (Beta(1e-310, 1).kl(Beta(1, 1)),
+#: Beta(5e-324, 1).kl(itself)); a Gaussian's subnormal variance has code that handles it
+_TINY = float(np.finfo(float).tiny)
 
 
 class Family:
@@ -159,7 +163,7 @@ class Family:
                     raise TypeError(f"got an array of {a.dtype}")
                 if a.dtype != np.float64:
                     a = a.astype(float)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:  # (a Python int beyond ~1.8e308: overflow)
                 raise ValueError(f"{type(self).__name__}: `{name}` must be real numbers ({exc})") from None
             arrays.append(a)
         for a in arrays:
@@ -205,13 +209,17 @@ class Family:
         pass
 
     @staticmethod
-    def _require_positive(family: str, name: str, a: np.ndarray) -> None:
-        if a.size == 1 and a.item() > 0:  # (a served message: no array ufunc for one number)
+    def _require_positive(family: str, name: str, a: np.ndarray, least: float = 0.0) -> None:
+        """Refuse entries not above 0 (``least`` 0) or below ``least`` (Beta, Gamma: the smallest normal
+        double, ``_TINY``)."""
+        if a.size == 1 and ((x := a.item()) > 0 and x >= least):  # (a served message: no ufunc on one number)
             return
-        bad = ~(a > 0)
+        bad = ~(a >= least) if least else ~(a > 0)
         if bad.any():
+            got = a[bad].ravel()[0]
+            what = "> 0" if not got > 0 else f"at least {least!r}, the smallest normal double (not subnormal)"
             raise ValueError(
-                f"{family}: `{name}` must be > 0 (got {a[bad].ravel()[0]!r} at flat index "
+                f"{family}: `{name}` must be {what} (got {got!r} at flat index "
                 f"{int(np.argmax(bad.ravel()))})"
             )
 
@@ -663,13 +671,18 @@ class Family:
 
 
 
-def _check_coords(cls, coords) -> np.ndarray:
+def _coords_of_shape(cls, coords, method: str = "from_coords") -> np.ndarray:
     c = np.asarray(coords, dtype=float)
     if c.ndim < 1 or c.shape[-1] != len(cls.coord_names):
         raise ValueError(
-            f"{cls.__name__}.from_coords: `coords` must have last axis of length "
+            f"{cls.__name__}.{method}: `coords` must have last axis of length "
             f"{len(cls.coord_names)} ({', '.join(cls.coord_names)}), got shape {c.shape}"
         )
+    return c
+
+
+def _check_coords(cls, coords) -> np.ndarray:
+    c = _coords_of_shape(cls, coords)
     if not all_finite(c):
         raise ValueError(f"{cls.__name__}.from_coords: `coords` must be finite")
     return c
@@ -880,7 +893,7 @@ class Gaussian(Family):
     def decision_weights(cls, coords, base=None):
         # the Fisher information is diagonal: (max(1, var_base / var), 1) relative to a base, (max(1, 1 / var), 1)
         # in absolute units — written out, the general form's few numbers in a one-message request's path
-        c = np.asarray(coords, np.float64)
+        c = _coords_of_shape(cls, coords, "decision_weights")
         with np.errstate(all="ignore"):
             logr = -c[..., 1] if base is None else np.asarray(base, np.float64)[..., 1] - c[..., 1]
             w = np.empty(np.broadcast_shapes(c.shape, np.shape(logr) + (2,)))
@@ -894,7 +907,7 @@ class Gaussian(Family):
     @classmethod
     def fisher_information(cls, coords):
         # (mean, log var): diag(1 / var, ½)
-        c = np.asarray(coords, np.float64)
+        c = _coords_of_shape(cls, coords, "fisher_information")  # (non-finite rows: NaN, never refused)
         F = np.zeros(c.shape + (2,))
         F[..., 0, 0] = np.exp(-c[..., 1])
         F[..., 1, 1] = 0.5
@@ -1157,8 +1170,8 @@ class Beta(Family):
     coord_names = ("log_alpha", "log_beta")
 
     def _check(self, alpha, beta):
-        self._require_positive("Beta", "alpha", alpha)
-        self._require_positive("Beta", "beta", beta)
+        self._require_positive("Beta", "alpha", alpha, _TINY)
+        self._require_positive("Beta", "beta", beta, _TINY)
 
     @property
     def alpha(self):
@@ -1308,10 +1321,11 @@ class Beta(Family):
             return np.where(np.isfinite(a + b), a / (a + b), (0.5 * a) / (0.5 * a + 0.5 * b))[()]
 
     def var(self):
+        # in ratios: s³ overflows beyond ~1e102 (found by an audit) and α·β underflows below ~1e-154
+        # (Beta(1e-300, 1e-300)'s variance, 1/4, was NaN)
         s = self._alpha + self._beta
-        with np.errstate(over="ignore"):  # (s³ overflows beyond ~1e102: then in ratios, found by an audit)
-            return np.where(s < 1e100, self._alpha * self._beta / (s * s * (s + 1.0)),
-                            (self._alpha / s) * (self._beta / s) / (s + 1.0))[()]
+        with np.errstate(over="ignore"):
+            return ((self._alpha / s) * (self._beta / s) / (s + 1.0))[()]
 
     def log_normalizer(self):
         self._require_proper("log_normalizer")
@@ -1384,7 +1398,7 @@ class Beta(Family):
     @classmethod
     def fisher_information(cls, coords):
         # (log α, log β): α² (ψ'(α) − ψ'(α+β)), −αβ ψ'(α+β), β² (ψ'(β) − ψ'(α+β))
-        c = np.asarray(coords, np.float64)
+        c = _coords_of_shape(cls, coords, "fisher_information")  # (non-finite rows: NaN, never refused)
         a, b = np.exp(c[..., 0]), np.exp(c[..., 1])
         F = np.empty(c.shape + (2,))
         F[..., 0, 0] = a * _scaled_trigamma_diff(a, b)
@@ -1565,8 +1579,8 @@ class Gamma(Family):
     coord_names = ("log_shape", "log_rate")
 
     def _check(self, shape, rate):
-        self._require_positive("Gamma", "shape", shape)
-        self._require_positive("Gamma", "rate", rate)
+        self._require_positive("Gamma", "shape", shape, _TINY)
+        self._require_positive("Gamma", "rate", rate, _TINY)
 
     @property
     def shape_param(self):
@@ -1797,7 +1811,7 @@ class Gamma(Family):
     @classmethod
     def fisher_information(cls, coords):
         # (log a, log b): a² ψ'(a), −a, a
-        c = np.asarray(coords, np.float64)
+        c = _coords_of_shape(cls, coords, "fisher_information")  # (non-finite rows: NaN, never refused)
         a = np.exp(c[..., 0])
         F = np.empty(c.shape + (2,))
         F[..., 0, 0] = a * a * trigamma(a)
@@ -1903,7 +1917,7 @@ class Bernoulli(Family):
     @classmethod
     def fisher_information(cls, coords):
         # (logit p): p (1 − p)
-        c = np.asarray(coords, np.float64)
+        c = _coords_of_shape(cls, coords, "fisher_information")  # (non-finite rows: NaN, never refused)
         p = special.expit(c[..., 0])
         return (p * (1.0 - p))[..., None, None]
 

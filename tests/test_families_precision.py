@@ -355,3 +355,41 @@ def test_batches_that_do_not_broadcast_and_negative_variances_are_named():
     # (a batch against one message still broadcasts; a NaN variance stays NaN: never confident)
     np.testing.assert_allclose(Gaussian([0.0, 1.0], [1.0, 2.0]).kl(Gaussian(0.5, 1.0)), [0.125, 0.27842641], rtol=1e-7)
     assert np.isnan(Gaussian.least_expected_kl([[0.0, 0.0]], [[np.nan, 1.0]]))[0]
+
+
+@pytest.mark.parametrize("fam,params,name", [
+    (Beta, (1e-310, 1.0), "alpha"), (Beta, (1.0, 5e-324), "beta"), (Gamma, (1e-320, 1.0), "shape"),
+    (Gamma, ([1.0, 2.0], [1.0, 1e-309]), "rate")])
+def test_subnormal_beta_and_gamma_parameters_are_refused_by_name(fam, params, name):
+    """Audit (forty-third session): a subnormal parameter was accepted and gave NaN (Beta(1e-310, 1).kl(Beta(1, 1)),
+    Beta(5e-324, 1).kl(itself)): its reciprocal and digamma overflow.  Refused now, named; one message and a batch
+    alike."""
+    with pytest.raises(ValueError, match=rf"{fam.__name__}: `{name}` must be at least 2.2250738585072014e-308"):
+        fam(*params)
+
+
+@pytest.mark.parametrize("p,q", [((1e-300, 1.0), (1.0, 1.0)), ((1e-300, 1e-300), (1e-300, 1.0)),
+                                 ((2.3e-308, 1.0), (1.0, 1.0)), ((1.0, 1e-300), (2.0, 3.0))])
+def test_the_smallest_normal_parameters_keep_finite_kls(p, q):
+    """Just above the subnormals every KL is finite and as mpmath's (terms ~1e300 cancel to it); Beta(ε, ε)'s
+    variance is 1/4 (α·β underflowed: NaN)."""
+    got = float(Beta(*p).kl(Beta(*q)))
+    assert np.isfinite(got) and got == pytest.approx(_beta_kl(*p, *q), rel=1e-12)
+    got = float(Gamma(*p).kl(Gamma(*q)))
+    assert np.isfinite(got) and got == pytest.approx(_gamma_kl(*p, *q), rel=1e-12)
+    assert float(Beta(1e-300, 1e-300).var()) == pytest.approx(0.25, rel=1e-15)
+
+
+def test_an_integer_beyond_a_double_and_coordinates_of_the_wrong_width_are_named():
+    """Audit (forty-third session): Gaussian(10**400, 1) raised OverflowError naming nothing; fisher_information
+    given three columns for a two-coordinate family met numpy's errors mid-formula."""
+    with pytest.raises(ValueError, match=r"Gaussian: `mean` must be real numbers"):
+        Gaussian(10**400, 1.0)
+    with pytest.raises(ValueError, match=r"Gamma: `rate` must be real numbers"):
+        Gamma(1.0, [1, 10**400])
+    for fam in (Gaussian, Beta, Gamma):
+        with pytest.raises(ValueError, match=rf"{fam.__name__}.fisher_information: `coords` must have last axis of "
+                                             r"length 2 .* got shape \(4, 3\)"):
+            fam.fisher_information(np.zeros((4, 3)))
+        with pytest.raises(ValueError, match=r"(fisher_information|decision_weights): `coords`"):
+            fam.decision_weights(np.zeros((4, 1)))
