@@ -122,6 +122,61 @@ def test_a_422_naming_a_row_skips_that_row_only(live):
     np.testing.assert_allclose(r.posterior.cov, ref.posterior.cov, atol=1e-6)
 
 
+def test_a_422_naming_the_first_of_several_refused_rows_skips_those_rows_only(live):
+    """The server names the first refused row of each column only (its lists fail fast), so EP learns a batch's
+    refused rows a call at a time: with 5 of them (audit, forty-fourth session: at LinearEP's 4 calls) every row
+    of the batch was skipped, every iteration, and the run ended operator_failed.  Now the other 25 are answered
+    and the posterior is exact EP's on them."""
+    from kjit.ep.engine import ROW_RETRIES
+
+    bad = [1, 3, 4, 10, 20]
+    assert len(bad) < ROW_RETRIES
+    X, obs = _problem(n=30)
+    X[bad, 0] = 1e60  # these rows' cavity variances ~1e120
+    with RemoteOperator(live.url, "logistic-x", mode="oracle", token=TOKEN) as op:
+        r = LinearEP(op, site_var="x", max_iter=30).run(X, obs)
+    assert all(h.skipped["operator_error"] == 5 and h.n_updated == 25 for h in r.history)
+    assert r.outcome == "max_iter"
+    keep = ~np.isin(np.arange(30), bad)
+    ref = LinearEP(QuadratureOracle(Logistic()), site_var="x", max_iter=30).run(X[keep], {"z": obs["z"][keep]})
+    assert ref.converged
+    np.testing.assert_allclose(r.posterior.mean, ref.posterior.mean, atol=1e-6)
+    np.testing.assert_allclose(r.posterior.cov, ref.posterior.cov, atol=1e-6)
+
+
+def test_graph_ep_drops_refused_rows_named_one_a_call():
+    """GraphEP as LinearEP above (it gave up after 3 calls): an operator naming only the first of the rows it
+    refuses (a served operator's fail-fast 422) has them dropped a call at a time, the other rows answered."""
+    from kjit.ep.graph import GraphEP
+    from kjit.ep.models import poisson_gamma
+    from kjit.errors import OracleError
+    from kjit.factors import get_factor
+
+    class _FirstRefused:
+        factor = get_factor("gamma_rate", shape=2.0)
+
+        def __init__(self):
+            self.exact, self.calls = QuadratureOracle(self.factor), 0
+
+        def belief(self, incoming, to=None):
+            self.calls += 1
+            refused = np.isin(np.round(np.asarray(incoming["x"].shape_param, float) - 1.0), [3, 5, 2, 7, 4])
+            if refused.any():
+                exc = OracleError("refused")
+                exc.rows = np.flatnonzero(refused)[:1]
+                raise exc
+            return self.exact.belief(incoming, to)
+
+    op = _FirstRefused()
+    g = poisson_gamma([3, 5, 2, 7, 4, 6, 1, 0], shape=2.0)  # x's messages from the counts: Gamma(c + 1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = GraphEP(g, operators={("gamma_rate", "x"): op}, max_iter=5).run()
+    assert r.outcome != "operator_failed"
+    assert all(h.skipped["operator_error"] == 5 for h in r.history)
+    assert op.calls == 6 * len(r.history)
+
+
 def test_the_client_follows_a_smaller_batch_limit_and_a_lowered_threshold(store_dir):
     from service.testing import ThreadedServer
 

@@ -192,6 +192,11 @@ SKIP_REASONS = ("cavity", "operator_error", "invalid", "negative", "not_pd")
 #: whole: more iterations cannot help (found in review: a hung server kept a run going for hours and
 #: ``fit()`` returned the prior quietly)
 OPERATOR_FAILURE_ITERATIONS = 3
+#: calls of one batch to one operator while each failure names rows to drop (each call drops at least one; the
+#: rest are asked again): a server names the first refused row of each column only (its lists fail fast), so a
+#: batch with 4 refused rows needs 5 calls (found by an audit: at LinearEP's 4 and GraphEP's 3 calls every row of
+#: such a batch was skipped, every iteration, and the run ended operator_failed)
+ROW_RETRIES = 16
 #: ``damping="auto"``: iterations running in which the largest change stays above 0.9 × its best before the damping
 #: is raised (an oscillating parallel EP stalls; a converging one gains 10 % within far fewer)
 AUTO_DAMPING_PATIENCE = 10
@@ -953,7 +958,7 @@ class LinearEP:
         sd = np.full(k, np.nan)
         ok = np.zeros(k, dtype=bool)
         live = np.arange(k)  # positions (within idx) still to be answered
-        for _attempt in range(4):
+        for _attempt in range(ROW_RETRIES):
             incoming = {self.site_var: Gaussian._unchecked(cav_m[live], cav_v[live])}
             incoming.update(_index(observed, idx[live]))
             try:

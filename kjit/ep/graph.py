@@ -49,7 +49,7 @@ import numpy as np
 from ..certificates import certified, count_answers
 from ..errors import ConfigurationError, OperatorUnavailableError, check_number, user_stacklevel
 from .error_bars import ErrorBars, attach, graph_error_bars, learned_share, require_plain_ep
-from .engine import (OPERATOR_FAILURE_ITERATIONS, UncertainAnswerError, UncertainAnswerWarning,
+from .engine import (OPERATOR_FAILURE_ITERATIONS, ROW_RETRIES, UncertainAnswerError, UncertainAnswerWarning,
                      check_on_uncertain, count_failing, operator_failure, oracle_rows, runaway, uncertain_rows,
                      warn_unconverged)
 from ..factors import Factor, get_factor
@@ -709,7 +709,7 @@ class GraphEP:
                         rec.errors.append(f"{f.name}→{to}: the operator did not answer {OPERATOR_FAILURE_ITERATIONS} "
                                           f"calls running: {live.size} more updates not asked this iteration")
                     continue
-                for _attempt in range(3):
+                for _attempt in range(ROW_RETRIES):
                     sub = {k: m[live] for k, m in incoming.items()}
                     rec.operator_calls += 1
                     try:
@@ -738,6 +738,8 @@ class GraphEP:
                             break
                         rec.skipped["operator_error"] += bad.size
                         live = np.delete(live, bad)
+                else:  # (every call failed, each naming rows: the rest are not answered either)
+                    rec.skipped["operator_error"] += live.size
                 if q is None:
                     rec._failed.setdefault((id(op), to), f"{f.name}→{to}")
                     continue
