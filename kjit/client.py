@@ -831,8 +831,16 @@ class RemoteOperator:
     def partial_fit(self, incoming: Mapping[str, Family], beliefs: Family,
                     idempotency_key: str | None = None) -> "RemoteOperator":
         """Send (incoming, belief) pairs computed elsewhere; durable on the server when this returns
-        (``idempotency_key``: see :meth:`observe`)."""
-        self.observe(incoming, beliefs, idempotency_key)
+        (``idempotency_key``: see :meth:`observe`).  Pairs the server acknowledges without learning them
+        (``not_learned``: outside the data its operator learned — below its density guard or beyond its
+        input margin, which an operator in process has no guard for) are counted in ``unlearned_`` and
+        named in a RuntimeWarning (found by an audit: dropped silently; :meth:`observe` returns the count)."""
+        k = int(self.observe(incoming, beliefs, idempotency_key).get("not_learned", 0))
+        if k:
+            self.unlearned_ += k
+            warnings.warn(f"operator {self.name!r}: {k} of {len(beliefs)} pair(s) acknowledged but not learned (outside "
+                          "the data the served operator learned: below its density guard or beyond its input margin)",
+                          RuntimeWarning, stacklevel=2)
         return self
 
     def observe(self, incoming: Mapping[str, Family], beliefs: Family, idempotency_key: str | None = None) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -78,6 +79,26 @@ def test_jit_mode_and_observations_through_the_client(live, pristine_store):
         local.operator.partial_fit(extra, beliefs)
         test = probe("logistic", 10, seed=10)
         assert RemoteOperator(live.url, "logistic-x", mode="predict").belief(test) == local.operator.belief(test)
+
+
+def test_partial_fit_says_which_pairs_the_server_did_not_learn(live):
+    """Pairs beyond the served operator's input margin are acknowledged (200, ``not_learned``) and not learned;
+    partial_fit dropped that answer silently (audit, forty-fourth session: n_train 300 → 300 while the same
+    partial_fit in process learned them).  Now counted in ``unlearned_`` and named in a RuntimeWarning; pairs
+    the server learns pass without one."""
+    inc = probe("logistic", 6, seed=5)
+    inc["x"] = Gaussian(inc["x"].mean(), inc["x"].var() * 1e4)  # 1e4 times wider than any message learned
+    beliefs = QuadratureOracle(Logistic()).belief(inc, "x")
+    with RemoteOperator(live.url, "logistic-x", token=TOKEN) as op:
+        n0 = op.info(refresh=True)["n_train"]
+        with pytest.warns(RuntimeWarning, match=r"6 of 6 pair\(s\) acknowledged but not learned"):
+            assert op.partial_fit(inc, beliefs) is op
+        assert op.unlearned_ == 6 and op.info(refresh=True)["n_train"] == n0
+        ok = probe("logistic", 4, seed=9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            op.partial_fit(ok, QuadratureOracle(Logistic()).belief(ok, "x"))
+        assert op.unlearned_ == 6 and op.info(refresh=True)["n_train"] == n0 + 4
 
 
 def test_a_dropped_remote_operator_closes_its_connection(live):
