@@ -274,8 +274,9 @@ class RemoteOperator:
         :class:`~kjit.oracles.MessageImportanceSampler` of your own factor) for a served operator whose
         oracle runs on its clients (created with ``source.kind = "client"``): the just-in-time loop
         runs across the wire — the server answers ``mode=predict`` with beliefs and log variances
-        and marks the rows its just-in-time rule would consult (log variance above its threshold,
-        or an outgoing message whose precision's sign is undetermined: ``JITOperator.screen``);
+        and marks the rows uncertain before the request (log variance above its threshold, or an outgoing
+        message whose precision's sign is undetermined: ``JITOperator.screen``; its ``mode=jit`` may consult
+        fewer of them, those after whose learning the others are under the threshold);
         those rows are answered here by ``oracle``, used, and sent back as
         observations (with an ``Idempotency-Key``: a retry is counted once).  ``consultations_``
         counts the rows answered here.  After a ``predict``-mode request ``last_uncertain_`` holds
@@ -598,7 +599,7 @@ class RemoteOperator:
         except ValueError as exc:  # (a family's own check: NaN, a negative variance, ...)
             raise self._malformed(path, f"its beliefs are not {fam.__name__} messages ({exc})") from None
         consulted = joined(lambda p: np.asarray(p["consulted"], dtype=bool))
-        # mode=predict: the rows the served operator's just-in-time rule would consult (None from
+        # mode=predict: the rows uncertain to the served operator's just-in-time rule (None from
         # a server that does not say)
         uncertain = (joined(lambda p: np.asarray(p["uncertain"], dtype=bool))
                      if all(p.get("uncertain") is not None for p in parts) else None)

@@ -40,9 +40,11 @@ INLINE_ROWS = 16
     summary="outgoing messages and beliefs for a batch of incoming messages",
     description=(
         "`mode=predict`: the learned operator answers every row (never the oracle; read-only).\n\n"
-        "`mode=jit` (default): rows whose log predictive variance exceeds the operator's threshold in any "
-        "coordinate go to the oracle, whose answers are returned and learned (durably, before the response; "
-        "needs the token when one is configured; at most KJIT_MAX_ORACLE_BATCH rows).\n\n"
+        "`mode=jit` (default): of the rows whose log predictive variance exceeds the operator's threshold in any "
+        "coordinate, the fewest (most uncertain first) after whose learning every row is under it go to the oracle, "
+        "whose answers are returned and learned (durably, before the response); the others are answered by the "
+        "operator that learned them, and checked (needs the token when one is configured; at most "
+        "KJIT_MAX_ORACLE_BATCH rows).\n\n"
         "`mode=oracle`: the oracle answers every row; nothing is learned (needs the token when one is "
         "configured; at most KJIT_MAX_ORACLE_BATCH rows, KJIT_ORACLE_CONCURRENCY requests at a time).\n\n"
         "`beliefs` are the projected beliefs q; `messages` are q / incoming[to], whose natural parameters are "
