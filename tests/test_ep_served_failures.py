@@ -144,6 +144,32 @@ def test_a_422_naming_the_first_of_several_refused_rows_skips_those_rows_only(li
     np.testing.assert_allclose(r.posterior.cov, ref.posterior.cov, atol=1e-6)
 
 
+def test_a_split_jit_batch_failing_in_a_later_part_is_learned_once(store_dir):
+    """A mode=jit batch the client splits at the server's max_oracle_batch: its first part is consulted and learned,
+    its second refused for one row the oracle cannot answer; EP drops that row and asks again for the rest.  The
+    rows of the first part were sent again and learned twice (audit, forty-fourth session: 295 consultations and
+    595 pairs against the local JIT's 195 / 495); the client now answers them with the first call's answers, so the
+    server learns what the same JIT learns in process, and EP's posterior is the local one."""
+    from service.testing import ThreadedServer
+
+    X, obs = _problem(n=40)
+    bad = 35  # in the second part of 20: a label message the oracle cannot take
+    at = np.arange(40) == bad
+    obs["z"] = Beta(np.where(at, 1.0, obs["z"].alpha), np.where(at, 1e90, obs["z"].beta))
+    local = load_pristine(store_dir, "logistic-x")
+    local.threshold = -16.5  # (consulting most rows, here and on the server)
+    with ThreadedServer(settings_for(store_dir, max_oracle_batch=20)) as srv:
+        srv.app.state.store.entries["logistic-x"].jit.threshold = -16.5
+        with RemoteOperator(srv.url, "logistic-x", token=TOKEN, mode="jit") as op:
+            r = LinearEP(op, site_var="x", max_iter=5).run(X, obs)
+            counters = op.counters()
+    r_local = LinearEP(local, site_var="x", max_iter=5).run(X, obs)
+    assert [h.skipped["operator_error"] for h in r.history] == [1] * 5
+    assert counters["consultations"] == local.counters()["consultations"] > 100
+    assert counters["n_train"] == local.counters()["n_train"]
+    np.testing.assert_allclose(r.posterior.mean, r_local.posterior.mean, rtol=1e-12, atol=1e-14)
+
+
 def test_graph_ep_drops_refused_rows_named_one_a_call():
     """GraphEP as LinearEP above (it gave up after 3 calls): an operator naming only the first of the rows it
     refuses (a served operator's fail-fast 422) has them dropped a call at a time, the other rows answered."""
