@@ -556,6 +556,17 @@ class MessageImportanceSampler(Oracle):
         self.last_bad_output_ = np.zeros(0, dtype=int)
         self.last_khat_ = None
 
+    def get_params(self):
+        return dict(factor=self.factor, target_se=self.target_se, min_ess=self.min_ess, target_ess=self.target_ess,
+                    n_initial=self.n_initial, max_samples=self.max_samples, growth=self.growth,
+                    chunk_elements=self.chunk_elements, random_state=self.random_state)
+
+    def with_random_state(self, random_state):
+        """The same sampler drawing from ``random_state``: what :func:`kjit.training.make_training_set` gives each
+        chunk (found by an audit: without it every chunk, and a service's held-out pairs, drew the generator's
+        one stream — joblib workers each a pickled copy of its state — and ``random_state`` reproduced nothing)."""
+        return type(self)(**{**self.get_params(), "random_state": random_state})
+
     def __repr__(self):
         return (f"MessageImportanceSampler({self.factor!r}, target_se={self.target_se:g}, min_ess={self.min_ess:g}, "
                 f"max_samples={self.max_samples})")

@@ -22,7 +22,7 @@ import pytest
 from kjit.factors import CompoundGamma, Logistic, ProbitNoise, SampledFactor, register_factor
 from kjit.errors import ConfigurationError
 from kjit.families import Bernoulli, Beta, Gamma, Gaussian
-from kjit.oracles import ImportanceSamplingOracle, OracleError, QuadratureOracle
+from kjit.oracles import ImportanceSamplingOracle, MessageImportanceSampler, OracleError, QuadratureOracle
 from kjit.training import FORMAT_VERSION, TrainingSet, make_training_set
 
 
@@ -141,8 +141,9 @@ def test_bad_arguments():
 
 
 # --------------------------------------------------------------------------- parallelism
-def _is_set(n_jobs, random_state=123, chunk_size=8, backend=None):
-    oracle = ImportanceSamplingOracle(Logistic(), n_samples=1000, random_state=0)
+def _is_set(n_jobs, random_state=123, chunk_size=8, backend=None, per_message=False):
+    oracle = (MessageImportanceSampler(Logistic(), target_se=0.05, n_initial=500, random_state=0) if per_message
+              else ImportanceSamplingOracle(Logistic(), n_samples=1000, random_state=0))
     kw = dict(n=40, n_jobs=n_jobs, chunk_size=chunk_size, random_state=random_state)
     if backend is None:
         return make_training_set(Logistic(), "x", logistic_sampler, oracle, **kw)
@@ -150,16 +151,19 @@ def _is_set(n_jobs, random_state=123, chunk_size=8, backend=None):
         return make_training_set(Logistic(), "x", logistic_sampler, oracle, **kw)
 
 
-def test_n_jobs_and_backend_do_not_change_the_result():
-    serial = _is_set(n_jobs=1)
-    parallel = _is_set(n_jobs=2)  # loky processes
-    threads = _is_set(n_jobs=2, backend="threading")
+@pytest.mark.parametrize("per_message", [False, True])
+def test_n_jobs_and_backend_do_not_change_the_result(per_message):
+    """Either sampler (the per-message one since an audit found it drew every chunk from one stream: n_jobs 1 and 2
+    gave other pairs, and two chunks of the same messages in two workers the same particles)."""
+    serial = _is_set(n_jobs=1, per_message=per_message)
+    parallel = _is_set(n_jobs=2, per_message=per_message)  # loky processes
+    threads = _is_set(n_jobs=2, backend="threading", per_message=per_message)
     for other in (parallel, threads):
         assert other.beliefs == serial.beliefs  # bit-identical
         assert other.incoming["x"] == serial.incoming["x"] and other.incoming["z"] == serial.incoming["z"]
         assert other.meta["n_failed"] == serial.meta["n_failed"]
     # and the seed matters: a different one gives different importance-sampling noise
-    assert _is_set(n_jobs=1, random_state=124).beliefs != serial.beliefs
+    assert _is_set(n_jobs=1, random_state=124, per_message=per_message).beliefs != serial.beliefs
     # the oracle's own random_state does not leak in: each chunk gets its own child seed
     assert len(set(np.round(serial.beliefs.mean(), 12))) == len(serial)
 
