@@ -251,9 +251,11 @@ def test_observations_of_a_factor_with_a_rule_for_another_recipient_are_checked_
     v = 1 / (1 / vx + 1 / (vz + vy))
     inc = {"x": Gaussian(mx, vx), "y": Gaussian(my, vy), "z": Gaussian(mz, vz)}
     exact = Gaussian(v * (mx / vx + (mz - my) / (vz + vy)), v)
-    # (max_z 0: every row checked; the sampler's effective sample size stays under its minimum on row 3 at its cap
-    # of particles — that row alone cannot be checked, and is refused; before, one such row made all 12 uncheckable)
+    # (max_z 0: every row checked; the sampler cannot answer row 3 at its cap of particles — its weights heavy-tailed
+    # (k̂ > 0.7, checked on every row since the forty-fourth session's audit; before, its effective sample size stayed
+    # under the minimum) — so that row alone cannot be checked, and is refused; before, one such row made all 12
+    # uncheckable)
     refused = implausible_rows(jit, inc, exact, max_z=0.0, max_kl=0.05)
-    assert [r for r, *_ in refused] == [3] and "the oracle cannot check it (LowESSError)" in refused[0][1]
+    assert [r for r, *_ in refused] == [3] and "the oracle cannot check it (OracleError)" in refused[0][1]
     wrong = Gaussian(exact.mean() + 5 * np.sqrt(v), v)
     assert [r for r, *_ in implausible_rows(jit, inc, wrong, max_z=0.0, max_kl=0.05)] == list(range(12))
