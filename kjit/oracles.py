@@ -27,7 +27,7 @@ import numpy as np
 from .certificates import Certificates, projection_convention
 from .errors import LowESSError, OracleError, SamplerOutputError, check_number
 from .factors.base import PASSED_THROUGH, Factor, FactorCodeError, factor_code_error
-from .families import Family, kernel_limits
+from .families import NUMERIC_KINDS, Family, kernel_limits
 from .oracle_kinds import ORACLE_KINDS
 from .protocols import Operator
 from .quadrature import LOG_SQRT_2PI, two_piece_moments  # noqa: F401  (re-exported)
@@ -52,14 +52,22 @@ __all__ = [
 UNDEFINED_MASS = 1e-6
 
 
-def sample_output(factor: Factor, draws, n: int, rng):
-    """``factor.sample(draws, n, rng)``, a user sampler's own exceptions named (FactorCodeError)."""
+def sample_output(factor: Factor, draws, n: int, rng) -> np.ndarray:
+    """``factor.sample(draws, n, rng)`` as n real numbers: a user sampler's own exceptions named (FactorCodeError),
+    and draws of another shape or of no real type refused naming the factor — any factor's (found by an audit: only a
+    SampledFactor's were checked; a Factor subclass's (n, 2) draws met numpy's "cannot reshape", complex ones lost
+    their imaginary part)."""
     try:
-        return factor.sample(draws, n, rng)
+        raw = np.asarray(factor.sample(draws, n, rng))
     except PASSED_THROUGH:
         raise
     except Exception as exc:
         raise factor_code_error(factor, "sampler", exc) from exc
+    if raw.dtype.kind not in NUMERIC_KINDS:
+        raise ValueError(f"sampler of factor {factor.name!r} returned {raw.dtype} values, not real numbers")
+    if raw.shape != (n,):
+        raise ValueError(f"sampler of factor {factor.name!r} returned shape {raw.shape}, expected ({n},)")
+    return raw.astype(float, copy=False)
 
 
 def _raise_heavy_tails(factor, khat) -> None:

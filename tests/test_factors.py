@@ -26,6 +26,7 @@ from kjit.factors import (
     registered_factors,
 )
 from kjit.families import Bernoulli, Beta, Gamma, Gaussian
+from kjit.oracles import sample_output
 
 EPS = np.finfo(float).eps
 
@@ -407,8 +408,56 @@ def test_sampled_factor_validation():
     with pytest.raises(ValueError, match="'x'"):
         SampledFactor("t", inputs={"x": Gaussian}, output=("x", Gaussian), sampler=ok["sampler"])
     bad = SampledFactor("t", inputs={"x": Gaussian}, output=("z", Gaussian), sampler=lambda v, rng: v["x"][:2])
-    with pytest.raises(ValueError, match="shape"):
-        bad.sample({"x": np.zeros(5)}, 5, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="shape"):  # (where every factor's draws are checked)
+        sample_output(bad, {"x": np.zeros(5)}, 5, np.random.default_rng(0))
+
+
+class _Drawn(Factor):
+    name = "drawn_test"
+    inputs, output = ("x",), "z"
+    families = {"x": Gaussian, "z": Gaussian}
+
+    def __init__(self, draw=None):
+        self.draw = draw
+
+    def sample(self, inputs, size, rng):
+        return self.draw(inputs["x"])
+
+
+@pytest.mark.parametrize("draw,match", [(lambda x: np.stack([x, x], 1), r"returned shape \(5, 2\), expected \(5,\)"),
+                                        (lambda x: x[:2], r"returned shape \(2,\), expected \(5,\)"),
+                                        (lambda x: 1.0, r"returned shape \(\), expected \(5,\)"),
+                                        (lambda x: x + 0j, "returned complex128 values, not real numbers"),
+                                        (lambda x: np.array(["a"] * 5), "returned <U1 values, not real numbers")])
+def test_a_factor_subclass_s_draws_are_checked_as_a_sampled_factor_s(draw, match):
+    """Audit (forty-fourth session): only a SampledFactor's draws were checked — a Factor subclass (the documented
+    entry-point form) drawing (n, 2) met numpy's "cannot reshape" (the service job's error), complex draws lost
+    their imaginary part.  Now sample_output, where both samplers draw, names the factor and what is wrong."""
+    with pytest.raises(ValueError, match=rf"sampler of factor 'drawn_test' {match}"):
+        sample_output(_Drawn(draw), {"x": np.zeros(5)}, 5, np.random.default_rng(0))
+    assert sample_output(_Drawn(lambda x: x + 1), {"x": np.zeros(5)}, 5, np.random.default_rng(0)).tolist() == [1.0] * 5
+
+
+@pytest.mark.parametrize("attrs,match", [
+    ({"families": {"x": Gaussian}}, "variable 'z' has no family"),
+    ({"families": {"x": "gaussian", "z": Gaussian}}, "variable 'x' has 'gaussian', not a Family subclass"),
+    ({"families": {"x": Gaussian, "z": float}}, "variable 'z' has <class 'float'>, not a Family subclass"),
+    ({"inputs": ("x", "z")}, r"its variables must be distinct: inputs \('x', 'z'\), output 'z'"),
+    ({"output": ""}, "`output` must be the output variable's name"),
+    ({"inputs": "x"}, "`inputs` must be a sequence of variable names")])
+def test_a_plugin_s_declaration_is_checked_where_it_is_built(attrs, match):
+    """Audit (forty-fourth session): a plugin whose output had no family was a KeyError at its first training (a 500
+    from the service), a family given as "gaussian" an AttributeError, an output among the inputs answered; each is
+    a FactorBuildError naming the factor and the mistake where the registered factor is built."""
+    from kjit.factors.base import _REGISTRY, FactorBuildError
+
+    cls = type("Declared", (_Drawn,), {"name": "declared_test", **attrs})
+    register_factor(cls, replace=True)
+    try:
+        with pytest.raises(FactorBuildError, match=rf"factor 'declared_test': {match}"):
+            get_factor("declared_test")
+    finally:
+        _REGISTRY.pop("declared_test", None)
 
 
 def test_base_factor_is_abstract():

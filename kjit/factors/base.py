@@ -45,7 +45,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 import numpy as np
 
 from ..errors import ConfigurationError, OracleError, check_number, quoted
-from ..families import FAMILIES, NUMERIC_KINDS, Family, Gamma, Gaussian
+from ..families import FAMILIES, Family, Gamma, Gaussian
 from ..reductions import all_
 
 __all__ = [
@@ -290,6 +290,28 @@ class Factor:
     def variables(self) -> tuple[str, ...]:
         """All variables, inputs first then the output: the order of feature maps."""
         return tuple(self.inputs) + (self.output,)
+
+    def declaration_error(self) -> str | None:
+        """What is wrong with this factor's declared ``inputs`` / ``output`` / ``families``, or None: each input
+        and the output a distinct non-empty name, each with a message family (a :class:`Family` subclass).  Checked
+        where a registered factor is built (:func:`get_factor`; found by an audit: a plugin whose output had no
+        family was a KeyError — a 500 from the service — at its first training, a family given as "gaussian" an
+        AttributeError, an output listed among the inputs answered without complaint)."""
+        inputs, output, fams = self.inputs, self.output, self.families
+        if isinstance(inputs, str) or not all(isinstance(v, str) and v for v in inputs):
+            return f"`inputs` must be a sequence of variable names, got {repr(inputs)[:100]}"
+        if not isinstance(output, str) or not output:
+            return f"`output` must be the output variable's name, got {repr(output)[:100]}"
+        if len(set(inputs)) != len(tuple(inputs)) or output in inputs:
+            return f"its variables must be distinct: inputs {tuple(inputs)!r}, output {output!r}"
+        if not isinstance(fams, Mapping):
+            return f"`families` must map each variable to a message family, got {type(fams).__name__}"
+        for v in self.variables:
+            fam = fams.get(v)
+            if not (isinstance(fam, type) and issubclass(fam, Family)):
+                what = "no family" if fam is None else f"{repr(fam)[:100]}, not a Family subclass (kjit.families)"
+                return f"variable {v!r} has {what}"
+        return None
 
     def sample(self, inputs: Mapping[str, np.ndarray], size: int, rng: np.random.Generator) -> np.ndarray:
         """Draw the output given arrays of inputs (each of shape ``(size,)``)."""
@@ -698,12 +720,7 @@ class SampledFactor(Factor):
             raise
         except Exception as exc:  # the user's sampler's own error, whatever it is, named (FactorCodeError)
             raise factor_code_error(self, "sampler", exc) from exc
-        if raw.dtype.kind not in NUMERIC_KINDS:  # (a complex output lost its imaginary part)
-            raise ValueError(f"sampler of factor {self.name!r} returned {raw.dtype} values, not real numbers")
-        out = raw.astype(float, copy=False)
-        if out.shape != (size,):
-            raise ValueError(f"sampler of factor {self.name!r} returned shape {out.shape}, expected ({size},)")
-        return out
+        return raw  # (its dtype and shape are checked where every factor's draws are: kjit.oracles.sample_output)
 
 
 # ============================================================================ registry
@@ -826,6 +843,8 @@ def get_factor(name: str, **params) -> Factor:
         raise broken(f"its factory failed ({type(exc).__name__}: {exc})") from exc
     if not isinstance(factor, Factor):
         raise broken(f"its factory returned {type(factor).__name__}, not a Factor")
+    if (why := factor.declaration_error()) is not None:
+        raise broken(why)
     # an operator saves its factor as (name, params()) and rebuilds it by get_factor: a factor that
     # calls itself otherwise, or does not report a parameter it was built with, would come back as
     # another factor — an operator trained on one and answering (and learning from) another's
