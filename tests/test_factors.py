@@ -449,15 +449,16 @@ def test_a_plugin_s_declaration_is_checked_where_it_is_built(attrs, match):
     """Audit (forty-fourth session): a plugin whose output had no family was a KeyError at its first training (a 500
     from the service), a family given as "gaussian" an AttributeError, an output among the inputs answered; each is
     a FactorBuildError naming the factor and the mistake where the registered factor is built."""
-    from kjit.factors.base import _REGISTRY, FactorBuildError
+    from kjit.factors.base import _PLUGIN_ERRORS, _REGISTRY, FactorBuildError
 
     cls = type("Declared", (_Drawn,), {"name": "declared_test", **attrs})
     register_factor(cls, replace=True)
     try:
         with pytest.raises(FactorBuildError, match=rf"factor 'declared_test': {match}"):
             get_factor("declared_test")
-    finally:
+    finally:  # (a build error is remembered with the plugins' errors, which other tests read)
         _REGISTRY.pop("declared_test", None)
+        _PLUGIN_ERRORS.pop("factory declared_test", None)
 
 
 def test_base_factor_is_abstract():
