@@ -1260,7 +1260,10 @@ class LinearEP:
                 if self.stop_rule is None:
                     done = rec.max_change < self.tol
                 else:
-                    done = bool(self.stop_rule(rec, state.mean, state.cov))
+                    done = self.stop_rule(rec, state.mean, state.cov)
+                    if not isinstance(done, (bool, np.bool_)):  # (an array met numpy's "truth value is ambiguous")
+                        raise TypeError(f"`stop_rule` must return True or False, got {type(done).__name__}")
+                    done = bool(done)
                 if done:
                     converged = True
                     break

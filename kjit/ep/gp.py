@@ -251,6 +251,7 @@ class GPClassifier:
         """Mean and variance of the latent ``f(x*)`` under the EP posterior, per row of ``X``."""
         self._check_fitted()
         X = _check_X(X, self.X_train_.shape[1])
+        batch = check_number("batch", batch, 1, integer=True)
         mu, Sigma = self.result_.posterior
         means, vars_ = [], []
         for s in range(0, X.shape[0], batch):
@@ -294,6 +295,12 @@ class GPClassifier:
         eps_grid = [self.eps] if eps_grid is None else list(eps_grid)
         if criterion not in ("evidence", "cv"):
             raise ValueError(f"`criterion` must be 'evidence' or 'cv', got {criterion!r}")
+        length_scales = list(length_scales)
+        if not length_scales or not eps_grid:
+            raise ValueError("`length_scales` and `eps_grid` must each hold at least one value (found by an audit: "
+                             "an empty grid met max()'s error)")
+        if criterion == "cv":  # (one fold tests on all the data and is skipped: every point scored 0, the first won)
+            n_folds = check_number("n_folds", n_folds, 2, integer=True)
         rows = []
         for ls in length_scales:
             for e in eps_grid:

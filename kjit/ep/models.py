@@ -81,7 +81,10 @@ def expected_sigmoid(mean, var, n_nodes: int = 64) -> np.ndarray:
     Accurate to ~1e-14 for every variance; var = 0 gives σ(mean).
     """
     n_nodes = int(n_nodes)
-    mean, var = np.broadcast_arrays(np.asarray(mean, dtype=float), np.asarray(var, dtype=float))
+    mean, var = np.broadcast_arrays(_real_array("mean", mean), _real_array("var", var))
+    # (found by an audit: a negative or NaN variance, or a NaN mean, gave NaN with only numpy's warning)
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(var)) and np.all(var >= 0)):
+        raise ValueError("expected_sigmoid: `mean` must be finite and `var` finite and >= 0")
     sd = np.sqrt(var)
     out = np.empty(mean.shape)
     small = sd <= 1.0
@@ -348,8 +351,10 @@ class ProbitClassifier(_LinearEPModel):
         return {"y": Bernoulli(np.where(y == 1, 1.0, 0.0))}
 
     def fit(self, X, y, init_sites=None):
-        self.eps_ = self._resolve_eps()
-        return super().fit(X, y, init_sites=init_sites)
+        eps = self._resolve_eps()
+        super().fit(X, y, init_sites=init_sites)
+        self.eps_ = eps  # (set with the posterior it belongs to: a fit refusing its input changes neither — audit)
+        return self
 
     def predict_proba(self, X) -> np.ndarray:
         """P(y = 1 | x) = ε + (1 − 2ε) Φ(a^T μ / sqrt(a^T Σ a)) (closed form; 1-D array)."""
@@ -415,7 +420,7 @@ class CompoundGammaPrecision:
             raise ValueError("`xs` must be a list of 1-D arrays (use fit(x) for one problem)")
         shapes, rates = [], []
         for j, x in enumerate(xs):
-            x = np.asarray(x, dtype=float)
+            x = _real_array(f"xs[{j}]", x)  # (complex or text observations: found by an audit, read as numbers)
             if x.ndim != 1 or x.size < 1:
                 raise ValueError(f"problem {j}: observations must be a non-empty 1-D array, got shape {x.shape}")
             if not np.all(np.isfinite(x)):
@@ -474,7 +479,7 @@ class CompoundGammaPrecision:
 
     def fit(self, x):
         """Posterior of τ for one problem (1-D array of observations)."""
-        x = np.asarray(x, dtype=float)
+        x = _real_array("x", x)
         if x.ndim != 1:
             raise ValueError(f"`x` must be a 1-D array of observations, got shape {x.shape}")
         self.fit_many([x])
@@ -562,7 +567,7 @@ def normal_mean_precision(x, prior_mean=None, prior_precision=None, obs_var: flo
     from ..families import Gaussian
     from .graph import FactorGraph
 
-    x = np.asarray(x, dtype=float).ravel()
+    x = _real_array("x", x).ravel()
     if x.size < 1 or not np.all(np.isfinite(x)):
         raise ValueError("`x` must be a non-empty array of finite numbers")
     g = FactorGraph()
