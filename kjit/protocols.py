@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, OracleError
 from .families import Family
 
 __all__ = [
@@ -106,8 +106,23 @@ def outgoing_message(op, incoming: Mapping[str, Family], to) -> Family:
 
 
 def _belief_over_incoming(op, incoming, to, recipient) -> Family:
-    """The one ``message = belief / incoming[to]`` (natural parameters subtract; may be improper)."""
-    return op.belief(incoming, to) / incoming[recipient]
+    """The one ``message = belief / incoming[to]`` (natural parameters subtract; may be improper).  Not where
+    ``incoming[to]`` is a point mass (an infinite natural parameter: an observed label): there the quotient has no
+    value — an OracleError naming those rows (found by an audit: the samplers' message to an observed Bernoulli
+    label was Bernoulli(1.0) or NaN for the exact rule's 0.773; a factor's exact message rule answers it)."""
+    m = incoming.get(recipient) if isinstance(incoming, Mapping) else None
+    if not isinstance(m, Family):  # (no such message: the operator's belief names what is wrong)
+        return op.belief(incoming, to) / incoming[recipient]
+    with np.errstate(all="ignore"):
+        nat = np.asarray(m.natural(), float).reshape(int(np.prod(m.shape)), -1)
+    point = ~np.all(np.isfinite(nat), axis=-1)
+    if point.any():
+        rows = np.flatnonzero(point)
+        raise OracleError(f"no outgoing message to {recipient!r} as belief / incoming where its incoming message is a "
+                          f"point mass (rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''}): an observed value "
+                          "gets its message from the factor's exact message rule", rows=rows,
+                          cause="point-mass incoming message")
+    return op.belief(incoming, to) / m
 
 
 def supports_power(op) -> bool:
