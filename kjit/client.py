@@ -35,7 +35,9 @@ sending it byte by byte cannot hold a call longer), and an answer larger than
 yours, its own timeouts and limits apply instead).  A 200 answer that is not what the
 API promises (missing or mistyped columns, the wrong family or length, a message that is not
 finite) is a :class:`RemoteOperatorError` saying what is wrong, never an answer; a NaN log
-variance or threshold (a server's ``null``) counts as uncertain.
+variance (a server's ``null``) counts as uncertain, and a ``null`` threshold (a server that rates
+nothing; this service always sends one) leaves the learned answers unrated — counted
+``learned_unrated`` by EP, never confident (found by an audit: this said "uncertain").
 
 Threads may share one RemoteOperator: its calls take turns (they share one connection), each with
 its own answer and certificates.  A batch is split at the server's ``max_batch`` and so that no
