@@ -35,6 +35,17 @@ SURPRISE_PRIOR_SHARE = 0.01
 UNCERTAINTY_RULES = ("predictive", "epistemic", "learned_kl")
 _FINITE_MAX = float(np.finfo(np.float64).max)  # a budget threshold above every score (kept finite: persisted)
 _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
+
+
+def _plain(v):
+    """A numpy scalar or array (in lists and tuples too) as the Python value JSON holds (``operator_kwargs``)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
 
@@ -317,13 +328,12 @@ class JITOperator(Operator):
                                  "kjit.operators.kl_model_threshold gives one)")
             threshold = DEFAULT_THRESHOLD
         threshold = check_number("threshold", threshold)  # (a string was numpy's TypeError: found by an audit)
-        if int(initial_batch) < 2:
-            raise ValueError("`initial_batch` must be >= 2")
+        initial_batch = check_number("initial_batch", initial_batch, 2, integer=True)  # (2.5 ran as 2: audit)
         if target_kl is not None and not (np.isfinite(target_kl) and target_kl > 0):
             raise ValueError("`target_kl` must be a positive number")
         self.target_kl = None if target_kl is None else float(target_kl)
-        if density_guard is not None and np.isnan(density_guard):
-            raise ValueError("`density_guard` must be a number or None")
+        if density_guard is not None:  # (a string met numpy's TypeError: audit)
+            density_guard = check_number("density_guard", density_guard)
         self.density_guard = None if density_guard is None else float(density_guard)
         if self.density_guard is not None and operator is not None and operator.blr_.x_sum_ is None:
             raise ValueError("`density_guard` needs an operator whose regression keeps its column sums "
@@ -340,9 +350,14 @@ class JITOperator(Operator):
         self.threshold = float(threshold)
         self.threshold_floor_ = self.threshold
         self.initial_batch = int(initial_batch)
-        self.operator_kwargs = dict(operator_kwargs or {})
+        self.operator_kwargs = {k: _plain(v) for k, v in dict(operator_kwargs or {}).items()}
         if "dtype" in self.operator_kwargs:  # keep the kwargs JSON-serialisable for state_dict
             self.operator_kwargs["dtype"] = np.dtype(self.operator_kwargs["dtype"]).name
+        try:  # (found by an audit: numpy values learned normally, then the JIT could not be saved)
+            json.dumps(self.operator_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"`operator_kwargs` must be plain values a saved operator can hold (numbers, text, "
+                             f"lists; {exc})") from None
         self.family = self.factor.families[self.to]
         self._pending: list[tuple[dict, Family]] = []
         self._n_pending = 0

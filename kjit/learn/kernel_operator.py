@@ -42,7 +42,8 @@ from ..curvature import (CURVATURE_BINS, CURVATURE_SUPPORT, LearnedCurvature, cu
 from ..errors import ConfigurationError, check_number, rows_of_batch
 from ..factors import Factor, get_factor
 from ..families import Family, family_name
-from ..features import TwoStageFeatures, check_random_state, component_moments
+from ..features import (TREATMENTS, TwoStageFeatures, _check_dtype, check_random_state,
+                        component_moments)
 from ..protocols import Operator
 from ..reductions import all_finite, any_
 from ..training import TrainingSet
@@ -452,6 +453,8 @@ class KernelOperator(Operator):
         # (integers >= 1, named here: found by an audit, n_inner=2.5 ran as 2 and 0 was refused only at fit)
         self.n_inner = check_number("n_inner", n_inner, 1, integer=True)
         self.n_outer = check_number("n_outer", n_outer, 1, integer=True)
+        if not isinstance(treatment, str) or treatment not in TREATMENTS:  # (checked at fit before: audit)
+            raise ValueError(f"`treatment` must be one of {', '.join(map(repr, TREATMENTS))}, got {treatment!r}")
         self.treatment = treatment
         auto = [isinstance(v, str) for v in (inner_factors, width_factors)]
         if any(auto) and not all(auto):
@@ -470,7 +473,7 @@ class KernelOperator(Operator):
             if vals.size == 0 or np.any(~(vals > 0)) or np.any(~np.isfinite(vals)):
                 raise ValueError(f"`{name}` must be a non-empty list of positive numbers")
         self.random_state = check_random_state(random_state)
-        self.dtype = np.dtype(dtype)
+        self.dtype = _check_dtype(dtype)  # (float16 was refused after the whole search, int accepted: audit)
         self.family = self.factor.families[self.to]
         # caches predictions fill (the padded learned range; the density's gap table, :attr:`learned_curvatures_`)
         # and the last certificates, present from the start: a prediction never adds a key while another thread deep-copies the operator
@@ -1786,7 +1789,9 @@ class KernelOperator(Operator):
             "n_inner": self.n_inner, "n_outer": self.n_outer, "treatment": self.treatment,
             "inner_factors": json.dumps(self.inner_factors), "width_factors": json.dumps(self.width_factors),
             "prior_vars": np.asarray(self.prior_vars), "noise_vars": np.asarray(self.noise_vars),
-            "random_state": self.random_state if isinstance(self.random_state, int) else None,
+            # (a numpy integer too: found by an audit, np.int64(3) was saved as None)
+            "random_state": (int(self.random_state) if isinstance(self.random_state, numbers.Integral)
+                             and not isinstance(self.random_state, bool) else None),
             "dtype": self.dtype.name, "target": self.target, "canonical": int(self.canonical),
             "width_rules": json.dumps(list(self.width_rules)), "reference": self.reference,
             "reference_gate": json.dumps(self.reference_gate),
