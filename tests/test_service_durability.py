@@ -219,6 +219,33 @@ def test_a_damaged_complete_last_record_is_cut_and_said_as_a_possible_loss(store
     assert len(said) == 1 and said[0].levelno == logging.ERROR
 
 
+def test_a_last_record_that_lost_only_its_newline_is_kept(store_dir):
+    """A last record whole but for its final newline passes its check: it is kept and its newline restored (found
+    by an audit: cut as "never acknowledged" — an acknowledged update lost, its version reused, its idempotency key
+    forgotten).  A record torn inside (failing its check) is still cut."""
+    _observe_then_crash(store_dir, _pairs(3))
+    log_path = store_dir / "operators" / "logistic-x" / "log-00000000.jsonl"
+    data = log_path.read_bytes()
+    assert data.endswith(b"\n")
+    log_path.write_bytes(data[:-1])
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
+    try:
+        assert not store.failed and store.get("logistic-x").version == 3
+    finally:
+        store.abandon()
+    assert log_path.read_bytes() == data  # (the newline restored: the next record starts on its own line)
+    log_path.write_bytes(data[:-5])
+    store = OperatorStore(store_dir)
+    store.open()
+    store.load_all()
+    try:
+        assert not store.failed and store.get("logistic-x").version == 2
+    finally:
+        store.abandon()
+
+
 def test_a_newest_snapshot_that_does_not_load_keeps_the_older_generation(store_dir, pristine_store):
     """A crash between writing snapshot G and deleting the generations below it leaves both; if
     snapshot G then does not load (damaged), the operator is reported failed and the older

@@ -109,9 +109,21 @@ class OperatorLog:
         pos = 0
         records = []
         bad_at = None
+        unended = False  # a last record whole but for its newline
         for j, line in enumerate(lines):
             end = pos + len(line) + 1
             if j == len(lines) - 1:
+                if line and bad_at is None and last:
+                    # a record that passes its check is whole whatever byte follows it: kept, its newline restored
+                    # (found by an audit: an acknowledged record that lost only its newline was cut as "never
+                    # acknowledged", its version reused and its idempotency key forgotten); keeping a record never
+                    # acknowledged is what a torn write after the fsync'ed record would be — allowed either way
+                    try:
+                        records.append(decode_record(line))
+                        unended, good_end = True, len(data)
+                        break
+                    except (ValueError, json.JSONDecodeError):
+                        pass
                 if line:
                     bad_at = bad_at if bad_at is not None else pos  # torn: no newline
                 break
@@ -147,6 +159,13 @@ class OperatorLog:
                             self.name, path.name, len(data) - good_end)
             with open(path, "r+b") as fh:
                 fh.truncate(good_end)
+                fh.flush()
+                os.fsync(fh.fileno())
+        elif unended:
+            log.warning("operator %s: the last update record of %s had lost its newline: kept, the newline restored",
+                        self.name, path.name)
+            with open(path, "ab") as fh:
+                fh.write(b"\n")
                 fh.flush()
                 os.fsync(fh.fileno())
         return records
