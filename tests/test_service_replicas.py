@@ -381,6 +381,20 @@ def test_directory_log_cuts_a_torn_record_of_a_dead_writer(tmp_path):
         [_rec(1).rstrip(b"\n"), _rec(2).rstrip(b"\n")]
 
 
+def test_directory_log_keeps_a_record_that_lost_only_its_newline(tmp_path):
+    """A last record whole but for its newline passes its check: the next writer restores the newline and appends
+    after it (it cut the record as torn: an acknowledged update lost after a one-byte truncation — audit)."""
+    log = DirectorySharedLog(tmp_path / "s")
+    assert log.append("op", 0, _rec(1)) and log.append("op", 1, _rec(2))
+    p = tmp_path / "s" / "op" / "log.jsonl"
+    p.write_bytes(p.read_bytes()[:-1])
+    fresh = DirectorySharedLog(tmp_path / "s")
+    assert not fresh.append("op", 1, _rec(2))  # (it holds 2 records: an append expecting 1 loses the race)
+    assert fresh.append("op", 2, _rec(3))
+    assert [r.rstrip(b"\n") for r in DirectorySharedLog(tmp_path / "s").read("op", 0)] == \
+        [_rec(i).rstrip(b"\n") for i in (1, 2, 3)]
+
+
 def test_open_shared_rejects_unknown_schemes():
     with pytest.raises(ValueError, match="unknown scheme"):
         open_shared("ftp://example.org/x")
