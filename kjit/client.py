@@ -14,7 +14,8 @@ return the same types; ``partial_fit`` sends (incoming, belief) pairs to the ser
 larger than the server's limit is sent in several requests.
 
 ``mode``: ``"jit"`` (the server consults its oracle on uncertain rows and learns; needs the
-token if the server has one), ``"predict"`` (learned operator only, read-only) or
+token if the server has one), ``"predict"`` (learned operator only, read-only — except that a server
+auditing its answers (``KJIT_AUDIT_RATE``) may check and learn rows of a request carrying its token) or
 ``"oracle"`` (needs the token too: it costs the server real CPU).  ``jit`` and ``oracle`` batches
 are split at the server's ``max_oracle_batch``.
 
