@@ -865,8 +865,10 @@ class MessageImportanceSampler(Oracle):
                     with np.errstate(over="ignore", invalid="ignore"):
                         need = np.where(good, n * (worst / self.target_se) ** 2, n * self.growth)
                     need = np.maximum(need, n * 1.5 * self.min_ess / np.maximum(e, 1.0))
-                    need = np.where(heavy, np.maximum(need, n * self.growth), need)
                     misjudged = ~(worst <= REPILOT_FACTOR * self.target_se)
+                # (heavy-tailed bounded weights: more particles each round, to the cap, whichever the target —
+                # found in review: under target_ess a row whose ESS met it kept its size, round after round)
+                need = np.where(heavy, np.maximum(need, n * self.growth), need)
                 # rows without an answer whatever the particles: not finite (a weighted particle whose
                 # statistic is not: a round without weight is given more — found by an audit: a pilot drawing no
                 # weighted particle, P 2.3e-4 each at 2 000, was refused where the cap's 256 000 answered),

@@ -114,9 +114,15 @@ def _belief_over_incoming(op, incoming, to, recipient) -> Family:
     if not isinstance(m, Family):  # (no such message: the operator's belief names what is wrong)
         return op.belief(incoming, to) / incoming[recipient]
     with np.errstate(all="ignore"):
-        nat = np.asarray(m.natural(), float).reshape(int(np.prod(m.shape)), -1)
+        nat = np.asarray(m.natural(), float)
     point = ~np.all(np.isfinite(nat), axis=-1)
     if point.any():
+        try:  # (rows of the batch: a single message sent with a batch stands for every row — found in review)
+            shape = np.broadcast_shapes(*(x.shape for x in incoming.values() if isinstance(x, Family)))
+            point = np.broadcast_to(point.reshape(m.shape), shape)
+        except ValueError:
+            pass
+        point = point.reshape(-1)
         rows = np.flatnonzero(point)
         raise OracleError(f"no outgoing message to {recipient!r} as belief / incoming where its incoming message is a "
                           f"point mass (rows {rows[:10].tolist()}{'…' if rows.size > 10 else ''}): an observed value "

@@ -66,6 +66,9 @@ def test_a_stop_rule_answering_an_array_is_named():
     ok = LinearEP(LogisticOperator(), stop_rule=lambda rec, m, c: bool(rec.max_change < 1e-6))
     r = ok.run(X, {"z": Beta(2.0, 1.0)})
     assert r.converged
+    # (a scalar that is not a bool still reads as one: None never stops the run — found in review)
+    r = LinearEP(LogisticOperator(), max_iter=5, stop_rule=lambda rec, m, c: None).run(X, {"z": Beta(2.0, 1.0)})
+    assert not r.converged and r.iterations == 5
 
 
 def test_a_probit_fit_that_refuses_its_labels_keeps_its_eps_with_its_posterior():

@@ -32,7 +32,13 @@ def test_a_jit_s_operator_kwargs_in_numpy_values_save(tmp_path, pairs):
     assert back.operator_kwargs["random_state"] == 0
     assert back.operator_kwargs["noise_vars"] == list(np.logspace(-8, -2, 4))
     with pytest.raises(ValueError, match="`operator_kwargs` must be plain values"):
-        JITOperator(None, QuadratureOracle(Logistic()), to="x", operator_kwargs={"random_state": object()})
+        JITOperator(None, QuadratureOracle(Logistic()), to="x", operator_kwargs={"noise_vars": object()})
+    # a Generator seed, which a KernelOperator takes (and saves as None), is taken and saved as None (found in review)
+    gen = JITOperator(None, QuadratureOracle(Logistic()), to="x", initial_batch=60,
+                      operator_kwargs={"random_state": np.random.default_rng(0), "n_inner": 20, "n_outer": 30})
+    gen.belief({v: m[:60] for v, m in pairs.incoming.items()})
+    save_operator(gen, tmp_path / "g.npz")
+    assert load_operator(tmp_path / "g.npz").operator_kwargs["random_state"] is None
 
 
 @pytest.mark.parametrize("kw,match", [({"density_guard": "0.1"}, "density_guard"),

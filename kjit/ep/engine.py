@@ -1261,7 +1261,7 @@ class LinearEP:
                     done = rec.max_change < self.tol
                 else:
                     done = self.stop_rule(rec, state.mean, state.cov)
-                    if not isinstance(done, (bool, np.bool_)):  # (an array met numpy's "truth value is ambiguous")
+                    if np.ndim(done) != 0:  # (an array met numpy's "truth value is ambiguous"; None still reads False)
                         raise TypeError(f"`stop_rule` must return True or False, got {type(done).__name__}")
                     done = bool(done)
                 if done:

@@ -45,7 +45,16 @@ def _plain(v):
         return v.item()
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
     return v
+
+
+def _saved_kwargs(kw: Mapping) -> dict:
+    """``operator_kwargs`` as a saved JIT holds them: a Generator ``random_state`` (which a KernelOperator takes, and
+    saves as None) as None."""
+    rs = kw.get("random_state")
+    return {**kw, "random_state": None} if isinstance(rs, np.random.Generator) else dict(kw)
 INITIAL_BATCH_CAP = 4  # the initial fit waits for varied messages up to this many initial batches
 
 
@@ -354,7 +363,7 @@ class JITOperator(Operator):
         if "dtype" in self.operator_kwargs:  # keep the kwargs JSON-serialisable for state_dict
             self.operator_kwargs["dtype"] = np.dtype(self.operator_kwargs["dtype"]).name
         try:  # (found by an audit: numpy values learned normally, then the JIT could not be saved)
-            json.dumps(self.operator_kwargs)
+            json.dumps(_saved_kwargs(self.operator_kwargs))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"`operator_kwargs` must be plain values a saved operator can hold (numbers, text, "
                              f"lists; {exc})") from None
@@ -1098,7 +1107,7 @@ class JITOperator(Operator):
                        "density_guard": self.density_guard, "guard_share": self.guard_share,
                        "guard_rows": self.guard_rows_, "learn_above_kl": self.learn_above_kl,
                        "input_margin": self.input_margin, "learn_surprise_z": self.learn_surprise_z,
-                       "operator_kwargs": json.dumps(self.operator_kwargs)},
+                       "operator_kwargs": json.dumps(_saved_kwargs(self.operator_kwargs))},
             **({"budget": {"budget": self.budget, "window": self.budget_window, "floor": self.threshold_floor_,
                            "scores": np.array(self.budget_scores_), "credit": self.budget_credit,
                            "level": self.budget_level,
