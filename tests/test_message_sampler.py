@@ -444,15 +444,16 @@ def test_log_partition_refuses_the_rows_belief_refuses():
 
 
 def test_no_message_to_an_observed_label_as_belief_over_incoming():
-    """Audit (forty-fourth session): probit (ε 0.1) with f N(1, 1) and the label observed 0 — the exact rule's message
-    to y is Bernoulli(0.773); the samplers' belief / incoming gave Bernoulli(1.0) (the weight floor's 3e-151 over 0)
-    and Bernoulli(NaN).  The quotient has no value at a point mass: an OracleError naming those rows."""
+    """Audit (forty-fourth session): probit (ε 0.1) with f N(1, 1) and the label observed 0 — the exact rule's
+    message to y is Bernoulli(0.773); the samplers' belief / incoming gave Bernoulli(1.0) (the weight floor's 3e-151
+    over 0) and Bernoulli(NaN).  The quotient has no value at a point mass: an OracleError naming those rows."""
     from kjit.factors import get_factor
     from kjit.families import Bernoulli
 
     f = get_factor("probit_noise", eps=0.1)
     inc = {"f": Gaussian([1.0, 1.0], [1.0, 1.0]), "y": Bernoulli([0.0, 0.4])}
-    assert QuadratureOracle(f).message({v: m[:1] for v, m in inc.items()}, "y").p[0] == pytest.approx(0.773076, abs=1e-6)
+    exact = QuadratureOracle(f).message({v: m[:1] for v, m in inc.items()}, "y").p[0]
+    assert exact == pytest.approx(0.773076, abs=1e-6)
     for oracle in (ImportanceSamplingOracle(f, n_samples=100_000, random_state=0),
                    MessageImportanceSampler(f, random_state=0)):
         with pytest.raises(OracleError, match="point mass") as e:

@@ -41,8 +41,9 @@ def test_a_jit_s_operator_kwargs_in_numpy_values_save(tmp_path, pairs):
     assert load_operator(tmp_path / "g.npz").operator_kwargs["random_state"] is None
 
 
-@pytest.mark.parametrize("kw,match", [({"density_guard": "0.1"}, "density_guard"),
-                                      ({"initial_batch": 2.5}, "initial_batch"), ({"initial_batch": 1}, "initial_batch")])
+@pytest.mark.parametrize("kw,match", [
+    ({"density_guard": "0.1"}, "density_guard"), ({"initial_batch": 2.5}, "initial_batch"),
+    ({"initial_batch": 1}, "initial_batch")])
 def test_jit_options_are_named(kw, match):
     """density_guard "0.1" met numpy's TypeError; initial_batch 2.5 ran as 2."""
     with pytest.raises(ValueError, match=match):
