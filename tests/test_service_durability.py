@@ -227,23 +227,22 @@ def test_a_last_record_that_lost_only_its_newline_is_kept(store_dir):
     log_path = store_dir / "operators" / "logistic-x" / "log-00000000.jsonl"
     data = log_path.read_bytes()
     assert data.endswith(b"\n")
+
+    def version_loaded():
+        store = OperatorStore(store_dir)
+        store.open()
+        store.load_all()
+        try:
+            assert not store.failed
+            return store.get("logistic-x").version
+        finally:
+            store.abandon()
+
     log_path.write_bytes(data[:-1])
-    store = OperatorStore(store_dir)
-    store.open()
-    store.load_all()
-    try:
-        assert not store.failed and store.get("logistic-x").version == 3
-    finally:
-        store.abandon()
+    assert version_loaded() == 3
     assert log_path.read_bytes() == data  # (the newline restored: the next record starts on its own line)
     log_path.write_bytes(data[:-5])
-    store = OperatorStore(store_dir)
-    store.open()
-    store.load_all()
-    try:
-        assert not store.failed and store.get("logistic-x").version == 2
-    finally:
-        store.abandon()
+    assert version_loaded() == 2
 
 
 def test_a_newest_snapshot_that_does_not_load_keeps_the_older_generation(store_dir, pristine_store):
