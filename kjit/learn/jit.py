@@ -341,8 +341,10 @@ class JITOperator(Operator):
         if target_kl is not None and not (np.isfinite(target_kl) and target_kl > 0):
             raise ValueError("`target_kl` must be a positive number")
         self.target_kl = None if target_kl is None else float(target_kl)
-        if density_guard is not None:  # (a string met numpy's TypeError: audit)
-            density_guard = check_number("density_guard", density_guard)
+        if density_guard is not None and not (  # (a string met numpy's TypeError: audit; −inf is no guard)
+                isinstance(density_guard, (int, float, np.integer, np.floating)) and not isinstance(density_guard, bool)
+                and not np.isnan(density_guard)):
+            raise ValueError(f"`density_guard` must be a number or None, got {density_guard!r}")
         self.density_guard = None if density_guard is None else float(density_guard)
         if self.density_guard is not None and operator is not None and operator.blr_.x_sum_ is None:
             raise ValueError("`density_guard` needs an operator whose regression keeps its column sums "
