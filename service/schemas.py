@@ -318,6 +318,9 @@ class Ready(_Open):
     loading: list[str]
     failed: dict[str, str] = Field(description="operator → why it could not be loaded")
     missing_factors: dict[str, str] | None = Field(None, description="operator → the factor this server lacks")
+    possible_loss: dict[str, str] | None = Field(
+        None, description="operator → the last update record its load cut although the line was whole (it failed "
+                          "its check): a write torn out of order, or an acknowledged update damaged on disk and lost")
 
 
 class OperatorSummary(_Open):

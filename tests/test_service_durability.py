@@ -200,7 +200,7 @@ def test_a_damaged_complete_last_record_is_cut_and_said_as_a_possible_loss(store
         assert not store.failed and store.get("logistic-x").version == 2
     finally:
         store.abandon()
-    said = [r for r in caplog.records if "fails its check" in r.getMessage()]
+    said = [r for r in caplog.records if "failed its check" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.ERROR and "acknowledged update" in said[0].getMessage()
     # ... and so when a torn write follows it (found in review: the level was read off the file's last byte)
     lines = log_path.read_bytes().splitlines(keepends=True)
@@ -215,7 +215,7 @@ def test_a_damaged_complete_last_record_is_cut_and_said_as_a_possible_loss(store
         assert store.get("logistic-x").version == 1
     finally:
         store.abandon()
-    said = [r for r in caplog.records if "fails its check" in r.getMessage()]
+    said = [r for r in caplog.records if "failed its check" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.ERROR
 
 
@@ -243,6 +243,22 @@ def test_a_last_record_that_lost_only_its_newline_is_kept(store_dir):
     assert log_path.read_bytes() == data  # (the newline restored: the next record starts on its own line)
     log_path.write_bytes(data[:-5])
     assert version_loaded() == 2
+
+
+def test_ready_says_a_possible_loss_the_load_cut(store_dir):
+    """The server whose load cut a whole last line failing its check says so in /ready (``possible_loss``), serving
+    on (found by an audit: only its log said it; /ready answered as ever).  A clean load says nothing."""
+    with ThreadedServer(settings_for(store_dir)) as srv:
+        assert "possible_loss" not in httpx.get(srv.url + "/ready", timeout=60).json()
+    _observe_then_crash(store_dir, _pairs(3))
+    log_path = store_dir / "operators" / "logistic-x" / "log-00000000.jsonl"
+    lines = log_path.read_bytes().splitlines(keepends=True)
+    lines[-1] = lines[-1][:30] + (b"Y" if lines[-1][30:31] != b"Y" else b"Z") + lines[-1][31:]
+    log_path.write_bytes(b"".join(lines))
+    with ThreadedServer(settings_for(store_dir)) as srv:
+        r = httpx.get(srv.url + "/ready", timeout=60)
+    assert r.status_code == 200 and r.json()["ready"]
+    assert "failed its check" in r.json()["possible_loss"]["logistic-x"]
 
 
 def test_a_newest_snapshot_that_does_not_load_keeps_the_older_generation(store_dir, pristine_store):

@@ -28,6 +28,9 @@ def ready(store: StoreDep):
             "loading": sorted(waiting), "failed": failed(store)}
     if store.missing_factors:  # operator → the factor it needs that this server does not have
         body["missing_factors"] = dict(store.missing_factors)
+    loss = {name: e.log.possible_loss for name, e in list(store.entries.items()) if e.log.possible_loss}
+    if loss:  # operator → a record its load cut that may have been acknowledged (served on: the rest is intact)
+        body["possible_loss"] = loss
     return json_response(body, 200 if body["ready"] else 503)
 
 

@@ -57,6 +57,9 @@ class OperatorLog:
         # whose rebuild failed, still held by a waiting request, reopened its log and acknowledged
         # updates that a later rotation deleted)
         self.reopenable = False
+        # what a load cut that may have been an acknowledged update (a whole last line failing its check), said in
+        # /ready's ``possible_loss`` (found by an audit: only the server's log said it, /ready answered 200 as ever)
+        self.possible_loss: str | None = None
 
     # ---------------------------------------------------------------- reading
     def generations(self) -> tuple[dict[int, Path], dict[int, Path]]:
@@ -151,9 +154,10 @@ class OperatorLog:
                 # to a record that was acknowledged (found by an audit: one flipped bit in the last acknowledged
                 # record, cut as "never acknowledged" at warning level, its version then reused) — cut, as a torn
                 # write must be to serve at all, and said as what it may be
-                log.error("operator %s: the last update record of %s (%d bytes, a complete line) fails its check and "
-                          "is cut off: a write torn out of order (never acknowledged), or damage to an acknowledged "
-                          "update, which is then lost", self.name, path.name, len(data) - good_end)
+                self.possible_loss = (f"the last update record of {path.name} ({len(data) - good_end} bytes, a complete "
+                                      "line) failed its check and was cut off: a write torn out of order (never "
+                                      "acknowledged), or damage to an acknowledged update, which is then lost")
+                log.error("operator %s: %s", self.name, self.possible_loss)
             else:
                 log.warning("operator %s: cutting an incomplete update record off %s (%d bytes; never acknowledged)",
                             self.name, path.name, len(data) - good_end)
