@@ -154,9 +154,9 @@ class OperatorLog:
                 # to a record that was acknowledged (found by an audit: one flipped bit in the last acknowledged
                 # record, cut as "never acknowledged" at warning level, its version then reused) — cut, as a torn
                 # write must be to serve at all, and said as what it may be
-                self.possible_loss = (f"the last update record of {path.name} ({len(data) - good_end} bytes, a complete "
-                                      "line) failed its check and was cut off: a write torn out of order (never "
-                                      "acknowledged), or damage to an acknowledged update, which is then lost")
+                self.possible_loss = (f"the last update record of {path.name} ({len(data) - good_end} bytes, a "
+                                      "complete line) failed its check and was cut off: a write torn out of order "
+                                      "(never acknowledged), or damage to an acknowledged update, which is then lost")
                 log.error("operator %s: %s", self.name, self.possible_loss)
             else:
                 log.warning("operator %s: cutting an incomplete update record off %s (%d bytes; never acknowledged)",
