@@ -246,8 +246,9 @@ def test_a_last_record_that_lost_only_its_newline_is_kept(store_dir):
 
 
 def test_ready_says_a_possible_loss_the_load_cut(store_dir):
-    """The server whose load cut a whole last line failing its check says so in /ready (``possible_loss``), serving
-    on (found by an audit: only its log said it; /ready answered as ever).  A clean load says nothing."""
+    """A load that cuts a whole last line failing its check keeps the bytes aside and says so in /ready
+    (``possible_loss``), serving on, as every later load does while they are kept (found by an audit: only the
+    server's log said it; /ready answered as ever).  A clean load says nothing."""
     with ThreadedServer(settings_for(store_dir)) as srv:
         assert "possible_loss" not in httpx.get(srv.url + "/ready", timeout=60).json()
     _observe_then_crash(store_dir, _pairs(3))
@@ -259,6 +260,15 @@ def test_ready_says_a_possible_loss_the_load_cut(store_dir):
         r = httpx.get(srv.url + "/ready", timeout=60)
     assert r.status_code == 200 and r.json()["ready"]
     assert "failed its check" in r.json()["possible_loss"]["logistic-x"]
+    # the cut bytes are kept aside, and every later load says so until someone removes them
+    kept = list(log_path.parent.glob("cut-*.bin"))
+    assert len(kept) == 1 and kept[0].read_bytes() == lines[-1]
+    with ThreadedServer(settings_for(store_dir)) as srv:
+        r = httpx.get(srv.url + "/ready", timeout=60)
+    assert r.status_code == 200 and kept[0].name in r.json()["possible_loss"]["logistic-x"]
+    kept[0].unlink()
+    with ThreadedServer(settings_for(store_dir)) as srv:
+        assert "possible_loss" not in httpx.get(srv.url + "/ready", timeout=60).json()
 
 
 def test_a_newest_snapshot_that_does_not_load_keeps_the_older_generation(store_dir, pristine_store):

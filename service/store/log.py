@@ -36,6 +36,8 @@ __all__ = ["OperatorLog"]
 SERVED_MARK = "served"
 _SNAP_RE = re.compile(r"^snapshot-(\d{8})\.npz$")
 _LOG_RE = re.compile(r"^log-(\d{8})\.jsonl$")
+#: the name a cut record's bytes are kept under, in the operator's directory (``cut-log-<gen>-<offset>.bin``)
+CUT_PREFIX = "cut-"
 
 
 class OperatorLog:
@@ -76,6 +78,11 @@ class OperatorLog:
         generations older than the snapshot (a crash between a snapshot and the clean-up), which
         the caller deletes once the snapshot has loaded (:meth:`delete`)."""
         self.close()
+        kept = sorted(p.name for p in self.path.glob(CUT_PREFIX + "*.bin"))
+        self.possible_loss = (None if not kept else  # (what an earlier load cut, said until someone removes it)
+                              f"update record bytes an earlier load cut off (a complete line failing its check: a "
+                              f"write torn out of order, or an acknowledged update damaged and lost) are kept in "
+                              f"{', '.join(kept)} (remove once looked at)")
         snaps, logs = self.generations()
         if not snaps:
             raise ValueError(f"operator {self.name!r}: no snapshot in {self.path}")
@@ -154,9 +161,13 @@ class OperatorLog:
                 # to a record that was acknowledged (found by an audit: one flipped bit in the last acknowledged
                 # record, cut as "never acknowledged" at warning level, its version then reused) — cut, as a torn
                 # write must be to serve at all, and said as what it may be
+                # the bytes are kept aside first, never destroyed, and while they are there every load says so
+                aside = self.path / f"{CUT_PREFIX}{path.stem}-{good_end}.bin"
+                write_atomic(aside, data[good_end:])
                 self.possible_loss = (f"the last update record of {path.name} ({len(data) - good_end} bytes, a "
                                       "complete line) failed its check and was cut off: a write torn out of order "
-                                      "(never acknowledged), or damage to an acknowledged update, which is then lost")
+                                      "(never acknowledged), or damage to an acknowledged update, which is then lost; "
+                                      f"the bytes are kept in {aside.name} (remove it once looked at)")
                 log.error("operator %s: %s", self.name, self.possible_loss)
             else:
                 log.warning("operator %s: cutting an incomplete update record off %s (%d bytes; never acknowledged)",
