@@ -329,8 +329,8 @@ class RemoteOperator:
         self._cert: Certificates | None = None
         self.last_uncertain_ = None
         self._row_cap = None  # rows a request may carry under the server's max_body_bytes (learned)
-        # a mode=jit batch that failed after its first parts were answered and learned: (to, those rows'
-        # columns, their answers, their sizes) — a call asking for them again first gets them (_jit_answered)
+        # a mode=jit batch that failed after its first parts were answered and learned: (those rows' columns,
+        # their answers, their sizes) — a call asking for them again first gets them (_jit_answered)
         self._jit_done = None
         self._splits: dict = {}  # idempotency key → (pairs, pairs per part) of observe's first call with it
         # one call at a time: a call's certificates and marks are kept on the instance between its
@@ -605,7 +605,7 @@ class RemoteOperator:
                     # the parts before were consulted and learned: a call asking for those rows again (EP
                     # drops the rows named and asks for the rest) gets these answers, not a second learning
                     # (found by an audit: 100 pairs learned twice over 5 sweeps of a 40-row batch in parts of 20)
-                    self._jit_done = (to, {v: b[:s + s0] for v, b in flat.items()}, parts, sizes)
+                    self._jit_done = ({v: b[:s + s0] for v, b in flat.items()}, parts, sizes)
                 raise
         fam = self.family
         path = f"{self._base}/messages"
@@ -644,8 +644,8 @@ class RemoteOperator:
     @staticmethod
     def _jit_answered(done, flat, n):
         """The parts and sizes of ``done`` (a failed mode=jit call's answered parts) where this call's first rows are
-        exactly their rows (the same recipient, variables, families and numbers), else none."""
-        to, cols, parts, sizes = done
+        exactly their rows (the same variables, families and numbers; one recipient per client), else none."""
+        cols, parts, sizes = done
         k = sum(sizes)
         if k > n or set(cols) != set(flat) or any(type(cols[v]) is not type(flat[v]) for v in flat):
             return [], []

@@ -216,8 +216,7 @@ class DirectorySharedLog:
                     # a whole record but for its newline (found by an audit, in the operator's own log: one byte
                     # truncated off an acknowledged record cut it): kept, its newline restored
                     log.warning("shared log %s: the last record had lost its newline: kept, the newline restored", name)
-                    fh.write(b"\n")
-                    os.fsync(fh.fileno())
+                    append_durably(fh, b"\n")
                     offsets = self._scan(name, fh)
                 else:
                     # a writer died half-way through a record (it held this lock, so it is not

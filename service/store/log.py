@@ -179,10 +179,8 @@ class OperatorLog:
         elif unended:
             log.warning("operator %s: the last update record of %s had lost its newline: kept, the newline restored",
                         self.name, path.name)
-            with open(path, "ab") as fh:
-                fh.write(b"\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            with open(path, "ab", buffering=0) as fh:
+                append_durably(fh, b"\n")
         return records
 
     # ---------------------------------------------------------------- writing
