@@ -38,7 +38,9 @@ operator and a third to a second operator; reported: the update's duration and t
 p50/p99/max, with the readers' p50/p99 when no update runs for comparison.  The same with ``mode=jit`` requests of
 ``--update-rows`` messages whose means are moved 6 beyond the training range (every row consulted: the oracle runs
 for the whole batch; since the forty-third session a batch of ``ASIDE_ROWS`` rows or more is answered on a copy,
-so the readers of that operator go on meanwhile), ``service_reads_during_jit``.
+so the readers of that operator go on meanwhile), ``service_reads_during_jit``.  ``--replica``: the server is a
+replica (``KJIT_SHARED_STORE``, a shared log in a temporary directory; its long jit requests are answered aside
+since the forty-fifth session).
 
 BLAS runs on ``--blas-threads`` threads (default 1) in this process and in the server.
 ``inprocess_to_floor`` is a floor's ratio at batch 1 only: for a larger batch the floor's variance is
@@ -49,6 +51,7 @@ fewer repetitions and a smaller fit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -296,7 +299,10 @@ def clients(args, store: Path) -> None:
     inc = logistic_incoming(1, rng)
     duration = args.duration or (2.0 if args.quick else 5.0)
     env = {"KJIT_MAX_BATCH": "10000", "KJIT_LOG_LEVEL": "warning", **SERVER_ENV}
-    with SubprocessServer(store, env=env) as srv:
+    shared = tempfile.TemporaryDirectory(prefix="kjit-shared-") if args.replica else None
+    if shared is not None:  # a replica: its updates go through a shared log in a directory
+        env["KJIT_SHARED_STORE"] = shared.name
+    with shared or contextlib.nullcontext(), SubprocessServer(store, env=env) as srv:  # (the server stops first)
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -362,13 +368,15 @@ def clients(args, store: Path) -> None:
         same0, other0, _ = run_readers(duration, False)
         same1, other1, upd = run_readers(duration, True)
         u = [d for _, d in upd]
-        print(json.dumps({"bench": "service_reads_during_update", "update_rows": rows, "updates": len(u),
+        print(json.dumps({"bench": "service_reads_during_update", "replica": args.replica,
+                          "update_rows": rows, "updates": len(u),
                           "update_p50_ms": round(float(np.median(u)) * 1e3, 3),
                           **row("idle_same_op", same0), **row("idle_other_op", other0),
                           **row("during_same_op", same1), **row("during_other_op", other1)}), flush=True)
         same2, other2, upd = run_readers(duration, True, mode="jit")
         u = [d for _, d in upd]
-        print(json.dumps({"bench": "service_reads_during_jit", "jit_rows": rows, "jit_requests": len(u),
+        print(json.dumps({"bench": "service_reads_during_jit", "replica": args.replica,
+                          "jit_rows": rows, "jit_requests": len(u),
                           "jit_p50_ms": round(float(np.median(u)) * 1e3, 3),
                           **row("idle_same_op", same0), **row("idle_other_op", other0),
                           **row("during_same_op", same2), **row("during_other_op", other2)}), flush=True)
@@ -385,6 +393,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-outer", type=int, default=1000, help="D_out of the benchmark operator (service default 1000)")
     ap.add_argument("--duration", type=float, default=None, help="--clients: seconds per measurement (5, quick 2)")
     ap.add_argument("--update-rows", type=int, default=None, help="--clients: rows of the long update (2000, quick 500)")
+    ap.add_argument("--replica", action="store_true",
+                    help="--clients: serve as a replica (KJIT_SHARED_STORE: a shared log in a temporary directory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--blas-threads", type=int, default=1,
                     help="BLAS threads for this process and the server (default 1; 0: the library's default)")

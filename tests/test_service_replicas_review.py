@@ -813,3 +813,113 @@ def test_idempotency_keys_stay_readable_by_an_older_server():
     assert IdempotencyKeys.from_json(text).seen("k1", "h1") == (3, 5, None)  # an older snapshot
     # (five items: a snapshot of this session's interim format kept the count inline — found in review)
     assert IdempotencyKeys.from_json('[["k1", "h1", 3, 5, 120]]').seen("k1", "h1") == (3, 5, 120)
+
+
+# ------------------------------------------------------------------------------ long jit requests aside
+def test_a_long_jit_request_on_a_replica_is_answered_aside_bit_identically(store_dir, pristine_store, tmp_path,
+                                                                              monkeypatch):
+    """A replica's mode=jit batch of ASIDE_ROWS rows consults its oracle on a copy: a prediction issued while the
+    oracle runs is answered at once, at the version before (it waited for the whole oracle run: the exclusive lock
+    was held throughout), and the result — answers, record, state — is the in-place JIT's; another replica
+    applying the shared log gets the same state bit for bit."""
+    from kjit.operators import JITOperator
+    from service.store import ASIDE_ROWS
+    from service.store.blas import one_blas_thread
+    from test_service_observe_aside import _far, _held
+
+    inc = _far(ASIDE_ROWS, 31)
+    test = probe("logistic", 16, seed=32)
+    ref = load_pristine(pristine_store, NAME)
+    with one_blas_thread():
+        q_ref, cert_ref = ref.certified(inc, "x")
+    assert ref.counters()["updates"] > 0
+    shared_dir = tmp_path / "shared"
+    a = _open(store_dir, DirectorySharedLog(shared_dir))
+    b = _open(tmp_path / "b", DirectorySharedLog(shared_dir))
+    try:
+        ea = a.get(NAME)
+        served, before = ea.jit, _predict(a, test)
+        with _held(monkeypatch, JITOperator, "_oracle_beliefs", lambda: ea.predict(inc, "jit")) as out:
+            q_mid, _, _, version_mid, _ = ea.predict(test, "predict", wait=False)  # not blocked: the state before
+            assert version_mid == 0 and ea.jit is served
+            np.testing.assert_array_equal(q_mid.mean(), before[0])
+        q, _, consulted, version, n_learned = out["r"]
+        assert (version, n_learned) == (1, ref.counters()["updates"]) and ea.jit is not served
+        np.testing.assert_array_equal(consulted, cert_ref.source != "learned")
+        for x, y in zip(q.params, q_ref.params):
+            np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(_predict(a, test)[0], ref.operator.predict(test)[0].mean())
+        assert ea.jit.counters()["consultations"] == ref.counters()["consultations"]
+        b.get(NAME).merge()
+        pa, pb = _predict(a, test), _predict(b, test)
+        assert pa[3] == pb[3] == 1 and _same_prediction(pa, pb)
+    finally:
+        a.abandon()
+        b.abandon()
+
+
+def test_a_long_jit_request_on_a_replica_that_loses_its_place_answers_again_from_the_new_state(
+        store_dir, tmp_path):
+    """As in place (the test above this section's): B appends while A's copy answers; A drops the copy, applies
+    B's record and answers again — its answer that of version 1, its version 2, and the served JIT never held
+    anything the log does not."""
+    import copy
+
+    from service.store import ASIDE_ROWS
+    from test_service_observe_aside import _far
+
+    shared_dir = tmp_path / "shared"
+    sa = DirectorySharedLog(shared_dir)
+    a = _open(store_dir, sa)
+    b = _open(tmp_path / "b", DirectorySharedLog(shared_dir))
+    try:
+        real_append = sa.append
+        raced = []
+
+        def append(name, expected, record):
+            if not raced:
+                raced.append(_observe(b, *_oracle_pairs(1, rows=2, seed=141)[0]))
+            return real_append(name, expected, record)
+
+        sa.append = append
+        inc = _far(ASIDE_ROWS, 33)
+        q, logvar, consulted, version, n_learned = a.get(NAME).predict(inc, "jit")
+        sa.append = real_append
+        assert consulted.any() and raced
+        at_v1 = copy.deepcopy(b.get(NAME).jit)
+        assert version == 2 and n_learned == (consulted & ~at_v1.outside_rows(inc)).sum()
+        q1, lv1, c1 = at_v1.predict(inc)
+        np.testing.assert_array_equal(c1, consulted)
+        np.testing.assert_array_equal(q1.mean(), q.mean())
+        np.testing.assert_array_equal(lv1, logvar)
+        b.get(NAME).merge()
+        test = probe("logistic", 20, seed=142)
+        pa, pb = _predict(a, test), _predict(b, test)
+        assert pa[3] == pb[3] == 2 and _same_prediction(pa, pb)
+    finally:
+        a.abandon()
+        b.abandon()
+
+
+def test_a_long_jit_request_on_a_replica_whose_oracle_fails_changes_nothing(store_dir, tmp_path, monkeypatch):
+    from kjit.operators import JITOperator
+    from kjit.oracles import OracleError
+    from service.store import ASIDE_ROWS, OracleFailure
+    from test_service_observe_aside import _far
+
+    a = _open(store_dir, DirectorySharedLog(tmp_path / "shared"))
+    try:
+        e = a.get(NAME)
+        served, counters, test = e.jit, e.jit.raw_counters(), probe("logistic", 16, seed=34)
+        before = _predict(a, test)
+
+        def boom(self, *args, **kw):
+            raise OracleError("the oracle is down")
+
+        monkeypatch.setattr(JITOperator, "_oracle_beliefs", boom)
+        with pytest.raises(OracleFailure):
+            e.predict(_far(ASIDE_ROWS, 35), "jit")
+        assert e.jit is served and e.version == 0 and e.jit.raw_counters() == counters
+        assert a.shared.length(NAME) == 0 and _same_prediction(_predict(a, test), before)
+    finally:
+        a.abandon()

@@ -15,11 +15,13 @@ Large observations and `mode=jit` requests are learned aside (on a copy) so pred
 
 :class:`Replicated` (``KJIT_SHARED_STORE``, :mod:`service.shared`): the shared log is: a record
 is appended there (compare-and-set on the version) before it is applied and acknowledged; the
-local directory keeps snapshots only, each naming the shared base it grew from.
+local directory keeps snapshots only, each naming the shared base it grew from.  Long `mode=jit`
+requests are answered aside there too; observations are applied under the exclusive lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -384,35 +386,50 @@ class Replicated:
     def jit(self, incoming):
         """``jit`` on a replica: answer and learn as a standalone server does (greedy selection
         learns in rounds), then place the learned pairs in the shared log; if another replica's
-        record took that place first, undo, apply it, and answer again."""
+        record took that place first, undo, apply it, and answer again.  A request of ``ASIDE_ROWS``
+        rows or more is answered and learned by a copy of the JIT while predictions go on with the
+        served one (its oracle calls held the exclusive lock for as long as they ran), and the copy is
+        served once its record is in the shared log: the same answers, record and state as in place."""
         e = self.entry
         rid = uuid.uuid4().hex
-        with e.lock.write():
+        aside = len(next(iter(incoming.values()))) >= ASIDE_ROWS
+        # aside: the update lock (readers go on), exclusive only while the served JIT changes
+        exclusive = e.lock.upgrade if aside else contextlib.nullcontext
+        with e.lock.update() if aside else e.lock.write():
             for _ in range(self.MAX_APPEND_ATTEMPTS):
-                try:
-                    self.catch_up()
-                except SharedLogError as exc:
-                    raise PersistError(f"the shared store is unavailable: {exc}") from exc
-                except SharedLogDamaged as exc:
-                    raise PersistError(f"{exc}; the operator is reported failed") from exc
-                jit = e.jit
-                q, cert, logvar, consulted = _answer(jit, incoming, revertible=True)
+                with exclusive():
+                    self._catch_up_for_update()
+                jit = copy.deepcopy(e.jit) if aside else e.jit
+                q, cert, logvar, consulted = _answer(jit, incoming, revertible=not aside)
                 rec, n_learned = jit_record(jit, incoming, q)
                 if rec is None:
+                    if aside:  # (its counters, as in place)
+                        with exclusive():
+                            e.jit = jit
                     return q, logvar, consulted, e.version, 0, cert
                 rec["seq"], rec["rid"] = e.version + 1, rid
-                ok, found = self._place(rec, before_catch_up=jit.revert_last_)
-                if found is not None:  # it landed after all; the catch-up applied it from the log, and any
-                    # records after it (another replica's): the answer is the state before it (found by an
-                    # audit: the response named the later version)
-                    return q, logvar, consulted, int(found["seq"]), n_learned, cert
-                if ok:  # learned already, exactly as the record replays
-                    e._account(rec, n_learned)
-                    e.last_rid = rid
-                    self.applied()
-                    return q, logvar, consulted, e.version, n_learned, cert
-                jit.revert_last_()  # another replica's update came first
+                with exclusive():  # (a failed append's catch-up applies the log to the served JIT)
+                    ok, found = self._place(rec, before_catch_up=None if aside else jit.revert_last_)
+                    if found is not None:  # it landed after all; the catch-up applied it from the log, and any
+                        # records after it (another replica's): the answer is the state before it (found by an
+                        # audit: the response named the later version)
+                        return q, logvar, consulted, int(found["seq"]), n_learned, cert
+                    if ok:  # learned already, exactly as the record replays
+                        e.jit = jit
+                        e._account(rec, n_learned)
+                        e.last_rid = rid
+                        self.applied()
+                        return q, logvar, consulted, e.version, n_learned, cert
+                if not aside:
+                    jit.revert_last_()  # another replica's update came first (a copy is dropped)
             raise PersistError(f"the shared log of {e.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
                                f"were refused; nothing was learned")
 
-
+    def _catch_up_for_update(self) -> None:
+        """:meth:`catch_up` before an update, its failures as the update's (the exclusive lock held)."""
+        try:
+            self.catch_up()
+        except SharedLogError as exc:
+            raise PersistError(f"the shared store is unavailable: {exc}") from exc
+        except SharedLogDamaged as exc:  # (found in review: a 500 for the request that found it)
+            raise PersistError(f"{exc}; the operator is reported failed") from exc
