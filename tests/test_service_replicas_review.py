@@ -923,3 +923,42 @@ def test_a_long_jit_request_on_a_replica_whose_oracle_fails_changes_nothing(stor
         assert a.shared.length(NAME) == 0 and _same_prediction(_predict(a, test), before)
     finally:
         a.abandon()
+
+
+def test_a_long_observation_on_a_replica_is_learned_aside_bit_identically(store_dir, pristine_store, tmp_path,
+                                                                           monkeypatch):
+    """A replica's observations request of ASIDE_ROWS rows is placed in the shared log, then learned by a copy
+    while predictions go on at the version before (they waited for the whole partial_fit: the exclusive lock
+    was held), and the copy served: the same state as the pristine operator learning the rows in place, and as
+    another replica applying the log; its key is kept."""
+    from kjit.operators import KernelOperator
+    from service.store import ASIDE_ROWS
+    from service.store.blas import one_blas_thread
+    from test_service_observe_aside import _held, _pairs
+
+    inc, q = _pairs(ASIDE_ROWS + 20, 36)
+    test = probe("logistic", 16, seed=37)
+    ref = load_pristine(pristine_store, NAME)
+    keep = np.flatnonzero(~ref.outside_rows(inc))
+    assert keep.size >= 0.95 * (ASIDE_ROWS + 20)
+    with one_blas_thread():
+        ref.operator.partial_fit({v: m[keep] for v, m in inc.items()}, q[keep])
+    shared_dir = tmp_path / "shared"
+    a = _open(store_dir, DirectorySharedLog(shared_dir))
+    b = _open(tmp_path / "b", DirectorySharedLog(shared_dir))
+    try:
+        ea = a.get(NAME)
+        served, before = ea.jit, _predict(a, test)
+        with _held(monkeypatch, KernelOperator, "partial_fit", lambda: _observe(a, inc, q, key="k-long")) as out:
+            q_mid, _, _, version_mid, _ = ea.predict(test, "predict", wait=False)  # not blocked: the state before
+            assert version_mid == 0 and ea.jit is served
+            np.testing.assert_array_equal(q_mid.mean(), before[0])
+        assert out["r"] == (1, keep.size, False) and ea.jit is not served
+        np.testing.assert_array_equal(_predict(a, test)[0], ref.operator.predict(test)[0].mean())
+        assert _observe(a, inc, q, key="k-long") == (1, keep.size, True)
+        b.get(NAME).merge()
+        pa, pb = _predict(a, test), _predict(b, test)
+        assert pa[3] == pb[3] == 1 and _same_prediction(pa, pb)
+    finally:
+        a.abandon()
+        b.abandon()

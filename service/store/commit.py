@@ -16,7 +16,7 @@ Large observations and `mode=jit` requests are learned aside (on a copy) so pred
 :class:`Replicated` (``KJIT_SHARED_STORE``, :mod:`service.shared`): the shared log is: a record
 is appended there (compare-and-set on the version) before it is applied and acknowledged; the
 local directory keeps snapshots only, each naming the shared base it grew from.  Long `mode=jit`
-requests are answered aside there too; observations are applied under the exclusive lock.
+requests and large observations are learned aside there too.
 """
 
 from __future__ import annotations
@@ -330,55 +330,64 @@ class Replicated:
         """``make`` runs after each catch-up (a duplicate key may have arrived from another
         replica); the record is in the shared store before it is applied here, and is applied by
         the same code as every other replica's records (``apply`` is not used: bit-identical states).
-        ``aside`` is not supported here (the update is applied under the exclusive lock)."""
-        with self.entry.lock.write():
-            return self._commit(make, uuid.uuid4().hex)
-
-    def _commit(self, make: MakeRecord, rid: str) -> dict | None:
+        ``aside``: under the update lock (readers go on), the record is learned by a copy of the JIT once it is in
+        the shared log, and the copy served for an instant after (``Standalone.update``'s, for the same reason)."""
         e = self.entry
+        with e.lock.update() if aside else e.lock.write():
+            return self._commit(make, uuid.uuid4().hex, e.lock.upgrade if aside else None)
+
+    def _commit(self, make: MakeRecord, rid: str, exclusive=None) -> dict | None:
+        """``exclusive``: None with the exclusive lock held; else the update lock is, and ``exclusive()`` is held
+        wherever the served JIT changes."""
+        e = self.entry
+        locked = exclusive or contextlib.nullcontext
         for _ in range(self.MAX_APPEND_ATTEMPTS):
-            try:
-                found = self.catch_up(rid)
-            except SharedLogError as exc:
-                raise PersistError(f"the shared store is unavailable: {exc}") from exc
-            except SharedLogDamaged as exc:  # (found in review: a 500 for the request that found it)
-                raise PersistError(f"{exc}; the operator is reported failed") from exc
+            with locked():
+                found = self._catch_up_for_update(rid)
             if found is not None:
                 return found
             rec = make()
             if rec is None:
                 return None
             rec["seq"], rec["rid"] = e.version + 1, rid
-            ok, found = self._place(rec)
+            ok, found = self._place(rec, locked=locked)
             if found is not None:
                 return found
             if ok:
-                try:
-                    e._apply_record(rec)
+                try:  # (aside: learned by a copy while readers go on with the served JIT, served once it has)
+                    new = e.jit if exclusive is None else copy.deepcopy(e.jit)
+                    n = e._learn_record(new, rec)
                 except Exception as exc:  # the record is in the shared log: the rebuilt state has it
-                    e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})", recorded=True)
+                    with locked():
+                        e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})", recorded=True)
                     return rec
-                self.applied()
+                with locked():
+                    e.jit = new
+                    e._account(rec, n)
+                    e.last_rid = rid
+                    self.applied()
                 return rec
         raise PersistError(f"the shared log of {e.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends were "
                            f"refused; nothing was added")
 
-    def _place(self, rec: dict, before_catch_up: Callable[[], None] | None = None):
+    def _place(self, rec: dict, before_catch_up: Callable[[], None] | None = None, locked=contextlib.nullcontext):
         """Append ``rec`` as record ``version + 1``: ``(True, None)`` if it is there now,
         ``(False, None)`` if another record took the place.  If the append itself failed, the
         log is read to see whether the record landed anyway — ``before_catch_up`` first undoes
         what the caller already applied — and ``(None, record)`` says it did (applied now by the
-        catch-up, with any later records); otherwise the outcome is unknown: PersistError(unknown=True)."""
+        catch-up, with any later records); otherwise the outcome is unknown: PersistError(unknown=True).
+        ``locked()`` is held while the catch-up changes the served JIT (the caller's exclusive lock)."""
         e = self.entry
         try:
             return self.shared.append(e.name, e.version, encode_record(rec)), None
         except SharedLogError as exc:
-            if before_catch_up is not None:
-                before_catch_up()
-            try:
-                found = self.catch_up(rec["rid"])
-            except Exception:
-                found = None
+            with locked():
+                if before_catch_up is not None:
+                    before_catch_up()
+                try:
+                    found = self.catch_up(rec["rid"])
+                except Exception:
+                    found = None
             if found is not None:
                 return None, found
             raise PersistError(f"{exc}: the update may or may not have been recorded", unknown=True) from exc
@@ -408,27 +417,27 @@ class Replicated:
                             e.jit = jit
                     return q, logvar, consulted, e.version, 0, cert
                 rec["seq"], rec["rid"] = e.version + 1, rid
-                with exclusive():  # (a failed append's catch-up applies the log to the served JIT)
-                    ok, found = self._place(rec, before_catch_up=None if aside else jit.revert_last_)
-                    if found is not None:  # it landed after all; the catch-up applied it from the log, and any
-                        # records after it (another replica's): the answer is the state before it (found by an
-                        # audit: the response named the later version)
-                        return q, logvar, consulted, int(found["seq"]), n_learned, cert
-                    if ok:  # learned already, exactly as the record replays
+                ok, found = self._place(rec, before_catch_up=None if aside else jit.revert_last_, locked=exclusive)
+                if found is not None:  # it landed after all; the catch-up applied it from the log, and any
+                    # records after it (another replica's): the answer is the state before it (found by an
+                    # audit: the response named the later version)
+                    return q, logvar, consulted, int(found["seq"]), n_learned, cert
+                if ok:  # learned already, exactly as the record replays
+                    with exclusive():
                         e.jit = jit
                         e._account(rec, n_learned)
                         e.last_rid = rid
                         self.applied()
-                        return q, logvar, consulted, e.version, n_learned, cert
+                    return q, logvar, consulted, e.version, n_learned, cert
                 if not aside:
                     jit.revert_last_()  # another replica's update came first (a copy is dropped)
             raise PersistError(f"the shared log of {e.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
                                f"were refused; nothing was learned")
 
-    def _catch_up_for_update(self) -> None:
+    def _catch_up_for_update(self, rid: str | None = None) -> dict | None:
         """:meth:`catch_up` before an update, its failures as the update's (the exclusive lock held)."""
         try:
-            self.catch_up()
+            return self.catch_up(rid)
         except SharedLogError as exc:
             raise PersistError(f"the shared store is unavailable: {exc}") from exc
         except SharedLogDamaged as exc:  # (found in review: a 500 for the request that found it)

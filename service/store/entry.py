@@ -197,7 +197,13 @@ class Entry:
 
     # ---------------------------------------------------------------- records
     def _apply_record(self, rec) -> None:
-        inc, bel = messages_from_record(self.jit, rec)
+        self._account(rec, self._learn_record(self.jit, rec))
+        self.last_rid = rec.get("rid")
+
+    def _learn_record(self, jit, rec) -> int:
+        """Learn the pairs of the record ``rec`` into ``jit`` (the served JIT, or a copy to be served) as they were
+        learned when it was made; returns how many."""
+        inc, bel = messages_from_record(jit, rec)
         sizes = [int(g) for g in rec.get("groups", [len(bel)])] if len(bel) else []  # (an audit that learned nothing)
         if sum(sizes) != len(bel) or (sizes and min(sizes) < 1):
             raise ValueError(f"record {rec.get('seq')}: groups {sizes} for {len(bel)} beliefs")
@@ -206,15 +212,14 @@ class Entry:
             for size in sizes:  # one partial_fit per group, as the operator learned them
                 sl = slice(start, start + size)
                 # (acknowledged pairs: learned as they were, whatever today's range check says)
-                self.jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl], check_range=False)
+                jit.operator.partial_fit({v: m[sl] for v, m in inc.items()}, bel[sl], check_range=False)
                 start += size
         if rec.get("oracle_state") and rec.get("rid") is None:
             # this server's own jit record: its sampler goes on from where the request left it, as it did
             # before the restart (found in review: after kill -9 it redrew particles already used).  Not on
             # live commits (the state is the live one) nor other replicas' records (generators are per replica)
-            self.jit.set_oracle_state(rec["oracle_state"])
-        self._account(rec, len(bel))
-        self.last_rid = rec.get("rid")
+            jit.set_oracle_state(rec["oracle_state"])
+        return len(bel)
 
     def _account(self, rec, n: int) -> None:
         """Count the applied record ``rec`` (``n`` pairs learned) and make its seq the version; the
