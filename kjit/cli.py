@@ -229,10 +229,10 @@ def _train(args) -> int:
     import time
 
     from .factors import get_factor, import_factor_modules
-    from .operators import JITOperator, KernelOperator, calibrate_threshold, calibration_support
+    from .operators import KernelOperator, calibrate_threshold, calibration_support, guarded_jit
     from .oracles import make_oracle, resolve_oracle_kind
     from .persistence import save_operator
-    from .training import TrainingSet, make_training_set
+    from .training import HELD_OUT_STREAM, TrainingSet, make_training_set
 
     _check_options(args, d_in=(1, True), d_out=(1, True), target_kl=(0.0, False), seed=(0, True),
                    **({} if args.pairs else {"n": (2, True)}))
@@ -277,6 +277,7 @@ def _train(args) -> int:
             raise ValueError(f"{flag} {path}: the directory {parent} is not writable")
     n_held = max(200, args.n // 4) if args.jit else 0
     t = time.perf_counter()
+    held = None
     if args.pairs:
         ts = TrainingSet.load(args.pairs)
         if (ts.factor, ts.to) != (factor.name, args.to):
@@ -293,15 +294,17 @@ def _train(args) -> int:
                              "default_incoming(n, rng) -> {variable: message batch} in its module (an attribute, "
                              "as the built-in factors have)")
         with _dask_backend(args.scheduler):
-            ts = make_training_set(factor, args.to, factor.default_incoming, oracle, n=args.n + n_held,
+            ts = make_training_set(factor, args.to, factor.default_incoming, oracle, n=args.n,
                                    n_jobs=args.jobs, random_state=args.seed, progress=not args.quiet)
-    held = None
-    if n_held:
-        if len(ts) - n_held < 2:  # the oracle dropped pairs it could not answer (low ESS; --n >= 2 is checked)
-            raise ValueError(f"the oracle answered {len(ts)} of the {args.n + n_held} pairs asked for (the others' "
-                             f"effective sample size was too low): too few to fit and hold out {n_held} for --jit; "
-                             f"use more --particles or a larger --n")
+            # held out: messages and oracle draws of their own streams (HELD_OUT_STREAM), as the service's
+            held = make_training_set(factor, args.to, factor.default_incoming, oracle, n=n_held, n_jobs=args.jobs,
+                                     random_state=[args.seed, HELD_OUT_STREAM], progress=not args.quiet) \
+                if n_held else None
+    if n_held and args.pairs:
         ts, held = ts.split(len(ts) - n_held, random_state=args.seed)
+    if not args.pairs and len(ts) < 2:  # the oracle dropped pairs it could not answer (low ESS; --n >= 2 is checked)
+        raise ValueError(f"the oracle answered {len(ts)} of the {args.n} pairs asked for (the others' effective "
+                         f"sample size was too low): too few to fit; use more --particles or a larger --n")
     if args.save_pairs:
         ts.save(args.save_pairs)
     print(f"{len(ts)} training pairs ({time.perf_counter() - t:.1f} s); fitting D_in={args.d_in}, D_out={args.d_out} ...",
@@ -316,11 +319,18 @@ def _train(args) -> int:
         support = calibration_support(np.count_nonzero(~op.gated_rows(held.incoming)))
         threshold = calibrate_threshold(op, held, args.target_kl, min_support=support)
         kl = held.beliefs.kl(op.belief(held.incoming))
-        print(f"held-out mean KL {kl.mean():.3g} (median {np.median(kl):.3g}); JIT threshold {threshold:.3f}")
+        failed = int(held.meta.get("n_failed", 0)) if held.meta else 0
+        unanswered = f" ({failed} more the oracle could not answer)" if failed else ""
+        print(f"held-out mean KL {kl.mean():.3g} (median {np.median(kl):.3g}) on {len(held)} pairs{unanswered}; "
+              f"JIT threshold {threshold:.3f}")
         if not np.isfinite(threshold):
             raise ValueError(f"no threshold meets --target-kl {args.target_kl:g} on at least {support} held-out "
                              "pairs; train on more pairs or relax it")
-        out = JITOperator(op, oracle, threshold=threshold)
+        # with a density guard and an input margin, as the service's: a message outside the training data is
+        # consulted whatever its variance (the regression's variance does not see it), and not learned
+        out = guarded_jit(op, oracle, threshold, ts, held)
+        share = float(np.mean(np.asarray(out.screen(held.incoming)[2], bool)))
+        print(f"mode=jit consults {share:.1%} of the held-out messages (threshold, sign test, guards)")
     save_operator(out, args.out)
     print(f"saved {type(out).__name__} to {args.out}")
     return 0

@@ -25,7 +25,7 @@ from .learn.calibration import (CALIBRATION_MIN_ROWS, CALIBRATION_SUPPORT, UNATT
 from .learn.kl_model import KLModel
 from .learn.ensemble import ENSEMBLE_HYPERPARAMETERS, KernelEnsemble
 from .learn.consultation import greedy_consultations
-from .learn.jit import INITIAL_BATCH_CAP, JITOperator, OPERATOR_KINDS
+from .learn.jit import GUARD_SHARE, INITIAL_BATCH_CAP, INPUT_MARGIN, JITOperator, OPERATOR_KINDS, guarded_jit
 
 __all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VARS", "ERROR_MODEL_CANDIDATES",
            "ERROR_MODEL_FOLDS", "ERROR_MODEL_MODES", "ERROR_MODEL_NOISE_VARS", "ERROR_MODEL_PRIOR_VARS",
@@ -37,4 +37,5 @@ __all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VA
            "budget_threshold", "CALIBRATION_MIN_ROWS", "CALIBRATION_SUPPORT", "calibration_support",
            "calibrate_threshold", "density_guard", "kl_model_threshold", "KLModel", "tolerance_threshold",
            "BudgetUnattainableWarning", "UNATTAINABLE",
-           "ENSEMBLE_HYPERPARAMETERS", "KernelEnsemble", "greedy_consultations", "INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS"]
+           "ENSEMBLE_HYPERPARAMETERS", "KernelEnsemble", "greedy_consultations", "INITIAL_BATCH_CAP", "JITOperator",
+           "OPERATOR_KINDS", "GUARD_SHARE", "INPUT_MARGIN", "guarded_jit"]

@@ -26,7 +26,15 @@ from .factors import Factor, get_factor, param_mismatch, registered_factors
 from .families import Family, family_by_name, family_name
 from .oracles import ImportanceSamplingOracle, LowESSError, OracleError
 
-__all__ = ["TrainingSet", "make_training_set", "FORMAT_VERSION", "DEFAULT_DISTRIBUTIONS", "default_incoming"]
+__all__ = ["TrainingSet", "make_training_set", "FORMAT_VERSION", "DEFAULT_DISTRIBUTIONS", "default_incoming",
+           "HELD_OUT_STREAM"]
+
+#: what the seeds of pairs held out to calibrate an operator add to the run's ``random_state`` (streams of their own,
+#: ``make_training_set(..., random_state=[seed, HELD_OUT_STREAM])``): drawn from the training pairs' seeds, a
+#: sampling oracle gave them the same particles, hence the same errors, which the operator had learned — a new-user
+#: audit's factor (z = 1 − x, Beta, the shared-proposal sampler at 100 particles) reported a held-out mean KL of
+#: 7.7e-6 and a calibrated threshold where the truth was 1.2e-2
+HELD_OUT_STREAM = 0x48454C44
 
 FORMAT_VERSION = 1
 

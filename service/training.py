@@ -70,9 +70,11 @@ import numpy as np
 
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
-from kjit.operators import JITOperator, KernelOperator, calibrate_threshold, calibration_support, density_guard
+from kjit.operators import (GUARD_SHARE, INPUT_MARGIN, KernelOperator, calibrate_threshold,  # noqa: F401
+                            calibration_support, guarded_jit)
 from kjit.oracles import ClientOracle, make_oracle, resolve_oracle_kind
-from kjit.training import DEFAULT_DISTRIBUTIONS, TrainingSet, default_incoming, make_training_set  # noqa: F401
+from kjit.training import (DEFAULT_DISTRIBUTIONS, HELD_OUT_STREAM, TrainingSet, default_incoming,  # noqa: F401
+                           make_training_set)
 
 from .schemas import PARAM_MAX, POSITIVE_MIN
 
@@ -94,8 +96,6 @@ __all__ = [
 TARGET_KL = 1e-3
 FALLBACK_THRESHOLD = -8.5  # when calibration finds none and the factor declares no default_threshold
 CONSULTATION_NOTE_SHARE = 0.5  # a job result says so (consultation_note) when mode=jit will consult this share
-GUARD_SHARE = 0.01  # of in-distribution messages below the density guard (module docstring)
-INPUT_MARGIN = 0.5  # widths of the learned inputs' range beyond which a message is outside them (module docstring)
 # Hyperparameter grids of the default operators: a subset of KernelOperator's defaults that
 # keeps first-start training near a minute on two cores (the searches on the default
 # distributions selected inner factor 0.25 and width factors 1/8 .. 2).
@@ -224,17 +224,12 @@ class TrainSpec:
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-#: what the held-out pairs' seeds add to the run's ``random_state`` (their own streams: :func:`_oracle_pairs`)
-HELD_OUT_STREAM = 0x48454C44
 
 
 def _oracle_pairs(spec: TrainSpec, factor, oracle, incoming: Mapping[str, Family], progress: Progress | None,
                   stage: str, chunk: int = 256) -> TrainingSet:
     """make_training_set in slices, so progress can be reported pair by pair.  The held-out pairs' oracle draws
-    from streams of their own (``HELD_OUT_STREAM``): drawn from the training pairs' seeds, a sampling oracle gave
-    them the same particles, hence the same errors, which the operator had learned — a new-user audit's factor
-    (z = 1 − x, Beta, the shared-proposal sampler at 100 particles) reported a held-out mean KL of 7.7e-6 and a
-    calibrated threshold where the truth was 1.2e-2."""
+    from streams of their own (``kjit.training.HELD_OUT_STREAM``, which says why)."""
     n = len(next(iter(incoming.values())))
     block = chunk * max(1, spec.n_jobs if spec.n_jobs > 0 else 2)
     parts = []
@@ -314,11 +309,9 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
             else:
                 threshold = FALLBACK_THRESHOLD
                 how = "generic fallback (no threshold met the calibration target on enough held-out pairs)"
-    guard = density_guard(op, held_out=held_out, fitted=ts, groups=np.arange(len(ts)), share=GUARD_SHARE)
-    if np.isfinite(guard):  # (too few pairs for the share: no guard)
-        info["density_guard"] = guard
-    jit = JITOperator(op, oracle, threshold=threshold, initial_batch=spec.initial_batch,
-                      density_guard=guard if np.isfinite(guard) else None, input_margin=INPUT_MARGIN)
+    jit = guarded_jit(op, oracle, threshold, ts, held_out, initial_batch=spec.initial_batch)
+    if jit.density_guard is not None:  # (too few pairs for the share: no guard)
+        info["density_guard"] = jit.density_guard
     floor = jit.threshold_floor()
     if np.isfinite(floor):
         info["threshold_floor"] = float(floor)

@@ -103,13 +103,24 @@ def test_train_writes_an_operator_that_predicts(tmp_path, capsys):
     assert "saved KernelOperator" in capsys.readouterr().out
 
 
-def test_train_jit_calibrates_a_threshold(tmp_path):
+def test_train_jit_calibrates_a_threshold(tmp_path, capsys):
+    """--jit: the held-out pairs are their own draws (not taken out of the --n training pairs), and the operator
+    knows where its data ends as the service's does (a density guard and an input margin: a message far outside
+    is consulted whatever its variance — before the forty-fifth session the CLI's had neither)."""
+    from kjit.operators import INPUT_MARGIN
+
     path = tmp_path / "jit.npz"
     rc = main(["train", "compound_gamma", "--to", "tau", "--n", "300", "--d-in", "30", "--d-out", "60", "--jit",
                "--target-kl", "1e-2", "--quiet", "--out", str(path)])
     assert rc == 0
     jit = load_operator(path)
     assert isinstance(jit, JITOperator) and np.isfinite(jit.threshold) and jit.operator.n_train_ == 300
+    assert jit.density_guard is not None and np.isfinite(jit.density_guard) and jit.input_margin == INPUT_MARGIN
+    out = capsys.readouterr().out
+    assert "on 200 pairs" in out and "mode=jit consults" in out
+    far = {v: m[:1] for v, m in jit.factor.default_incoming(1, np.random.default_rng(0)).items()}
+    far["tau"] = type(far["tau"])(far["tau"].shape_param * 1e6, far["tau"].rate)  # far outside the learned shapes
+    assert jit.outside_rows(far).all() and jit.screen(far)[2].all()
 
 
 def test_every_benchmark_kjit_bench_runs_has_quick():

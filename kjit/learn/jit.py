@@ -20,7 +20,13 @@ from .kernel_operator import (KernelOperator, PredictionOverflowError, TargetsNo
 from .calibration import calibrate_threshold, density_guard
 from .consultation import greedy_consultations
 
-__all__ = ["INITIAL_BATCH_CAP", "JITOperator", "OPERATOR_KINDS", "SURPRISE_Z", "UNCERTAINTY_RULES"]
+__all__ = ["GUARD_SHARE", "INITIAL_BATCH_CAP", "INPUT_MARGIN", "JITOperator", "OPERATOR_KINDS", "SURPRISE_Z",
+           "UNCERTAINTY_RULES", "guarded_jit"]
+
+#: the share of in-distribution messages a trained operator's density guard flags (:func:`guarded_jit`)
+GUARD_SHARE = 0.01
+#: widths of the learned inputs' range beyond which a trained operator's message is outside them (:func:`guarded_jit`)
+INPUT_MARGIN = 0.5
 
 #: the threshold of a variance rule when none is given (the paper's synthetic experiments')
 DEFAULT_THRESHOLD = -8.5
@@ -1210,3 +1216,17 @@ class JITOperator(Operator):
 
 
 OPERATOR_KINDS = {"KernelOperator": KernelOperator, "JITOperator": JITOperator}
+
+
+def guarded_jit(operator: KernelOperator, oracle, threshold: float, fitted: TrainingSet,
+                held_out: TrainingSet | None = None, **kwargs) -> JITOperator:
+    """A trained operator as the service and ``kjit train --jit`` serve it: a :class:`JITOperator` at
+    ``threshold`` that also knows where its data ends — a density guard flagging ``GUARD_SHARE`` of
+    in-distribution messages (:func:`density_guard` over the ``held_out`` pairs and the ``fitted`` ones each left
+    out of its own count; none when too few pairs give that share) and the input margin ``INPUT_MARGIN`` — so a
+    message outside it is consulted whatever its variance, and not learned (:meth:`JITOperator.outside_rows`;
+    why, with measurements: :mod:`service.training`).  ``kwargs``: more of the JITOperator's settings."""
+    guard = density_guard(operator, held_out=held_out, fitted=fitted, groups=np.arange(len(fitted)),
+                          share=GUARD_SHARE)
+    return JITOperator(operator, oracle, threshold=threshold, density_guard=guard if np.isfinite(guard) else None,
+                       input_margin=INPUT_MARGIN, **kwargs)
