@@ -15,7 +15,8 @@ statistics' own rounding carried to the parameters (J the Jacobian ∂s/∂θ).
 
 Regimes (seeded, ``--n`` pairs each): ``far`` — each of the four parameters log-uniform on 1e-12…1e16;
 ``drop`` — p's parameters 1e12…1e16, q's 1e-12…1e2 (a parameter falls by ~16 orders: the terms ~1e16 cancel
-to a KL ~20); ``rise`` — the reverse; ``scale`` — q = p scaled by 10^U(−16, 16) (mean-matched, far);
+to a KL ~20); ``rise`` — the reverse; ``scale`` — q = p scaled by 10^U(−16, 16) (mean-matched, far); ``half`` —
+one parameter kept, the other log-uniform on 1e-12…1e16;
 ``near``, ``mean_matched``, ``near_wide``, ``lopsided`` — as tests/test_families_precision.py draws them.
 Projection regimes: ``proj_wide`` — α, β log-uniform 1e-12…1e16; ``proj_tiny`` — one parameter 1e-12…1e-9
 (one statistic ~ −1/α, up to ~1e12 in magnitude), the other 1e-3…1e6.
@@ -64,6 +65,11 @@ def draw_pairs(kind, n, rng):
     if kind == "scale":
         p = lu(-12, 16, (n, 2))
         return p, p * lu(-16, 16, (n, 1))
+    if kind == "half":
+        p = lu(-12, 16, (n, 2))
+        q, j = p.copy(), rng.integers(0, 2, n)
+        q[np.arange(n), j] = lu(-12, 16, n)
+        return p, q
     if kind == "near":
         p = lu(-1, 2, (n, 2))
         return p, p * (1 + lu(-9, -5, p.shape) * rng.choice([-1, 1], p.shape))
@@ -143,7 +149,7 @@ def scan_project(kind, n, seed):
             "nonfinite": bad}
 
 
-KL_REGIMES = ("far", "drop", "rise", "scale", "near", "mean_matched", "near_wide", "lopsided")
+KL_REGIMES = ("far", "drop", "rise", "scale", "near", "mean_matched", "near_wide", "lopsided", "half")
 PROJECT_REGIMES = ("proj_wide", "proj_tiny")
 
 

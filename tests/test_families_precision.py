@@ -289,20 +289,21 @@ def _beta_kl(a1, b1, a2, b2):
 
 @pytest.mark.parametrize("p,q,tol", [
     # found by an audit (forty-third session): inf, NaN, 1.5 nats off, negative, 75× off
-    ((1e16, 1.0), (1.0, 1.0), 0.05), ((1e12, 1e-6), (1e-6, 1e-6), 1e-6), ((1e10, 1e-7), (1e-6, 1e-6), 1e-6),
+    ((1e16, 1.0), (1.0, 1.0), 1e-12), ((1e12, 1e-6), (1e-6, 1e-6), 1e-12), ((1e10, 1e-7), (1e-6, 1e-6), 1e-12),
     ((578817.9180813476, 91798.64210551826), (1.0214540137371351e-06, 2.4129613309251706e-06), 1e-6),
     ((10.0, 7.0), (10.0 + 1e-8, 7.0 + 1e-8), 1e-10), ((1e12, 3e12), (1e12 * 1.001, 3e12 * 1.001), 1e-6),
     ((1e12, 1e12), (1e12 * (1 + 1e-5), 1e12 * (1 + 1e-5)), 1e-6),
     # found in review of the fix: far pairs from parameters ~1e14 (the exact difference's products cancelled)
-    ((1.49294818e14, 2.06210539e14), (0.03880323, 0.29307947), 0.01),
+    ((1.49294818e14, 2.06210539e14), (0.03880323, 0.29307947), 1e-12),
     # and of the second: a mixed near pair (0 for 1.3e-5), tiny parameters taken as near (0 for 1e130), a ratio that
     # overflows in the far form (NaN)
     ((0.01, 1e15), (0.01, 0.95e15), 1e-10), ((1e-170, 1e-300), (1e-20, 1e-170), 1e-10),
     ((1e-6, 1e100), (1e-300, 1e16), 1e-10), ((1.0, 1.0), (1e-300, 1e10), 1e-10),
 ])
 def test_beta_kl_audit_cases_against_mpmath(p, q, tol):
-    """Relative tolerances: where a parameter changes by 16 orders the rounding of the huge terms (~1e14 each,
-    their sum ~30) leaves ~1 %; a near pair's KL is formed from the parameters' differences (1e-10)."""
+    """Relative tolerances: far pairs 1e-12 (test_beta_kl_far_pairs_against_mpmath says why; where a parameter
+    changed by 16 orders the rounding of the textbook form's huge terms, ~1e14 each for a sum ~30, left ~1 %); a
+    near pair's KL is formed from the parameters' differences (1e-10)."""
     got = float(Beta(*p).kl(Beta(*q)))
     want = _beta_kl(*p, *q)
     assert np.isfinite(got) and got > 0 and abs(got - want) <= tol * want, (got, want)
@@ -315,8 +316,9 @@ def test_beta_kl_is_positive_and_close_to_mpmath_over_random_pairs(kind):
     parameters scaled by 1 + 1e-8…1e-2) to 1e-10, measured ≤ 2.6e-13 over 300 (up to 2e4 before); near pairs at
     1e-3–1e14 (changes 1e-8–0.1) to 1e-3, measured ≤ 4.2e-5 over 300 (8.2 before); one parameter 0.01–30, the other
     1e3–1e15, both moved within a tenth (review of the first rewrite: 0 for 1.3e-5) to 1e-10, measured ≤ 1.2e-12;
-    far pairs at 1e-6–1e16 to 5 %, measured ≤ 1.1e-2 (up to 5.6e11 before, 3 % inf or NaN) — there the terms are
-    ~1e16 and the KL ~20."""
+    far pairs at 1e-6–1e16 to 1e-12 (test_beta_kl_far_pairs_against_mpmath says why), measured ≤ 1.1e-2 by the
+    textbook form with ln B's differences (up to 5.6e11 before that, 3 % inf or NaN) — there its terms are ~1e16 and
+    the KL ~20."""
     rng = np.random.default_rng({"near": 1, "mean_matched": 2, "near_wide": 4, "lopsided": 5, "far": 3}[kind])
     if kind == "near":
         p = 10 ** rng.uniform(-1, 2, (60, 2))
@@ -331,11 +333,39 @@ def test_beta_kl_is_positive_and_close_to_mpmath_over_random_pairs(kind):
         p = np.column_stack([10 ** rng.uniform(-2, np.log10(30), 60), 10 ** rng.uniform(3, 15, 60)])
         q, tol = p * (1 + rng.uniform(-0.09, 0.09, p.shape)), 1e-10
     else:
-        p, q, tol = 10 ** rng.uniform(-6, 16, (60, 2)), 10 ** rng.uniform(-6, 16, (60, 2)), 0.05
+        p, q, tol = 10 ** rng.uniform(-6, 16, (60, 2)), 10 ** rng.uniform(-6, 16, (60, 2)), 1e-12
     got = Beta(p[:, 0], p[:, 1]).kl(Beta(q[:, 0], q[:, 1]))
     want = np.array([_beta_kl(*p[i], *q[i]) for i in range(len(p))])
     assert np.all(np.isfinite(got)) and np.all(got > 0)
     np.testing.assert_allclose(got, want, rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["far", "drop", "scale", "half"])
+def test_beta_kl_far_pairs_against_mpmath(kind):
+    """Pairs that are not near (_beta_kl_far), 80 a kind (seeded): every parameter log-uniform on 1e-12–1e16; p's
+    1e12–1e16 against q's 1e-12–1e2 (a concentrated Beta against a broad one: the textbook form's terms ~1e16 cancel
+    to a KL ~20, and it was up to 37 % off, 8 % on the first kind); q = p·10^±U(0.05, 16) (mean-matched: 4 % off);
+    one parameter kept, the other log-uniform (the smaller kept and tiny: a KL ~ the smaller, ~1e-12, 3 % off).
+    Tolerance 1e-12: the KL's condition number κ = Σ|θ ∂KL/∂θ|/KL is below ~40 on these draws (mpmath), so the
+    inputs' own rounding leaves ≲ 40 ulp; the far form's parts are each within a few hundred ulp of themselves (the
+    worst: ψ(x) − ln x below 30, ~200 ulp at 29; ln m1 − ln m2 from logs) and at most ~10× the KL, ≲ 2e3 ulp ≈ 4e-13;
+    measured ≤ 2.0e-13 over 400 pairs a kind (benchmarks/beta_precision.py)."""
+    rng = np.random.default_rng({"far": 11, "drop": 12, "scale": 13, "half": 14}[kind])
+    n = 80
+    p = 10 ** rng.uniform(-12, 16, (n, 2))
+    if kind == "far":
+        q = 10 ** rng.uniform(-12, 16, (n, 2))
+    elif kind == "drop":
+        p, q = 10 ** rng.uniform(12, 16, (n, 2)), 10 ** rng.uniform(-12, 2, (n, 2))
+    elif kind == "scale":
+        q = p * 10 ** (rng.uniform(0.05, 16, (n, 1)) * rng.choice([-1, 1], (n, 1)))
+    else:
+        q, j = p.copy(), rng.integers(0, 2, n)
+        q[np.arange(n), j] = 10 ** rng.uniform(-12, 16, n)
+    got = Beta(p[:, 0], p[:, 1]).kl(Beta(q[:, 0], q[:, 1]))
+    want = np.array([_beta_kl(*p[i], *q[i]) for i in range(n)])
+    assert np.all(np.isfinite(got)) and np.all(got > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
 
 
 def test_beta_mean_where_the_parameters_sum_overflows():
