@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from typing import ClassVar
 
 import numpy as np
@@ -1305,6 +1306,23 @@ def _scaled_trigamma_diff(x, y):
     return _near_taylor(np.where(big, series, small), x, y, big, 1)
 
 
+def _beta_project_noise(a, b, la, lb, s1, s2, j11, j12, j21, j22):
+    """Beta.project's residuals' rounding at (α, β) = (``a``, ``b``) = exp(``la``, ``lb``): the statistics' (½ ulp,
+    with :func:`_digamma_diff`'s few ulp of the same size: 4 ulp), the direct ψ(x) − ψ(x + y) of :func:`_digamma_diff`
+    (where neither of its series applies: 2 ulp of the two ψ, ~3000 ulp of the value at ψ(308) − ψ(308.6)), and the
+    parameters' own grain (one ulp of ln α moves the first residual by j11 ulp(ln α): 1.4e-3 at α = 2.6e-12, above
+    the rest)."""
+    eps = np.finfo(float).eps
+    with np.errstate(all="ignore"):
+        pa, pb, ps = np.abs(special.digamma(a)), np.abs(special.digamma(b)), np.abs(special.digamma(a + b))
+    direct1 = (a < _ASYMPTOTIC) & ~(b < _TAYLOR_RATIO * a)
+    direct2 = (b < _ASYMPTOTIC) & ~(a < _TAYLOR_RATIO * b)
+    grain1 = eps * (np.abs(j11) * np.maximum(np.abs(la), 1.0) + np.abs(j12) * np.maximum(np.abs(lb), 1.0))
+    grain2 = eps * (np.abs(j21) * np.maximum(np.abs(la), 1.0) + np.abs(j22) * np.maximum(np.abs(lb), 1.0))
+    return (4.0 * eps * np.abs(s1) + np.where(direct1, 2.0 * eps * (pa + ps), 0.0) + grain1,
+            4.0 * eps * np.abs(s2) + np.where(direct2, 2.0 * eps * (pb + ps), 0.0) + grain2)
+
+
 class Beta(Family):
     """Beta(x; alpha, beta) on (0, 1); natural parameters (alpha-1, beta-1) on (log x, log(1-x))."""
 
@@ -1352,11 +1370,21 @@ class Beta(Family):
     def project(cls, ess, method: str = "kl", tol: float = 1e-12, max_iter: int = 100):
         """KL projection: solve ψ(α)−ψ(α+β) = E[log x], ψ(β)−ψ(α+β) = E[log(1−x)].
 
-        Vectorised Newton on (log α, log β), started at Minka's approximation
-        (ψ(x) ≈ log(x − 1/2)), with step halving so the residual never grows; stops when
-        every element's relative parameter change is below ``tol``.  ``method="moments"``
-        is not available from log statistics: use :meth:`project_moments` with mean and
-        variance instead (the paper's cheaper moment matching).
+        Vectorised Newton on (log α, log β), started at Minka's approximation (ψ(x) ≈ log(x − 1/2)), with step
+        halving so that the residual measured as a Newton step from the current Jacobian (J⁻¹ r: each equation
+        weighed by what it says of the parameters) never grows.  An element stops when its full Newton step — its
+        parameters' relative distance from the root — is below ``tol``, or below the step that the residuals'
+        rounding (:func:`_beta_project_noise`) alone would make: what the statistics determine, ~1e-16 (α + β)
+        relative where both parameters are large (the statistics fix α + β through terms ~1/α only: 3e-4 at
+        Beta(1e12, 1e12), 0.1 at (3e14, 5e14) against mpmath), and up to ~1e-11 where _digamma_diff's direct
+        ψ difference is its limit (Beta(570, 2850): 5e-12).  Elements beyond both after ``max_iter`` steps are
+        named in a RuntimeWarning.  (The step halving compared the sum of the squared residuals, and stopped on the
+        change it made: where one statistic is ~5e10 in magnitude its rounding, ~1e-5, outweighed the other
+        equation, every step that improved that one looked worse, and halved thirty times it passed the test — α, β
+        1.4e-5 off, reported converged; found by an audit.  Against mpmath, one parameter 1e-12–1e-9 and the other
+        1e-3–1e6, 2 000 draws: worst 1.4e-5 → 2.0e-15, 7 beyond 1e-12 → 0.)
+        ``method="moments"`` is not available from log statistics: use :meth:`project_moments` with mean and variance
+        instead (the paper's cheaper moment matching).
         """
         if method != "kl":
             raise ValueError("Beta.project: `method` must be 'kl' (use Beta.project_moments for moment matching)")
@@ -1395,22 +1423,33 @@ class Beta(Family):
             det = j11 * j22 - j12 * j21
             d1 = (j22 * r1 - j12 * r2) / det
             d2 = (-j21 * r1 + j11 * r2) / det
-            # limit the step in log space, then halve until the residual norm decreases
+            # the step the residuals' rounding alone would make: below it the root is not better determined
+            noise1, noise2 = _beta_project_noise(a, b, xa, xb, s1[idx], s2[idx], j11, j12, j21, j22)
+            floor = np.maximum(np.abs(j22) * noise1 + np.abs(j12) * noise2,
+                               np.abs(j21) * noise1 + np.abs(j11) * noise2) / np.abs(det)
+            done = ~(np.maximum(np.abs(d1), np.abs(d2)) > np.maximum(tol, floor))
+            # limit the step in log space, then halve until the residual, as a step, is no longer than this one
             with np.errstate(divide="ignore"):
                 scale = np.minimum(1.0, 2.0 / np.maximum(np.abs(d1), np.abs(d2)))
+            old = np.maximum(d1 * d1 + d2 * d2, floor * floor)
             d1, d2 = d1 * scale, d2 * scale
-            old = r1**2 + r2**2
             step = np.ones_like(xa)
             for _h in range(30):
                 nla, nlb = xa - step * d1, xb - step * d2
                 n1, n2 = resid(nla, nlb, idx)
-                worse = ~(n1**2 + n2**2 <= old)
+                # the residual in the step's own units, J⁻¹ r with this iterate's J (natural monotonicity): both
+                # equations weighed by what they say of the parameters, not by their statistics' sizes
+                e1, e2 = (j22 * n1 - j12 * n2) / det, (-j21 * n1 + j11 * n2) / det
+                worse = ~(e1 * e1 + e2 * e2 <= old)
                 if not worse.any():
                     break
                 step = np.where(worse, step * 0.5, step)
-            change = np.maximum(np.abs(nla - xa), np.abs(nlb - xb))
             la[idx], lb[idx] = nla, nlb
-            idx = idx[change > tol]
+            idx = idx[~done]
+        if idx.size:
+            warnings.warn(
+                f"Beta.project: {idx.size} element(s) did not converge in {max_iter} Newton steps (first: flat index "
+                f"{idx[:10].tolist()}); their parameters are not within tol={tol:g}", RuntimeWarning, stacklevel=2)
         la, lb = la.reshape(shape), lb.reshape(shape)
         return cls(np.exp(la), np.exp(lb))
 

@@ -5,6 +5,8 @@ its own size only if formed from the differences of the parameters, which the fi
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,38 @@ def test_beta_project_of_exact_statistics_with_one_tiny_parameter(a, b):
     ess = np.array([float(mp.digamma(A) - mp.digamma(A + B)), float(mp.digamma(B) - mp.digamma(A + B))])
     q = Beta.project(ess)
     np.testing.assert_allclose([float(q.alpha), float(q.beta)], [a, b], rtol=1e-12)
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_beta_project_where_one_statistic_is_huge(flip):
+    """One parameter 1e-12–1e-10 against one 0.02–1 (either side), statistics from mpmath rounded to doubles: one is
+    ~−1/α, ~5e10 in magnitude.  Beta.project's step halving compared r1² + r2², where that statistic's rounding
+    (~1e-5) outweighed the other equation's whole residual, so every step improving it looked worse; halved to
+    nothing, the step passed the test on the change — 1e-6 to 1.4e-5 off, reported converged (these are the cases
+    of 2 000 draws, one parameter 1e-12–1e-9 and the other 1e-3–1e6, where it was beyond 1e-9: 0.35 %; and two from
+    benchmarks/beta_precision.py's proj_tiny).  Tolerance: the solver's own 1e-12 — the statistics determine the
+    parameters to ~2e-16 here (condition number ~1–2, mpmath); measured ≤ 1.9e-15 over proj_tiny's 400."""
+    cases = [(2.5096891149488644e-12, 0.05307625852043937), (1.933479133996855e-11, 0.06434008280207112),
+             (1.3577387606523992e-10, 0.625507555067797), (1.8537089429253496e-11, 0.21721358018540451),
+             (1.8579017270147398e-11, 0.6342250073345878), (2.552815611645703e-12, 0.021332427850820224)]
+    a, b = np.array(cases).T[::-1] if flip else np.array(cases).T
+    ess = np.array([[float(mp.digamma(A) - mp.digamma(A + B)), float(mp.digamma(B) - mp.digamma(A + B))]
+                    for A, B in ((mp.mpf(x), mp.mpf(y)) for x, y in zip(a, b))])
+    q = Beta.project(ess)
+    np.testing.assert_allclose(q.alpha, a, rtol=1e-12)
+    np.testing.assert_allclose(q.beta, b, rtol=1e-12)
+
+
+def test_beta_project_says_when_it_did_not_converge():
+    """Beta.project returned whatever max_iter left it with, silently; elements not within tol (nor within what
+    their statistics determine) are named in a RuntimeWarning now — and none where it converges."""
+    ess = Beta(np.array([2.0, 1e-10]), np.array([3.0, 50.0])).expected_suff_stats()
+    with pytest.warns(RuntimeWarning, match=r"1 element\(s\) did not converge in 6 Newton steps .*\[1\]"):
+        Beta.project(ess, max_iter=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = Beta.project(ess)
+    np.testing.assert_allclose(q.alpha, [2.0, 1e-10], rtol=1e-12)
 
 
 def test_concatenate_along_the_last_batch_axis_keeps_every_message():
