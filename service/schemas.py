@@ -265,6 +265,11 @@ class TrainRequest(_Strict):
     n_inner: Int = Field(300, ge=1, le=5000)
     n_outer: Int = Field(500, ge=2, le=5000)
     threshold: Finite | None = Field(None, description="JIT threshold; null: calibrated on held-out pairs")
+    kl_cap: Finite | None = Field(
+        1e-3, gt=0, description="a message whose predictive variances imply an expected KL above this (the "
+                                "regression's noise taken out) is consulted in mode=jit and marked `uncertain` in "
+                                "mode=predict whatever the threshold (kjit.operators.JITOperator, `kl_cap`); "
+                                "default the calibration's target (service.training.KL_CAP); null: no cap")
     initial_batch: Int = Field(300, ge=2)
     random_state: Int = Field(0, ge=0)
 
@@ -388,6 +393,11 @@ class OperatorDetail(OperatorSummary):
                           "with a coordinate (a Gaussian's mean or log variance, a Beta's or Gamma's log "
                           "parameters) more than this many widths of the training pairs' range beyond it is outside "
                           "the data, treated as one below the density guard; null for an operator without one")
+    kl_cap: float | None = Field(
+        None, description="the operator's expected-KL cap (kjit.operators.JITOperator, `kl_cap`): a message whose "
+                          "epistemic variances imply a larger expected KL at the predicted belief is consulted in "
+                          "mode=jit and marked `uncertain` in mode=predict whatever its threshold; null for an "
+                          "operator without one (trained before the forty-fifth session, or created with none)")
     guard_note: str | None = Field(
         None, description="for an operator with neither a density guard nor an input margin (trained before the "
                           "fortieth session, or not by the service): what that means and what to do; null otherwise")

@@ -34,6 +34,11 @@ noise floor (:meth:`kjit.operators.JITOperator.threshold_floor`) makes every mes
 and the operator's detail then say so in ``threshold_note`` (:func:`below_floor_note`, which says
 why the fallback is not raised to the floor).
 
+A row whose own predictive variances imply an expected KL above ``KL_CAP`` (the target, 1e-3) is consulted
+whatever the threshold (``JITOperator(kl_cap=)``): the threshold is calibrated on the mean over held-out rows, and
+a handful of rows with a concentrated belief, whose error of one sd costs thousands of times a typical row's KL,
+passed it (probit_noise → f: confident answers up to KL 0.88, 4.4 in mode=jit).
+
 The job's result also gives ``held_out_consulted_share``: the share of the held-out pairs the operator's
 just-in-time rule would send to the oracle (threshold, sign test, guards) — what to expect of messages like the
 training ones — and, at ``CONSULTATION_NOTE_SHARE`` (half) or more, a ``consultation_note`` saying so.
@@ -89,11 +94,19 @@ __all__ = [
     "CONSULTATION_NOTE_SHARE",
     "GUARD_SHARE",
     "INPUT_MARGIN",
+    "KL_CAP",
     "below_floor_note",
     "unguarded_note",
 ]
 
 TARGET_KL = 1e-3
+#: the expected KL above which a row is consulted whatever the threshold (``JITOperator(kl_cap=)``): the calibration's
+#: target, per row — measured (forty-fifth session, every default direction trained here, 3 000 fresh default
+#: messages and EP-recorded ones, against the exact rule): probit_noise → f's confident answers above KL 0.1
+#: 11 → 0 (largest 0.88 → 0.017; mode=jit 8 → 0, largest 4.4 → 0.052) at 4.0 → 5.3 % consulted; product → z
+#: largest 0.107 → 1.2e-7 at 5.2 → 60 % consulted (its variance is honest but wide: the job says so in its
+#: consultation_note); every other direction unchanged (no row more consulted).  At 1e-2 probit kept 5 above 0.1
+KL_CAP = TARGET_KL
 FALLBACK_THRESHOLD = -8.5  # when calibration finds none and the factor declares no default_threshold
 CONSULTATION_NOTE_SHARE = 0.5  # a job result says so (consultation_note) when mode=jit will consult this share
 # Hyperparameter grids of the default operators: a subset of KernelOperator's defaults that
@@ -178,6 +191,7 @@ class TrainSpec:
     n_inner: int = 300
     n_outer: int = 500
     threshold: float | None = None
+    kl_cap: float | None = KL_CAP               # JITOperator(kl_cap=): None, no cap
     initial_batch: int = 300
     random_state: int = 0
     # source: exactly one of these
@@ -220,7 +234,7 @@ class TrainSpec:
                 "distribution": self.distribution if isinstance(self.distribution, str) else dict(self.distribution)})
         return {"factor": self.factor, "factor_params": dict(self.factor_params), "to": self.to,
                 "n_inner": self.n_inner, "n_outer": self.n_outer, "random_state": self.random_state,
-                "threshold": self.threshold, "source": src}
+                "threshold": self.threshold, "kl_cap": self.kl_cap, "source": src}
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -309,7 +323,7 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
             else:
                 threshold = FALLBACK_THRESHOLD
                 how = "generic fallback (no threshold met the calibration target on enough held-out pairs)"
-    jit = guarded_jit(op, oracle, threshold, ts, held_out, initial_batch=spec.initial_batch)
+    jit = guarded_jit(op, oracle, threshold, ts, held_out, initial_batch=spec.initial_batch, kl_cap=spec.kl_cap)
     if jit.density_guard is not None:  # (too few pairs for the share: no guard)
         info["density_guard"] = jit.density_guard
     floor = jit.threshold_floor()

@@ -74,8 +74,10 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
     rng = np.random.default_rng(1)
     inc0 = _incoming(rng, 400)
     q0 = oracle.belief(inc0, "z")  # the client's first batch of oracle pairs
+    # (no expected-KL cap: with it, every message of this 400-pair operator is consulted — the wire's answers
+    # mixing the server's and the client's is what this test is about)
     create = {"name": "client-product-z", "factor": "my_noisy_product", "to": "z", "threshold": THRESHOLD,
-              "n_inner": 100, "n_outer": 200,
+              "kl_cap": None, "n_inner": 100, "n_outer": 200,
               "source": {"kind": "client", "variables": VARIABLES, "output": "z",
                          "incoming": {v: _cols(m) for v, m in inc0.items()}, "beliefs": _cols(q0)}}
     store = tmp_path / "store"
@@ -115,6 +117,7 @@ def test_client_side_oracle_runs_the_jit_loop_across_the_wire(tmp_path):
             assert job["request"]["source"]["n_pairs"] == 400 and "incoming" not in job["request"]["source"]
             detail = c.get("/v1/operators/client-product-z").json()
             assert detail["oracle"] == {"kind": "client"} and detail["families"] == VARIABLES
+            assert detail["kl_cap"] is None
             assert detail["factor_params"]["label"] == "my_noisy_product"
             # the server has no oracle for it: jit and oracle modes say so
             body = {"to": "z", "incoming": {v: _cols(m[:2]) for v, m in inc0.items()}}

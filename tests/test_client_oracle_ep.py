@@ -154,12 +154,14 @@ def _in_process(factor, pairs):
 
 
 def _guard(remote) -> dict:
-    """The served operator's density guard and input margin (as service.training sets them), as JITOperator
-    keywords."""
+    """The served operator's density guard, input margin and expected-KL cap (as service.training sets them), as
+    JITOperator keywords."""
+    from service.training import KL_CAP
+
     info = remote.info(refresh=True)
     g = info["density_guard"]
-    assert g is not None and g["pairs"] == 300 and info["input_margin"] == 0.5
-    return {"density_guard": g["value"], "input_margin": info["input_margin"]}
+    assert g is not None and g["pairs"] == 300 and info["input_margin"] == 0.5 and info["kl_cap"] == KL_CAP
+    return {"density_guard": g["value"], "input_margin": info["input_margin"], "kl_cap": info["kl_cap"]}
 
 
 def _replayed(factor, pairs, guard, posts):

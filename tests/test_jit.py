@@ -1180,3 +1180,74 @@ def test_the_surprise_gate_is_kept_checked_and_held_back_rows_are_not_learned(tm
     assert consulted.all() and jit.operator.n_train_ == 200
     assert jit.counters()["consultations_surprising"] == 30 and jit.counters()["updates"] == 0
     np.testing.assert_array_equal(q.params, orc.belief(inc, "x").params)
+
+
+# ====================================================================== the expected-KL cap
+@pytest.mark.parametrize("selection", ["all", "greedy"])
+def test_kl_cap_consults_exactly_the_rows_whose_own_variance_implies_a_larger_expected_kl(op, oracle, selection,
+                                                                                          tmp_path):
+    """``kl_cap``: a row whose predictive variances imply an expected KL above the cap (Family.least_expected_kl at
+    the predicted belief — computed here independently, by KernelOperator.row_uncertainty(scalar="kl") on
+    predict's answer) is flagged by screen and consulted by predict, whatever the threshold; no other row is; the
+    cap is saved with the operator."""
+    inc = concat(inside(60, 31), far(20, 32, lo=3.5, hi=6.0))
+    q, logvar = op.predict(inc)
+    log_e = op.row_uncertainty(inc, q, logvar, scalar="kl")  # (an exact oracle: the whole predictive variance)
+    cap = float(np.exp(np.quantile(log_e, 0.7)))  # (a cap 30 % of these rows exceed)
+    above = log_e > np.log(cap)
+    assert 10 <= above.sum() <= 40
+    loose = fresh_jit(op, oracle, threshold=50.0, selection=selection)  # (no row above the threshold)
+    assert not np.asarray(loose.screen(inc)[2]).any()
+    capped = fresh_jit(op, oracle, threshold=50.0, selection=selection, kl_cap=cap)
+    np.testing.assert_array_equal(np.asarray(capped.screen(inc)[2]), above)
+    _, cert, flags = capped.screen_certified(inc)
+    assert not np.asarray(cert.confident)[above].any()
+    path = tmp_path / "jit.npz"
+    save_operator(capped, path)  # (before it learns)
+    assert load_operator(path).kl_cap == cap and load_operator(path).screen(inc)[2].tolist() == above.tolist()
+    q_j, _, consulted = capped.predict(inc)  # (greedy: the look-ahead aims at the threshold, not the cap)
+    np.testing.assert_array_equal(consulted, above)
+    exact = oracle.belief(inc, "x")
+    np.testing.assert_allclose(q_j.mean()[consulted], exact.mean()[consulted], rtol=1e-12)
+    # with a threshold that flags rows too, and every row twice (greedy consults one of two identical uncertain
+    # rows, whose learning brings the other under the threshold — and under the cap): a row answered learned is
+    # one the operator, as the request left it, would answer learned again — under the cap
+    thr = float(np.quantile(loose.screen(inc)[1].max(axis=-1), 0.4))
+    twice = concat(inc, inc)
+    both = fresh_jit(op, oracle, threshold=thr, selection=selection, kl_cap=cap)
+    consulted = both.predict(twice)[2]
+    rest = {v: m[~consulted] for v, m in twice.items()}
+    assert consulted.any() and (~consulted).any() and not np.asarray(both.screen(rest)[2]).any()
+    q_r, lv_r = both.operator.predict(rest)
+    assert np.all(both.operator.row_uncertainty(rest, q_r, lv_r, scalar="kl") <= np.log(cap))
+    if selection == "greedy":  # (one copy of most, not both)
+        assert (consulted[:80] & consulted[80:]).sum() < 0.5 * consulted.sum()
+    with pytest.raises(ValueError, match="kl_cap"):
+        JITOperator(op, oracle, kl_cap=0.0)
+    # a sampling oracle's answers carry their own noise: the cap reads the epistemic part of the variances
+    sampler = ImportanceSamplingOracle(oracle.factor, n_samples=1000, random_state=0)
+    log_ep = op.row_uncertainty(inc, q, op.epistemic_log_variance(logvar), scalar="kl")
+    cap_ep = float(np.exp(np.quantile(log_ep, 0.7)))
+    sampled = JITOperator(copy.deepcopy(op), sampler, threshold=50.0, selection=selection, kl_cap=cap_ep)
+    np.testing.assert_array_equal(np.asarray(sampled.screen(inc)[2]), log_ep > np.log(cap_ep))
+    assert (log_ep > np.log(cap_ep)).sum() < (log_e > np.log(cap_ep)).sum()  # (the noise counted: more rows)
+
+
+def test_the_service_caps_each_rows_expected_kl_and_its_probit_operator_is_no_longer_confidently_wrong():
+    """service.training sets ``kl_cap`` = its calibration target: a probit_noise → f operator trained there (1 000
+    pairs, D 100/200) answered 37 of 3 000 fresh default messages confidently with KL above 0.1 (largest 599: a
+    label contradicting a narrow message, whose concentrated belief makes an error of one sd cost thousands of
+    times a typical row's KL) at a threshold calibrated on the held-out mean; with the cap, none above 1e-2.
+    Exact answers from the factor's quadrature rule."""
+    from service.training import KL_CAP, TARGET_KL, TrainSpec, train_operator
+
+    jit, _, info = train_operator(TrainSpec("probit_noise", "f", n=1000, n_inner=100, n_outer=200, random_state=0,
+                                            n_jobs=1))
+    assert jit.kl_cap == KL_CAP == TARGET_KL
+    inc = jit.factor.default_incoming(3000, np.random.default_rng(777))
+    q, cert, uncertain = jit.screen_certified(inc)
+    confident = np.asarray(cert.confident) & ~np.asarray(uncertain)
+    kl = QuadratureOracle(jit.factor).belief(inc, "f").kl(q)
+    assert confident.mean() > 0.7 and kl[confident].max() < 1e-2
+    # the job's figure says what it costs: the share of held-out messages mode=jit consults
+    assert 0.0 < info["held_out_consulted_share"] < 0.5

@@ -259,6 +259,20 @@ class JITOperator(Operator):
         took the in-distribution mean KL from 1.8e-6 to 4.4e-3, its largest 1.7e-4 → 0.43, every log
         variance still below −10; at variances 6–30, learning them did no harm).  None (default): no
         margin; the service's training sets ``service.training.INPUT_MARGIN``.
+    kl_cap : also consult a row whose own predictive variances (with a sampling oracle their epistemic part: the
+        regression's noise taken out, which its answers do not settle) imply an expected KL above this — the least
+        over every correlation of the coordinates' errors, at the predicted belief
+        (:meth:`~kjit.families.Family.least_expected_kl`, the row's second-order KL in its own curvature):
+        a row whose uncertainty, in the KL's units, exceeds what its answers may cost cannot be confident,
+        whatever the threshold calibrated on the mean of other rows admits.  The threshold compares log
+        variances weighted by a row's curvature only relative to the learned rows'; a belief as concentrated
+        as the most concentrated learned ones, whose error of one sd costs thousands of times more KL than a
+        typical row's, passes it.  Found by an audit (forty-fifth session; the service's default operators,
+        3 000 fresh default messages each against the exact rule): probit_noise → f answered 11 rows above
+        KL 0.1 confidently in mode=predict (largest 0.88) and 3 above 1 in mode=jit (largest 4.4) — a label
+        contradicting a narrow message, the belief ~60× narrower; product → z answered up to 0.107 where its
+        own variance implied ~0.03.  Such a row is consulted and learned (it lies inside the data).  None
+        (default): no cap; the service's training sets ``service.training.KL_CAP``.
 
     Counters (``counters()``): calls, requests (messages), consultations (messages sent to the
     oracle), of them ``consultations_outside`` (messages outside the data, :meth:`outside_rows`: answered,
@@ -274,7 +288,8 @@ class JITOperator(Operator):
                  density_guard: float | None = None, guard_share: float | None = None,
                  budget: float | None = None, budget_window: int = 1000, budget_credit: bool = False,
                  budget_level: float | None = None, learn_above_kl: float | None = None,
-                 input_margin: float | None = None, learn_surprise_z: float | None = None):
+                 input_margin: float | None = None, learn_surprise_z: float | None = None,
+                 kl_cap: float | None = None):
         if uncertainty not in UNCERTAINTY_RULES:
             raise ValueError(f"`uncertainty` must be one of {UNCERTAINTY_RULES}, got {uncertainty!r}")
         self.uncertainty = uncertainty
@@ -359,6 +374,7 @@ class JITOperator(Operator):
         if input_margin is not None and not (np.isfinite(input_margin) and input_margin >= 0):
             raise ValueError("`input_margin` must be a number >= 0 or None")
         self.input_margin = None if input_margin is None else float(input_margin)
+        self.kl_cap = None if kl_cap is None else check_number("kl_cap", kl_cap, 0.0, low_open=True)
         if guard_share is not None and not 0.0 < guard_share < 1.0:
             raise ValueError("`guard_share` must lie in (0, 1)")
         self.guard_share = None if guard_share is None else float(guard_share)
@@ -617,6 +633,7 @@ class JITOperator(Operator):
         t = time.perf_counter()
         coords, var, psi, logw = _named_rows(offset + np.arange(n), self.operator.predict_coords, flat,
                                              return_var=True, return_features=True, return_weights=True)
+        var = np.array(var)  # (its rows are brought up to date as the operator learns)
         logvar = self._decision(flat, coords, var, logw)
         self._counts["seconds_predict"] += time.perf_counter() - t
         uncertain = self._uncertain(flat, coords, logvar, psi, var=var, budget="commit")
@@ -641,6 +658,8 @@ class JITOperator(Operator):
                 outside = self._outside({v: m[rows] for v, m in flat.items()}, psi[rows])
                 if outside is not None and outside.any():  # whatever their variance
                     idx = np.union1d(idx, rows[outside])
+                # (a row above kl_cap that the picks leave out is checked again once they are learned, as the
+                # others are: learning one of two identical rows brings the other under the cap too)
                 self._counts["seconds_predict"] += time.perf_counter() - t
             else:
                 idx = rows
@@ -690,6 +709,7 @@ class JITOperator(Operator):
                                              return_features=True, return_weights=True)
                 self._counts["seconds_predict"] += time.perf_counter() - t
                 coords[rest], logvar[rest], psi[rest], logw[rest] = c2, self._decision(flat_rest, c2, v2, w2), p2, w2
+                var[rest] = v2
                 uncertain[rest] = self._uncertain(flat_rest, c2, logvar[rest], p2, var=v2)
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
@@ -838,6 +858,8 @@ class JITOperator(Operator):
         outside = self._outside(flat, psi)
         if outside is not None:
             always = always | outside
+        if var is not None:
+            always = always | self._capped(flat, coords, var)
         if self.budget is not None and budget is not None:
             # a NaN score is no prediction: consulted whatever the rank or the credit (found in review: the
             # credit could refuse one), as are the rows above the level
@@ -859,6 +881,26 @@ class JITOperator(Operator):
                 self.screened_threshold_ = threshold
             return ranked
         return above_threshold(decision, self.threshold) | always
+
+    def _capped(self, flat, coords, var) -> np.ndarray:
+        """(n,) the rows whose predictive variances ``var`` (n, k), at the predicted coordinates ``coords`` of the
+        flat messages ``flat``, imply an expected KL above ``kl_cap`` (none without a cap; a variance that is not
+        a number is above it).  The variances an oracle answer can settle: all of them where the oracle is an exact
+        rule (``certificate_source`` "rule": the regression's noise is then its misfit, which the exact answer
+        removes); their epistemic part, above the regression's noise, where it samples (an operator learned from a
+        sampler's answers has the sampler's noise in its floor, which consulting the sampler again does not
+        lower — as the sign test reads it)."""
+        n = len(coords)
+        if self.kl_cap is None or n == 0:
+            return np.zeros(n, dtype=bool)
+        op = self.operator
+        base = op._reference(flat) if op.target == "relative" else None
+        v = np.asarray(var, np.float64)
+        with np.errstate(all="ignore"):
+            if getattr(self.oracle, "certificate_source", "oracle") != "rule":
+                v = np.where(np.isnan(v), np.nan, np.maximum(v - op.coordinate_noise_var, 0.0))  # (NaN: above)
+            e = self.family.least_expected_kl(np.asarray(coords, np.float64), v, base)
+        return ~(e <= self.kl_cap)
 
     def _surprising(self, psi, flat, q_or) -> np.ndarray:
         """(n,) the consulted rows whose oracle answer ``q_or`` lies more than :attr:`learn_surprise_z` predictive
@@ -1115,7 +1157,7 @@ class JITOperator(Operator):
                        "density_guard": self.density_guard, "guard_share": self.guard_share,
                        "guard_rows": self.guard_rows_, "learn_above_kl": self.learn_above_kl,
                        "input_margin": self.input_margin, "learn_surprise_z": self.learn_surprise_z,
-                       "operator_kwargs": json.dumps(_saved_kwargs(self.operator_kwargs))},
+                       "kl_cap": self.kl_cap, "operator_kwargs": json.dumps(_saved_kwargs(self.operator_kwargs))},
             **({"budget": {"budget": self.budget, "window": self.budget_window, "floor": self.threshold_floor_,
                            "scores": np.array(self.budget_scores_), "credit": self.budget_credit,
                            "level": self.budget_level,
@@ -1171,7 +1213,7 @@ class JITOperator(Operator):
                       selection=p.get("selection", "all"), uncertainty=p.get("uncertainty", "predictive"),
                       density_guard=p.get("density_guard"), guard_share=p.get("guard_share"),
                       learn_above_kl=p.get("learn_above_kl"), input_margin=p.get("input_margin"),
-                      learn_surprise_z=p.get("learn_surprise_z"),
+                      learn_surprise_z=p.get("learn_surprise_z"), kl_cap=p.get("kl_cap"),
                       **({"budget": float(state["budget"]["budget"]), "budget_window": int(state["budget"]["window"]),
                           "budget_credit": bool(state["budget"].get("credit", False)),
                           "budget_level": state["budget"].get("level")}

@@ -121,7 +121,8 @@ def _client_spec(req: schemas.TrainRequest, settings: Settings) -> TrainSpec:
                        "needed", "value_error")
     pairs = TrainingSet(factor.name, req.to, inc, beliefs, factor.params())
     return TrainSpec(factor="declared", to=req.to, factor_params=factor.params(), n_inner=req.n_inner,
-                     n_outer=req.n_outer, threshold=req.threshold, initial_batch=req.initial_batch,
+                     n_outer=req.n_outer, threshold=req.threshold, kl_cap=req.kl_cap,
+                     initial_batch=req.initial_batch,
                      random_state=req.random_state, oracle="client", pairs=pairs, n_jobs=settings.n_jobs)
 
 
@@ -142,7 +143,8 @@ def _spec_from_request(req: schemas.TrainRequest, settings: Settings) -> TrainSp
                                             f"are {', '.join(factor.variables)}", "unknown_recipient")
     src = req.source
     spec = TrainSpec(factor=req.factor, to=req.to, factor_params=dict(req.factor_params), n_inner=req.n_inner,
-                     n_outer=req.n_outer, threshold=req.threshold, initial_batch=req.initial_batch,
+                     n_outer=req.n_outer, threshold=req.threshold, kl_cap=req.kl_cap,
+                     initial_batch=req.initial_batch,
                      random_state=req.random_state, oracle=src.oracle, n_samples=src.n_samples,
                      target_se=src.target_se, n_jobs=settings.n_jobs)
     try:

@@ -54,6 +54,7 @@ def detail(entry) -> dict:
             "density_guard": (None if _finite(jit.density_guard) is None else
                               {"value": jit.density_guard, "pairs": float(jit.guard_rows_)}),
             "input_margin": jit.input_margin,
+            "kl_cap": getattr(jit, "kl_cap", None),
             "guard_note": unguarded_note(jit),
             "oracle": {"kind": oracle_kind(jit.oracle)},
             "audit": {"enabled": audit is not None and not isinstance(jit.oracle, ClientOracle),
