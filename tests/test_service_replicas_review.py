@@ -694,13 +694,18 @@ def test_redis_timeout_during_append_then_retry_counts_once(store_dir, tmp_path,
         b.abandon()
 
 
-def test_jit_response_version_and_what_its_predicted_rows_reflect(store_dir, tmp_path):
+@pytest.mark.parametrize("aside", [False, True])
+def test_jit_response_version_and_what_its_predicted_rows_reflect(store_dir, tmp_path, aside):
     """The documented semantics of jit on a replica (service/README.md): the answer is the one
     the operator at the version just before the request's own record gives, and ``version`` is
     the state after that record.  Replica A takes a jit request; between its answer and its
     append, B appends an observation (A's compare-and-set loses): A undoes what it learned,
-    merges B's record and answers again, so its answer is that of version 1, its version 2."""
+    merges B's record and answers again, so its answer is that of version 1, its version 2.
+    ``aside``: a request of ASIDE_ROWS messages, answered by a copy of the JIT, which A drops."""
     import copy
+
+    from service.store import ASIDE_ROWS
+    from test_service_observe_aside import _far
 
     shared_dir = tmp_path / "shared"
     sa = DirectorySharedLog(shared_dir)
@@ -716,7 +721,7 @@ def test_jit_response_version_and_what_its_predicted_rows_reflect(store_dir, tmp
             return real_append(name, expected, record)
 
         sa.append = append
-        test = probe("logistic", 20, seed=122)
+        test = _far(ASIDE_ROWS, 33) if aside else probe("logistic", 20, seed=122)
         q, logvar, consulted, version, n_learned = a.get(NAME).predict(test, "jit")
         sa.append = real_append
         assert consulted.any() and not consulted.all() and raced
@@ -853,49 +858,6 @@ def test_a_long_jit_request_on_a_replica_is_answered_aside_bit_identically(store
         b.get(NAME).merge()
         pa, pb = _predict(a, test), _predict(b, test)
         assert pa[3] == pb[3] == 1 and _same_prediction(pa, pb)
-    finally:
-        a.abandon()
-        b.abandon()
-
-
-def test_a_long_jit_request_on_a_replica_that_loses_its_place_answers_again_from_the_new_state(
-        store_dir, tmp_path):
-    """As in place (the test above this section's): B appends while A's copy answers; A drops the copy, applies
-    B's record and answers again — its answer that of version 1, its version 2, and the served JIT never held
-    anything the log does not."""
-    import copy
-
-    from service.store import ASIDE_ROWS
-    from test_service_observe_aside import _far
-
-    shared_dir = tmp_path / "shared"
-    sa = DirectorySharedLog(shared_dir)
-    a = _open(store_dir, sa)
-    b = _open(tmp_path / "b", DirectorySharedLog(shared_dir))
-    try:
-        real_append = sa.append
-        raced = []
-
-        def append(name, expected, record):
-            if not raced:
-                raced.append(_observe(b, *_oracle_pairs(1, rows=2, seed=141)[0]))
-            return real_append(name, expected, record)
-
-        sa.append = append
-        inc = _far(ASIDE_ROWS, 33)
-        q, logvar, consulted, version, n_learned = a.get(NAME).predict(inc, "jit")
-        sa.append = real_append
-        assert consulted.any() and raced
-        at_v1 = copy.deepcopy(b.get(NAME).jit)
-        assert version == 2 and n_learned == (consulted & ~at_v1.outside_rows(inc)).sum()
-        q1, lv1, c1 = at_v1.predict(inc)
-        np.testing.assert_array_equal(c1, consulted)
-        np.testing.assert_array_equal(q1.mean(), q.mean())
-        np.testing.assert_array_equal(lv1, logvar)
-        b.get(NAME).merge()
-        test = probe("logistic", 20, seed=142)
-        pa, pb = _predict(a, test), _predict(b, test)
-        assert pa[3] == pb[3] == 2 and _same_prediction(pa, pb)
     finally:
         a.abandon()
         b.abandon()
