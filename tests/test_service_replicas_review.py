@@ -55,6 +55,13 @@ def _same_prediction(a, b):
     return all(np.array_equal(x, y) for x, y in zip(a[:3], b[:3]))
 
 
+def _merged_alike(a, b, test, version):
+    """B merges the shared log: both replicas then predict ``test`` bit for bit alike, at ``version``."""
+    b.get(NAME).merge()
+    pa, pb = _predict(a, test), _predict(b, test)
+    assert pa[3] == pb[3] == version and _same_prediction(pa, pb)
+
+
 # ------------------------------------------------------------------------------ the log shorter than the version
 def test_update_when_shared_log_lost_its_tail_fails_instead_of_spinning(store_dir, tmp_path):
     """The shared log loses records this replica already applied (a Redis restarted without
@@ -733,10 +740,7 @@ def test_jit_response_version_and_what_its_predicted_rows_reflect(store_dir, tmp
         np.testing.assert_array_equal(c1, consulted)
         np.testing.assert_array_equal(q1.mean(), q.mean())
         np.testing.assert_array_equal(lv1, logvar)
-        # and after merging, B is A bit for bit
-        b.get(NAME).merge()
-        pa, pb = _predict(a, test), _predict(b, test)
-        assert pa[3] == pb[3] == 2 and _same_prediction(pa, pb)
+        _merged_alike(a, b, test, 2)  # (and after merging, B is A bit for bit)
     finally:
         a.abandon()
         b.abandon()
@@ -855,9 +859,7 @@ def test_a_long_jit_request_on_a_replica_is_answered_aside_bit_identically(store
             np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(_predict(a, test)[0], ref.operator.predict(test)[0].mean())
         assert ea.jit.counters()["consultations"] == ref.counters()["consultations"]
-        b.get(NAME).merge()
-        pa, pb = _predict(a, test), _predict(b, test)
-        assert pa[3] == pb[3] == 1 and _same_prediction(pa, pb)
+        _merged_alike(a, b, test, 1)
     finally:
         a.abandon()
         b.abandon()
@@ -918,9 +920,7 @@ def test_a_long_observation_on_a_replica_is_learned_aside_bit_identically(store_
         assert out["r"] == (1, keep.size, False) and ea.jit is not served
         np.testing.assert_array_equal(_predict(a, test)[0], ref.operator.predict(test)[0].mean())
         assert _observe(a, inc, q, key="k-long") == (1, keep.size, True)
-        b.get(NAME).merge()
-        pa, pb = _predict(a, test), _predict(b, test)
-        assert pa[3] == pb[3] == 1 and _same_prediction(pa, pb)
+        _merged_alike(a, b, test, 1)
     finally:
         a.abandon()
         b.abandon()
