@@ -924,3 +924,39 @@ def test_a_long_observation_on_a_replica_is_learned_aside_bit_identically(store_
     finally:
         a.abandon()
         b.abandon()
+
+
+@pytest.mark.parametrize("aside", [False, True])
+def test_a_lost_append_reply_leaves_the_samplers_stream_where_the_request_left_it(store_dir, pristine_store,
+                                                                                   tmp_path, aside):
+    """A jit request's append lands but its reply is lost: the catch-up applies the record from the log, and the
+    served sampler's generator is where answering the request left it — as a local JIT's answering the same batch
+    (aside, the copy that answered is dropped: found in review, its generator went with it, and the next request
+    drew again the particles whose answers had just been learned)."""
+    import copy
+
+    from kjit.factors import Logistic
+    from kjit.oracles import ImportanceSamplingOracle
+    from service.store import ASIDE_ROWS
+
+    sa = DirectorySharedLog(tmp_path / "shared")
+    a = _open(store_dir, sa)
+    try:
+        ea = a.get(NAME)
+        ea.jit.oracle = ImportanceSamplingOracle(Logistic(), n_samples=20000, random_state=0)
+        ea.jit.threshold = -1e3  # (every row consulted)
+        local, before = copy.deepcopy(ea.jit), ea.jit.oracle_state()
+        real_append = sa.append
+
+        def append(name, expected, record):
+            assert real_append(name, expected, record)
+            sa.append = real_append
+            raise SharedLogError("Timeout reading from socket")
+
+        sa.append = append
+        inc = probe("logistic", ASIDE_ROWS if aside else 20, seed=31)
+        version = ea.predict(inc, "jit")[3]
+        local.predict(inc)
+        assert version == 1 and ea.jit.oracle_state() == local.oracle_state() != before
+    finally:
+        a.abandon()

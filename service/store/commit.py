@@ -418,6 +418,11 @@ class Replicated:
                     return q, logvar, consulted, e.version, 0, cert
                 rec["seq"], rec["rid"] = e.version + 1, rid
                 ok, found = self._place(rec, before_catch_up=None if aside else jit.revert_last_, locked=exclusive)
+                if aside and not ok:  # the copy is dropped, its sampler's stream kept: as in place, the generator
+                    # goes on past the particles drawn (found in review: a lost reply left the served sampler to
+                    # draw again the particles whose answers the catch-up had just learned)
+                    with exclusive():
+                        self._keep_oracle_stream(jit)
                 if found is not None:  # it landed after all; the catch-up applied it from the log, and any
                     # records after it (another replica's): the answer is the state before it (found by an
                     # audit: the response named the later version)
@@ -433,6 +438,12 @@ class Replicated:
                     jit.revert_last_()  # another replica's update came first (a copy is dropped)
             raise PersistError(f"the shared log of {e.name!r} kept changing: {self.MAX_APPEND_ATTEMPTS} appends "
                                f"were refused; nothing was learned")
+
+    def _keep_oracle_stream(self, jit) -> None:
+        """The served JIT's oracle goes on from where ``jit``'s (a copy's) left it (exclusive lock held)."""
+        state = jit.oracle_state()
+        if state is not None:
+            self.entry.jit.set_oracle_state(state)
 
     def _catch_up_for_update(self, rid: str | None = None) -> dict | None:
         """:meth:`catch_up` before an update, its failures as the update's (the exclusive lock held)."""
