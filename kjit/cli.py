@@ -319,7 +319,9 @@ def _train(args) -> int:
         support = calibration_support(np.count_nonzero(~op.gated_rows(held.incoming)))
         threshold = calibrate_threshold(op, held, args.target_kl, min_support=support)
         kl = held.beliefs.kl(op.belief(held.incoming))
-        failed = int(held.meta.get("n_failed", 0)) if held.meta else 0
+        # (the pairs the oracle could not answer: counted where this run drew them; a file's split carries the
+        # whole file's count — found in review)
+        failed = int(held.meta.get("n_failed", 0)) if held.meta and not args.pairs else 0
         unanswered = f" ({failed} more the oracle could not answer)" if failed else ""
         print(f"held-out mean KL {kl.mean():.3g} (median {np.median(kl):.3g}) on {len(held)} pairs{unanswered}; "
               f"JIT threshold {threshold:.3f}")
@@ -331,7 +333,7 @@ def _train(args) -> int:
         # whose own variances imply an expected KL above the target, whatever the threshold admits
         out = guarded_jit(op, oracle, threshold, ts, held, kl_cap=args.target_kl)  # (a row's own expected KL)
         share = float(np.mean(np.asarray(out.screen(held.incoming)[2], bool)))
-        print(f"mode=jit consults {share:.1%} of the held-out messages (threshold, sign test, guards)")
+        print(f"mode=jit consults {share:.1%} of the held-out messages (threshold, sign test, guards, KL cap)")
     save_operator(out, args.out)
     print(f"saved {type(out).__name__} to {args.out}")
     return 0
@@ -444,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--treatment", choices=["unconstrained", "gaussian", "exact"], default="unconstrained")
     t.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     t.add_argument("--jit", action="store_true", help="save a JITOperator with a calibrated threshold")
-    t.add_argument("--target-kl", type=float, default=1e-3, help="with --jit: mean KL of confident predictions")
+    t.add_argument("--target-kl", type=float, default=1e-3, help="with --jit: mean KL of confident predictions, and the cap of each one's expected KL")
     t.add_argument("--jobs", type=int, default=1, help="parallel oracle jobs (joblib)")
     t.add_argument("--scheduler", metavar="tcp://HOST:PORT",
                    help="generate the oracle pairs on this Dask cluster (joblib's dask backend; needs kjit[dask] "

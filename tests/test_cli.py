@@ -400,3 +400,21 @@ def test_a_server_default_training_size_below_four_is_refused_before_the_first_s
     with pytest.raises(ValueError, match=r"`default_n_train` \(--n-train, KJIT_DEFAULT_N_TRAIN\) must be >= 4"):
         Settings(store=tmp_path / "store", default_n_train=n)
     assert Settings(store=tmp_path / "store", default_n_train=4).default_n_train == 4
+
+
+def test_train_jit_from_pairs_does_not_report_the_files_oracle_failures_as_the_held_out_pairs(tmp_path, capsys):
+    """--pairs F --jit holds out pairs of the file: the oracle failures its run counted are not those pairs' (found
+    in review: "on 200 pairs (136 more the oracle could not answer)" for a file whose run dropped 136)."""
+    from kjit.factors import get_factor
+    from kjit.oracles import QuadratureOracle
+    from kjit.training import TrainingSet, make_training_set
+
+    factor = get_factor("compound_gamma")
+    ts = make_training_set(factor, "tau", factor.default_incoming, QuadratureOracle(factor), n=400, random_state=3)
+    ts = TrainingSet(ts.factor, ts.to, ts.incoming, ts.beliefs, ts.factor_params, {**ts.meta, "n_failed": 136})
+    ts.save(tmp_path / "pairs.npz")
+    assert TrainingSet.load(tmp_path / "pairs.npz").meta["n_failed"] == 136
+    assert main(["train", "compound_gamma", "--to", "tau", "--pairs", str(tmp_path / "pairs.npz"), "--d-in", "30",
+                 "--d-out", "60", "--jit", "--target-kl", "1e-2", "--quiet", "--out", str(tmp_path / "j.npz")]) == 0
+    out = capsys.readouterr().out
+    assert "on 200 pairs;" in out and "could not answer" not in out
