@@ -332,17 +332,19 @@ class Replicated:
         the same code as every other replica's records (``apply`` is not used: bit-identical states).
         ``aside``: under the update lock (readers go on), the record is learned by a copy of the JIT once it is in
         the shared log, and the copy served for an instant after (``Standalone.update``'s, for the same reason)."""
-        e = self.entry
-        with e.lock.update() if aside else e.lock.write():
-            return self._commit(make, uuid.uuid4().hex, e.lock.upgrade if aside else None)
+        with self.entry.lock.update() if aside else self.entry.lock.write():
+            return self._commit(make, uuid.uuid4().hex, aside)
 
-    def _commit(self, make: MakeRecord, rid: str, exclusive=None) -> dict | None:
-        """``exclusive``: None with the exclusive lock held; else the update lock is, and ``exclusive()`` is held
-        wherever the served JIT changes."""
+    def _exclusive(self, aside: bool):
+        """What makes a change of the served JIT exclusive: the upgrade of the update lock an aside update holds;
+        nothing more under the exclusive lock the others hold."""
+        return self.entry.lock.upgrade if aside else contextlib.nullcontext
+
+    def _commit(self, make: MakeRecord, rid: str, aside: bool = False) -> dict | None:
         e = self.entry
-        locked = exclusive or contextlib.nullcontext
+        exclusive = self._exclusive(aside)
         for _ in range(self.MAX_APPEND_ATTEMPTS):
-            with locked():
+            with exclusive():
                 found = self._catch_up_for_update(rid)
             if found is not None:
                 return found
@@ -350,18 +352,18 @@ class Replicated:
             if rec is None:
                 return None
             rec["seq"], rec["rid"] = e.version + 1, rid
-            ok, found = self._place(rec, locked=locked)
+            ok, found = self._place(rec, locked=exclusive)
             if found is not None:
                 return found
             if ok:
                 try:  # (aside: learned by a copy while readers go on with the served JIT, served once it has)
-                    new = e.jit if exclusive is None else copy.deepcopy(e.jit)
+                    new = copy.deepcopy(e.jit) if aside else e.jit
                     n = e._learn_record(new, rec)
                 except Exception as exc:  # the record is in the shared log: the rebuilt state has it
-                    with locked():
+                    with exclusive():
                         e._recover(f"an update failed half-way ({type(exc).__name__}: {exc})", recorded=True)
                     return rec
-                with locked():
+                with exclusive():
                     e.jit = new
                     e._account(rec, n)
                     e.last_rid = rid
@@ -402,8 +404,7 @@ class Replicated:
         e = self.entry
         rid = uuid.uuid4().hex
         aside = len(next(iter(incoming.values()))) >= ASIDE_ROWS
-        # aside: the update lock (readers go on), exclusive only while the served JIT changes
-        exclusive = e.lock.upgrade if aside else contextlib.nullcontext
+        exclusive = self._exclusive(aside)  # (aside: the update lock, readers go on, but while the JIT changes)
         with e.lock.update() if aside else e.lock.write():
             for _ in range(self.MAX_APPEND_ATTEMPTS):
                 with exclusive():
