@@ -446,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--treatment", choices=["unconstrained", "gaussian", "exact"], default="unconstrained")
     t.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     t.add_argument("--jit", action="store_true", help="save a JITOperator with a calibrated threshold")
-    t.add_argument("--target-kl", type=float, default=1e-3, help="with --jit: mean KL of confident predictions, and the cap of each one's expected KL")
+    t.add_argument("--target-kl", type=float, default=1e-3,
+                   help="with --jit: mean KL of confident predictions, and the cap of each one's expected KL")
     t.add_argument("--jobs", type=int, default=1, help="parallel oracle jobs (joblib)")
     t.add_argument("--scheduler", metavar="tcp://HOST:PORT",
                    help="generate the oracle pairs on this Dask cluster (joblib's dask backend; needs kjit[dask] "

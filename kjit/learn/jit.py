@@ -570,13 +570,13 @@ class JITOperator(Operator):
         if self.operator is None:
             raise ValueError("no operator yet: the initial batch goes to the oracle")
         op = self.operator
-        (coords, var, psi, logw), flat, shape = op._predict_coords(incoming, return_var=True, return_features=True,
-                                                                   return_weights=True)
+        (coords, var, psi, logw, base), flat, shape = op._predict_coords(
+            incoming, return_var=True, return_features=True, return_weights=True, return_base=True)
         q = op._to_belief(coords, flat, shape)
         k = coords.shape[-1]
         c2, v2 = coords.reshape(-1, k), var.reshape(-1, k)
         decision = self._decision(flat, c2, v2, logw)
-        uncertain = self._uncertain(flat, c2, decision, psi, var=v2, budget="rank")
+        uncertain = self._uncertain(flat, c2, decision, psi, var=v2, budget="rank", base=base)
         return q, var, decision, uncertain.reshape(shape), flat, logw
 
     def _restore_initial(self, pending, n_pending, threshold, guard, guard_rows):
@@ -631,12 +631,11 @@ class JITOperator(Operator):
         """The fitted operator's answer for flat incoming messages (see :meth:`predict`)."""
         n = next(iter(flat.values())).size
         t = time.perf_counter()
-        coords, var, psi, logw = _named_rows(offset + np.arange(n), self.operator.predict_coords, flat,
-                                             return_var=True, return_features=True, return_weights=True)
+        coords, var, psi, logw, base = _named_rows(offset + np.arange(n), self._coords_and_base, flat)
         var = np.array(var)  # (its rows are brought up to date as the operator learns)
         logvar = self._decision(flat, coords, var, logw)
         self._counts["seconds_predict"] += time.perf_counter() - t
-        uncertain = self._uncertain(flat, coords, logvar, psi, var=var, budget="commit")
+        uncertain = self._uncertain(flat, coords, logvar, psi, var=var, budget="commit", base=base)
         consulted = np.zeros(n, dtype=bool)
         answers = []  # (row indices, oracle beliefs, the rows of them learned)
         rounds = 0
@@ -705,12 +704,11 @@ class JITOperator(Operator):
                 # it is now confident about them (checked, not assumed)
                 t = time.perf_counter()
                 flat_rest = {v: m[rest] for v, m in flat.items()}
-                c2, v2, p2, w2 = _named_rows(offset + rest, self.operator.predict_coords, flat_rest, return_var=True,
-                                             return_features=True, return_weights=True)
+                c2, v2, p2, w2, b2 = _named_rows(offset + rest, self._coords_and_base, flat_rest)
                 self._counts["seconds_predict"] += time.perf_counter() - t
                 coords[rest], logvar[rest], psi[rest], logw[rest] = c2, self._decision(flat_rest, c2, v2, w2), p2, w2
                 var[rest] = v2
-                uncertain[rest] = self._uncertain(flat_rest, c2, logvar[rest], p2, var=v2)
+                uncertain[rest] = self._uncertain(flat_rest, c2, logvar[rest], p2, var=v2, base=b2)
             rounds += 1
         # the rows learned by each partial_fit, in order: replaying the pairs group by group
         # reproduces the operator bit for bit (the service's update log does)
@@ -828,7 +826,12 @@ class JITOperator(Operator):
         # as counts of nearby rows (see density_guard): d n_now < guard n_then
         return op._density(psi) * op.n_train_ < self.density_guard * self.guard_rows_
 
-    def _uncertain(self, flat, coords, decision, psi=None, var=None, budget=None):
+    def _coords_and_base(self, flat):
+        """``predict_coords(flat, return_var=True, return_features=True, return_weights=True)`` and the reference
+        coordinates of the targets (for :meth:`_capped`, which would compute them again)."""
+        return self.operator._predict_coords(flat, True, True, return_weights=True, return_base=True)[0]
+
+    def _uncertain(self, flat, coords, decision, psi=None, var=None, budget=None, base=None):
         """Rows to consult: ``decision`` (n, k) — :meth:`_decision`'s, what the threshold applies to —
         exceeds the threshold in some coordinate, or the outgoing message's
         precision has an undetermined sign (:func:`sign_undetermined`: what EP consumes is the
@@ -837,6 +840,7 @@ class JITOperator(Operator):
         the guard (features ``psi``; none given: no guard) or its inputs beyond the input margin.
         ``var``: the predictive variances (n, k); none given (the tests' shortcut), ``decision`` must be
         a variance rule's unweighted log variance, which gives them.
+        ``base``: the targets' reference coordinates (n, k), if at hand (:meth:`_capped` reads them).
         ``budget`` (with a ``budget``): "rank" ranks these rows' scores among the recent ones
         (:meth:`_rank`) and keeps the threshold it used in ``screened_threshold_`` (a screen), "commit"
         sets ``threshold`` to it and keeps the scores as recent (a request); None: ``threshold`` as it
@@ -859,7 +863,7 @@ class JITOperator(Operator):
         if outside is not None:
             always = always | outside
         if var is not None:
-            always = always | self._capped(flat, coords, var)
+            always = always | self._capped(flat, coords, var, base)
         if self.budget is not None and budget is not None:
             # a NaN score is no prediction: consulted whatever the rank or the credit (found in review: the
             # credit could refuse one), as are the rows above the level
@@ -882,19 +886,22 @@ class JITOperator(Operator):
             return ranked
         return above_threshold(decision, self.threshold) | always
 
-    def _capped(self, flat, coords, var) -> np.ndarray:
+    def _capped(self, flat, coords, var, base=None) -> np.ndarray:
         """(n,) the rows whose predictive variances ``var`` (n, k), at the predicted coordinates ``coords`` of the
-        flat messages ``flat``, imply an expected KL above ``kl_cap`` (none without a cap; a variance that is not
-        a number is above it).  The variances an oracle answer can settle: all of them where the oracle is an exact
-        rule (``certificate_source`` "rule": the regression's noise is then its misfit, which the exact answer
-        removes); their epistemic part, above the regression's noise, where it samples (an operator learned from a
-        sampler's answers has the sampler's noise in its floor, which consulting the sampler again does not
-        lower — as the sign test reads it)."""
+        flat messages ``flat`` (``base``: their targets' reference coordinates, if at hand), imply an expected KL
+        above ``kl_cap`` (none without a cap; a variance that is not a number is above it).  The variances an
+        oracle answer can settle: all of them where the oracle is an exact rule (``certificate_source`` "rule":
+        the regression's noise is then its misfit, which the exact answer removes); their epistemic part, above
+        the regression's noise, where it samples (an operator learned from a sampler's answers has the sampler's
+        noise in its floor, which consulting the sampler again does not lower — as the sign test reads it)."""
         n = len(coords)
         if self.kl_cap is None or n == 0:
             return np.zeros(n, dtype=bool)
         op = self.operator
-        base = op._reference(flat) if op.target == "relative" else None
+        if op.target != "relative":
+            base = None
+        elif base is None:
+            base = op._reference(flat)
         v = np.asarray(var, np.float64)
         with np.errstate(all="ignore"):
             if getattr(self.oracle, "certificate_source", "oracle") != "rule":

@@ -948,8 +948,9 @@ class KernelOperator(Operator):
         reference where the targets are)."""
         return self._predict_coords(incoming, return_var, return_features, return_weights)[0]
 
-    def _predict_coords(self, incoming, return_var, return_features, return_weights=False):
-        """``(predict_coords' answer, validated flat incoming messages, batch shape)``."""
+    def _predict_coords(self, incoming, return_var, return_features, return_weights=False, return_base=False):
+        """``(predict_coords' answer, validated flat incoming messages, batch shape)``; ``return_base``: the answer
+        ends with the reference coordinates (n, k) of the targets (:meth:`_reference`) too."""
         self._check_fitted()
         messages, shape, inc = self._messages(incoming)
         flat = {v: m.ravel() for v, m in inc.items()}
@@ -958,11 +959,11 @@ class KernelOperator(Operator):
             z, v = self.blr_.predict(psi, return_var=True, dtype=self.dtype)
         else:
             z, v = self.blr_.predict(psi, dtype=self.dtype), None
-        return (self._finish_coords(z, v, psi, flat, inc, shape, return_features, return_weights=return_weights),
-                flat, shape)
+        return (self._finish_coords(z, v, psi, flat, inc, shape, return_features, return_weights=return_weights,
+                                    return_base=return_base), flat, shape)
 
     def _finish_coords(self, z, v, psi, flat, inc, shape, return_features, error_log=None, bounds=None,
-                       return_weights=False):
+                       return_weights=False, return_base=False):
         """predict_coords' answer from the regression's standardised means ``z`` and latent
         predictive variances ``v`` (None: no variances) at features ``psi``; ``error_log``: the
         error model's log variances (n, k) where not its own prediction at ``psi`` (held-out rows);
@@ -1019,7 +1020,7 @@ class KernelOperator(Operator):
         out = (coords, var, psi) if return_features else (coords, var)
         if return_weights:
             out = out + (self._log_weights(coords.reshape(-1, len(self.y_mean_)), base),)
-        return out
+        return out + (base,) if return_base else out
 
     @property
     def learned_curvature_(self):
