@@ -397,7 +397,8 @@ class OperatorDetail(OperatorSummary):
         None, description="the operator's expected-KL cap (kjit.operators.JITOperator, `kl_cap`): a message whose "
                           "epistemic variances imply a larger expected KL at the predicted belief is consulted in "
                           "mode=jit and marked `uncertain` in mode=predict whatever its threshold; null for an "
-                          "operator without one (trained before the forty-fifth session, or created with none)")
+                          "operator without one (created with none, or published without a training request; one "
+                          "this service trained before the cap existed is served with it)")
     guard_note: str | None = Field(
         None, description="for an operator with neither a density guard nor an input margin (trained before the "
                           "fortieth session, or not by the service): what that means and what to do; null otherwise")

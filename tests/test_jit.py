@@ -1251,3 +1251,37 @@ def test_the_service_caps_each_rows_expected_kl_and_its_probit_operator_is_no_lo
     assert confident.mean() > 0.7 and kl[confident].max() < 1e-2
     # the job's figure says what it costs: the share of held-out messages mode=jit consults
     assert 0.0 < info["held_out_consulted_share"] < 0.5
+
+
+def test_an_operator_the_service_trained_before_the_cap_is_served_with_it(tmp_path, caplog):
+    """Stores trained before the forty-fifth session hold operators without ``kl_cap``: one the service trained
+    (its meta's training request names no cap) is served with ``KL_CAP`` from its next load, said in the log; one
+    created since with ``kl_cap`` null, or published without a training request, is served as it was given."""
+    import json
+    import logging
+
+    from service.store import OperatorStore
+    from service.training import KL_CAP, TrainSpec, train_operator
+
+    spec = TrainSpec("logistic", "x", n=300, n_inner=50, n_outer=100, random_state=0, n_jobs=1)
+    store = OperatorStore(tmp_path / "store")
+    store.open()
+    for name, source in (("old-x", {k: v for k, v in spec.describe().items() if k != "kl_cap"}),
+                         ("uncapped-x", {**spec.describe(), "kl_cap": None}), ("given-x", None)):
+        jit, _, info = train_operator(spec)
+        jit.kl_cap = None
+        store.create(name, jit, {"training": info, **({"source": source} if source is not None else {})})
+    store.close()
+    meta = json.loads((tmp_path / "store" / "operators" / "old-x" / "meta.json").read_text())
+    assert "kl_cap" not in meta["source"] and meta["source"]["n_inner"] == 50
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        store = OperatorStore(tmp_path / "store")
+        store.open()
+        store.load_all()
+    try:
+        assert store.get("old-x").jit.kl_cap == KL_CAP
+        assert store.get("uncapped-x").jit.kl_cap is None and store.get("given-x").jit.kl_cap is None
+        assert sum("before the expected-KL cap" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        store.close()

@@ -22,6 +22,7 @@ from ..audit import AuditStats
 from ..files import write_atomic
 from ..locks import RWLock
 from ..schemas import PARAM_MAX
+from ..training import KL_CAP
 from ..validation import NUMERIC_ERRORS, bad_output_rows
 from . import describe
 from .blas import one_blas_thread
@@ -121,6 +122,10 @@ class Entry:
             raise ValueError(f"{source}: cannot serve an operator of kind {kind!r}")
         if jit.operator is None:
             raise ValueError(f"{source}: the operator has no learned model yet; the store serves fitted operators")
+        if getattr(jit, "kl_cap", None) is None and _trained_before_the_cap(self.meta):
+            jit.kl_cap = KL_CAP  # (this service's policy, which its training then could not record)
+            log.warning("operator %s: trained by this service before the expected-KL cap existed: served with "
+                        "kl_cap %g (service.training.KL_CAP)", self.name, KL_CAP)
         svc = state.get("service", {})
         self.jit = jit
         self.version = self.snapshot_version = int(svc.get("version", 0))
@@ -509,3 +514,11 @@ def self_test(jit: JITOperator) -> None:
     if big > PARAM_MAX:
         raise ValueError(f"the operator cannot predict ordinary messages: its beliefs have parameters of "
                          f"{big:.3g}, beyond the range requests may carry ({PARAM_MAX:g})")
+
+
+def _trained_before_the_cap(meta) -> bool:
+    """An operator this service trained before the forty-fifth session, when ``JITOperator(kl_cap=)`` came: its
+    training request (the meta's ``source``) names no ``kl_cap`` — one trained since names it (null: created
+    without a cap, and so kept); an operator published without a training request (no ``source``) is as given."""
+    src = meta.get("source")
+    return isinstance(src, dict) and "kl_cap" not in src
