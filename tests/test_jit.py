@@ -1241,9 +1241,11 @@ def test_the_service_caps_each_rows_expected_kl_and_its_probit_operator_is_no_lo
     Exact answers from the factor's quadrature rule."""
     from service.training import KL_CAP, TARGET_KL, TrainSpec, train_operator
 
+    from service.schemas import TrainRequest
+
     jit, _, info = train_operator(TrainSpec("probit_noise", "f", n=1000, n_inner=100, n_outer=200, random_state=0,
                                             n_jobs=1))
-    assert jit.kl_cap == KL_CAP == TARGET_KL
+    assert jit.kl_cap == KL_CAP == TARGET_KL == TrainRequest.model_fields["kl_cap"].default  # (a request's default)
     inc = jit.factor.default_incoming(3000, np.random.default_rng(777))
     q, cert, uncertain = jit.screen_certified(inc)
     confident = np.asarray(cert.confident) & ~np.asarray(uncertain)
