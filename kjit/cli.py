@@ -229,7 +229,8 @@ def _train(args) -> int:
     import time
 
     from .factors import get_factor, import_factor_modules
-    from .operators import KernelOperator, calibrate_threshold, calibration_support, guarded_jit
+    from .operators import (KernelOperator, calibrate_threshold, calibration_support, capped_reference_gate,
+                            guarded_jit)
     from .oracles import make_oracle, resolve_oracle_kind
     from .persistence import save_operator
     from .training import HELD_OUT_STREAM, TrainingSet, make_training_set
@@ -310,6 +311,7 @@ def _train(args) -> int:
     print(f"{len(ts)} training pairs ({time.perf_counter() - t:.1f} s); fitting D_in={args.d_in}, D_out={args.d_out} ...",
           flush=True)
     op = KernelOperator(factor, args.to, n_inner=args.d_in, n_outer=args.d_out, treatment=args.treatment,
+                        reference_gate=capped_reference_gate(factor, args.target_kl) if args.jit else "auto",
                         random_state=args.seed, dtype=args.dtype).fit(ts)
     hp = op.hyperparameters()
     print(f"fitted in {op.fit_seconds_:.1f} s: inner width factor {hp['inner_factor']:g}, outer {hp['width_factor']:g}, "

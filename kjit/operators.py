@@ -10,7 +10,8 @@ re-exports their public names, the path users import them by
 (a test's monkeypatch), patch the module that calls it, not this one.
 """
 
-from .learn.kernel_operator import (ApproximationOverflowError, DEFAULT_NOISE_VARS, DEFAULT_PRIOR_VARS,
+from .learn.kernel_operator import (CAPPED_GATE_MARGIN, ApproximationOverflowError, DEFAULT_NOISE_VARS,
+                                    DEFAULT_PRIOR_VARS,
                                     ERROR_MODEL_CANDIDATES, ERROR_MODEL_FOLDS, ERROR_MODEL_MODES,
                                     ERROR_MODEL_NOISE_VARS, ERROR_MODEL_PRIOR_VARS, KernelOperator,
                                     LEARN_RANGE_FACTOR, MIN_TARGET_SCALE, PredictionOverflowError, REFERENCE_GATE,
@@ -18,7 +19,8 @@ from .learn.kernel_operator import (ApproximationOverflowError, DEFAULT_NOISE_VA
                                     SEARCH_SIZE, SIGN_Z, TARGET_RANGE_MARGIN, TargetsNotFiniteError,
                                     TargetsOutOfRangeError, UNCERTAINTY_CHOICES, UNCERTAINTY_SCALARS, WIDTH_RULES,
                                     fit_log_variance, flagged_share_needed, flagged_share_to_catch, group_index,
-                                    predict_log_variance, respect_factor_bounds, sign_undetermined)
+                                    predict_log_variance, respect_factor_bounds, sign_undetermined,
+                                    capped_reference_gate)
 from .learn.calibration import (CALIBRATION_MIN_ROWS, CALIBRATION_SUPPORT, UNATTAINABLE, BudgetUnattainableWarning,
                                 budget_threshold, calibrate_threshold, calibration_support, density_guard,
                                 kl_model_threshold, tolerance_threshold)
@@ -27,7 +29,8 @@ from .learn.ensemble import ENSEMBLE_HYPERPARAMETERS, KernelEnsemble
 from .learn.consultation import greedy_consultations
 from .learn.jit import GUARD_SHARE, INITIAL_BATCH_CAP, INPUT_MARGIN, JITOperator, OPERATOR_KINDS, guarded_jit
 
-__all__ = ["ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VARS", "ERROR_MODEL_CANDIDATES",
+__all__ = ["CAPPED_GATE_MARGIN", "capped_reference_gate",
+           "ApproximationOverflowError", "DEFAULT_NOISE_VARS", "DEFAULT_PRIOR_VARS", "ERROR_MODEL_CANDIDATES",
            "ERROR_MODEL_FOLDS", "ERROR_MODEL_MODES", "ERROR_MODEL_NOISE_VARS", "ERROR_MODEL_PRIOR_VARS",
            "KernelOperator", "LEARN_RANGE_FACTOR", "MIN_TARGET_SCALE", "PredictionOverflowError", "REFERENCE_GATE",
            "REFERENCES", "SEARCH_SIZE", "SIGN_Z", "TARGET_RANGE_MARGIN", "TargetsNotFiniteError",

@@ -39,6 +39,13 @@ whatever the threshold (``JITOperator(kl_cap=)``): the threshold is calibrated o
 a handful of rows with a concentrated belief, whose error of one sd costs thousands of times a typical row's KL,
 passed it (probit_noise → f: confident answers up to KL 0.88, 4.4 in mode=jit).
 
+Where the factor's check of its reference holds further than ``REFERENCE_GATE`` (``Factor.reference_check_holds``:
+product's, to 1e-2), an operator trained with a cap answers by the reference alone the rows whose checked error is
+at most a tenth of the cap (``kjit.operators.capped_reference_gate``; a gated answer's variance is that estimate, so
+the cap still sees it): the default product operators consulted 61 / 61 / 59 % of fresh default messages before,
+24 / 24 / 18 % after (x / y / z), their confident answers' largest KL under 1e-4 (forty-sixth session,
+``benchmarks/served_defaults.py``).
+
 The job's result also gives ``held_out_consulted_share``: the share of the held-out pairs the operator's
 just-in-time rule would send to the oracle (threshold, sign test, guards) — what to expect of messages like the
 training ones — and, at ``CONSULTATION_NOTE_SHARE`` (half) or more, a ``consultation_note`` saying so.
@@ -76,7 +83,7 @@ import numpy as np
 from kjit.factors import Factor, get_factor, registered_factors
 from kjit.families import Family
 from kjit.operators import (GUARD_SHARE, INPUT_MARGIN, KernelOperator, calibrate_threshold,  # noqa: F401
-                            calibration_support, guarded_jit)
+                            calibration_support, capped_reference_gate, guarded_jit)
 from kjit.oracles import ClientOracle, make_oracle, resolve_oracle_kind
 from kjit.training import (DEFAULT_DISTRIBUTIONS, HELD_OUT_STREAM, TrainingSet, default_incoming,  # noqa: F401
                            make_training_set)
@@ -296,8 +303,11 @@ def train_operator(spec: TrainSpec, progress: Progress | None = None):
             held_out = _oracle_pairs(spec, factor, oracle, held_inc, progress, "held_out")
     if progress:
         progress("fit", 0, 1)
+    # (where the factor's check of its reference holds, the reference answers the rows it checks to within the cap:
+    # capped_reference_gate)
     op = KernelOperator(factor, spec.to, n_inner=spec.n_inner, n_outer=spec.n_outer,
                         inner_factors=spec.inner_factors, width_factors=spec.width_factors,
+                        reference_gate=capped_reference_gate(factor, spec.kl_cap),
                         random_state=spec.random_state).fit(ts)
     info = {"n_train": len(ts), "n_failed": int(ts.meta.get("n_failed", 0)) if ts.meta else 0}
     if ts.meta and ts.meta.get("failures"):  # why the oracle failed on the dropped pairs (count and first, per cause)

@@ -817,3 +817,106 @@ def test_logistic_reference_of_a_batch_and_of_one_row_under_errstate_raise():
     assert one.mean()[0] == q.mean()[1] and one.var()[0] == q.var()[1]
     with pytest.raises(ValueError):
         f.approximate_belief({"x": Gaussian([[0.1]], [[1.0]]), "z": Beta([[2.0]], [[2.0]])}, "x")
+
+
+# ------------------------------------------------------------------ the mode check, and a gate as wide as it holds
+def test_multi_centre_gauss_hermite_is_exact_for_a_polynomial_times_the_centres_mixture():
+    """multi_centre_gauss_hermite: with the balance heuristic, w / Σ q_k is what each centre's rule integrates, so
+    for w = (polynomial of degree 4) × Σ q_k the moments E[t], E[t²] are exact with 4 nodes a centre — here a bimodal
+    density (centres 20 sds apart) whose moments are in closed form: E[t^k] under the mixture, k ≤ 6.  One
+    centre reproduces the single-Gaussian adaptive rule (gauss_hermite_log_base) up to a per-row constant."""
+    from kjit.factors.base import gauss_hermite, gauss_hermite_log_base, multi_centre_gauss_hermite
+    c = np.array([[-3.0, 4.0], [10.0, 10.5]])
+    s = np.array([[0.3, 1.5], [2.0, 0.1]])
+
+    def raw(k, m, v):  # E[t^k] under N(m, v), k ≤ 6
+        return [1.0, m, m * m + v, m**3 + 3 * m * v, m**4 + 6 * m * m * v + 3 * v * v,
+                m**5 + 10 * m**3 * v + 15 * m * v * v, m**6 + 15 * m**4 * v + 45 * m * m * v * v + 15 * v**3][k]
+
+    def log_w(t):  # (1 + t²)² × (q_1 + q_2)
+        lq = -0.5 * ((t[:, :, None] - c[:, None, :]) / s[:, None, :]) ** 2 - np.log(s)[:, None, :]
+        return 2.0 * np.log1p(t * t) + np.log(np.exp(lq).sum(axis=2))
+
+    t, lw = multi_centre_gauss_hermite(log_w, c, s, 4)
+    assert t.shape == lw.shape == (2, 8)
+    p = np.exp(lw - lw.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    for b in range(2):
+        def moment(k):  # ∫ t^k (1 + 2t² + t⁴) Σ_j N(t; c_j, s_j²) / normaliser
+            return sum(raw(k, m, v) + 2 * raw(k + 2, m, v) + raw(k + 4, m, v) if k <= 2 else 0.0
+                       for m, v in zip(c[b], s[b] ** 2))
+        z = moment(0)
+        for k in (1, 2):
+            np.testing.assert_allclose(np.sum(p[b] * t[b] ** k), moment(k) / z, rtol=1e-12)
+    # one centre: the adaptive rule's weights, up to a constant per row
+    xi = gauss_hermite(16)[0]
+    t1, lw1 = multi_centre_gauss_hermite(lambda t: -0.25 * t**4, np.array([[0.5]]), np.array([[0.8]]), 16)
+    np.testing.assert_allclose(t1[0], 0.5 + np.sqrt(2.0) * 0.8 * xi, rtol=1e-15)
+    d = lw1[0] - (gauss_hermite_log_base(16) - 0.25 * t1[0] ** 4)
+    np.testing.assert_allclose(d, d[0], rtol=0, atol=1e-12)
+
+
+def test_local_maxima_finds_both_modes_highest_first():
+    """local_maxima on log(0.3 N(−4, 0.5²) + 0.7 N(5, 1)) from candidates at both modes, the minimum between and
+    a point off every mode: the two modes, the higher first, each with the scale 1/√(−(log w)'') (the component's
+    sd, as the other component is negligible there); a unimodal row gives its mode twice; a row where no
+    candidate is a maximum keeps the first column."""
+    from kjit.factors.base import local_maxima
+
+    def log_w(t):
+        return np.logaddexp(np.log(0.3) - 0.5 * ((t + 4.0) / 0.5) ** 2 - np.log(0.5), np.log(0.7) - 0.5 * (t - 5.0) ** 2)
+
+    cand = np.array([[2.0, -4.0, 5.0, 0.2, np.nan], [-4.0, -4.0, np.nan, np.nan, np.nan],
+                     [1.0, 2.0, np.nan, np.nan, np.nan]])
+    c, s = local_maxima(log_w, cand, np.ones_like(cand))
+    np.testing.assert_allclose(c[0], [5.0, -4.0], atol=1e-9)
+    np.testing.assert_allclose(s[0], [1.0, 0.5], rtol=1e-5)
+    np.testing.assert_allclose(c[1], [-4.0, -4.0], atol=1e-9)
+    np.testing.assert_allclose(c[2], [1.0, 1.0])  # (none is a maximum: the first column, twice)
+
+
+def test_product_reference_check_holds_where_the_finer_rule_alone_missed_a_mode():
+    """Product.reference_error takes the larger of two checks: the finer rule on the reference's own stand-in,
+    which missed the same mode as the reference (on these 3 000 default messages, rows it estimated at most
+    1e-4 had the reference's KL to the exact rule up to 1.9 / 0.27 / 0.024 on x / y / z, 13 above 1e-3), and
+    the mode rule, nodes on each of the tilted density's two highest modes (5.5e-5 / 5.4e-5 / 7.8e-5).  The
+    estimate holds to ``reference_check_holds`` (1e-2): rows estimated at most 1e-4 must be under 1e-3 (KL about
+    the estimate's size: a tenfold margin), at most 1e-2 under 0.05 (measured 7.0e-3 / 4.6e-3 / 5.4e-3)."""
+    from kjit.factors.base import reference_change
+    f = get_factor("product")
+    assert f.reference_check_holds == 1e-2
+    inc = f.default_incoming(3000, np.random.default_rng(777))
+    for to in ("x", "y", "z"):
+        ref = f.approximate_belief(inc, to)
+        kl = f.exact_belief(inc, to).kl(ref)
+        est = f.reference_error(inc, to).max(axis=1)
+        assert np.max(kl[est <= 1e-4]) < 1e-3, to
+        assert np.max(kl[est <= 1e-2]) < 0.05, to
+        assert np.mean(est <= 1e-4) > 0.7, to  # (measured 0.77 / 0.77 / 0.81)
+        mode = f.mode_rule(inc, to)
+        np.testing.assert_array_equal(est, np.maximum(est, reference_change(f, inc, to, mode).max(axis=1)))
+        assert np.median(f.exact_belief(inc, to).kl(mode)) < 1e-10, to
+
+
+def test_capped_reference_gate():
+    """capped_reference_gate: the gate of an operator served with an expected-KL cap — REFERENCE_GATE_BAND ×
+    min(the factor's reference_check_holds, cap / CAPPED_GATE_MARGIN) where the factor declares how far its check
+    holds, "auto" where it does not (logistic, exp, gamma_rate, a user's factor) or without a cap; the service
+    trains its operators with it (the operator's hyperparameters say the gate)."""
+    from kjit.operators import REFERENCE_GATE, capped_reference_gate
+    prod = get_factor("product")
+    assert capped_reference_gate(prod, 1e-3) == pytest.approx(1e-2)
+    assert capped_reference_gate(prod, 1e-7) == pytest.approx(1e-6)
+    assert capped_reference_gate(prod, 1.0) == pytest.approx(1.0)  # (the check's reach: 100 × 1e-2)
+    assert capped_reference_gate(prod, 1e-20) == REFERENCE_GATE
+    assert capped_reference_gate(prod, None) == "auto"
+    for name in ("logistic", "exp", "gamma_rate", "gaussian"):
+        assert capped_reference_gate(get_factor(name), 1e-3) == "auto"
+    from service.training import KL_CAP, TrainSpec, train_operator
+    jit, _, info = train_operator(TrainSpec(factor="product", to="z", n=300, n_inner=30, n_outer=60, random_state=0,
+                                            n_jobs=1))
+    assert jit.operator.reference_gate_ == pytest.approx(capped_reference_gate(prod, KL_CAP))
+    assert info["hyperparameters"]["reference_gate"] == pytest.approx(1e-2)
+    bare, _, _ = train_operator(TrainSpec(factor="product", to="z", n=300, n_inner=30, n_outer=60, random_state=0,
+                                          n_jobs=1, kl_cap=None))
+    assert bare.operator.reference_gate_ == REFERENCE_GATE

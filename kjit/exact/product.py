@@ -96,6 +96,40 @@ def z_given(t, m2, v2, mz, vz, offset: bool = False):
         return (t * m2 * vz + mz * t2v) / V, t2v * vz / V
 
 
+def stationary_candidates(m1, v1, m2, v2, mz, vz):
+    """``(candidates (B, 5), real (B, 5))``: the real parts of the quintic's roots — approximately every
+    stationary point of w(t) = N(t; m1, v1) N(t m2; mz, t² v2 + vz), NaN on rows whose coefficients are not
+    finite — and which roots are real (those are stationary points themselves: the quintic is d log w times
+    v1 V² with V > 0)."""
+    B = m1.size
+    c = vz / v2  # the scale² where the factor's variance switches from v_z to x² v_y
+    # the quintic / (−v_y²) in the scaled variable ξ = t / lam
+    lam = np.abs(m1) + np.sqrt(v1) + np.sqrt(c)
+    k4 = -m1
+    k3 = 2.0 * c + v1
+    k2 = -2.0 * m1 * c + v1 * m2 * mz / v2
+    k1 = c * c + v1 * c + v1 * m2 * m2 * c / v2 - v1 * mz * mz / v2
+    k0 = -m1 * c * c - v1 * m2 * mz * c / v2
+    ks = np.stack([k4 / lam, k3 / lam**2, k2 / lam**3, k1 / lam**4, k0 / lam**5], axis=1)
+    comp = np.zeros((B, 5, 5))
+    ok = np.all(np.isfinite(ks), axis=1)
+    comp[:, 0, :] = np.where(ok[:, None], -ks, 0.0)
+    for i in range(1, 5):
+        comp[:, i, i - 1] = 1.0
+    roots_c = np.linalg.eigvals(comp)
+    cand = np.where(ok[:, None], roots_c.real * lam[:, None], np.nan)
+    return cand, np.abs(roots_c.imag) <= 1e-6 * np.abs(roots_c)
+
+
+def curvature_scale(t, m1, v1, m2, v2, mz, vz):
+    """(B, K): a local scale of w about the points ``t`` (B, K): 1/√κ with κ = 1/v1 + (m2² + v2)/V +
+    (mz² + vz) v2 / V², V = t² v2 + vz — an upper bound of −(log w)'' of the same order, positive everywhere
+    (the panel rule's step; the reference's check centres its nodes with it)."""
+    V = t * t * v2[:, None] + vz[:, None]
+    kappa = 1.0 / v1[:, None] + (m2 * m2 + v2)[:, None] / V + ((mz * mz + vz) * v2)[:, None] / (V * V)
+    return 1.0 / np.sqrt(kappa)
+
+
 def _rule(m1, v1, m2, v2, mz, vz):
     """Panel rule over t (the integrated input, message N(m1, v1); the other input N(m2, v2)).
 
@@ -115,38 +149,20 @@ def _rule(m1, v1, m2, v2, mz, vz):
 
     B = m1.size
     c = vz / v2  # the scale² where the factor's variance switches from v_z to x² v_y
-    # the quintic / (−v_y²) in the scaled variable ξ = t / lam
-    lam = np.abs(m1) + np.sqrt(v1) + np.sqrt(c)
-    k4 = -m1
-    k3 = 2.0 * c + v1
-    k2 = -2.0 * m1 * c + v1 * m2 * mz / v2
-    k1 = c * c + v1 * c + v1 * m2 * m2 * c / v2 - v1 * mz * mz / v2
-    k0 = -m1 * c * c - v1 * m2 * mz * c / v2
-    ks = np.stack([k4 / lam, k3 / lam**2, k2 / lam**3, k1 / lam**4, k0 / lam**5], axis=1)
-    comp = np.zeros((B, 5, 5))
-    ok = np.all(np.isfinite(ks), axis=1)
-    comp[:, 0, :] = np.where(ok[:, None], -ks, 0.0)
-    for i in range(1, 5):
-        comp[:, i, i - 1] = 1.0
-    roots_c = np.linalg.eigvals(comp)
-    cand = np.where(ok[:, None], roots_c.real * lam[:, None], np.nan)
+    cand, real = stationary_candidates(m1, v1, m2, v2, mz, vz)
     # the region where w can matter: N(t; m1, v1) (2π v_z)^{-1/2} >= e^{-60} max w
     probe = np.concatenate([m1[:, None], np.where(np.isfinite(cand), cand, m1[:, None])], axis=1)
     fstar = np.max(logf(probe) - 0.5 * np.log(v1)[:, None], axis=1)  # = max log w + log 2π at the probes
     q = np.maximum(-np.log(v1) * 0.5 - 0.5 * np.log(vz) - fstar + 60.0, 60.0)
     half = np.sqrt(2.0 * v1 * q)
     lo, hi = m1 - half, m1 + half
-    # real eigenvalues are stationary points themselves (P = dlogf · v_x V² with V > 0)
-    real = np.abs(roots_c.imag) <= 1e-6 * np.abs(roots_c)
     roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     finite = np.isfinite(roots)
     if not finite.any(axis=1).all():  # cannot happen for a proper w (it has a maximum); keep m1
         roots[~finite.any(axis=1), 0] = m1[~finite.any(axis=1)]
         finite = np.isfinite(roots)
     r = np.where(finite, roots, m1[:, None])
-    V = r * r * v2[:, None] + vz[:, None]
-    kappa = 1.0 / v1[:, None] + (m2 * m2 + v2)[:, None] / V + ((mz * mz + vz) * v2)[:, None] / (V * V)
-    sig = 1.0 / np.sqrt(kappa)
+    sig = curvature_scale(r, m1, v1, m2, v2, mz, vz)
     local = (r[:, :, None] + sig[:, :, None] * np.concatenate([-_LOCAL, _LOCAL])).reshape(B, -1)
     local = np.where(np.repeat(finite, 2 * _LOCAL.size, axis=1), local, np.nan)
     # geometric breaks ±√c 4^k inside [lo, hi]

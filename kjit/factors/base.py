@@ -447,6 +447,13 @@ class Factor:
         computed again."""
         return None
 
+    #: the largest estimated squared error at which :meth:`reference_error` has been measured to bound the
+    #: reference's actual error (its rows' KL to the exact rule about the estimate's size); None (the default):
+    #: not measured — operators gate on the reference only below ``REFERENCE_GATE`` (1e-12), where any check
+    #: that sees the failure at all is reliable.  A served operator's gate may reach it
+    #: (:func:`kjit.learn.kernel_operator.capped_reference_gate`)
+    reference_check_holds: ClassVar[float | None] = None
+
     def symmetry(self, incoming: Mapping[str, Family]) -> dict[str, tuple] | None:
         """A per-row change of units under which the factor is invariant, or None (the default).
 
@@ -1144,6 +1151,59 @@ def gauss_hermite_log_base(n: int = GH_NODES) -> np.ndarray:
     out = np.log(omega) + xi * xi
     out.flags.writeable = False
     return out
+
+
+def multi_centre_gauss_hermite(log_density, centres, scales, n: int = GH_NODES):
+    """``(t (B, J·n), log weights (B, J·n))``: Gauss–Hermite quadrature of a 1-D density ``log_density`` (a
+    function of nodes t (B, m)) over J Gaussians at once — ``centres`` and ``scales`` (B, J), e.g. one per mode
+    — combined by the balance heuristic: the partition of unity q_j / Σ_k q_k (q_j = N(c_j, s_j²)) gives each
+    Gaussian its share of the density, integrated by n-point adaptive quadrature on it, so a node's weight is
+    ω_i · w(t) / Σ_k q_k(t).  Exact for a w that is a polynomial times that mixture (degree < 2n per centre), so
+    a bimodal density with a centre on each mode is integrated as one-centre adaptive quadrature integrates a
+    unimodal one; a centre given twice, or one far from any mass, costs nodes, not accuracy.  With J = 1 it is
+    :func:`gauss_hermite_log_base`'s rule (up to a per-row constant)."""
+    xi, omega = gauss_hermite(n)
+    c = np.asarray(centres, float)
+    s = np.asarray(scales, float)
+    B, J = c.shape
+    with np.errstate(all="ignore"):
+        t = (c[:, :, None] + math.sqrt(2.0) * s[:, :, None] * xi).reshape(B, J * n)
+        lq = -0.5 * ((t[:, :, None] - c[:, None, :]) / s[:, None, :]) ** 2 - np.log(s)[:, None, :]
+        top = lq.max(axis=2, keepdims=True)
+        log_mix = top[..., 0] + np.log(np.exp(lq - top).sum(axis=2))
+        lw = np.tile(np.log(omega), J)[None, :] + log_density(t) - log_mix
+    return t, lw
+
+
+def local_maxima(log_density, candidates, scales):
+    """``(centres, scales)`` (B, 2): the two highest distinct local maxima of the 1-D ``log_density`` (a function
+    of points t (B, m)) among ``candidates`` (B, K; e.g. approximate stationary points, NaN for none; the first
+    column must be finite — it stands in where no candidate is a maximum), each given the scale 1/√(−(log w)'')
+    there (finite differences; ``scales`` (B, K), a local scale of
+    each candidate, where the curvature is not negative).  A maximum closer to the highest than half the smaller
+    scale is the same one; a row with one maximum gives it twice (see :func:`multi_centre_gauss_hermite`: a
+    repeated centre costs nodes only)."""
+    c = np.asarray(candidates, float)
+    s0 = np.asarray(scales, float)
+    B, K = c.shape
+    c = np.where(np.isfinite(c) & np.isfinite(s0) & (s0 > 0), c, c[:, :1])
+    s0 = np.where(np.isfinite(s0) & (s0 > 0), s0, s0[:, :1])
+    h = 1e-3 * s0
+    with np.errstate(all="ignore"):
+        l0, lp, lm = np.split(log_density(np.concatenate([c, c + h, c - h], axis=1)), 3, axis=1)  # (one call)
+        d2 = (lp - 2.0 * l0 + lm) / (h * h)
+        s = np.where(d2 < 0, 1.0 / np.sqrt(-d2), s0)
+        s = np.where(np.isfinite(s) & (s > 0), s, s0)
+        score = np.where(np.isfinite(l0) & (l0 >= lp) & (l0 >= lm), l0, -np.inf)
+        rows = np.arange(B)
+        first = np.argmax(score, axis=1)  # (no maximum: column 0)
+        c1, s1 = c[rows, first], s[rows, first]
+        apart = np.abs(c - c1[:, None]) >= 0.5 * np.minimum(s, s1[:, None])
+        other = np.where(apart, score, -np.inf)
+        second = np.argmax(other, axis=1)
+        found = np.isfinite(other[rows, second])
+    return (np.stack([c1, np.where(found, c[rows, second], c1)], axis=1),
+            np.stack([s1, np.where(found, s[rows, second], s1)], axis=1))
 
 
 def as_shape(p, shape) -> np.ndarray:
