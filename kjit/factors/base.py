@@ -1160,50 +1160,59 @@ def multi_centre_gauss_hermite(log_density, centres, scales, n: int = GH_NODES):
     Gaussian its share of the density, integrated by n-point adaptive quadrature on it, so a node's weight is
     ω_i · w(t) / Σ_k q_k(t).  Exact for a w that is a polynomial times that mixture (degree < 2n per centre), so
     a bimodal density with a centre on each mode is integrated as one-centre adaptive quadrature integrates a
-    unimodal one; a centre given twice, or one far from any mass, costs nodes, not accuracy.  With J = 1 it is
-    :func:`gauss_hermite_log_base`'s rule (up to a per-row constant)."""
+    unimodal one.  A centre given twice costs nodes only; a wide centre far from the mass makes w / Σ q_k less
+    polynomial there and costs accuracy (a unimodal density with a second centre 8 sds off at 6× the scale: its
+    variance 24 % off).  With J = 1 it is :func:`gauss_hermite_log_base`'s rule (up to a per-row constant)."""
     xi, omega = gauss_hermite(n)
     c = np.asarray(centres, float)
     s = np.asarray(scales, float)
     B, J = c.shape
     with np.errstate(all="ignore"):
         t = (c[:, :, None] + math.sqrt(2.0) * s[:, :, None] * xi).reshape(B, J * n)
-        lq = -0.5 * ((t[:, :, None] - c[:, None, :]) / s[:, None, :]) ** 2 - np.log(s)[:, None, :]
-        top = lq.max(axis=2, keepdims=True)
-        log_mix = top[..., 0] + np.log(np.exp(lq - top).sum(axis=2))
+        lq = [-0.5 * ((t - c[:, j, None]) / s[:, j, None]) ** 2 - np.log(s[:, j, None]) for j in range(J)]
+        log_mix = lq[0] if J == 1 else functools.reduce(np.logaddexp, lq)
         lw = np.tile(np.log(omega), J)[None, :] + log_density(t) - log_mix
     return t, lw
 
 
 def local_maxima(log_density, candidates, scales):
-    """``(centres, scales)`` (B, 2): the two highest distinct local maxima of the 1-D ``log_density`` (a function
-    of points t (B, m)) among ``candidates`` (B, K; e.g. approximate stationary points, NaN for none; the first
-    column must be finite — it stands in where no candidate is a maximum), each given the scale 1/√(−(log w)'')
-    there (finite differences; ``scales`` (B, K), a local scale of
-    each candidate, where the curvature is not negative).  A maximum closer to the highest than half the smaller
-    scale is the same one; a row with one maximum gives it twice (see :func:`multi_centre_gauss_hermite`: a
-    repeated centre costs nodes only)."""
+    """``(centres, scales, two)``: the two largest distinct local maxima (B, 2) of the 1-D ``log_density`` (a
+    function of points t (B, m)) among ``candidates`` (B, K; e.g. approximate stationary points, NaN for none;
+    the first column stands in where no candidate is a maximum), and the rows (B,) that have two.  Each candidate
+    is moved by one Newton step (at most its scale ``scales`` (B, K), a local scale of it, e.g. the curvature's
+    order) from finite differences at a thousandth of its scale, is a maximum where the curvature there is
+    negative and the step stayed within the scale, and gets the scale 1/√(−(log w)'') (else its own).  Maxima
+    are ranked by Laplace's mass, log w + log scale (a tall narrow spike is not the larger mode); one closer to the
+    largest than half the smaller scale is the same maximum; a row with one gives it twice (see
+    :func:`multi_centre_gauss_hermite`: a repeated centre costs nodes only).  A step below the rounding at a
+    candidate (c + h == c) is taken at the rounding's size."""
     c = np.asarray(candidates, float)
     s0 = np.asarray(scales, float)
-    B, K = c.shape
-    c = np.where(np.isfinite(c) & np.isfinite(s0) & (s0 > 0), c, c[:, :1])
-    s0 = np.where(np.isfinite(s0) & (s0 > 0), s0, s0[:, :1])
-    h = 1e-3 * s0
+    B = c.shape[0]
+    first = np.where(np.isfinite(c[:, :1]), c[:, :1], 0.0)
+    c = np.where(np.isfinite(c) & np.isfinite(s0) & (s0 > 0), c, first)
+    s0 = np.where(np.isfinite(s0) & (s0 > 0), s0, np.where(np.isfinite(s0[:, :1]) & (s0[:, :1] > 0), s0[:, :1], 1.0))
     with np.errstate(all="ignore"):
+        h = np.maximum(1e-3 * s0, 4.0 * np.spacing(np.abs(c)))
         l0, lp, lm = np.split(log_density(np.concatenate([c, c + h, c - h], axis=1)), 3, axis=1)  # (one call)
         d2 = (lp - 2.0 * l0 + lm) / (h * h)
-        s = np.where(d2 < 0, 1.0 / np.sqrt(-d2), s0)
+        peak = d2 < 0
+        step = np.where(peak, -(lp - lm) / (2.0 * h) / np.where(peak, d2, -1.0), 0.0)
+        peak &= np.abs(step) <= s0
+        c = c + np.where(peak & np.isfinite(step), step, 0.0)
+        s = np.where(peak, 1.0 / np.sqrt(-d2), s0)
         s = np.where(np.isfinite(s) & (s > 0), s, s0)
-        score = np.where(np.isfinite(l0) & (l0 >= lp) & (l0 >= lm), l0, -np.inf)
+        lc = log_density(c)
+        score = np.where(peak & np.isfinite(lc), lc + np.log(s), -np.inf)
         rows = np.arange(B)
-        first = np.argmax(score, axis=1)  # (no maximum: column 0)
-        c1, s1 = c[rows, first], s[rows, first]
+        best = np.argmax(score, axis=1)  # (no maximum: column 0)
+        c1, s1 = c[rows, best], s[rows, best]
         apart = np.abs(c - c1[:, None]) >= 0.5 * np.minimum(s, s1[:, None])
         other = np.where(apart, score, -np.inf)
         second = np.argmax(other, axis=1)
-        found = np.isfinite(other[rows, second])
-    return (np.stack([c1, np.where(found, c[rows, second], c1)], axis=1),
-            np.stack([s1, np.where(found, s[rows, second], s1)], axis=1))
+        two = np.isfinite(other[rows, second])
+    return (np.stack([c1, np.where(two, c[rows, second], c1)], axis=1),
+            np.stack([s1, np.where(two, s[rows, second], s1)], axis=1), two)
 
 
 def as_shape(p, shape) -> np.ndarray:

@@ -88,8 +88,9 @@ TARGET_RANGE_MARGIN = 0.25
 REFERENCE_GATE = 1e-12
 #: an operator served with an expected-KL cap (``JITOperator(kl_cap=)``) gates, where its factor's check of the
 #: reference holds that far (``Factor.reference_check_holds``), rows whose estimated error is at most the cap over
-#: this (:func:`capped_reference_gate`): the checks' estimates were measured to bound the reference's KL only
-#: roughly (product: KL up to ~2× the estimate at 1e-4, ~20× at its smallest)
+#: this (:func:`capped_reference_gate`): product's check was measured to bound the reference's KL at about the
+#: estimate's size (at most 0.85× on fresh messages, 1.1× in an adversarial search), so a tenth of the cap leaves
+#: the gated answers an order of magnitude under it
 CAPPED_GATE_MARGIN = 10.0
 #: the band below the gate over which a gated answer passes from the regression's to the reference's (linearly
 #: in the log of the estimate: the reference's alone from a hundredth of the gate down)
@@ -141,8 +142,9 @@ def capped_reference_gate(factor, kl_cap: float | None):
     its estimated error is at most that and at most ``kl_cap`` / :data:`CAPPED_GATE_MARGIN` —
     :data:`REFERENCE_GATE_BAND` times either, blended with the regression above, as every gate.  A row the gate
     answers keeps that estimate as its variance, so the cap still consults one whose estimate implies more.
-    Measured (forty-sixth session, the service's default product operators, 3 000 fresh default messages):
-    product → x consulted 61 % → 24 % at a 1e-2 gate, its confident answers' largest KL 3e-15 → 5.5e-5."""
+    Measured (forty-sixth session, ``benchmarks/served_defaults.py``: the service's default product operators, 3 000
+    fresh default messages): product x / y / z consulted 61 / 61 / 59 % → 24 / 24 / 19 % at a 1e-2 gate, their
+    confident answers' largest KL 5.5e-5 / 5.4e-5 / 9.2e-5 (before: 3e-15 / 9e-14 / 1.2e-7)."""
     holds = getattr(factor, "reference_check_holds", None)
     if kl_cap is None or not holds:
         return "auto"
