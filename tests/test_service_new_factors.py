@@ -105,16 +105,25 @@ def test_a_threshold_without_support_falls_back_and_ep_through_the_operators_is_
     learning as mode=jit does, ended at max_iter 0.46 / 0.58 sd off exact-rule EP, then 'converged' 0.49 /
     0.57 sd off on a second run — no warning.  Now a threshold must admit 5 % of the held-out pairs
     (calibration_support): these fall back, the operators say every message will be consulted, and EP
-    through them is exact-rule EP (bit for bit: every answer is the oracle's)."""
+    through them is exact-rule EP (bit for bit: every answer is the oracle's).  Since the factor has a checked
+    reference (GaussianFactor.approximate_belief; its operators now calibrate and consult ~1 % of default messages)
+    the case is the factor as it was: its approximation removed, the operators relative to the incoming message."""
     import numpy as np
     from kjit.ep.graph import GraphEP
     from kjit.ep.models import normal_mean_precision
+    from kjit.factors.base import Factor
+    from kjit.factors.gaussian import GaussianFactor
 
+    now, _, info = train_operator(TrainSpec("gaussian", "m", n=2000, n_inner=300, n_outer=500))
+    assert info["threshold_source"].startswith("calibrated") and now.operator.reference_ == "approximation"
     jits = {}
-    for to in ("m", "tau"):
-        jit, _, info = train_operator(TrainSpec("gaussian", to, n=2000, n_inner=300, n_outer=500))
-        assert info["threshold_source"].startswith("generic fallback") and "every message" in info["threshold_note"]
-        jits[to] = jit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GaussianFactor, "approximate_belief", Factor.approximate_belief)  # (before its reference)
+        for to in ("m", "tau"):
+            jit, _, info = train_operator(TrainSpec("gaussian", to, n=2000, n_inner=300, n_outer=500))
+            assert jit.operator.reference_ == "incoming"
+            assert info["threshold_source"].startswith("generic fallback") and "every message" in info["threshold_note"]
+            jits[to] = jit
     x = np.random.default_rng(0).normal(1.5, 2.0, 30)
     g = normal_mean_precision(x, obs_var=0.3)
     exact = GraphEP(g, operators={}).run()
@@ -129,11 +138,12 @@ def test_a_job_result_says_how_much_its_operator_will_consult():
     """held_out_consulted_share: the held-out pairs' share the just-in-time rule consults (what mode=jit will
     ask the oracle for); at half or more a consultation_note says so (a new-user audit's own factor consulted
     95 % of its messages with nothing said).  Default messages, 600 pairs, D 30/60: gamma_rate → x consults
-    ~1 %; gaussian → m all (no threshold has the support: the fallback, below its floor); product → x at 200
-    pairs, D 20/40, ~55 % with the fallback below the floor too — its reference gate answers the rest, and
-    its threshold_note says so rather than "every message"."""
-    for fac, to, n, lo, hi in (("gamma_rate", "x", 600, 0.0, 0.1), ("gaussian", "m", 600, 0.99, 1.0),
-                               ("product", "x", 200, 0.5, 0.7)):
+    ~1 %; gaussian → m ~1.5 % (all before its checked reference: no threshold had the support); probit_noise → f
+    all (no threshold has the support: the fallback, below its floor — the case gaussian → m was); product → x at
+    200 pairs, D 20/40, ~27 % with the fallback below the floor too (~55 % before its check's mode rule and capped
+    gate) — its reference gate answers the rest, and its threshold_note says so rather than "every message"."""
+    for fac, to, n, lo, hi in (("gamma_rate", "x", 600, 0.0, 0.1), ("gaussian", "m", 600, 0.0, 0.1),
+                               ("probit_noise", "f", 600, 0.99, 1.0), ("product", "x", 200, 0.15, 0.45)):
         d = 30 if n == 600 else 20
         jit, _, info = train_operator(TrainSpec(fac, to, n=n, n_inner=d, n_outer=2 * d))
         share = info["held_out_consulted_share"]

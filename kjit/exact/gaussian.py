@@ -62,35 +62,27 @@ FAMILIES = {"m": Gaussian, "tau": Gamma, "x": Gaussian}
 PARAMS: dict = {}
 SUPPORTS_POWER = True
 
-__all__ = ["belief", "log_partition", "sample"]
+__all__ = ["belief", "log_partition", "sample", "log_weight", "stationary_candidates", "curvature_scale",
+           "node_moments"]
 
 
-def _rule(a, extra, b, S, D, alpha):
-    """Panel rule in u = log τ for exp(a u − b e^u − c + e·u − ½ log(S + q) − D/(2(S + q))),
-    q = e^{−u}/α, e = ``extra`` (the power's (α−1)/2, plus a moment's k), c the message's exponent
-    at its mode (:func:`~kjit.exact._common.gamma_shift`; its normaliser with c given back is
-    :func:`~kjit.exact._common.gamma_normaliser`).  Returns (u, lw, raw log integral)."""
-    logb, logS, la = np.log(b), np.log(S), np.log(alpha)
-    u0 = gamma_shift(a, b)
-    ap = a + extra  # (for the stationary points only: a + e need not be exact there)
+def log_weight(t, a, extra, u0, log_s, d, log_alpha):
+    """log w(u) at nodes ``t``: the message's exponent less its value at the mode (:func:`gamma_shift`'s
+    u₀ and c; :func:`~kjit.exact._common.gamma_exponent`) + e·u − ½ log(S + q) − D/(2(S + q)),
+    q = e^{−u}/α — parameters given aligned with ``t`` (columns, or per-node arrays): a, e = ``extra``,
+    u₀, log S, D, log α.  The exact rule's integrand and the reference's
+    (:meth:`kjit.factors.gaussian.GaussianFactor.approximate_belief`)."""
+    with np.errstate(over="ignore"):
+        lsq = np.logaddexp(log_s, -t - log_alpha)  # log(S + q)
+        return gamma_exponent(t, a, u0, extra) - 0.5 * lsq - 0.5 * d * np.exp(-lsq)
 
-    def log_sq(t, ls):  # log(S + q)
-        return np.logaddexp(ls, -t - la)
 
-    def logf(t, rows=None):
-        aa, ee, ls, dd, uu = (col(p, t, rows) for p in (a, extra + np.zeros_like(a), logS, D, u0))
-        with np.errstate(over="ignore"):
-            lsq = log_sq(t, ls)
-            return gamma_exponent(t, aa, uu, ee) - 0.5 * lsq - 0.5 * dd * np.exp(-lsq)
-
-    def dlogf(t, rows=None):
-        aa, lb, ls, dd = (col(p, t, rows) for p in (ap, logb, logS, D))
-        with np.errstate(over="ignore"):
-            lt = t + la + ls  # log(pτ), p = Sα
-            g = special.expit(-lt)  # 1/(1 + pτ)
-            # Dατ g² / 2 = D/(2S) · pτ g²
-            return aa - np.exp(t + lb) + 0.5 * g - 0.5 * dd / np.exp(ls) * special.expit(lt) * g
-
+def stationary_candidates(ap, b, S, D, alpha):
+    """``(candidates (B, 3), real (B, 3), lo, hi)``: log τ of the positive real parts of the cubic's roots
+    c3 τ³ + c2 τ² + c1 τ + c0 (the derivative of log w times 2(1 + Sατ)², a' = ``ap``; companion-matrix
+    eigenvalues in ξ = Sατ) — approximately every stationary point of w, NaN for none or where the
+    coefficients are not finite — which of them are real (those are stationary points themselves), and the
+    bracket [lo, hi] in u outside which the derivative's sign is known."""
     # the cubic in τ: c3 τ³ + c2 τ² + c1 τ + c0, p = Sα
     p = S * alpha
     c3 = -2.0 * b * p * p
@@ -115,15 +107,63 @@ def _rule(a, extra, b, S, D, alpha):
     hi = np.log((ap + 0.5) / b) + 1.0
     lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha) - 1.0
     real = np.abs(xi.imag) <= 1e-6 * np.abs(xi)  # real eigenvalues are stationary points themselves
+    return cand, real, lo, hi
+
+
+def curvature_scale(u, b, S, D, alpha):
+    """A local scale 1/√κ of w about the points ``u`` (parameters aligned with them): κ = bτ + ½pτg² +
+    ½Dατg³|1 − pτ|, τ = e^u, p = Sα, g = 1/(1 + pτ) — of the order of −(log w)'' (the panel rule's step at
+    the highest stationary point; the reference's nodes where the curvature is not negative)."""
+    p = S * alpha
+    tau = np.exp(u)
+    g = 1.0 / (1.0 + p * tau)
+    curv = b * tau + 0.5 * p * tau * g * g + 0.5 * D * alpha * tau * g**3 * np.abs(1.0 - p * tau)
+    return 1.0 / np.sqrt(np.maximum(curv, 1e-300))
+
+
+def node_moments(u, to, mm, vm, mx, vx, S, alpha):
+    """Mean and variance of ``to``'s (x or m) Gaussian posterior given τ = e^u at nodes ``u``, the
+    messages' parameters aligned with them: x ~ N(m_x + (m_m − m_x) v_x h, v_x (v_m h + q h)),
+    h = 1/(S + q), q = e^{−u}/α (m alike, exchanged) — formed without overflow for τ → 0."""
+    logS = np.log(S)
+    lq = -u - np.log(alpha)
+    with np.errstate(over="ignore", under="ignore"):
+        h = np.exp(-np.logaddexp(logS, lq))
+        qh = special.expit(lq - logS)
+    if to == "x":
+        return mx + (mm - mx) * vx * h, vx * (vm * h + qh)
+    return mm + (mx - mm) * vm * h, vm * (vx * h + qh)
+
+
+def _rule(a, extra, b, S, D, alpha):
+    """Panel rule in u = log τ for exp(a u − b e^u − c + e·u − ½ log(S + q) − D/(2(S + q))),
+    q = e^{−u}/α, e = ``extra`` (the power's (α−1)/2, plus a moment's k), c the message's exponent
+    at its mode (:func:`~kjit.exact._common.gamma_shift`; its normaliser with c given back is
+    :func:`~kjit.exact._common.gamma_normaliser`).  Returns (u, lw, raw log integral)."""
+    logb, logS, la = np.log(b), np.log(S), np.log(alpha)
+    u0 = gamma_shift(a, b)
+    ap = a + extra  # (for the stationary points only: a + e need not be exact there)
+
+    def logf(t, rows=None):
+        aa, ee, ls, dd, uu = (col(p, t, rows) for p in (a, extra + np.zeros_like(a), logS, D, u0))
+        return log_weight(t, aa, ee, uu, ls, dd, la)
+
+    def dlogf(t, rows=None):
+        aa, lb, ls, dd = (col(p, t, rows) for p in (ap, logb, logS, D))
+        with np.errstate(over="ignore"):
+            lt = t + la + ls  # log(pτ), p = Sα
+            g = special.expit(-lt)  # 1/(1 + pτ)
+            # Dατ g² / 2 = D/(2S) · pτ g²
+            return aa - np.exp(t + lb) + 0.5 * g - 0.5 * dd / np.exp(ls) * special.expit(lt) * g
+
+    B = len(ap)
+    cand, real, lo, hi = stationary_candidates(ap, b, S, D, alpha)
     roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     # step: the local scale at the highest stationary point
     with np.errstate(invalid="ignore"):
         vals = np.where(np.isfinite(roots), logf(np.where(np.isfinite(roots), roots, lo[:, None])), -np.inf)
     best = roots[np.arange(B), np.argmax(vals, axis=1)]
-    tau = np.exp(best)
-    g = 1.0 / (1.0 + p * tau)
-    curv = b * tau + 0.5 * p * tau * g * g + 0.5 * D * alpha * tau * g**3 * np.abs(1.0 - p * tau)
-    step = 1.0 / np.sqrt(np.maximum(curv, 1e-300))
+    step = curvature_scale(best, b, S, D, alpha)
     step = np.minimum(step, np.maximum(hi - lo, 1.0))
     return rule(NAME, logf, roots, step)
 
@@ -178,18 +218,8 @@ def belief(to: str, incoming: Mapping[str, Family], projection: str = "kl", powe
         if known.any():  # one node at the tilted τ's mean, weight 1
             u = np.where(known[:, None], np.log(a_k / b_k)[:, None], u)
             lw = np.where(known[:, None], np.where(np.arange(u.shape[1]) == 0, 0.0, -np.inf), lw)
-    # h = 1/(S + q) and q h = q/(S + q) at the nodes, without overflow for τ → 0
-    logS = np.log(S)[:, None]
-    lq = -u - np.log(alpha)
-    with np.errstate(over="ignore", under="ignore"):
-        h = np.exp(-np.logaddexp(logS, lq))
-        qh = special.expit(lq - logS)
-    if to == "x":
-        mu = mx[:, None] + (mm - mx)[:, None] * vx[:, None] * h
-        var = vx[:, None] * (vm[:, None] * h + qh)
-    else:
-        mu = mm[:, None] + (mx - mm)[:, None] * vm[:, None] * h
-        var = vm[:, None] * (vx[:, None] * h + qh)
+    # the posterior of x (or m) given τ at the nodes, without overflow for τ → 0
+    mu, var = node_moments(u, to, *(p[:, None] for p in (mm, vm, mx, vx, S)), alpha)
     mean, v = gaussian_mixture(lw, mu, var)
     return gaussian_belief(NAME, mean, v).reshape(shape)
 
