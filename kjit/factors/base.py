@@ -1180,8 +1180,9 @@ def local_maxima(log_density, candidates, scales):
     function of points t (B, m)) among ``candidates`` (B, K; e.g. approximate stationary points, NaN for none;
     the first column stands in where no candidate is a maximum), and the rows (B,) that have two.  Each candidate
     is moved by one Newton step (at most its scale ``scales`` (B, K), a local scale of it, e.g. the curvature's
-    order) from finite differences at a thousandth of its scale, is a maximum where the curvature there is
-    negative and the step stayed within the scale, and gets the scale 1/√(−(log w)'') (else its own).  Maxima
+    order) from finite differences at a thousandth of its scale, and is a maximum where, there, the density is no
+    lower than a thousandth of the scale either side and the curvature is negative; it gets the scale
+    1/√(−(log w)'') there (else its own).  Maxima
     are ranked by Laplace's mass, log w + log scale (a tall narrow spike is not the larger mode); one closer to the
     largest than half the smaller scale is the same maximum; a row with one gives it twice (see
     :func:`multi_centre_gauss_hermite`: a repeated centre costs nodes only).  A step below the rounding at a
@@ -1196,17 +1197,20 @@ def local_maxima(log_density, candidates, scales):
         h = np.maximum(1e-3 * s0, 4.0 * np.spacing(np.abs(c)))
         l0, lp, lm = np.split(log_density(np.concatenate([c, c + h, c - h], axis=1)), 3, axis=1)  # (one call)
         d2 = (lp - 2.0 * l0 + lm) / (h * h)
-        peak = d2 < 0
-        step = np.where(peak, -(lp - lm) / (2.0 * h) / np.where(peak, d2, -1.0), 0.0)
-        peak &= np.abs(step) <= s0
-        c = c + np.where(peak & np.isfinite(step), step, 0.0)
+        step = np.where(d2 < 0, -(lp - lm) / (2.0 * h) / np.where(d2 < 0, d2, -1.0), 0.0)
+        given = c[:, 0], s0[:, 0]
+        c = c + np.where(np.isfinite(step), np.clip(step, -s0, s0), 0.0)
+        h = np.maximum(1e-3 * s0, 4.0 * np.spacing(np.abs(c)))
+        l0, lp, lm = np.split(log_density(np.concatenate([c, c + h, c - h], axis=1)), 3, axis=1)
+        d2 = (lp - 2.0 * l0 + lm) / (h * h)
+        peak = (d2 < 0) & (l0 >= lp) & (l0 >= lm) & np.isfinite(l0)
         s = np.where(peak, 1.0 / np.sqrt(-d2), s0)
         s = np.where(np.isfinite(s) & (s > 0), s, s0)
-        lc = log_density(c)
-        score = np.where(peak & np.isfinite(lc), lc + np.log(s), -np.inf)
+        score = np.where(peak, l0 + np.log(s), -np.inf)
         rows = np.arange(B)
-        best = np.argmax(score, axis=1)  # (no maximum: column 0)
-        c1, s1 = c[rows, best], s[rows, best]
+        best = np.argmax(score, axis=1)
+        found = np.isfinite(score[rows, best])  # (else the first candidate as given)
+        c1, s1 = np.where(found, c[rows, best], given[0]), np.where(found, s[rows, best], given[1])
         apart = np.abs(c - c1[:, None]) >= 0.5 * np.minimum(s, s1[:, None])
         other = np.where(apart, score, -np.inf)
         second = np.argmax(other, axis=1)

@@ -85,9 +85,9 @@ class GaussianFactor(Factor):
         message's mode and the cubic's candidates, :func:`kjit.exact.gaussian.stationary_candidates`), each
         with the scale 1/√(−(log w)'') there, and the rows whose τ message is a known precision (their
         parameters set to a benign 1, 1 here, as the exact rule does)."""
-        mm, vm, a, b, mx, vx = (np.asarray(p, dtype=float).ravel() for p in (
+        mm, vm, a, b, mx, vx = (p.ravel() for p in np.broadcast_arrays(*(np.asarray(p, dtype=float) for p in (
             incoming["m"].mean(), incoming["m"].var(), incoming["tau"].shape_param, incoming["tau"].rate,
-            incoming["x"].mean(), incoming["x"].var()))
+            incoming["x"].mean(), incoming["x"].var()))))
         S, D = vm + vx, (mx - mm) ** 2
         known, a_r, b_r = _exact._known_precision(a, b)
         u0 = np.log(a_r / b_r)
@@ -100,7 +100,7 @@ class GaussianFactor(Factor):
             cand, _, lo, hi = _exact.stationary_candidates(a_r, b_r, S, D, 1.0)
             cand = np.concatenate([np.clip(u0, lo, hi)[:, None], cand], axis=1)
             sc = _exact.curvature_scale(cand, b_r[:, None], S[:, None], D[:, None], 1.0)
-            centres, scales = local_maxima(log_w, cand, sc)
+            centres, scales, _ = local_maxima(log_w, cand, sc)
         return (mm, vm, a, b, mx, vx, S, D), log_w, centres, scales, known
 
     def _gauss_hermite(self, incoming, to, nodes, widen: float = 1.0, fallback: bool = True, modes=None):

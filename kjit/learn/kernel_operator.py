@@ -89,8 +89,8 @@ REFERENCE_GATE = 1e-12
 #: an operator served with an expected-KL cap (``JITOperator(kl_cap=)``) gates, where its factor's check of the
 #: reference holds that far (``Factor.reference_check_holds``), rows whose estimated error is at most the cap over
 #: this (:func:`capped_reference_gate`): product's check was measured to bound the reference's KL at about the
-#: estimate's size (at most 0.85× on fresh messages, 1.1× in an adversarial search), so a tenth of the cap leaves
-#: the gated answers an order of magnitude under it
+#: estimate's size (at most 0.8× on fresh messages, 6.4× in an adversarial search of the default ranges), so at a
+#: tenth of the cap the answers gated outright stay under it
 CAPPED_GATE_MARGIN = 10.0
 #: the band below the gate over which a gated answer passes from the regression's to the reference's (linearly
 #: in the log of the estimate: the reference's alone from a hundredth of the gate down)
