@@ -1175,14 +1175,21 @@ def multi_centre_gauss_hermite(log_density, centres, scales, n: int = GH_NODES):
     return t, lw
 
 
+#: :func:`local_maxima` gives a maximum at most this many times its candidate's own scale: where two modes nearly
+#: merge, −(log w)'' ≈ 0 at one of them and 1/√(−(log w)'') ran to 16–80, the other mode was merged away and every
+#: node fell in a tail where all rules agreed on a wrong answer (gaussian, found in review: KL 2 at an estimate of
+#: 8e-7; 4× did not cure it)
+MAX_SCALE_GROWTH = 2.0
+
+
 def local_maxima(log_density, candidates, scales):
     """``(centres, scales, two)``: the two largest distinct local maxima (B, 2) of the 1-D ``log_density`` (a
     function of points t (B, m)) among ``candidates`` (B, K; e.g. approximate stationary points, NaN for none;
-    the first column stands in where no candidate is a maximum), and the rows (B,) that have two.  Each candidate
+    where none is a maximum the highest candidate stands in, or the first as given), and the rows (B,) that have two.  Each candidate
     is moved by one Newton step (at most its scale ``scales`` (B, K), a local scale of it, e.g. the curvature's
     order) from finite differences at a thousandth of its scale, and is a maximum where, there, the density is no
     lower than a thousandth of the scale either side and the curvature is negative; it gets the scale
-    1/√(−(log w)'') there (else its own).  Maxima
+    1/√(−(log w)'') there, at most :data:`MAX_SCALE_GROWTH` times its own (else its own).  Maxima
     are ranked by Laplace's mass, log w + log scale (a tall narrow spike is not the larger mode); one closer to the
     largest than half the smaller scale is the same maximum; a row with one gives it twice (see
     :func:`multi_centre_gauss_hermite`: a repeated centre costs nodes only).  A step below the rounding at a
@@ -1204,13 +1211,17 @@ def local_maxima(log_density, candidates, scales):
         l0, lp, lm = np.split(log_density(np.concatenate([c, c + h, c - h], axis=1)), 3, axis=1)
         d2 = (lp - 2.0 * l0 + lm) / (h * h)
         peak = (d2 < 0) & (l0 >= lp) & (l0 >= lm) & np.isfinite(l0)
-        s = np.where(peak, 1.0 / np.sqrt(-d2), s0)
+        s = np.where(peak, np.minimum(1.0 / np.sqrt(-d2), MAX_SCALE_GROWTH * s0), s0)
         s = np.where(np.isfinite(s) & (s > 0), s, s0)
         score = np.where(peak, l0 + np.log(s), -np.inf)
         rows = np.arange(B)
         best = np.argmax(score, axis=1)
-        found = np.isfinite(score[rows, best])  # (else the first candidate as given)
-        c1, s1 = np.where(found, c[rows, best], given[0]), np.where(found, s[rows, best], given[1])
+        found = np.isfinite(score[rows, best])
+        # (no maximum — e.g. finite differences below log w's rounding: the highest candidate, else the first as given)
+        high = np.argmax(np.where(np.isfinite(l0), l0, -np.inf), axis=1)
+        some = np.isfinite(l0[rows, high])
+        c1 = np.where(found, c[rows, best], np.where(some, c[rows, high], given[0]))
+        s1 = np.where(found, s[rows, best], np.where(some, s0[rows, high], given[1]))
         apart = np.abs(c - c1[:, None]) >= 0.5 * np.minimum(s, s1[:, None])
         other = np.where(apart, score, -np.inf)
         second = np.argmax(other, axis=1)
@@ -1258,6 +1269,11 @@ def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
                                np.where(ok, v.reshape(shape), fallback.var()))
 
 
+#: the smallest statistic log E[v] − E[log v] :func:`gamma_from_log_nodes` projects (a shape of ~5e299; found in
+#: review: a gaussian τ reference at 2e-228 raised Gamma's "shape must be finite" for its whole batch)
+MIN_GAMMA_STAT = 1e-300
+
+
 def gamma_from_log_nodes(t, lw, projection: str, fallback, rows_ok=None):
     """A Gamma belief on v = e^t from a quadrature rule over t (nodes ``t`` (n, k), unnormalised log
     weights ``lw``), by the KL projection (E[v], E[log v]) or by ``"moments"``.  Rows whose
@@ -1270,7 +1286,7 @@ def gamma_from_log_nodes(t, lw, projection: str, fallback, rows_ok=None):
         tbar = np.sum(w * t, axis=1)
         dev = t - tbar[:, None]
         stat = np.log1p(np.sum(w * np.expm1(dev), axis=1))  # log E[v] − E[log v]
-        ok = np.isfinite(stat) & (stat > 0) & np.isfinite(tbar)
+        ok = np.isfinite(stat) & (stat > MIN_GAMMA_STAT) & np.isfinite(tbar)  # (below: a shape Gamma cannot hold)
         shape = np.ones_like(stat)
         if projection == "kl":
             if ok.any():

@@ -143,7 +143,7 @@ def capped_reference_gate(factor, kl_cap: float | None):
     :data:`REFERENCE_GATE_BAND` times either, blended with the regression above, as every gate.  A row the gate
     answers keeps that estimate as its variance, so the cap still consults one whose estimate implies more.
     Measured (forty-sixth session, ``benchmarks/served_defaults.py``: the service's default product operators, 3 000
-    fresh default messages): product x / y / z consulted 61 / 61 / 59 % → 24 / 24 / 19 % at a 1e-2 gate, their
+    fresh default messages): product x / y / z consulted 61 / 61 / 59 % → 24 / 24 / 18 % at a 1e-2 gate, their
     confident answers' largest KL 5.5e-5 / 5.4e-5 / 9.2e-5 (before: 3e-15 / 9e-14 / 1.2e-7)."""
     holds = getattr(factor, "reference_check_holds", None)
     if kl_cap is None or not holds:
