@@ -1088,3 +1088,48 @@ def test_gaussian_reference_rows_found_by_review():
             kl[ok] = f.exact_belief({v: m[ok] for v, m in inc.items()}, to).kl(ref[ok])
             assert np.all(kl[est <= 1e-4] < 1e-3), (projection, to, kl, est)
             assert np.all(kl[est <= 1e-2] < 0.05), (projection, to, kl, est)
+
+
+def test_rows_the_reference_answers_outright_are_not_consulted_for_lying_outside_the_data():
+    """A served gaussian → m operator (trained on the default distribution, x messages of variance 0.1–10) asked
+    about messages EP sends when x is observed (variance 1e-10: beyond the input margin, every row outside the
+    data): the rows its reference answers outright with a checked error ≤ REFERENCE_OUTSIDE_ERROR are answered,
+    not consulted (before: all consulted — normal_mean_precision's EP through the served operators consulted every
+    message), within KL 1e-10 of the exact rule (the estimate ≤ 1e-6; measured 6e-14); rows beyond
+    REFERENCE_MARGIN widths, and outside rows of a factor that declares no reference_check_holds (exp), are
+    consulted as before, gated or not.  Rows outside the data are still not learned (outside_rows unchanged)."""
+    from kjit.learn.jit import REFERENCE_MARGIN
+    from service.training import TrainSpec, train_operator
+    jit, _, _ = train_operator(TrainSpec(factor="gaussian", to="m", n=400, n_inner=30, n_outer=60, random_state=0,
+                                         n_jobs=1))
+    rng = np.random.default_rng(0)
+    n = 200
+    inc = {"m": Gaussian(rng.uniform(-3, 3, n), 10 ** rng.uniform(-0.5, 0.5, n)),
+           "tau": Gamma(10 ** rng.uniform(0.2, 1.2, n), 10 ** rng.uniform(-0.5, 0.5, n)),
+           "x": Gaussian(rng.uniform(-3, 3, n), np.full(n, 1e-10))}
+    assert np.all(jit.outside_rows(inc))
+    flat = {v: m.ravel() for v, m in inc.items()}
+    assert not np.any(jit.operator._inputs_outside_flat(flat, REFERENCE_MARGIN))
+    gated = jit.operator.gated_rows(inc)
+    q, _, uncertain = jit.screen(inc)[:3]
+    uncertain = np.asarray(uncertain, bool).ravel()
+    assert gated.mean() > 0.8 and uncertain.mean() < 0.2, (gated.mean(), uncertain.mean())
+    assert np.all(uncertain[~gated])
+    kl = jit.oracle.belief(inc, "m").kl(q.ravel())
+    assert np.max(kl[~uncertain]) < 1e-10
+    # answered the same by mode=jit (nothing consulted there, nothing learned)
+    before = jit.counters()["consultations"]
+    qj = jit.predict(inc)[0]
+    assert jit.counters()["consultations"] - before == int(uncertain.sum())
+    np.testing.assert_allclose(qj.to_coords()[~uncertain], q.to_coords()[~uncertain], rtol=1e-12, atol=1e-12)
+    # beyond the reference margin: consulted, gated or not
+    far = {"m": inc["m"][:5], "tau": Gamma(np.full(5, 1e12), np.full(5, 1e12)), "x": inc["x"][:5]}
+    assert np.all(jit.operator._inputs_outside_flat({v: m.ravel() for v, m in far.items()}, REFERENCE_MARGIN))
+    assert np.all(np.asarray(jit.screen(far)[2], bool))
+    # a factor that declares no reference_check_holds: outside rows consulted as before
+    ejit, _, _ = train_operator(TrainSpec(factor="exp", to="y", n=300, n_inner=30, n_outer=60, random_state=0, n_jobs=1))
+    assert getattr(ejit.factor, "reference_check_holds", None) is None
+    einc = {"x": Gaussian(np.full(20, 0.5), np.full(20, 1e-9)), "y": Gamma(np.full(20, 2.0), np.full(20, 1.0))}
+    out = np.asarray(ejit.outside_rows(einc), bool)
+    assert out.any()
+    assert np.all(np.asarray(ejit.screen(einc)[2], bool)[out])

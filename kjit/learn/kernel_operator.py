@@ -971,9 +971,11 @@ class KernelOperator(Operator):
         reference where the targets are)."""
         return self._predict_coords(incoming, return_var, return_features, return_weights)[0]
 
-    def _predict_coords(self, incoming, return_var, return_features, return_weights=False, return_base=False):
+    def _predict_coords(self, incoming, return_var, return_features, return_weights=False, return_base=False,
+                        return_gate=False):
         """``(predict_coords' answer, validated flat incoming messages, batch shape)``; ``return_base``: the answer
-        ends with the reference coordinates (n, k) of the targets (:meth:`_reference`) too."""
+        ends with the reference coordinates (n, k) of the targets (:meth:`_reference`) too; ``return_gate``: then
+        with the reference's weight in each flat row's answer (n,) (:meth:`reference_weights`; 0 without a gate)."""
         self._check_fitted()
         messages, shape, inc = self._messages(incoming)
         flat = {v: m.ravel() for v, m in inc.items()}
@@ -983,10 +985,10 @@ class KernelOperator(Operator):
         else:
             z, v = self.blr_.predict(psi, dtype=self.dtype), None
         return (self._finish_coords(z, v, psi, flat, inc, shape, return_features, return_weights=return_weights,
-                                    return_base=return_base), flat, shape)
+                                    return_base=return_base, return_gate=return_gate), flat, shape)
 
     def _finish_coords(self, z, v, psi, flat, inc, shape, return_features, error_log=None, bounds=None,
-                       return_weights=False, return_base=False):
+                       return_weights=False, return_base=False, return_gate=False):
         """predict_coords' answer from the regression's standardised means ``z`` and latent
         predictive variances ``v`` (None: no variances) at features ``psi``; ``error_log``: the
         error model's log variances (n, k) where not its own prediction at ``psi`` (held-out rows);
@@ -1043,7 +1045,10 @@ class KernelOperator(Operator):
         out = (coords, var, psi) if return_features else (coords, var)
         if return_weights:
             out = out + (self._log_weights(coords.reshape(-1, len(self.y_mean_)), base),)
-        return out + (base,) if return_base else out
+        out = out + (base,) if return_base else out
+        if return_gate:
+            out = out + (np.zeros(len(base)) if gated is None else np.asarray(gated, np.float64),)
+        return out
 
     @property
     def learned_curvature_(self):
