@@ -16,7 +16,7 @@ from ..families import Family, family_name
 from ..protocols import Operator
 from ..training import TrainingSet
 from .kernel_operator import (KernelOperator, PredictionOverflowError, TargetsNotFiniteError, _named_rows,
-                              _state_json, respect_factor_bounds)
+                              _state_json, respect_factor_bounds, sign_undetermined)
 from .calibration import calibrate_threshold, density_guard
 from .consultation import greedy_consultations
 
@@ -45,11 +45,15 @@ _FINITE_MAX = float(np.finfo(np.float64).max)  # a budget threshold above every 
 #: the inputs, where the factor declares how far its check holds (``Factor.reference_check_holds``): its answer is
 #: the reference's, checked, not the regression's.  Found: the service's default gaussian operators consulted every
 #: message of normal_mean_precision's EP (an observed x lies beyond the margin of the default distribution) though
-#: the reference answered 91 % of them outright.  Measured (forty-sixth session, adversarial searches of the default
-#: ranges widened by 2 widths each side, product and gaussian): see REFERENCE_OUTSIDE_ERROR.
+#: the reference answered 91 % of them outright.  Measured (forty-sixth session): adversarial searches of the
+#: factors' default ranges widened by 2 widths each side, worst KL among rows estimated at most 1e-6: gaussian m / x
+#: 1.8e-6 / 6.5e-6, product y / z 1.9e-6 / 1.5e-5 (at most 1e-4: up to 2.9e-3 — hence REFERENCE_OUTSIDE_ERROR); a
+#: review's search through served operators over the region they spare (the margin is in each operator's own input
+#: coordinates — gaussian's canonical frame — and scales with its training range): gaussian ≤ 2.8e-10, product
+#: x / y / z 7.4e-7 / 2.6e-6 / 1.1e-5.  Such rows are not learned.
 REFERENCE_MARGIN = 2.0
-#: ... and whose check's estimate is at most this (squared error in the reference's units): beyond the data the
-#: estimate was measured to hold less far than within it
+#: ... and whose check's estimate is at most this (squared error in the reference's units), with the sign of its
+#: outgoing precision settled by it
 REFERENCE_OUTSIDE_ERROR = 1e-6
 _MAX_ROUNDS = 3  # greedy rounds per request; then every row still uncertain is consulted
 
@@ -269,7 +273,10 @@ class JITOperator(Operator):
         variances 0.1–3: 150 messages at variances 300–3e4 none below a 1 % density guard; learning them
         took the in-distribution mean KL from 1.8e-6 to 4.4e-3, its largest 1.7e-4 → 0.43, every log
         variance still below −10; at variances 6–30, learning them did no harm).  None (default): no
-        margin; the service's training sets ``service.training.INPUT_MARGIN``.
+        margin; the service's training sets ``service.training.INPUT_MARGIN``.  Neither this nor the density
+        guard consults a row the factor's checked reference answers outright (within :data:`REFERENCE_MARGIN`
+        widths, its estimate at most :data:`REFERENCE_OUTSIDE_ERROR`, where the factor declares
+        ``reference_check_holds``): its answer is not the regression's.  Such rows are not learned either.
     kl_cap : also consult a row whose own predictive variances (with a sampling oracle their epistemic part: the
         regression's noise taken out, which its answers do not settle) imply an expected KL above this — the least
         over every correlation of the coordinates' errors, at the predicted belief
@@ -665,8 +672,9 @@ class JITOperator(Operator):
                 pick = greedy_consultations(psi[rows], op.blr_.Sigma_, op.noise_var_, limit)
                 # learned in row order, like "all"
                 idx = np.sort(rows[pick]) if pick.size else rows
-                checked = self._checked_outright(gate[rows], var[rows])
-                outside = self._outside({v: m[rows] for v, m in flat.items()}, psi[rows], checked)
+                sub = {v: m[rows] for v, m in flat.items()}
+                checked = self._checked_outright(gate[rows], var[rows], sub, coords[rows])
+                outside = self._outside(sub, psi[rows], checked)
                 if outside is not None and outside.any():  # whatever their variance
                     idx = np.union1d(idx, rows[outside])
                 # (a row above kl_cap that the picks leave out is checked again once they are learned, as the
@@ -821,14 +829,23 @@ class JITOperator(Operator):
         what the service's observations and audit leave out of what they learn, as :meth:`predict` does."""
         return np.asarray(self.operator.out_of_range_rows(incoming, beliefs), bool) | self.outside_rows(incoming)
 
-    def _checked_outright(self, gate, var):
+    def _checked_outright(self, gate, var, flat, coords):
         """(n,) the rows whose answer is the reference's outright (reference weight ``gate`` 1) with an estimated
-        error (their variances ``var`` (n, k), the check's estimate) at most :data:`REFERENCE_OUTSIDE_ERROR`, where
-        the factor declares how far its check holds; None where none can be."""
+        error (their variances ``var`` (n, k), the check's estimate) at most :data:`REFERENCE_OUTSIDE_ERROR` and an
+        outgoing precision whose sign that estimate settles (:func:`sign_undetermined` at the predicted
+        ``coords`` of the flat messages ``flat``: found in review, product → z rows beyond the data answered an
+        improper message where the oracle's was proper), where the factor declares how far its check holds;
+        None where none can be."""
         if gate is None or var is None or not getattr(self.factor, "reference_check_holds", None):
             return None
+        if getattr(self.operator, "input_range_", None) is None:  # (no margin to bound the rows spared)
+            return None
+        v = np.asarray(var, float)
         with np.errstate(invalid="ignore"):
-            return (np.asarray(gate, float) >= 1.0) & np.all(np.asarray(var, float) <= REFERENCE_OUTSIDE_ERROR, axis=-1)
+            ok = (np.asarray(gate, float) >= 1.0) & np.all(v <= REFERENCE_OUTSIDE_ERROR, axis=-1)
+        if ok.any():
+            ok &= ~np.asarray(sign_undetermined(self.factor, self.to, flat, np.asarray(coords, float), v), bool)
+        return ok
 
     def _outside(self, flat, psi, checked=None):
         """Rows of the flat (checked) messages ``flat`` (features ``psi``, or None: no density guard)
@@ -892,7 +909,7 @@ class JITOperator(Operator):
             if self.uncertainty == "predictive":
                 epistemic = np.maximum(epistemic - noise, 0.0)
         always = op.sign_unsettled(flat, coords, epistemic)
-        outside = self._outside(flat, psi, self._checked_outright(gate, var))
+        outside = self._outside(flat, psi, self._checked_outright(gate, var, flat, coords))
         if outside is not None:
             always = always | outside
         if var is not None:
