@@ -331,7 +331,8 @@ def _train(args) -> int:
             raise ValueError(f"no threshold meets --target-kl {args.target_kl:g} on at least {support} held-out "
                              "pairs; train on more pairs or relax it")
         # with a density guard and an input margin, as the service's: a message outside the training data is
-        # consulted whatever its variance (the regression's variance does not see it), and not learned; and a row
+        # consulted whatever its variance (the regression's variance does not see it; unless the factor's checked
+        # reference answers it outright, REFERENCE_MARGIN), and not learned; and a row
         # whose own variances imply an expected KL above the target, whatever the threshold admits
         out = guarded_jit(op, oracle, threshold, ts, held, kl_cap=args.target_kl)  # (a row's own expected KL)
         share = float(np.mean(np.asarray(out.screen(held.incoming)[2], bool)))

@@ -384,7 +384,8 @@ class OperatorDetail(OperatorSummary):
         None, description="the operator's density guard (kjit.operators.JITOperator, `density_guard`): `value`, the "
                           "mean kernel value to the learned pairs below which a message lies outside the data the "
                           "operator learned, and `pairs`, the pairs learned when it was set (compared as a count: "
-                          "value × pairs); such a message is consulted in mode=jit whatever its variance, marked "
+                          "value × pairs); such a message is consulted in mode=jit whatever its variance (unless the "
+                          "factor's checked reference answers it outright: kjit.learn.jit.REFERENCE_MARGIN), marked "
                           "`uncertain` in mode=predict, and not learned, by mode=jit or as an observation "
                           "(`not_learned`); null for an operator without one (trained before the fortieth "
                           "session, or on fewer than 100 pairs)")

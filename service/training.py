@@ -60,7 +60,8 @@ variance, a Beta's or Gamma's log parameters — more than half the training ran
 density does not see a message much wider than any learned, whose mean embedding is near the learned
 ones').  A message outside lies where the operator's predictive variance means nothing (the random
 features of a far message are a generic vector, and the posterior is tight in every direction), so the
-just-in-time rule consults it whatever its variance, and neither ``mode=jit`` nor an observation learns
+just-in-time rule consults it whatever its variance (unless the factor's checked reference answers it outright, which
+does not use the regression: ``kjit.learn.jit.REFERENCE_MARGIN``), and neither ``mode=jit`` nor an observation learns
 it — learning such pairs moves the predictions everywhere while every variance stays small (measured,
 fortieth session: 24 logistic-regression EP runs in turn through one served default logistic → x
 operator, at prior variances 1e2–1e6, took its posteriors from 1e-9–0.005 sd off exact EP to 0.1–2.7 sd

@@ -252,8 +252,9 @@ class JITOperator(Operator):
         learned now — so learning rows elsewhere does not, in expectation, make a row sparser (the
         random features' kernel estimate between far rows scatters about 0, negative as often as
         positive: many far rows learned can lower a row's count, and guard it — see
-        :meth:`KernelOperator.density`).  Such a row is answered by the oracle and not learned
-        (:meth:`outside_rows`): learning rows outside the data moves the predictions everywhere while every
+        :meth:`KernelOperator.density`).  Such a row is answered by the oracle (unless the factor's checked
+        reference answers it outright: see ``input_margin``) and not learned (:meth:`outside_rows`):
+        learning rows outside the data moves the predictions everywhere while every
         variance stays small (fortieth session, one served default logistic → x operator shared by 24
         logistic-regression EP runs at prior variances 1e2–1e6: learning them took its posteriors from
         within 0.005 sd of exact EP to 0.1–2.7 sd off, no message flagged; the guard kept every run within
@@ -802,7 +803,8 @@ class JITOperator(Operator):
     def outside_rows(self, incoming: Mapping[str, Family], density: bool = True) -> np.ndarray:
         """Per message (flat), whether it lies outside the data the operator learned — below the density
         guard (``density_guard``) or beyond the input margin (``input_margin``): what the operator
-        consults whatever its variance, and does not learn; all False without either.  ``density=False``:
+        consults whatever its variance (but for rows its checked reference answers outright: see
+        ``input_margin``), and does not learn; all False without either.  ``density=False``:
         beyond the input margin only — a fixed range, unlike the density, which learning moves."""
         flat, _ = self.factor.check_incoming(incoming, self.to)
         flat = {v: m.ravel() for v, m in flat.items()}
