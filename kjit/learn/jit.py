@@ -561,7 +561,7 @@ class JITOperator(Operator):
         it (see ``threshold``), uncertain mask)``.  The mask is this operator's rule — the threshold on
         the variance its ``uncertainty`` names, an outgoing message whose precision's sign is undetermined,
         or a message outside the data (:meth:`outside_rows`: below the density guard, beyond the input
-        margin) — so a client whose oracle runs elsewhere (a served operator's ``mode=predict``) consults
+        margin) that the factor's checked reference does not answer outright (:data:`REFERENCE_MARGIN`) — so a client whose oracle runs elsewhere (a served operator's ``mode=predict``) consults
         exactly the rows ``predict`` with ``selection="all"`` would."""
         q, var, _, uncertain, _, logw = self._screen(incoming, to)
         return q, np.log(var) + logw.reshape(var.shape), uncertain
@@ -1325,7 +1325,8 @@ def guarded_jit(operator: KernelOperator, oracle, threshold: float, fitted: Trai
     ``threshold`` that also knows where its data ends — a density guard flagging ``GUARD_SHARE`` of
     in-distribution messages (:func:`density_guard` over the ``held_out`` pairs and the ``fitted`` ones each left
     out of its own count; none when too few pairs give that share) and the input margin ``INPUT_MARGIN`` — so a
-    message outside it is consulted whatever its variance, and not learned (:meth:`JITOperator.outside_rows`;
+    message outside it is consulted whatever its variance (unless the factor's checked reference answers it
+    outright: :data:`REFERENCE_MARGIN`), and not learned (:meth:`JITOperator.outside_rows`;
     why, with measurements: :mod:`service.training`).  ``kwargs``: more of the JITOperator's settings."""
     guard = density_guard(operator, held_out=held_out, fitted=fitted, groups=np.arange(len(fitted)),
                           share=GUARD_SHARE)
