@@ -561,7 +561,8 @@ class JITOperator(Operator):
         it (see ``threshold``), uncertain mask)``.  The mask is this operator's rule — the threshold on
         the variance its ``uncertainty`` names, an outgoing message whose precision's sign is undetermined,
         or a message outside the data (:meth:`outside_rows`: below the density guard, beyond the input
-        margin) that the factor's checked reference does not answer outright (:data:`REFERENCE_MARGIN`) — so a client whose oracle runs elsewhere (a served operator's ``mode=predict``) consults
+        margin) that the factor's checked reference does not answer outright (:data:`REFERENCE_MARGIN`) — so a
+        client whose oracle runs elsewhere (a served operator's ``mode=predict``) consults
         exactly the rows ``predict`` with ``selection="all"`` would."""
         q, var, _, uncertain, _, logw = self._screen(incoming, to)
         return q, np.log(var) + logw.reshape(var.shape), uncertain
