@@ -802,16 +802,21 @@ class KernelOperator(Operator):
         r = getattr(self, "input_range_", None)
         if r is None:
             return np.zeros(next(iter(flat.values())).size, dtype=bool)
+        # (the bounds per margin for this range, replaced whole — never mutated — so a concurrent copy of the operator
+        # sees one tuple or the other; the JIT asks for two margins in turn: the input margin and REFERENCE_MARGIN)
         cached = getattr(self, "_input_bounds", None)
-        if cached is None or cached[0] != margin or cached[1] is not r:
-            cached = self._input_bounds = (margin, r, *_range_bounds(r, margin))
+        kept = cached[1] if cached is not None and cached[0] is r else ()
+        bounds = next((b for b in kept if b[0] == margin), None)
+        if bounds is None:
+            bounds = (margin, *_range_bounds(r, margin))
+            self._input_bounds = (r, kept[-3:] + (bounds,))
         messages = self.feature_inputs(flat)
         try:
             with np.errstate(all="ignore"):
                 c = np.hstack([m.to_coords().reshape(m.size, -1) for m in messages])
         except ValueError:  # (an improper message after all: the general path, NaN for it)
             c = input_coords(messages)
-        return _outside_bounds(c, cached[2], cached[3])
+        return _outside_bounds(c, bounds[1], bounds[2])
 
     def _unpack(self, data, beliefs):
         if isinstance(data, TrainingSet):
