@@ -981,6 +981,39 @@ def test_gaussian_quadrature_reference_matches_the_exact_rule(projection):
         assert np.max(np.abs(moved)) < 1e-8, (to, np.max(np.abs(moved)))
 
 
+def test_node_mixture_moments_are_summed_about_the_heaviest_node():
+    """kjit.factors.base.gaussian_from_nodes (the references' mixture of nodes) about a mean of 1e20, the nodes
+    2^14 (one ulp) apart: the mean is the offsets' mean added to the heaviest node, exactly, and the variance
+    theirs (summed as Σ w·mu the mean is rounded to 1e20's ulps and the variance with it)."""
+    from kjit.factors.base import gaussian_from_nodes
+
+    d = np.array([[0.0, 16384.0, 32768.0, 49152.0]])
+    w = np.array([[0.1, 0.4, 0.3, 0.2]])
+    m_ref = float(np.sum(w * d) / w.sum())
+    v_ref = float(np.sum(w * (d - m_ref) ** 2) / w.sum())
+    q = gaussian_from_nodes(np.log(w), 1e20 + d, 8.0, Gaussian(np.zeros(1), np.ones(1)))
+    assert float(q.mean()[0]) == 1e20 + 16384.0 + (m_ref - 16384.0)
+    assert float(q.var()[0]) == pytest.approx(8.0 + v_ref, rel=1e-12)
+
+
+def test_gaussian_reference_of_an_observed_x_is_within_an_ulp_of_the_exact_rule():
+    """gaussian → x where x is observed (its message's variance 1e-10, as the factor suite's EP problems send it):
+    the belief's mean is the data to ~1e-9, and a KL to the exact rule is the rounding of that mean
+    (KL = (mean's error)² / 2e-10: 1e-21 an ulp at a mean of 3).  Checked against 40-digit mpmath on 60 such
+    rows of the suite's seed 0 (forty-seventh session): the exact rule within 0.54 ulp, the reference within
+    0.72 — so they differ by at most one ulp, asserted on 600 rows; before the mixture's mean was summed about
+    the heaviest node they differed by 2–3 ulps on 31 of them (the suite's gaussian x worst 1 % at seed 0)."""
+    f = get_factor("gaussian")
+    rng = np.random.default_rng(11)
+    n = 600
+    inc = {"m": Gaussian(rng.uniform(-3, 3, n), rng.uniform(0.01, 0.25, n)),
+           "tau": Gamma(rng.uniform(2, 30, n), rng.uniform(2, 150, n)),
+           "x": Gaussian(rng.uniform(-12, 12, n), np.full(n, 1e-10))}
+    exact, q = f.exact_belief(inc, "x"), f.approximate_belief(inc, "x")
+    ulps = np.abs(q.mean() - exact.mean()) / np.spacing(np.abs(exact.mean()))
+    assert np.max(ulps) <= 1.0, (np.max(ulps), int(np.sum(ulps > 1)))
+
+
 def test_gaussian_reference_check_holds():
     """GaussianFactor.reference_error, the larger change of the reference under 48 nodes a mode and under 40 on the
     modes' scales widened 1.5×, holds to ``reference_check_holds`` (1e-2).  On these 3 000 default messages (seed

@@ -1249,11 +1249,19 @@ def gaussian_from_nodes(lw, mu, var, fallback, max_node_weight: float = 1.0):
     last axis (``var`` 0: point nodes).  Rows whose moments are not finite or whose variance is not
     positive — and, with ``max_node_weight`` < 1, rows where one node holds at least that share of
     the weight (the nodes missed the mass) — take ``fallback``'s parameters (its batch shape is the
-    answer's)."""
+    answer's).  The mean is summed about the heaviest node's, as the exact rules'
+    (:func:`kjit.exact._common.gaussian_mixture`): Σ p_k mu_k, with weights summing to 1 ± a few ulps, put a
+    mean far from 0 one to two ulps off the mixture's, against the exact rule's half ulp — the whole of
+    gaussian → x's error on an observed x (variance 1e-10: KL 4e-21–6e-20; 40-digit mpmath, forty-seventh
+    session)."""
     with np.errstate(all="ignore"):
         w = _node_weights(lw)
-        mean = (w * mu).sum(axis=-1)
-        v = (w * (var + (mu - mean[..., None]) ** 2)).sum(axis=-1)
+        mu = np.broadcast_to(np.asarray(mu, dtype=float), w.shape)
+        c = np.take_along_axis(mu, np.argmax(lw, axis=-1)[..., None], axis=-1)
+        d = mu - c
+        dm = (w * d).sum(axis=-1)
+        mean = c[..., 0] + dm
+        v = (w * (var + (d - dm[..., None]) ** 2)).sum(axis=-1)
         if mean.size == 1 and max_node_weight >= 1.0:  # one row: the test by math
             m1, v1 = mean.item(), v.item()
             if math.isfinite(m1) and math.isfinite(v1) and v1 > 0:
