@@ -262,3 +262,40 @@ def test_logistic_belief_pinned_by_a_concentrated_label_is_answered():
     x0 = np.log(3.0)
     assert float(q.mean()[0]) == pytest.approx(x0, rel=1e-12)
     assert float(q.var()[0]) == pytest.approx(1.0 / (1.0 + 4e22 * 0.75 * 0.25), rel=1e-5)
+
+
+#: (m, τ, x) messages where w's mode lies many decades below the cubic's other roots (D ≫ S: the τ message's
+#: mode is far from the precision the data allow), and the beliefs on m and x by 60-digit mpmath (a grid for the
+#: mode, then tanh-sinh on unit panels about it; forty-seventh session)
+_FAR_MODE_ROWS = [
+    # m N(−2.26e9, 1.3e-10), τ Gamma(0.033, 2.6e-5), x N(1.1e-5, 7.1e-3): one mode, at τ ~1e-19
+    (((-2259839610.0872774, 1.294196332805982e-10), (0.03261157296370452, 2.64420478169325e-05),
+      (1.0793267419807906e-05, 0.0071270599638550425)),
+     {"m": (-2259839610.09, 1.29419633281e-10), "x": (1.07932640603e-5, 0.00712705996386)}),
+    # a second mode at the τ message's own (shape 894), 1.45e18 nats below the one at τ ~4e-31
+    (((-8.736533756952958e-19, 1450607972025393.2), (894.3132739190066, 6.725515460248708e-08),
+      (6.491576162568974e+16, 3.8796687081614114e-16)),
+     {"m": (39.9910048381, 1.45060797203e+15), "x": (6.49157616257e+16, 3.87966870816e-16)}),
+    (((11183679696840.566, 1043.0837123441415), (164.01795191740538, 5.329560410839624e-14),
+      (4.659439248989505e+16, 3352978893.0971136)),
+     {"m": (1.11836796968e+13, 1043.08371234), "x": (4.65943924899e+16, 3352978893.1)}),
+]
+
+
+@pytest.mark.parametrize("row", range(len(_FAR_MODE_ROWS)))
+def test_gaussian_factor_finds_a_mode_many_decades_from_the_others(row):
+    """The cubic's companion-matrix eigenvalues are accurate relative to its largest root, and lost w's mode
+    at τ ~1e-19 – 1e-31 where the others lie at ~1e9: the exact rule's sign changes between the candidates
+    cancelled (a maximum and a minimum in one interval) and it integrated the τ message's own mode — the
+    second row's m belief pinned to x, 1.7e9 of m's sds off; the reference answered likewise on the first,
+    its check agreeing (estimate 0).  The reversed cubic's roots find it (stationary_candidates(reversed_too=
+    True)); both now within 12 significant digits of mpmath (the digits given), the exact rule on default
+    messages as before to KL 3e-28 (20 000, seed 778)."""
+    (mm, vm), (a, b), (mx, vx) = _FAR_MODE_ROWS[row][0]
+    inc = {"m": Gaussian(np.array([mm]), np.array([vm])), "tau": Gamma(np.array([a]), np.array([b])),
+           "x": Gaussian(np.array([mx]), np.array([vx]))}
+    f = get_factor("gaussian")
+    for to, (mean, var) in _FAR_MODE_ROWS[row][1].items():
+        for q in (QuadratureOracle(f).belief(inc, to), f.approximate_belief(inc, to)):
+            assert float(q.mean()[0]) == pytest.approx(mean, rel=1e-10, abs=1e-10 * np.sqrt(var)), (to, q)
+            assert float(q.var()[0]) == pytest.approx(var, rel=1e-10), (to, q)

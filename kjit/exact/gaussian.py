@@ -77,12 +77,16 @@ def log_weight(t, a, extra, u0, log_s, d, log_alpha):
         return gamma_exponent(t, a, u0, extra) - 0.5 * lsq - 0.5 * d * np.exp(-lsq)
 
 
-def stationary_candidates(ap, b, S, D, alpha):
+def stationary_candidates(ap, b, S, D, alpha, reversed_too: bool = False):
     """``(candidates (B, 3), real (B, 3), lo, hi)``: log τ of the positive real parts of the cubic's roots
     c3 τ³ + c2 τ² + c1 τ + c0 (the derivative of log w times 2(1 + Sατ)², a' = ``ap``; companion-matrix
     eigenvalues in ξ = Sατ) — approximately every stationary point of w, NaN for none or where the
     coefficients are not finite — which of them are real (those are stationary points themselves), and the
-    bracket [lo, hi] in u outside which the derivative's sign is known."""
+    bracket [lo, hi] in u outside which the derivative's sign is known.  The eigenvalues are accurate relative to
+    the largest root: a root many decades smaller is lost (D ~5e18 puts w's one mode at τ ~1e-19 where the others
+    are ~1e9).  ``reversed_too``: also (B, 3 more columns) the reciprocals of the reversed cubic's roots, accurate
+    for the smallest — what the reference's modes take (the exact rule brackets sign changes, which it does not
+    need)."""
     # the cubic in τ: c3 τ³ + c2 τ² + c1 τ + c0, p = Sα
     p = S * alpha
     c3 = -2.0 * b * p * p
@@ -107,6 +111,21 @@ def stationary_candidates(ap, b, S, D, alpha):
     hi = np.log((ap + 0.5) / b) + 1.0
     lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha) - 1.0
     real = np.abs(xi.imag) <= 1e-6 * np.abs(xi)  # real eigenvalues are stationary points themselves
+    if reversed_too:
+        # η = 1/ξ: k0 η³ + k1 η² + k2 η + k3 (k0 = 2a' + 1 > 0), monic
+        rev = np.zeros((B, 3, 3))
+        rev[:, 0, :] = -np.stack([k1, k2, k3], axis=1) / k0[:, None]
+        rev[:, 1, 0] = 1.0
+        rev[:, 2, 1] = 1.0
+        ok_r = np.all(np.isfinite(rev.reshape(B, -1)), axis=1)
+        rev[~ok_r] = 0.0
+        eta = np.linalg.eigvals(rev)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            re_xi = eta.real / (eta.real**2 + eta.imag**2)  # Re(1/η)
+            cand_r = np.where((re_xi > 0) & np.isfinite(re_xi) & ok_r[:, None],
+                              np.log(np.where(re_xi > 0, re_xi, 1.0)) - np.log(p)[:, None], np.nan)
+        cand = np.concatenate([cand, cand_r], axis=1)
+        real = np.concatenate([real, np.abs(eta.imag) <= 1e-6 * np.abs(eta)], axis=1)
     return cand, real, lo, hi
 
 
@@ -157,7 +176,7 @@ def _rule(a, extra, b, S, D, alpha):
             return aa - np.exp(t + lb) + 0.5 * g - 0.5 * dd / np.exp(ls) * special.expit(lt) * g
 
     B = len(ap)
-    cand, real, lo, hi = stationary_candidates(ap, b, S, D, alpha)
+    cand, real, lo, hi = stationary_candidates(ap, b, S, D, alpha, reversed_too=True)
     roots = stationary_points(dlogf, cand, lo, hi, accept=real)
     # step: the local scale at the highest stationary point
     with np.errstate(invalid="ignore"):

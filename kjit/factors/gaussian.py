@@ -98,7 +98,7 @@ class GaussianFactor(Factor):
             return _exact.log_weight(t, cols[0], 0.0, cols[1], cols[2], cols[3], 0.0)
 
         with np.errstate(all="ignore"):
-            cand, _, lo, hi = _exact.stationary_candidates(a_r, b_r, S, D, 1.0)
+            cand, _, lo, hi = _exact.stationary_candidates(a_r, b_r, S, D, 1.0, reversed_too=True)
             cand = np.concatenate([np.clip(u0, lo, hi)[:, None], cand], axis=1)
             sc = _exact.curvature_scale(cand, b_r[:, None], S[:, None], D[:, None], 1.0)
             centres, scales, _ = local_maxima(log_w, cand, sc)
