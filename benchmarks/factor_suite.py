@@ -677,6 +677,7 @@ def direction_rows(f, recs, args, rng):
             kl_ref = np.maximum(np.nan_to_num(test.beliefs.kl(ref), nan=np.inf), 1e-300)
         kl = np.maximum(kl_raw, 1e-300)  # rounding can make a near-exact row's KL ≤ 0: counted below
         worst = kl >= np.quantile(kl, 0.99)
+        resolved = ~at_float_resolution(kl_raw, test.beliefs)
         n = len(kl)
 
         def test_boot(flags):
@@ -781,6 +782,9 @@ def direction_rows(f, recs, args, rng):
         # problems are disjoint, messages need not be (a factor whose other messages are fixed sends
         # the same message in several problems): the test rows equal to a training row, and the
         # figure without them (found by an audit: 12.5 % of gamma_rate's at seed 0)
+        # rows the exact rule and the operator give to within about an ulp a parameter (float_resolution_kl)
+        row["n_test_at_float_resolution"] = int(np.sum(~resolved))
+        row["worst1pct_at_float_resolution"] = float(np.mean(~resolved[worst]))
         seen = _rows_in(sets["test"], sets["train"])
         row["test_rows_seen_in_training"] = int(np.sum(seen))
         row["mean_log_kl_unseen"] = float(np.mean(np.log(kl[~seen]))) if np.any(~seen) else None
@@ -789,7 +793,7 @@ def direction_rows(f, recs, args, rng):
         row.update(exact_kl_figures(op, data, problem, kl, worst, n_test_problems))
         # the variance rule's just-in-time operator with a consultation budget (JITOperator(budget=)): the
         # test rows as one request, its top RANK_BUDGET by score consulted (the sign test's rows ranked first)
-        row.update(_rank_figures(op, exact, test.incoming, worst, ""))
+        row.update(_rank_figures(op, exact, test.incoming, worst, "", resolved))
         if args.kl_model:
             # the learned log KL as the uncertainty (opt-in, --kl-model): KernelOperator.fit_kl_model on
             # the calibration set and the training problems left out in turn, the operator as it stands
@@ -825,7 +829,7 @@ def direction_rows(f, recs, args, rng):
             row.update({"flagged_fraction_at_budget975p_klmodel_jit": float(np.mean(fl)),
                         "worst1pct_flagged_at_budget975p_klmodel_jit": float(np.mean(fl[worst])),
                         "n_jit_differs_klmodel": int(np.sum(fl != (s_te > thr["budget975p"])))})
-            row.update(_rank_figures(op, exact, test.incoming, worst, "_klmodel", uncertainty="learned_kl"))
+            row.update(_rank_figures(op, exact, test.incoming, worst, "_klmodel", resolved, uncertainty="learned_kl"))
             # the budget975p threshold consulted whatever the budget, the rank topping it up with the credit
             # it leaves (JITOperator(budget_level=, budget_credit=True); jit_kl_model.py's learned_kl_topup)
             row.update(_rank_figures(op, exact, test.incoming, worst, "_klmodel_topup", uncertainty="learned_kl",
@@ -912,15 +916,47 @@ def direction_rows(f, recs, args, rng):
     return rows
 
 
-def _rank_figures(op, exact, test_incoming, worst, tag, **kw) -> dict:
+def _rank_figures(op, exact, test_incoming, worst, tag, resolved=None, **kw) -> dict:
     """The rows a just-in-time operator with a consultation budget (``JITOperator(budget=RANK_BUDGET)``,
     no floor, ``**kw`` its rule) consults among the test rows sent as one request: its top
     RANK_BUDGET by score, the rows the sign test of the outgoing precision consults anyway ranked first (keys
-    ``flagged_fraction_at_rank10{tag}_jit``, ``worst1pct_flagged_at_rank10{tag}_jit``)."""
+    ``flagged_fraction_at_rank10{tag}_jit``, ``worst1pct_flagged_at_rank10{tag}_jit``); with ``resolved`` (the test
+    rows not :func:`at_float_resolution`) also the keys with the suffix ``_resolved``: the worst 1 % among those rows
+    only (None where every worst row is at the resolution)."""
     jit = JITOperator(op, exact, budget=RANK_BUDGET, selection="all", **kw)
     fl = np.asarray(jit.screen(test_incoming)[2]).reshape(-1)
-    return {f"flagged_fraction_at_rank10{tag}_jit": float(np.mean(fl)),
-            f"worst1pct_flagged_at_rank10{tag}_jit": float(np.mean(fl[worst]))}
+    out = {f"flagged_fraction_at_rank10{tag}_jit": float(np.mean(fl)),
+           f"worst1pct_flagged_at_rank10{tag}_jit": float(np.mean(fl[worst]))}
+    if resolved is not None:  # the worst 1 % whose error a double can show (None: none of them)
+        out[f"flagged_fraction_at_rank10{tag}_jit_resolved"] = out[f"flagged_fraction_at_rank10{tag}_jit"]
+        out[f"worst1pct_flagged_at_rank10{tag}_jit_resolved"] = (float(np.mean(fl[worst & resolved]))
+                                                                 if np.any(worst & resolved) else None)
+    return out
+
+
+def float_resolution_kl(q) -> np.ndarray:
+    """(n,) per belief of ``q``: the KL from it to its neighbour one double away in each parameter (the larger of
+    the two neighbours), summed over the parameters — what an answer rounded to the other side of a half-ulp
+    differs by.  A row whose KL to the exact belief is at most twice this (``at_float_resolution``) is the exact
+    answer to within about one ulp a parameter, and its rank among the errors is the rounding's: measured on
+    gaussian → x at seed 0 (forty-seventh session, 40-digit mpmath on its worst 1 % and 30 other rows), the exact
+    rule lay within 0.54 ulp of the true mean and the operator within 0.72 — of the 30 rows ranked its worst 1 %,
+    every one at one ulp of the mean, 6 were rows where the operator was the closer to the truth."""
+    ps = [np.asarray(p, np.float64) for p in q.params]
+    total = np.zeros(np.broadcast_shapes(*(p.shape for p in ps)))
+    with np.errstate(all="ignore"):
+        for j in range(len(ps)):
+            step = np.zeros_like(total)
+            for to in (np.inf, -np.inf):
+                moved = [np.nextafter(p, to) if i == j else p for i, p in enumerate(ps)]
+                step = np.fmax(step, np.asarray(q.kl(type(q)._unchecked(*moved)), np.float64))
+            total = total + step
+    return total
+
+
+def at_float_resolution(kl, q) -> np.ndarray:
+    """(n,) rows whose ``kl`` to the exact beliefs ``q`` is at most twice :func:`float_resolution_kl`."""
+    return np.asarray(kl) <= 2.0 * float_resolution_kl(q)
 
 
 def exact_kl_figures(op, data, problem, kl, worst, n_test_problems) -> dict:
@@ -1117,6 +1153,8 @@ def main(argv=None):
         # the same rules with a perfect uncertainty (each row's exact KL: a ceiling, see exact_kl_figures)
         **{f"n_met_at_{at}_exactkl": _n_met(rows, at, "_exactkl") for at in ("q90", "budget90", "budget975p")},
         "n_met_at_rank10_jit": _n_met(rows, "rank10", "_jit"),
+        "n_met_at_rank10_jit_resolved": _n_met(rows, "rank10", "_jit_resolved"),
+        "n_test_at_float_resolution": sum(r["n_test_at_float_resolution"] for r in rows),
         "max_flagged_fraction_at_budget90_pred": max(r["flagged_fraction_at_budget90_pred"] for r in rows),
         "n_directions": len(rows),
         # the worst confident error over every direction (None in a row: everything flagged)
@@ -1142,6 +1180,7 @@ def main(argv=None):
                for at in ("q90", "budget90", "budget90_pred", "budget975p")},
             "n_met_at_budget975p_klmodel_jit": _n_met(rows, "budget975p", "_klmodel_jit"),
             "n_met_at_rank10_klmodel_jit": _n_met(rows, "rank10", "_klmodel_jit"),
+            "n_met_at_rank10_klmodel_jit_resolved": _n_met(rows, "rank10", "_klmodel_jit_resolved"),
             "n_met_at_rank10_klmodel_topup_jit": _n_met(rows, "rank10", "_klmodel_topup_jit"),
             "n_flagged_fraction_needed_le_006_klmodel": sum(r["flagged_fraction_needed_klmodel"] <= 0.06 for r in rows),
             "max_flagged_fraction_at_budget90_klmodel": max(r["flagged_fraction_at_budget90_klmodel"] for r in rows),
@@ -1160,7 +1199,8 @@ def main(argv=None):
 #: the readings --pool reads: (name, suffix of the worst1pct_flagged / flagged_fraction keys)
 POOL_READINGS = (("target_kl", ""), ("budget975p", "_at_budget975p"), ("klmodel_jit", "_at_budget975p_klmodel_jit"),
                  ("exactkl", "_at_budget975p_exactkl"), ("rank10_jit", "_at_rank10_jit"),
-                 ("rank10_klmodel_jit", "_at_rank10_klmodel_jit"),
+                 ("rank10_klmodel_jit", "_at_rank10_klmodel_jit"), ("rank10_jit_resolved", "_at_rank10_jit_resolved"),
+                 ("rank10_klmodel_jit_resolved", "_at_rank10_klmodel_jit_resolved"),
                  ("rank10_klmodel_topup_jit", "_at_rank10_klmodel_topup_jit"))
 
 
@@ -1188,11 +1228,18 @@ def pool_seeds(paths) -> list[dict]:
     for k in keys:
         line = {"factor": k[0], "direction": k[1], "n_runs": len(runs)}
         for name, suf in readings:
-            w = np.array([run[k][f"worst1pct_flagged{suf}"] for run in runs])
+            # (None: a ``_resolved`` reading's test set whose worst 1 % is all at float resolution — nothing there
+            # for a double to show; such sets count by their flagged share alone, and are counted apart)
+            w = np.array([np.nan if run[k][f"worst1pct_flagged{suf}"] is None else run[k][f"worst1pct_flagged{suf}"]
+                          for run in runs])
             f = np.array([run[k][f"flagged_fraction{suf}"] for run in runs])
-            met = bool(w.mean() >= 0.95 and f.mean() <= 0.1)
-            line.update({f"worst1pct_flagged_mean_{name}": float(w.mean()), f"flagged_fraction_mean_{name}": float(f.mean()),
-                         f"met_pooled_{name}": met, f"n_sets_met_{name}": int(np.sum((w >= 0.95) & (f <= 0.1)))})
+            w_mean = float(np.mean(w[~np.isnan(w)])) if np.any(~np.isnan(w)) else None
+            met = bool((w_mean is None or w_mean >= 0.95) and f.mean() <= 0.1)
+            line.update({f"worst1pct_flagged_mean_{name}": w_mean, f"flagged_fraction_mean_{name}": float(f.mean()),
+                         f"met_pooled_{name}": met,
+                         f"n_sets_met_{name}": int(np.sum((np.isnan(w) | (w >= 0.95)) & (f <= 0.1)))})
+            if np.any(np.isnan(w)):
+                line[f"n_sets_worst_at_float_resolution_{name}"] = int(np.sum(np.isnan(w)))
             summary[f"n_met_pooled_{name}"] = summary.get(f"n_met_pooled_{name}", 0) + met
             summary[f"n_sets_met_{name}"] = summary.get(f"n_sets_met_{name}", 0) + line[f"n_sets_met_{name}"]
         out.append(line)
@@ -1201,9 +1248,10 @@ def pool_seeds(paths) -> list[dict]:
 
 def _n_met(rows, at: str, tag: str = "") -> int:
     """Directions meeting both goals of issue 14 part 3 at threshold ``at`` (uncertainty ``tag``): the
-    worst 1 % flagged ≥ 95 % of the time, at most 10 % of the test rows flagged."""
-    return sum(r[f"worst1pct_flagged_at_{at}{tag}"] >= 0.95 and r[f"flagged_fraction_at_{at}{tag}"] <= 0.1
-               for r in rows)
+    worst 1 % flagged ≥ 95 % of the time, at most 10 % of the test rows flagged (a ``_resolved`` reading whose
+    worst 1 % is all at float resolution, None, by its share alone)."""
+    return sum((r[f"worst1pct_flagged_at_{at}{tag}"] is None or r[f"worst1pct_flagged_at_{at}{tag}"] >= 0.95)
+               and r[f"flagged_fraction_at_{at}{tag}"] <= 0.1 for r in rows)
 
 
 def _ensemble_summary(rows):

@@ -298,3 +298,61 @@ def test_exact_kl_figures_rank_perfectly(capsys):
             assert w == 1.0 or ff * r["n_test"] <= np.ceil(0.01 * r["n_test"]) + 1e-9, (at, ff, w)
     for at in ("q90", "budget90", "budget975p"):
         assert 0 <= summary[f"n_met_at_{at}_exactkl"] <= len(rows)
+
+
+def test_float_resolution_is_one_double_a_parameter():
+    """float_resolution_kl: the KL to a belief's neighbours one double away, summed over parameters — for a
+    Gaussian of variance 1e-10 at mean 10.7 the mean's ulp (1.78e-15) is KL ulp² / 2e-10 = 1.58e-20 (the variance's
+    ~1e-32, what a mean of 0 leaves); at_float_resolution keeps an answer one ulp off in the mean and the
+    variance, and not one two ulps off in the mean; a Gamma belief likewise, batched."""
+    from kjit.families import Gamma, Gaussian
+
+    suite = _suite()
+    mean = np.array([10.7, -2.3, 0.0])
+    q = Gaussian(mean, np.full(3, 1e-10))
+    res = suite.float_resolution_kl(q)
+    ulp = np.spacing(np.abs(mean))
+    assert np.allclose(res[:2], ulp[:2] ** 2 / 2e-10, rtol=1e-6, atol=0) and 0 < res[2] < 1e-30, res
+    off1 = Gaussian(mean + ulp, np.nextafter(np.full(3, 1e-10), 1.0))
+    off2 = Gaussian(mean + 2 * ulp, np.full(3, 1e-10))
+    assert np.all(suite.at_float_resolution(q.kl(off1), q))
+    assert not np.any(suite.at_float_resolution(q.kl(off2), q)[:2])
+    g = Gamma(np.array([3.0, 5e3]), np.array([2.0, 0.1]))
+    assert np.all(suite.float_resolution_kl(g) > 0) and np.all(suite.float_resolution_kl(g) < 1e-26)
+    moved = Gamma(np.nextafter(g.shape_param, np.inf), g.rate)
+    assert np.all(suite.at_float_resolution(g.kl(moved), g))
+    assert not np.any(suite.at_float_resolution(g.kl(Gamma(g.shape_param * (1 + 1e-9), g.rate)), g))
+
+
+def test_pool_counts_a_worst_1pct_at_float_resolution_apart(tmp_path, capsys):
+    """--pool with the _resolved readings: a test set whose worst 1 % lies wholly at float resolution (None) has
+    nothing a double can show; it counts by its flagged share alone, apart (n_sets_worst_at_float_resolution_*),
+    and the worst 1 % flagged is averaged over the other sets."""
+    suite = _suite()
+    paths = []
+    for seed, (w, w_res, ff) in enumerate([(0.8, None, 0.1), (1.0, 1.0, 0.09), (0.9, 0.9, 0.08)]):
+        row = {"factor": "gaussian", "direction": "x", "mean_log_kl": -90.0,
+               "worst1pct_flagged_at_rank10_klmodel_jit": w, "flagged_fraction_at_rank10_klmodel_jit": ff,
+               "worst1pct_flagged_at_rank10_klmodel_jit_resolved": w_res,
+               "flagged_fraction_at_rank10_klmodel_jit_resolved": ff}
+        path = tmp_path / f"run{seed}.jsonl"
+        path.write_text(json.dumps(row) + "\n" + json.dumps({"summary": True}) + "\n")
+        paths.append(str(path))
+    suite.main(["--pool", *paths])
+    out = _lines(capsys)
+    (x,) = [r for r in out if "direction" in r]
+    assert np.isclose(x["worst1pct_flagged_mean_rank10_klmodel_jit"], 2.7 / 3)
+    assert not x["met_pooled_rank10_klmodel_jit"] and x["n_sets_met_rank10_klmodel_jit"] == 1
+    assert np.isclose(x["worst1pct_flagged_mean_rank10_klmodel_jit_resolved"], 0.95)
+    assert x["met_pooled_rank10_klmodel_jit_resolved"] and x["n_sets_met_rank10_klmodel_jit_resolved"] == 2
+    assert x["n_sets_worst_at_float_resolution_rank10_klmodel_jit_resolved"] == 1
+    assert "n_sets_worst_at_float_resolution_rank10_klmodel_jit" not in x
+    # every set at resolution: met by the share alone, no mean
+    for p in paths:
+        row = json.loads(open(p).readline())
+        row["worst1pct_flagged_at_rank10_klmodel_jit_resolved"] = None
+        open(p, "w").write(json.dumps(row) + "\n")
+    suite.main(["--pool", *paths])
+    (x,) = [r for r in _lines(capsys) if "direction" in r]
+    assert x["worst1pct_flagged_mean_rank10_klmodel_jit_resolved"] is None
+    assert x["met_pooled_rank10_klmodel_jit_resolved"] and x["n_sets_met_rank10_klmodel_jit_resolved"] == 3
