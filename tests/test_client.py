@@ -109,6 +109,7 @@ def test_a_dropped_remote_operator_closes_its_connection(live):
 
     op = RemoteOperator(live.url, "logistic-x", mode="predict")
     op.belief(probe("logistic", 2))
+    gc.collect()  # (garbage of the tests before, on this worker, is theirs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         del op

@@ -715,3 +715,34 @@ def test_temporary_files_left_by_a_crash_are_removed_when_the_store_opens(store_
         assert s.failed == {} and s.get("logistic-x").version == 0
     finally:
         s.close()
+
+
+def test_an_operator_that_fails_to_load_leaves_no_update_log_open(tmp_path, monkeypatch):
+    """A load that fails after the update log was opened for appending (here the self-test; a replica's refusal of
+    a state outside the shared store, or a shared store away, alike) dropped the entry with its log open — one
+    file handle a failed load, until a garbage collection (found as "unclosed file" warnings of the replica
+    tests).  The log is closed, and the operator reported failed as before."""
+    from service.store import entry as entry_module
+    from service.store.log import OperatorLog
+
+    small_store(tmp_path / "store", "lx", "logistic", "x", n=200, n_inner=40, n_outer=80).close()
+    opened = []
+    resume = OperatorLog.resume
+
+    def record(self, gen):
+        opened.append(self)
+        return resume(self, gen)
+
+    def broken(self):
+        raise RuntimeError("self-test failed")
+
+    monkeypatch.setattr(OperatorLog, "resume", record)
+    monkeypatch.setattr(entry_module.Entry, "_self_test", broken)
+    st = OperatorStore(tmp_path / "store")
+    st.open()
+    st.load_all()
+    try:
+        assert "lx" in st.failed and "self-test failed" in st.failed["lx"]
+        assert opened and all(log._fh is None for log in opened)
+    finally:
+        st.close()

@@ -175,7 +175,11 @@ class OperatorStore:
             if not (self.operators_dir / name).exists() and self.shared is not None:
                 self._adopt(name)
             entry = Entry(self, name, self.operators_dir / name)
-            entry.load()
+            try:
+                entry.load()
+            except BaseException:  # (not served: its update log, which the load may have opened, is closed)
+                entry.close()
+                raise
         except SharedLogError as exc:  # the shared store is unreachable: not a verdict on the operator
             log.warning("operator %s: %s; loading it again at the next merge or request", name, exc)
             with self._lock:
