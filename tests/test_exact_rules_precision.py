@@ -279,6 +279,13 @@ _FAR_MODE_ROWS = [
     (((11183679696840.566, 1043.0837123441415), (164.01795191740538, 5.329560410839624e-14),
       (4.659439248989505e+16, 3352978893.0971136)),
      {"m": (1.11836796968e+13, 1043.08371234), "x": (4.65943924899e+16, 3352978893.1)}),
+    # the reversed cubic's largest root ~1e184: |η|² overflowed (300-digit mpmath)
+    (((-5.466495479758323e+36, 4.897883043447968e-18), (0.06575112937286863, 2.2508160913140192e-73),
+      (1.7470772245405513e+83, 3.4469650087634956e-94)),
+     {"m": (-5.46649547976e+36, 4.89788304345e-18)}),
+    (((-4.63985807116767e+90, 0.8066738444167562), (0.008467152666736921, 1.2408631000332362e+69),
+      (5.2982003065345526e-42, 5.412839348794958e-29)),
+     {"x": (5.29820030653e-42, 5.41283934879e-29)}),
 ]
 
 
@@ -289,8 +296,9 @@ def test_gaussian_factor_finds_a_mode_many_decades_from_the_others(row):
     cancelled (a maximum and a minimum in one interval) and it integrated the τ message's own mode — the
     second row's m belief pinned to x, 1.7e9 of m's sds off; the reference answered likewise on the first,
     its check agreeing (estimate 0).  The reversed cubic's roots find it (stationary_candidates(reversed_too=
-    True)); both now within 12 significant digits of mpmath (the digits given), the exact rule on default
-    messages as before to KL 3e-28 (20 000, seed 778)."""
+    True)), their reciprocals formed by complex division (|η|² overflowed where η ~1e184: the last two rows);
+    both now within 12 significant digits of mpmath (the digits given), the exact rule on default messages as
+    before to KL 3e-28 (20 000, seed 778)."""
     (mm, vm), (a, b), (mx, vx) = _FAR_MODE_ROWS[row][0]
     inc = {"m": Gaussian(np.array([mm]), np.array([vm])), "tau": Gamma(np.array([a]), np.array([b])),
            "x": Gaussian(np.array([mx]), np.array([vx]))}

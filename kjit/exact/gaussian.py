@@ -121,7 +121,7 @@ def stationary_candidates(ap, b, S, D, alpha, reversed_too: bool = False):
         rev[~ok_r] = 0.0
         eta = np.linalg.eigvals(rev)
         with np.errstate(divide="ignore", invalid="ignore"):
-            re_xi = eta.real / (eta.real**2 + eta.imag**2)  # Re(1/η)
+            re_xi = np.reciprocal(eta).real  # Re(1/η) (complex division scales: |η|² overflows from |η| ~1e154)
             cand_r = np.where((re_xi > 0) & np.isfinite(re_xi) & ok_r[:, None],
                               np.log(np.where(re_xi > 0, re_xi, 1.0)) - np.log(p)[:, None], np.nan)
         cand = np.concatenate([cand, cand_r], axis=1)
