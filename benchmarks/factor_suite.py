@@ -430,7 +430,7 @@ to the exact belief is at most twice :func:`float_resolution_kl` (the KL of movi
 belief to the next double, summed over parameters), ``worst1pct_at_float_resolution`` the share of the worst 1 %
 among them, and the rank readings gain ``*_resolved`` keys (summary ``n_met_at_rank10_jit_resolved``,
 ``n_met_at_rank10_klmodel_jit_resolved``; ``--pool`` readings ``rank10_jit_resolved``,
-``rank10_klmodel_jit_resolved``): the worst 1 % among the other rows (None where all are at resolution: a set
+``rank10_klmodel_jit_resolved``): the worst 1 % rows not at resolution (None where all are: a set
 that counts by its share, and ``n_sets_worst_at_float_resolution_*`` apart).  Why: with the gaussian reference's
 mixture mean summed about its heaviest node, gaussian → x's test predictions are the exact belief to within about
 an ulp on 2 999–3 000 of 3 000 rows per seed, and its "worst 1 %" are ties at one ulp of the mean (an observed x:
@@ -934,8 +934,8 @@ def _rank_figures(op, exact, test_incoming, worst, tag, resolved=None, **kw) -> 
     no floor, ``**kw`` its rule) consults among the test rows sent as one request: its top
     RANK_BUDGET by score, the rows the sign test of the outgoing precision consults anyway ranked first (keys
     ``flagged_fraction_at_rank10{tag}_jit``, ``worst1pct_flagged_at_rank10{tag}_jit``); with ``resolved`` (the test
-    rows not :func:`at_float_resolution`) also the keys with the suffix ``_resolved``: the worst 1 % among those rows
-    only (None where every worst row is at the resolution)."""
+    rows not :func:`at_float_resolution`) also the keys with the suffix ``_resolved``: the worst 1 % rows that are not
+    at the resolution (None where every worst row is)."""
     jit = JITOperator(op, exact, budget=RANK_BUDGET, selection="all", **kw)
     fl = np.asarray(jit.screen(test_incoming)[2]).reshape(-1)
     out = {f"flagged_fraction_at_rank10{tag}_jit": float(np.mean(fl)),
@@ -961,7 +961,10 @@ def float_resolution_kl(q) -> np.ndarray:
         for j in range(len(ps)):
             step = np.zeros_like(total)
             for to in (np.inf, -np.inf):
-                moved = [np.nextafter(p, to) if i == j else p for i, p in enumerate(ps)]
+                nb = np.nextafter(ps[j], to)
+                # (a neighbour past the double range or across 0 — a variance of 5e-324 — is no belief: not moved)
+                nb = np.where(np.isfinite(nb) & ((nb > 0) == (ps[j] > 0)) & ((nb < 0) == (ps[j] < 0)), nb, ps[j])
+                moved = [nb if i == j else p for i, p in enumerate(ps)]
                 step = np.fmax(step, np.asarray(q.kl(type(q)._unchecked(*moved)), np.float64))
             total = total + step
     return total
@@ -1243,16 +1246,16 @@ def pool_seeds(paths) -> list[dict]:
         for name, suf in readings:
             # (None: a ``_resolved`` reading's test set whose worst 1 % is all at float resolution — nothing there
             # for a double to show; such sets count by their flagged share alone, and are counted apart)
-            w = np.array([np.nan if run[k][f"worst1pct_flagged{suf}"] is None else run[k][f"worst1pct_flagged{suf}"]
-                          for run in runs])
+            absent = np.array([run[k][f"worst1pct_flagged{suf}"] is None for run in runs])
+            w = np.array([0.0 if a else run[k][f"worst1pct_flagged{suf}"] for a, run in zip(absent, runs)], float)
             f = np.array([run[k][f"flagged_fraction{suf}"] for run in runs])
-            w_mean = float(np.mean(w[~np.isnan(w)])) if np.any(~np.isnan(w)) else None
-            met = bool((w_mean is None or w_mean >= 0.95) and f.mean() <= 0.1)
+            w_mean = float(np.mean(w[~absent])) if np.any(~absent) else None
+            met = bool((w_mean is None or w_mean >= 0.95) and f.mean() <= 0.1)  # (a NaN figure: not met)
             line.update({f"worst1pct_flagged_mean_{name}": w_mean, f"flagged_fraction_mean_{name}": float(f.mean()),
                          f"met_pooled_{name}": met,
-                         f"n_sets_met_{name}": int(np.sum((np.isnan(w) | (w >= 0.95)) & (f <= 0.1)))})
-            if np.any(np.isnan(w)):
-                line[f"n_sets_worst_at_float_resolution_{name}"] = int(np.sum(np.isnan(w)))
+                         f"n_sets_met_{name}": int(np.sum((absent | (w >= 0.95)) & (f <= 0.1)))})
+            if np.any(absent):
+                line[f"n_sets_worst_at_float_resolution_{name}"] = int(np.sum(absent))
             summary[f"n_met_pooled_{name}"] = summary.get(f"n_met_pooled_{name}", 0) + met
             summary[f"n_sets_met_{name}"] = summary.get(f"n_sets_met_{name}", 0) + line[f"n_sets_met_{name}"]
         out.append(line)

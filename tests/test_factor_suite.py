@@ -356,3 +356,12 @@ def test_pool_counts_a_worst_1pct_at_float_resolution_apart(tmp_path, capsys):
     (x,) = [r for r in _lines(capsys) if "direction" in r]
     assert x["worst1pct_flagged_mean_rank10_klmodel_jit_resolved"] is None
     assert x["met_pooled_rank10_klmodel_jit_resolved"] and x["n_sets_met_rank10_klmodel_jit_resolved"] == 3
+    # a NaN figure (a test KL that was NaN) is no resolution: not met, not counted apart
+    for p in paths:
+        row = json.loads(open(p).readline())
+        row["worst1pct_flagged_at_rank10_klmodel_jit_resolved"] = float("nan")
+        open(p, "w").write(json.dumps(row) + "\n")
+    suite.main(["--pool", *paths])
+    (x,) = [r for r in _lines(capsys) if "direction" in r]
+    assert not x["met_pooled_rank10_klmodel_jit_resolved"] and x["n_sets_met_rank10_klmodel_jit_resolved"] == 0
+    assert "n_sets_worst_at_float_resolution_rank10_klmodel_jit_resolved" not in x

@@ -95,14 +95,7 @@ def stationary_candidates(ap, b, S, D, alpha, reversed_too: bool = False):
     c0 = 2.0 * ap + 1.0
     # roots in the scaled variable ξ = pτ (coefficients of order a', b/p, D/S): companion matrix
     k3, k2, k1, k0 = c3 / p**3, c2 / p**2, c1 / p, c0
-    B = len(ap)
-    comp = np.zeros((B, 3, 3))
-    comp[:, 0, :] = -np.stack([k2, k1, k0], axis=1) / k3[:, None]
-    comp[:, 1, 0] = 1.0
-    comp[:, 2, 1] = 1.0
-    ok = np.all(np.isfinite(comp.reshape(B, -1)), axis=1)
-    comp[~ok] = 0.0
-    xi = np.linalg.eigvals(comp)
+    xi, ok = _cubic_roots(k3, k2, k1, k0)
     re = xi.real
     with np.errstate(divide="ignore", invalid="ignore"):
         cand = np.where((re > 0) & ok[:, None], np.log(np.where(re > 0, re, 1.0)) - np.log(p)[:, None], np.nan)
@@ -112,14 +105,8 @@ def stationary_candidates(ap, b, S, D, alpha, reversed_too: bool = False):
     lo = np.log(ap + 0.5) - np.log(b + 0.5 * p + 0.5 * D * alpha) - 1.0
     real = np.abs(xi.imag) <= 1e-6 * np.abs(xi)  # real eigenvalues are stationary points themselves
     if reversed_too:
-        # η = 1/ξ: k0 η³ + k1 η² + k2 η + k3 (k0 = 2a' + 1 > 0), monic
-        rev = np.zeros((B, 3, 3))
-        rev[:, 0, :] = -np.stack([k1, k2, k3], axis=1) / k0[:, None]
-        rev[:, 1, 0] = 1.0
-        rev[:, 2, 1] = 1.0
-        ok_r = np.all(np.isfinite(rev.reshape(B, -1)), axis=1)
-        rev[~ok_r] = 0.0
-        eta = np.linalg.eigvals(rev)
+        # η = 1/ξ: k0 η³ + k1 η² + k2 η + k3 (k0 = 2a' + 1 > 0)
+        eta, ok_r = _cubic_roots(k0, k1, k2, k3)
         with np.errstate(divide="ignore", invalid="ignore"):
             re_xi = np.reciprocal(eta).real  # Re(1/η) (complex division scales: |η|² overflows from |η| ~1e154)
             cand_r = np.where((re_xi > 0) & np.isfinite(re_xi) & ok_r[:, None],
@@ -127,6 +114,19 @@ def stationary_candidates(ap, b, S, D, alpha, reversed_too: bool = False):
         cand = np.concatenate([cand, cand_r], axis=1)
         real = np.concatenate([real, np.abs(eta.imag) <= 1e-6 * np.abs(eta)], axis=1)
     return cand, real, lo, hi
+
+
+def _cubic_roots(k3, k2, k1, k0):
+    """``(roots (B, 3) complex, ok (B,))``: the eigenvalues of the companion matrix of k3 x³ + k2 x² + k1 x + k0,
+    per row; ``ok`` False (roots of a zero matrix) where its monic coefficients are not finite."""
+    B = len(k3)
+    comp = np.zeros((B, 3, 3))
+    comp[:, 0, :] = -np.stack([k2, k1, k0], axis=1) / k3[:, None]
+    comp[:, 1, 0] = 1.0
+    comp[:, 2, 1] = 1.0
+    ok = np.all(np.isfinite(comp.reshape(B, -1)), axis=1)
+    comp[~ok] = 0.0
+    return np.linalg.eigvals(comp), ok
 
 
 def curvature_scale(u, b, S, D, alpha):
