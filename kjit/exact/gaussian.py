@@ -78,15 +78,15 @@ def log_weight(t, a, extra, u0, log_s, d, log_alpha):
 
 
 def stationary_candidates(ap, b, S, D, alpha, reversed_too: bool = False):
-    """``(candidates (B, 3), real (B, 3), lo, hi)``: log τ of the positive real parts of the cubic's roots
+    """``(candidates (B, K), real (B, K), lo, hi)``: log τ of the positive real parts of the cubic's roots
     c3 τ³ + c2 τ² + c1 τ + c0 (the derivative of log w times 2(1 + Sατ)², a' = ``ap``; companion-matrix
     eigenvalues in ξ = Sατ) — approximately every stationary point of w, NaN for none or where the
     coefficients are not finite — which of them are real (those are stationary points themselves), and the
     bracket [lo, hi] in u outside which the derivative's sign is known.  The eigenvalues are accurate relative to
     the largest root: a root many decades smaller is lost (D ~5e18 puts w's one mode at τ ~1e-19 where the others
-    are ~1e9).  ``reversed_too``: also (B, 3 more columns) the reciprocals of the reversed cubic's roots, accurate
-    for the smallest — what the reference's modes take (the exact rule brackets sign changes, which it does not
-    need)."""
+    are ~1e9).  K = 3, or with ``reversed_too`` 6: also the reciprocals of the reversed cubic's roots, accurate
+    for the smallest (the exact rule and the reference take them: without them the exact rule's sign changes
+    cancelled between candidates and it integrated the wrong mode, 60-digit mpmath, forty-seventh session)."""
     # the cubic in τ: c3 τ³ + c2 τ² + c1 τ + c0, p = Sα
     p = S * alpha
     c3 = -2.0 * b * p * p

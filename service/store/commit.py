@@ -288,8 +288,7 @@ class Replicated:
                 raws = raws[1:]
         except (ValueError, KeyError) as exc:
             why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            e.log.close()  # (this Entry acknowledges nothing more: its update log is not left open)
-            e.store._fail(e.name, why)
+            e.fail(why)
             raise SharedLogDamaged(why) from exc
         for raw in raws:
             try:
@@ -300,8 +299,7 @@ class Replicated:
                 e._apply_record(rec)
             except Exception as exc:
                 why = f"the shared log could not be applied after version {e.version}: {type(exc).__name__}: {exc}"
-                e.log.close()
-                e.store._fail(e.name, why)
+                e.fail(why)
                 raise SharedLogDamaged(why) from exc
             n += 1
             if rid is not None and rec.get("rid") == rid:

@@ -154,8 +154,7 @@ class Entry:
                 self.jit.set_counters(counters)
         except Exception as exc:  # the disk no longer holds a loadable state
             log.exception("operator %s: could not be rebuilt", self.name)
-            self.log.close()  # (whatever the load had reopened: this Entry acknowledges nothing more)
-            self.store._fail(self.name, f"could not be rebuilt after: {why}")
+            self.fail(f"could not be rebuilt after: {why}")
             raise PersistError(f"{why}; the operator could not be rebuilt from the store ({type(exc).__name__}) and "
                                f"is reported failed", unknown=recorded) from exc
 
@@ -308,6 +307,12 @@ class Entry:
 
     def close(self) -> None:
         self.log.close()
+
+    def fail(self, why: str) -> None:
+        """Report this operator failed (``why``), its update log closed: this Entry acknowledges nothing more (a
+        replica failing it on a damaged shared log left the log open — "unclosed file" warnings)."""
+        self.log.close()
+        self.store._fail(self.name, why)
 
     # ---------------------------------------------------------------- requests
     def predict(self, incoming: dict[str, Family], mode: str, wait: bool = True):
